@@ -1,0 +1,115 @@
+#pragma once
+/// Algorithms as plans and stages.
+///
+/// A Plan is plain data: one rank's script of Steps (who sends which range to whom, who receives and
+/// reduces into which range), built without any I/O and testable against a reference on its own. The
+/// executor (a coroutine stage) runs a plan over a Channel, with several segments of each step in flight,
+/// so that the reduction of one segment overlaps the transfer of the next.
+///
+/// The step names are the textbook's (NCCL's ring primitives):
+///   send              send `send` range of the send buffer to `send_to`
+///   recv              receive into `recv` range of the receive buffer from `recv_from`
+///   recv_reduce       receive, then recv[i] = recv[i] op incoming[i]
+///   recv_reduce_send  recv_reduce, then forward the reduced range to `send_to`
+///   recv_copy_send    receive, then forward the received range to `send_to`
+///   send_recv         send `send` and receive `recv` at the same time (exchanges)
+///   send_recv_reduce  send `send` and recv_reduce `recv` at the same time
+/// Forwarding steps send from the receive buffer (the range they just received); plain sends read the send
+/// buffer. Both sides of a transfer must agree on its element count: plans are built symmetrically.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "weft/dtype.hpp"
+#include "weft/loop.hpp"
+#include "weft/reduce_op.hpp"
+#include "weft/task.hpp"
+#include "weft/transport.hpp"
+
+namespace weft::algorithms {
+
+/// A range of elements: [offset, offset + count).
+struct Range {
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  friend bool operator==(const Range&, const Range&) = default;
+};
+
+enum class StepKind : std::uint8_t { send, recv, recv_reduce, recv_reduce_send, recv_copy_send, send_recv, send_recv_reduce };
+
+std::string_view to_string(StepKind kind) noexcept;
+
+struct Step {
+  StepKind kind = StepKind::send;
+  int send_to = -1;    ///< group rank, for kinds that send
+  int recv_from = -1;  ///< group rank, for kinds that receive
+  Range send{};        ///< elements sent (forwarding kinds: equal to `recv`)
+  Range recv{};        ///< elements received (and reduced) into
+  friend bool operator==(const Step&, const Step&) = default;
+};
+
+/// One rank's script.
+using Plan = std::vector<Step>;
+
+/// The i-th of `parts` nearly equal blocks of `count` elements (the first count % parts get one more).
+Range block(std::size_t count, int parts, int i) noexcept;
+
+// ---- plans (rank `r` of `p`) ----
+
+/// Ring reduce-scatter over the blocks `blocks[0..p)` of one buffer. With shift s, rank r finishes holding
+/// the fully reduced block (r + s + 1) mod p; s = -1 leaves block r at rank r.
+Plan ring_reduce_scatter(int p, int r, std::span<const Range> blocks, int shift);
+/// Ring all-gather of blocks: rank r starts with block (r + shift + 1) mod p (complete), ends with all.
+Plan ring_all_gather(int p, int r, std::span<const Range> blocks, int shift);
+/// Ring all-reduce: reduce-scatter then all-gather, of `count` elements in place.
+Plan ring_all_reduce(int p, int r, std::size_t count);
+/// Binomial-tree broadcast of `count` elements from `root`.
+Plan binomial_broadcast(int p, int r, int root, std::size_t count);
+/// Binomial-tree reduce of `count` elements to `root` (every rank's receive buffer is its accumulator).
+Plan binomial_reduce(int p, int r, int root, std::size_t count);
+/// Gather: block i (count elements) of the root's receive buffer comes from rank i. The root's own block
+/// is not in the plan (a local copy).
+Plan direct_gather(int p, int r, int root, std::size_t count);
+/// Scatter: block i of the root's send buffer goes to rank i, into [0, count) of its receive buffer.
+Plan direct_scatter(int p, int r, int root, std::size_t count);
+/// All-to-all: block j of the send buffer goes to rank j, arriving as block r of its receive buffer
+/// (pairwise exchange order). The rank's own block is a local copy, not in the plan.
+Plan pairwise_all_to_all(int p, int r, std::size_t count);
+/// Dissemination barrier: ceil(log2 p) rounds of zero-byte exchanges.
+Plan dissemination_barrier(int p, int r);
+
+// ---- execution ----
+
+/// Where a plan's messages go: a transport, a context (the Group's), the operation's sequence number,
+/// and the transport rank of each group rank.
+struct Channel {
+  Loop* loop = nullptr;             ///< the transport's loop (cancellation is posted to it)
+  Transport* transport = nullptr;
+  std::uint32_t context = 0;
+  std::uint64_t seq = 0;
+  int rank = 0;                     ///< this rank in the group
+  std::span<const int> members;     ///< group rank -> transport rank
+  const char* op_name = "collective";
+};
+
+struct ExecOptions {
+  std::size_t segment_bytes = 512 * 1024;  ///< a step's range travels in segments of this size
+  int window = 4;                          ///< segments of one step in flight at once
+};
+
+/// The buffers a plan runs over. `send` may equal `recv`.
+struct PlanBuffers {
+  const std::byte* send = nullptr;
+  std::byte* recv = nullptr;
+  DType dtype = DType::u8;
+  ReduceOp op = ReduceOp::sum;  ///< used by the reducing kinds
+};
+
+/// Runs `plan` (this rank's script). Completes when every send of the plan may be reused and every
+/// receive has landed. Errors: weft::Error naming the channel's rank, op name, seq and the peer involved.
+/// Cancellation: through the awaiting Task's stop token (the channel's context is aborted).
+Task<void> execute(const Channel& channel, const Plan& plan, PlanBuffers buffers, ExecOptions options = {});
+
+}  // namespace weft::algorithms

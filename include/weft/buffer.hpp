@@ -1,0 +1,74 @@
+#pragma once
+/// Buffer views: what every send, recv and collective reads from or writes to. A view does not own its
+/// memory; the memory must stay valid until the operation's Future completes.
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "weft/dtype.hpp"
+
+namespace weft {
+
+/// Where a buffer lives. Only host memory is moved today; the device field is carried so that the GPU
+/// transports can accept device pointers without a new vocabulary.
+struct Device {
+  enum class Kind : std::uint8_t { host, cuda };
+  Kind kind = Kind::host;
+  int index = 0;
+  friend bool operator==(const Device&, const Device&) = default;
+};
+
+/// A writable view of `count` elements of type `dtype`.
+struct BufferView {
+  void* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::u8;
+  Device device{};
+
+  BufferView() = default;
+  BufferView(void* data_, std::size_t count_, DType dtype_, Device device_ = {})
+      : data(data_), count(count_), dtype(dtype_), device(device_) {}
+  template <class T>
+  BufferView(std::span<T> s) : data(s.data()), count(s.size()), dtype(dtype_of<T>) {}
+  template <class T>
+  BufferView(std::vector<T>& v) : data(v.data()), count(v.size()), dtype(dtype_of<T>) {}
+
+  std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
+  std::byte* bytes_ptr() const noexcept { return static_cast<std::byte*>(data); }
+};
+
+/// A read-only view; every BufferView converts to it.
+struct ConstBufferView {
+  const void* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::u8;
+  Device device{};
+
+  ConstBufferView() = default;
+  ConstBufferView(const void* data_, std::size_t count_, DType dtype_, Device device_ = {})
+      : data(data_), count(count_), dtype(dtype_), device(device_) {}
+  ConstBufferView(const BufferView& v) : data(v.data), count(v.count), dtype(v.dtype), device(v.device) {}
+  template <class T>
+  ConstBufferView(std::span<T> s) : data(s.data()), count(s.size()), dtype(dtype_of<T>) {}
+  template <class T>
+  ConstBufferView(const std::vector<T>& v) : data(v.data()), count(v.size()), dtype(dtype_of<T>) {}
+
+  std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
+  const std::byte* bytes_ptr() const noexcept { return static_cast<const std::byte*>(data); }
+};
+
+/// weft::view(x): a view of a std::vector or std::span, or of pointer + count (+ dtype).
+template <class T>
+BufferView view(std::vector<T>& v) { return BufferView(v); }
+template <class T>
+ConstBufferView view(const std::vector<T>& v) { return ConstBufferView(v); }
+template <class T>
+BufferView view(std::span<T> s) { return BufferView(s); }
+template <class T>
+ConstBufferView view(std::span<const T> s) { return ConstBufferView(s); }
+template <class T>
+BufferView view(T* p, std::size_t count) { return BufferView(p, count, dtype_of<T>); }
+template <class T>
+ConstBufferView view(const T* p, std::size_t count) { return ConstBufferView(p, count, dtype_of<T>); }
+
+}  // namespace weft

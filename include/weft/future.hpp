@@ -1,0 +1,239 @@
+#pragma once
+/// weft::Future<T>: the eager handle of an operation that is already running on a weft::Loop.
+///
+/// Every send, recv and collective returns a Future at once; the operation proceeds whether or not anybody
+/// looks at it, so computation placed between the call and the wait overlaps the communication.
+///
+/// - From a coroutine: `co_await future` (once). The coroutine resumes on the thread that completes the
+///   operation, which is the loop's thread.
+/// - From plain code, on any thread: `ready()`, `wait()`, `wait_for(d)`, `get()`.
+/// - `cancel()` asks the operation to stop (thread-safe, idempotent). A cancelled operation completes
+///   with weft::CancelledError unless it had already finished. See Group for what cancelling a collective
+///   means for the other ranks.
+///
+/// Completion is thread-safe: the loop thread completes while any thread waits.
+/// Lifetime: a Future may be dropped before it completes; the operation still runs to its end (it owns
+/// what it needs except the user's buffers, which must outlive the operation, not the Future).
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <coroutine>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <thread>
+#include <utility>
+
+#include "weft/loop.hpp"
+#include "weft/task.hpp"
+
+namespace weft {
+
+template <class T = void>
+class Future;
+
+namespace detail {
+
+class FutureStateBase {
+ public:
+  bool ready() const noexcept { return ready_.load(std::memory_order_acquire); }
+
+  /// Blocks until the operation completes. Spins briefly first: a wake-up through the kernel costs tens of
+  /// microseconds on a VM, more than most small collectives take.
+  void wait() {
+    for (int i = 0; i < spin_iterations_ && !ready(); ++i) {
+      if ((i & 63) == 63) std::this_thread::yield();
+    }
+    if (ready()) return;
+    std::unique_lock lock(mutex_);
+    done_cv_.wait(lock, [&] { return ready(); });
+  }
+
+  template <class Rep, class Period>
+  bool wait_for(std::chrono::duration<Rep, Period> timeout) {
+    if (ready()) return true;
+    std::unique_lock lock(mutex_);
+    return done_cv_.wait_for(lock, timeout, [&] { return ready(); });
+  }
+
+  /// Registers the coroutine to resume on completion. Returns false when already complete.
+  bool suspend(std::coroutine_handle<> waiter) {
+    std::lock_guard lock(mutex_);
+    if (ready()) return false;
+    waiter_ = waiter;
+    return true;
+  }
+
+  void cancel() noexcept { stop_.request_stop(); }
+  std::stop_token stop_token() const noexcept { return stop_.get_token(); }
+
+  void set_error(std::exception_ptr error) noexcept { error_ = std::move(error); }
+
+  /// Publishes the result: wakes plain-code waiters and resumes the awaiting coroutine, if any.
+  void finish() noexcept {
+    std::coroutine_handle<> waiter;
+    {
+      std::lock_guard lock(mutex_);
+      ready_.store(true, std::memory_order_release);
+      waiter = std::exchange(waiter_, {});
+      done_cv_.notify_all();
+    }
+    if (waiter) waiter.resume();
+  }
+
+ protected:
+  void rethrow_if_error() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  static constexpr int spin_iterations_ = 4096;
+  std::atomic<bool> ready_{false};
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  std::coroutine_handle<> waiter_;  // guarded by mutex_
+  std::exception_ptr error_;        // written before finish(), read after ready()
+  std::stop_source stop_;
+};
+
+template <class T>
+class FutureState : public FutureStateBase {
+ public:
+  template <class U>
+  void set_value(U&& value) {
+    value_.emplace(std::forward<U>(value));
+  }
+  T take() {
+    rethrow_if_error();
+    return std::move(*value_);
+  }
+
+ private:
+  std::optional<T> value_;
+};
+
+template <>
+class FutureState<void> : public FutureStateBase {
+ public:
+  void take() const { rethrow_if_error(); }
+};
+
+}  // namespace detail
+
+template <class T>
+class [[nodiscard]] Future {
+ public:
+  using value_type = T;
+
+  Future() = default;
+  explicit Future(std::shared_ptr<detail::FutureState<T>> state) : state_(std::move(state)) {}
+  Future(Future&&) noexcept = default;
+  Future& operator=(Future&&) noexcept = default;
+  Future(const Future&) = delete;
+  Future& operator=(const Future&) = delete;
+
+  bool valid() const noexcept { return static_cast<bool>(state_); }
+  /// True once the operation completed (successfully or not). Never blocks.
+  bool ready() const noexcept { return state_->ready(); }
+  /// Blocks the calling thread until the operation completes. Must not be called on the loop's own
+  /// thread (it would wait for itself).
+  void wait() const { state_->wait(); }
+  /// Waits at most `timeout`; returns ready().
+  template <class Rep, class Period>
+  bool wait_for(std::chrono::duration<Rep, Period> timeout) const {
+    return state_->wait_for(timeout);
+  }
+  /// Waits, then returns the result or throws the operation's weft::Error. Call once.
+  T get() {
+    state_->wait();
+    return state_->take();
+  }
+  /// Asks the operation to stop. Thread-safe; a no-op once it completed.
+  void cancel() noexcept {
+    if (state_) state_->cancel();
+  }
+
+  /// Awaiting a Future from a Task forwards the Task's cancellation to the operation.
+  struct Awaiter {
+    detail::FutureState<T>* state;
+    std::optional<std::stop_callback<std::function<void()>>> forward_stop;
+    bool await_ready() const noexcept { return state->ready(); }
+    template <class Promise>
+    bool await_suspend(std::coroutine_handle<Promise> parent) {
+      std::stop_token token = detail::stop_token_of(parent);
+      if (token.stop_possible()) {
+        forward_stop.emplace(token, std::function<void()>([s = state] { s->cancel(); }));
+      }
+      return state->suspend(parent);
+    }
+    T await_resume() {
+      forward_stop.reset();
+      return state->take();
+    }
+  };
+  Awaiter operator co_await() && noexcept { return Awaiter{state_.get(), std::nullopt}; }
+
+  /// The shared state; for weft's combinators.
+  const std::shared_ptr<detail::FutureState<T>>& state() const noexcept { return state_; }
+
+ private:
+  std::shared_ptr<detail::FutureState<T>> state_;
+};
+
+namespace detail {
+template <class T>
+Detached drive(Task<T> task, std::shared_ptr<FutureState<T>> state) {
+  try {
+    if constexpr (std::is_void_v<T>) {
+      co_await std::move(task);
+    } else {
+      state->set_value(co_await std::move(task));
+    }
+  } catch (...) {
+    state->set_error(std::current_exception());
+  }
+  state->finish();
+}
+}  // namespace detail
+
+/// Starts `task` on `loop` and returns its Future. When called on the loop's thread the task starts at
+/// once, inline; otherwise it is posted to the loop. The task's stop token is the Future's: cancel()
+/// reaches it (and every Task and Future it awaits).
+template <class T>
+Future<T> spawn(Loop& loop, Task<T> task) {
+  auto state = std::make_shared<detail::FutureState<T>>();
+  task.set_stop_token(state->stop_token());
+  auto driver = detail::drive(std::move(task), state);
+  if (loop.in_loop_thread()) {
+    driver.handle.resume();
+  } else {
+    loop.post([handle = driver.handle] { handle.resume(); });
+  }
+  return Future<T>(std::move(state));
+}
+
+/// A Future that is already complete with `value` (or void).
+template <class T>
+Future<T> make_ready_future(T value) {
+  auto state = std::make_shared<detail::FutureState<T>>();
+  state->set_value(std::move(value));
+  state->finish();
+  return Future<T>(std::move(state));
+}
+inline Future<void> make_ready_future() {
+  auto state = std::make_shared<detail::FutureState<void>>();
+  state->finish();
+  return Future<void>(std::move(state));
+}
+
+/// Runs `task` on `loop` and blocks the calling thread until it finishes; returns its result or throws.
+/// Must not be called from the loop's own thread.
+template <class T>
+T sync_wait(Loop& loop, Task<T> task) {
+  return spawn(loop, std::move(task)).get();
+}
+
+}  // namespace weft

@@ -1,0 +1,102 @@
+#pragma once
+/// weft::Group: a set of ranks that communicate. Every operation returns a weft::Future at once and runs
+/// on the Group's Loop; the Future can be co_awaited, polled, waited on from plain code, or cancelled.
+///
+/// Ordering: collectives must be called in the same order on every rank of the group (they are matched
+/// by their sequence number). Several may be in flight at once. Point-to-point messages match by
+/// (source, tag), in order.
+///
+/// Errors (for every operation):
+///  - Preconditions (a bad root or peer, a wrong buffer size, an op not defined on the dtype, a group that
+///    already failed) throw weft::Error from the call itself, before any byte is sent.
+///  - Failures while running complete the Future with a weft::Error naming this rank, the operation, its
+///    sequence number and the peer: weft::PeerFailure when a member's connection is lost (every pending
+///    operation of the group on every surviving rank then fails), Errc::size_mismatch when a peer sent a
+///    different size, Errc::aborted when another rank's operation failed.
+///  - After a collective fails the group is failed: later calls throw Errc::group_failed.
+///
+/// Cancellation: Future::cancel() (or the stop token of an awaiting Task). A cancelled receive that has not
+/// matched is withdrawn and the group stays usable. A cancelled collective (or send) cannot be withdrawn
+/// from the other ranks' view: the group is aborted on every member (their pending operations fail with
+/// Errc::aborted naming this rank) and this rank's Future fails with weft::CancelledError.
+///
+/// Lifetime: buffers must stay valid until the operation's Future completes. The Group must be destroyed
+/// before its Loop; destroying it shuts its connections down (peers see this rank leave).
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "weft/algorithms.hpp"
+#include "weft/buffer.hpp"
+#include "weft/future.hpp"
+#include "weft/loop.hpp"
+#include "weft/options.hpp"
+#include "weft/reduce_op.hpp"
+
+namespace weft {
+
+namespace detail {
+struct GroupState;
+}
+
+class Group {
+ public:
+  /// An empty group (valid() is false).
+  Group() = default;
+
+  /// Bootstraps a group: every rank calls it with the same store and world size (Options::from_environment
+  /// fills what is unset). Rank 0 serves the store. Returns when every pair of ranks is connected.
+  /// Errors: weft::Error; a weft::TimeoutError names the ranks that never arrived.
+  static Future<Group> create(Loop& loop, Options options = {});
+
+  bool valid() const noexcept { return static_cast<bool>(state_); }
+  int rank() const noexcept;
+  int size() const noexcept;
+  Loop& loop() const noexcept;
+
+  // ---- point to point ----
+  /// Sends `data` to `dst`. Completes when `data` may be reused.
+  Future<void> send(ConstBufferView data, int dst, std::uint32_t tag = 0);
+  /// Receives exactly data.bytes() bytes from `src` with `tag`. A message of another size fails the
+  /// receive with Errc::size_mismatch.
+  Future<void> recv(BufferView data, int src, std::uint32_t tag = 0);
+
+  // ---- collectives ----
+  /// In place: every rank ends with the reduction of every rank's `data`.
+  Future<void> all_reduce(BufferView data, ReduceOp op = ReduceOp::sum);
+  /// Out of place: `out` (same count and dtype as `in`) receives the reduction.
+  Future<void> all_reduce(ConstBufferView in, BufferView out, ReduceOp op = ReduceOp::sum);
+  /// `out` holds size() blocks of in.count elements, block i from rank i. `in` may be block rank() of `out`.
+  Future<void> all_gather(ConstBufferView in, BufferView out);
+  /// `in` holds size() blocks of out.count elements; rank i receives the reduction of every rank's block i.
+  Future<void> reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op = ReduceOp::sum);
+  /// `data` of `root` is copied to every rank's `data`.
+  Future<void> broadcast(BufferView data, int root);
+  /// The reduction of every rank's `in` lands in `out` at `root`; `out` is not touched elsewhere (it may be
+  /// empty there).
+  Future<void> reduce(ConstBufferView in, BufferView out, int root, ReduceOp op = ReduceOp::sum);
+  /// `out` at root holds size() blocks of in.count elements, block i from rank i; ignored elsewhere.
+  Future<void> gather(ConstBufferView in, BufferView out, int root);
+  /// Block i of root's `in` (size() blocks of out.count elements) lands in rank i's `out`.
+  Future<void> scatter(ConstBufferView in, BufferView out, int root);
+  /// `in` and `out` hold size() blocks each; block j of rank i's `in` lands in block i of rank j's `out`.
+  Future<void> all_to_all(ConstBufferView in, BufferView out);
+  /// Completes on every rank once every rank has called it.
+  Future<void> barrier();
+  /// Each (src, dst) pair: src's `in` lands in dst's `out`. A rank sends to at most one rank and receives
+  /// from at most one; a rank that receives from nobody gets zeros. Every rank passes the same pairs.
+  Future<void> permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs);
+  /// Collective over this group: ranks with the same `color` form a new group, ordered by (key, rank).
+  /// A negative color leaves the rank out (its Future yields an invalid Group).
+  Future<Group> split(int color, int key);
+
+  /// The group's state; for weft's own layers.
+  const std::shared_ptr<detail::GroupState>& state() const noexcept { return state_; }
+  explicit Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<detail::GroupState> state_;
+};
+
+}  // namespace weft

@@ -1,0 +1,113 @@
+#pragma once
+/// weft::Loop: the one event loop of a process (or of a rank, when ranks are threads).
+///
+/// It is built on an asio::io_context and runs single-threaded: every transport callback, timer and
+/// coroutine of weft's runs on the loop's thread, so weft's own state needs no locks.
+///
+/// Two modes:
+///  - owned (`Loop()`): the Loop owns an io_context and one progress thread that runs it. Futures may be
+///    awaited or waited on from any thread.
+///  - borrowed (`Loop(io)`): the Loop uses the caller's io_context and starts no thread; the caller runs
+///    `io.run()` (e.g. inside an async server). Blocking waits (`Future::wait`, `sync_wait`) must then come
+///    from a thread other than the one running `io`.
+///
+/// The completion hook: sources of completions other than Asio's sockets (an io_uring's eventfd, a CUDA
+/// host callback) deliver into the same loop through `post()` (thread-safe) or by asking the loop to
+/// watch a file descriptor with `watch_readable()`; see docs/DESIGN.md.
+#include <chrono>
+#include <coroutine>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stop_token>
+
+#include "weft/task.hpp"
+
+namespace asio {
+class io_context;
+}
+
+namespace weft {
+
+struct SleepState;
+
+class Loop {
+ public:
+  struct Options {
+    /// How long the progress thread keeps polling after the last piece of work before it sleeps in the
+    /// kernel (owned mode only). A sleeping thread takes tens of microseconds to wake on a VM; a short
+    /// spin keeps small collectives fast. Zero turns the spin off (use it when ranks oversubscribe cores).
+    /// WEFT_SPIN_US overrides the default.
+    std::chrono::microseconds spin{50};
+  };
+
+  /// Owned mode: an io_context of its own and a progress thread that runs it.
+  Loop();
+  explicit Loop(Options options);
+  /// Borrowed mode: uses `io`, starts no thread. `io` must outlive the Loop.
+  explicit Loop(asio::io_context& io);
+  ~Loop();
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+
+  asio::io_context& context() noexcept;
+  bool owns_thread() const noexcept;
+  /// True when the calling thread is the one running this loop right now.
+  bool in_loop_thread() const noexcept;
+
+  /// Runs `fn` on the loop's thread, later. Thread-safe.
+  void post(std::function<void()> fn);
+
+  /// Calls `fn(true)` on the loop after `delay`, or `fn(false)` if cancel_timer() came first.
+  /// Returns an id for cancel_timer(). Thread-safe.
+  std::uint64_t call_after(std::chrono::nanoseconds delay, std::function<void(bool fired)> fn);
+  /// Cancels a pending timer; a no-op if it already fired. Thread-safe.
+  void cancel_timer(std::uint64_t id);
+
+  /// The completion hook for foreign event sources: calls `on_readable()` on the loop each time `fd`
+  /// becomes readable (the callback must drain it, e.g. read the eventfd). `fd` stays owned by the caller
+  /// and must stay open until unwatch(). Returns an id for unwatch(). Thread-safe.
+  std::uint64_t watch_readable(int fd, std::function<void()> on_readable);
+  void unwatch(std::uint64_t id);
+
+  /// `co_await loop.schedule()` continues the coroutine on the loop's thread.
+  auto schedule() noexcept {
+    struct Awaiter {
+      Loop* loop;
+      bool await_ready() const noexcept { return loop->in_loop_thread(); }
+      void await_suspend(std::coroutine_handle<> h) { loop->post([h] { h.resume(); }); }
+      void await_resume() const noexcept {}
+    };
+    return Awaiter{this};
+  }
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Suspends for `delay` on `loop`. Cancellable through the awaiting Task's stop token, in which case it
+/// throws weft::CancelledError.
+class SleepFor {
+ public:
+  SleepFor(Loop& loop, std::chrono::nanoseconds delay) : loop_(&loop), delay_(delay) {}
+  bool await_ready() const noexcept { return delay_.count() <= 0; }
+  template <class Promise>
+  void await_suspend(std::coroutine_handle<Promise> h) {
+    start(h, detail::stop_token_of(h));
+  }
+  void await_resume();
+
+ private:
+  void start(std::coroutine_handle<> h, std::stop_token token);
+
+  Loop* loop_;
+  std::chrono::nanoseconds delay_;
+  std::shared_ptr<SleepState> state_;
+};
+
+inline SleepFor sleep_for(Loop& loop, std::chrono::nanoseconds delay) { return SleepFor(loop, delay); }
+
+}  // namespace weft
+

@@ -1,0 +1,46 @@
+#pragma once
+/// Options of a Group. Anything left unset comes from the environment (see from_environment), then from
+/// the defaults below.
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace weft {
+
+struct Options {
+  /// This process's rank and the number of ranks. -1: from the environment.
+  int rank = -1;
+  int world_size = -1;
+  /// The rendezvous store, "host:port" ("[v6addr]:port" for IPv6). Rank 0 serves it. Empty: from the
+  /// environment, else 127.0.0.1:29500.
+  std::string store;
+  /// Where this rank listens for its peers: an interface name ("eth0") or an address. Empty: WEFT_IFNAME,
+  /// else the local address this rank uses to reach the store. Sockets bind only there.
+  std::string interface;
+  /// How long the bootstrap may take before it fails, naming the ranks that never arrived.
+  std::chrono::milliseconds bootstrap_timeout{std::chrono::seconds(120)};
+  /// A step's data travels in segments of this many bytes, `pipeline_depth` in flight.
+  std::size_t segment_bytes = 512 * 1024;
+  int pipeline_depth = 8;
+
+  /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
+  /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
+  /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
+  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH.
+  /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
+  /// names the variable.
+  Options& from_environment();
+  /// Like from_environment, reading variables through `getenv` (for tests).
+  Options& from_environment(const std::function<const char*(const char*)>& getenv);
+};
+
+/// host and port of "host:port" or "[v6]:port". Errors: weft::Error (invalid_argument) naming `what`.
+struct HostPort {
+  std::string host;
+  unsigned short port = 0;
+};
+HostPort parse_host_port(const std::string& text, const char* what);
+
+}  // namespace weft

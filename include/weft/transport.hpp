@@ -1,0 +1,113 @@
+#pragma once
+/// The transport concept: framed, tag-matched messages between the ranks of a job.
+///
+/// A transport never knows about collectives: it moves a message identified by a MessageKey from one rank
+/// to another. Messages with the same (source, key) match in order (non-overtaking). A message that arrives
+/// before its receive is posted is kept until a receive with its key is posted, never lost.
+///
+/// Threading: every call and every completion happens on the transport's Loop thread. A TransportOp is
+/// awaited from a coroutine that runs on that loop.
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "weft/error.hpp"
+
+namespace weft {
+
+/// Identifies a message: a context (one per Group), the operation's sequence number on that group (0 for
+/// point-to-point messages) and a tag (the user's tag, or step and segment inside a collective).
+struct MessageKey {
+  std::uint32_t context = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t tag = 0;
+  friend bool operator==(const MessageKey&, const MessageKey&) = default;
+};
+
+/// One send or receive in flight. It lives in the frame of the coroutine that started it (no allocation
+/// per operation) and must stay alive, at the same address, until it completes.
+class TransportOp {
+ public:
+  TransportOp() = default;
+  TransportOp(const TransportOp&) = delete;
+  TransportOp& operator=(const TransportOp&) = delete;
+
+  bool done() const noexcept { return done_; }
+  /// Empty on success; an Errc otherwise, with failed_peer() and reason() filled in.
+  std::error_code error() const noexcept { return error_; }
+  /// The transport rank whose failure failed this op, or -1.
+  int failed_peer() const noexcept { return failed_peer_; }
+  const std::string& reason() const noexcept { return reason_; }
+
+  /// `co_await op.wait()` suspends until the op completes (loop thread only; one waiter).
+  struct Awaiter {
+    TransportOp* op;
+    bool await_ready() const noexcept { return op->done_; }
+    void await_suspend(std::coroutine_handle<> waiter) noexcept { op->waiter_ = waiter; }
+    void await_resume() const noexcept {}
+  };
+  Awaiter wait() noexcept { return Awaiter{this}; }
+
+  /// Called by the transport, once. Resumes the awaiting coroutine inline: the transport must have
+  /// finished touching its own lists before it calls complete().
+  void complete(std::error_code error = {}, int failed_peer = -1, std::string reason = {}) noexcept {
+    done_ = true;
+    error_ = error;
+    failed_peer_ = failed_peer;
+    reason_ = std::move(reason);
+    if (auto waiter = std::exchange(waiter_, {})) waiter.resume();
+  }
+
+  // Filled in by start_send / start_recv, for the transport's own bookkeeping.
+  int peer = -1;
+  MessageKey key{};
+  const void* send_data = nullptr;
+  void* recv_data = nullptr;
+  std::size_t bytes = 0;
+
+ private:
+  bool done_ = false;
+  std::error_code error_;
+  int failed_peer_ = -1;
+  std::string reason_;
+  std::coroutine_handle<> waiter_;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string_view name() const noexcept = 0;
+  /// This process's rank among the transport's ranks (the world), and the number of ranks.
+  virtual int rank() const noexcept = 0;
+  virtual int size() const noexcept = 0;
+
+  /// Starts sending `bytes` bytes to `peer`. `op` completes when `data` may be reused.
+  virtual void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) = 0;
+  /// Posts a receive of exactly `bytes` bytes from `peer`. A message of another size completes `op` with
+  /// Errc::size_mismatch (its bytes are discarded, nothing is truncated silently).
+  virtual void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) = 0;
+  /// Withdraws a receive that has not matched a message yet and completes it with Errc::cancelled.
+  /// Returns false (and does nothing) when the receive already matched or completed.
+  virtual bool cancel_recv(TransportOp& op) = 0;
+
+  /// Contexts: a Group registers its context id and the transport ranks it spans. When one of them fails,
+  /// or a member aborts the context, every pending and later operation of the context fails.
+  virtual void open_context(std::uint32_t context, std::vector<int> members) = 0;
+  virtual void close_context(std::uint32_t context) = 0;
+  /// Fails every pending and later operation of `context` here with `code` and `reason`, and tells the
+  /// other members (an abort frame), whose operations then fail with Errc::aborted.
+  virtual void abort_context(std::uint32_t context, Errc code, const std::string& reason) = 0;
+  /// True, with the failure, when `context` can no longer be used.
+  virtual bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const = 0;
+
+  /// Closes every connection; pending operations fail.
+  virtual void shutdown() = 0;
+};
+
+}  // namespace weft

@@ -1,0 +1,194 @@
+#pragma once
+/// Combinators over Futures (and Tasks, which are spawned on a Loop first).
+///
+/// when_all: completes when every child completed. When one fails, the others are cancelled; the first
+/// failure is rethrown once every child has finished (no child outlives the combinator).
+/// when_any: completes when the first child completes; the others are cancelled and awaited. Returns the
+/// index of the winner and its value (or rethrows its error).
+#include <atomic>
+#include <coroutine>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <utility>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <variant>
+#include <vector>
+
+#include "weft/future.hpp"
+
+namespace weft {
+
+namespace detail {
+
+template <class T>
+using NonVoid = std::conditional_t<std::is_void_v<T>, std::monostate, T>;
+
+// Shared by the children of a combinator: counts them down and resumes the parent after the last.
+struct Latch {
+  explicit Latch(std::size_t n) : remaining(n + 1) {}  // +1: the parent's own arrival in suspend()
+  std::atomic<std::size_t> remaining;
+  std::coroutine_handle<> parent;
+  std::mutex mutex;
+  std::exception_ptr first_error;  // guarded by mutex
+  std::atomic<long> winner{-1};
+  std::vector<std::function<void()>> cancel_all;  // cancels every child; set before any child starts
+
+  void cancel_others() {
+    for (auto& c : cancel_all) c();
+  }
+  void record_error(std::exception_ptr e) {
+    {
+      std::lock_guard lock(mutex);
+      if (!first_error) first_error = e;
+    }
+    cancel_others();
+  }
+  void arrive() {
+    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) parent.resume();
+  }
+  struct Awaiter {
+    Latch* latch;
+    bool await_ready() const noexcept { return false; }
+    bool await_suspend(std::coroutine_handle<> h) noexcept {
+      latch->parent = h;
+      return latch->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1;
+    }
+    void await_resume() const noexcept {}
+  };
+};
+
+// Awaits one child, hands its value to `on_value`, records its failure, and counts down the latch.
+// With `any`, the first child to finish wins and cancels the rest.
+template <class T, class OnValue>
+Detached watch_child(Future<T>& future, std::shared_ptr<Latch> latch, OnValue on_value, long index, bool any) {
+  try {
+    if constexpr (std::is_void_v<T>) {
+      co_await std::move(future);
+      on_value(std::monostate{});
+    } else {
+      on_value(co_await std::move(future));
+    }
+    long none = -1;
+    if (any && latch->winner.compare_exchange_strong(none, index)) latch->cancel_others();
+  } catch (...) {
+    long none = -1;
+    if (!any) {
+      latch->record_error(std::current_exception());
+    } else if (latch->winner.compare_exchange_strong(none, index)) {
+      latch->record_error(std::current_exception());
+    }
+  }
+  latch->arrive();
+}
+
+template <class F>
+auto cancel_hook(const F& future) {
+  return [state = future.state()] { state->cancel(); };
+}
+
+}  // namespace detail
+
+/// when_all over a vector of Futures of one type. Returns the values in order (std::monostate for void).
+template <class T>
+Task<std::vector<detail::NonVoid<T>>> when_all(std::vector<Future<T>> futures);
+
+/// when_all over Futures of different types; returns a tuple (std::monostate for void).
+template <class... Ts>
+Task<std::tuple<detail::NonVoid<Ts>...>> when_all(Future<Ts>... futures);
+
+/// The winner of a when_any: its index and its value.
+template <class T>
+struct WhenAnyResult {
+  std::size_t index = 0;
+  detail::NonVoid<T> value{};
+};
+
+template <class T>
+Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures);
+
+/// Spawns each Task on `loop`, then when_all / when_any over their Futures.
+template <class T>
+Task<std::vector<detail::NonVoid<T>>> when_all(Loop& loop, std::vector<Task<T>> tasks) {
+  std::vector<Future<T>> futures;
+  for (auto& t : tasks) futures.push_back(spawn(loop, std::move(t)));
+  co_return co_await when_all(std::move(futures));
+}
+template <class T>
+Task<WhenAnyResult<T>> when_any(Loop& loop, std::vector<Task<T>> tasks) {
+  std::vector<Future<T>> futures;
+  for (auto& t : tasks) futures.push_back(spawn(loop, std::move(t)));
+  co_return co_await when_any(std::move(futures));
+}
+
+}  // namespace weft
+
+namespace weft {
+
+template <class T>
+Task<std::vector<detail::NonVoid<T>>> when_all(std::vector<Future<T>> futures) {
+  using V = detail::NonVoid<T>;
+  std::vector<std::optional<V>> slots(futures.size());
+  auto latch = std::make_shared<detail::Latch>(futures.size());
+  for (auto& f : futures) latch->cancel_all.push_back(detail::cancel_hook(f));
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([latch] { latch->cancel_others(); }));
+  for (std::size_t i = 0; i < futures.size(); ++i) {
+    detail::watch_child(futures[i], latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
+                        static_cast<long>(i), false).handle.resume();
+  }
+  co_await detail::Latch::Awaiter{latch.get()};
+  on_stop.reset();
+  if (latch->first_error) std::rethrow_exception(latch->first_error);
+  std::vector<V> out;
+  out.reserve(slots.size());
+  for (auto& s : slots) out.push_back(std::move(*s));
+  co_return out;
+}
+
+template <class... Ts>
+Task<std::tuple<detail::NonVoid<Ts>...>> when_all(Future<Ts>... futures) {
+  std::tuple<Future<Ts>...> children(std::move(futures)...);
+  std::tuple<std::optional<detail::NonVoid<Ts>>...> slots;
+  auto latch = std::make_shared<detail::Latch>(sizeof...(Ts));
+  std::apply([&](auto&... f) { (latch->cancel_all.push_back(detail::cancel_hook(f)), ...); }, children);
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([latch] { latch->cancel_others(); }));
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (detail::watch_child(std::get<I>(children), latch,
+                         [&slots](auto&& v) { std::get<I>(slots).emplace(std::move(v)); }, static_cast<long>(I), false)
+         .handle.resume(),
+     ...);
+  }(std::index_sequence_for<Ts...>{});
+  co_await detail::Latch::Awaiter{latch.get()};
+  on_stop.reset();
+  if (latch->first_error) std::rethrow_exception(latch->first_error);
+  co_return std::apply([](auto&... s) { return std::tuple<detail::NonVoid<Ts>...>(std::move(*s)...); }, slots);
+}
+
+template <class T>
+Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
+  using V = detail::NonVoid<T>;
+  std::vector<std::optional<V>> slots(futures.size());
+  auto latch = std::make_shared<detail::Latch>(futures.size());
+  for (auto& f : futures) latch->cancel_all.push_back(detail::cancel_hook(f));
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([latch] { latch->cancel_others(); }));
+  for (std::size_t i = 0; i < futures.size(); ++i) {
+    detail::watch_child(futures[i], latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
+                        static_cast<long>(i), true).handle.resume();
+  }
+  co_await detail::Latch::Awaiter{latch.get()};
+  on_stop.reset();
+  if (latch->first_error) std::rethrow_exception(latch->first_error);
+  const auto index = static_cast<std::size_t>(latch->winner.load());
+  co_return WhenAnyResult<T>{index, std::move(*slots[index])};
+}
+
+}  // namespace weft

@@ -1,0 +1,248 @@
+// The stage that runs a plan: each step's ranges travel in segments, several in flight at once, and a
+// received segment is reduced (and forwarded) while the next ones are still on the wire.
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "kernels/cpu/reduce.hpp"
+#include "weft/algorithms.hpp"
+#include "weft/error.hpp"
+
+namespace weft::algorithms {
+namespace {
+
+// Reached from a stop callback on any thread; the abort itself runs on the loop, and only while the
+// plan is still running.
+struct CancelHook {
+  Channel channel;
+  bool finished = false;  // loop thread only
+};
+
+class Executor {
+ public:
+  Executor(const Channel& channel, PlanBuffers buffers, ExecOptions options)
+      : ch_(channel), buf_(buffers), esize_(dtype_size(buffers.dtype)) {
+    seg_elems_ = std::max<std::size_t>(1, options.segment_bytes / esize_);
+    window_ = std::max(1, options.window);
+  }
+
+  Task<void> run(const Plan& plan);
+
+ private:
+  struct InflightSend {
+    TransportOp* op;
+    const std::byte* lo;
+    const std::byte* hi;
+  };
+
+  std::size_t segments(const Range& r) const noexcept {
+    return r.count == 0 ? 1 : (r.count + seg_elems_ - 1) / seg_elems_;
+  }
+  Range segment(const Range& r, std::size_t k) const noexcept {
+    const std::size_t first = k * seg_elems_;
+    return Range{r.offset + first, r.count == 0 ? 0 : std::min(seg_elems_, r.count - first)};
+  }
+  static std::uint64_t tag(std::size_t step, std::size_t seg) noexcept {
+    return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(seg);
+  }
+  std::byte* recv_at(const Range& r) const noexcept { return buf_.recv + r.offset * esize_; }
+  const std::byte* send_at(const Range& r) const noexcept { return buf_.send + r.offset * esize_; }
+
+  int transport_rank(int group_rank) const { return ch_.members[static_cast<std::size_t>(group_rank)]; }
+
+  TransportOp& start_send(int to, std::uint64_t t, const std::byte* data, std::size_t elems) {
+    TransportOp& op = ops_.emplace_back();
+    const MessageKey key{ch_.context, ch_.seq, t};
+    ch_.transport->start_send(transport_rank(to), key, data, elems * esize_, op);
+    sends_.push_back(InflightSend{&op, data, data + elems * esize_});
+    return op;
+  }
+  TransportOp& start_recv(int from, std::uint64_t t, std::byte* data, std::size_t elems) {
+    TransportOp& op = ops_.emplace_back();
+    const MessageKey key{ch_.context, ch_.seq, t};
+    ch_.transport->start_recv(transport_rank(from), key, data, elems * esize_, op);
+    return op;
+  }
+
+  /// Records the first failure and aborts the context, which completes every other pending operation of
+  /// this plan (here and on the other members), so that draining cannot hang.
+  bool ok(const TransportOp& op) {
+    if (!op.error()) return true;
+    if (!failed_) {
+      failed_ = true;
+      error_code_ = static_cast<Errc>(op.error().value());
+      error_reason_ = op.reason();
+      error_peer_ = op.failed_peer() >= 0 ? op.failed_peer() : op.peer;
+      ch_.transport->abort_context(ch_.context, error_code_,
+                                   fmt::format("rank {} failed {} #{}: {}", ch_.rank, ch_.op_name, ch_.seq, op.reason()));
+    }
+    return false;
+  }
+
+  // A send still reading [lo, hi) of a buffer that is about to be written.
+  TransportOp* overlapping_send(const std::byte* lo, const std::byte* hi) {
+    for (auto& s : sends_) {
+      if (!s.op->done() && s.lo < hi && lo < s.hi) return s.op;
+    }
+    return nullptr;
+  }
+
+  std::byte* temp(std::size_t slot) {
+    if (!temp_) temp_ = std::make_unique_for_overwrite<std::byte[]>(static_cast<std::size_t>(window_) * seg_elems_ * esize_);
+    return temp_.get() + slot * seg_elems_ * esize_;
+  }
+
+  [[noreturn]] void throw_failure() const {
+    int peer = -1;
+    for (std::size_t i = 0; i < ch_.members.size(); ++i) {
+      if (ch_.members[i] == error_peer_) peer = static_cast<int>(i);
+    }
+    throw_error(error_code_, ErrorContext{ch_.rank, peer, ch_.op_name, static_cast<std::int64_t>(ch_.seq), -1},
+                error_reason_);
+  }
+
+  Channel ch_;
+  PlanBuffers buf_;
+  std::size_t esize_;
+  std::size_t seg_elems_ = 1;
+  int window_ = 1;
+  kernels::ReduceFn reduce_ = nullptr;
+  std::deque<TransportOp> ops_;  // every operation this plan started; a deque keeps their addresses
+  std::vector<InflightSend> sends_;
+  std::unique_ptr<std::byte[]> temp_;
+  bool failed_ = false;
+  Errc error_code_ = Errc::protocol_error;
+  std::string error_reason_;
+  int error_peer_ = -1;
+};
+
+Task<void> Executor::run(const Plan& plan) {
+  reduce_ = kernels::find_reduce(buf_.dtype, buf_.op);
+
+  auto hook = std::make_shared<CancelHook>(CancelHook{ch_});
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  const std::stop_token token = co_await this_stop_token();
+  if (token.stop_possible() && ch_.loop) {
+    on_stop.emplace(token, std::function<void()>([hook] {
+      hook->channel.loop->post([hook] {
+        if (hook->finished) return;
+        const Channel& c = hook->channel;
+        c.transport->abort_context(c.context, Errc::cancelled,
+                                   fmt::format("rank {} cancelled {} #{}", c.rank, c.op_name, c.seq));
+      });
+    }));
+  }
+
+  for (std::size_t i = 0; i < plan.size() && !failed_;) {
+    const Step& step = plan[i];
+    switch (step.kind) {
+      case StepKind::send: {
+        for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {
+          const Range seg = segment(step.send, k);
+          start_send(step.send_to, tag(i, k), send_at(seg), seg.count);
+        }
+        ++i;
+        break;
+      }
+      case StepKind::recv:
+      case StepKind::send_recv: {
+        // A run of receive steps is posted at once, so that no message of the run waits as unexpected.
+        std::vector<TransportOp*> pending;
+        std::size_t j = i;
+        for (; j < plan.size() && (plan[j].kind == StepKind::recv || plan[j].kind == StepKind::send_recv); ++j) {
+          const Step& s = plan[j];
+          if (s.kind == StepKind::send_recv) {
+            for (std::size_t k = 0, n = segments(s.send); k < n; ++k) {
+              const Range seg = segment(s.send, k);
+              start_send(s.send_to, tag(j, k), send_at(seg), seg.count);
+            }
+          }
+          for (std::size_t k = 0, n = segments(s.recv); k < n; ++k) {
+            const Range seg = segment(s.recv, k);
+            std::byte* dst = recv_at(seg);
+            while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
+            pending.push_back(&start_recv(s.recv_from, tag(j, k), dst, seg.count));
+          }
+        }
+        for (TransportOp* op : pending) {
+          co_await op->wait();
+          ok(*op);
+        }
+        i = j;
+        break;
+      }
+      case StepKind::recv_copy_send: {
+        const std::size_t n = segments(step.recv);
+        std::vector<TransportOp*> pending;
+        for (std::size_t k = 0; k < n; ++k) {
+          const Range seg = segment(step.recv, k);
+          std::byte* dst = recv_at(seg);
+          while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
+          pending.push_back(&start_recv(step.recv_from, tag(i, k), dst, seg.count));
+        }
+        for (std::size_t k = 0; k < n; ++k) {
+          co_await pending[k]->wait();
+          if (!ok(*pending[k])) break;
+          const Range seg = segment(step.recv, k);
+          start_send(step.send_to, tag(i, k), recv_at(seg), seg.count);
+        }
+        ++i;
+        break;
+      }
+      case StepKind::recv_reduce:
+      case StepKind::recv_reduce_send:
+      case StepKind::send_recv_reduce: {
+        if (step.kind == StepKind::send_recv_reduce) {
+          for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {
+            const Range seg = segment(step.send, k);
+            start_send(step.send_to, tag(i, k), send_at(seg), seg.count);
+          }
+        }
+        const bool forward = step.kind == StepKind::recv_reduce_send;
+        const std::size_t n = segments(step.recv);
+        const auto window = static_cast<std::size_t>(window_);
+        std::vector<TransportOp*> pending(n, nullptr);
+        auto post = [&](std::size_t k) {
+          const Range seg = segment(step.recv, k);
+          pending[k] = &start_recv(step.recv_from, tag(i, k), temp(k % window), seg.count);
+        };
+        for (std::size_t k = 0; k < std::min(n, window); ++k) post(k);
+        for (std::size_t k = 0; k < n; ++k) {
+          co_await pending[k]->wait();
+          if (!ok(*pending[k])) break;
+          const Range seg = segment(step.recv, k);
+          std::byte* dst = recv_at(seg);
+          while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
+          if (seg.count) reduce_(dst, dst, temp(k % window), seg.count);
+          if (forward) start_send(step.send_to, tag(i, k), dst, seg.count);
+          if (k + window < n) post(k + window);
+        }
+        ++i;
+        break;
+      }
+    }
+  }
+
+  // Drain: every operation this plan started completes before the plan does (their buffers and this
+  // frame must outlive them). After a failure the aborted context completes the rest promptly.
+  for (TransportOp& op : ops_) {
+    if (!op.done()) co_await op.wait();
+    ok(op);
+  }
+  hook->finished = true;
+  on_stop.reset();
+  if (failed_) throw_failure();
+}
+
+}  // namespace
+
+Task<void> execute(const Channel& channel, const Plan& plan, PlanBuffers buffers, ExecOptions options) {
+  Executor executor(channel, buffers, options);
+  co_await executor.run(plan);
+}
+
+}  // namespace weft::algorithms

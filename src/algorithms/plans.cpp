@@ -1,0 +1,164 @@
+#include <algorithm>
+
+#include "weft/algorithms.hpp"
+
+namespace weft::algorithms {
+namespace {
+
+int wrap(int x, int p) noexcept { return ((x % p) + p) % p; }
+
+Step make_send(int to, Range range) { return Step{StepKind::send, to, -1, range, {}}; }
+Step make_recv(StepKind kind, int from, Range range, int to = -1) {
+  Step s{kind, to, from, {}, range};
+  if (to >= 0) s.send = range;
+  return s;
+}
+
+}  // namespace
+
+std::string_view to_string(StepKind kind) noexcept {
+  switch (kind) {
+    case StepKind::send: return "send";
+    case StepKind::recv: return "recv";
+    case StepKind::recv_reduce: return "recv_reduce";
+    case StepKind::recv_reduce_send: return "recv_reduce_send";
+    case StepKind::recv_copy_send: return "recv_copy_send";
+    case StepKind::send_recv: return "send_recv";
+    case StepKind::send_recv_reduce: return "send_recv_reduce";
+  }
+  return "?";
+}
+
+Range block(std::size_t count, int parts, int i) noexcept {
+  const auto n = static_cast<std::size_t>(parts);
+  const auto k = static_cast<std::size_t>(i);
+  const std::size_t base = count / n;
+  const std::size_t extra = count % n;
+  return Range{k * base + std::min(k, extra), base + (k < extra ? 1 : 0)};
+}
+
+// Rank r sends its starting block to the next rank; each later step receives the block the previous rank
+// just finished, reduces it, and passes it on. After p-1 steps block (r + shift + 1) is complete here.
+Plan ring_reduce_scatter(int p, int r, std::span<const Range> blocks, int shift) {
+  Plan plan;
+  if (p == 1) return plan;
+  const int next = wrap(r + 1, p);
+  const int prev = wrap(r - 1, p);
+  plan.push_back(make_send(next, blocks[static_cast<std::size_t>(wrap(r + shift, p))]));
+  for (int s = 1; s < p - 1; ++s) {
+    plan.push_back(make_recv(StepKind::recv_reduce_send, prev, blocks[static_cast<std::size_t>(wrap(r + shift - s, p))], next));
+  }
+  plan.push_back(make_recv(StepKind::recv_reduce, prev, blocks[static_cast<std::size_t>(wrap(r + shift + 1, p))]));
+  return plan;
+}
+
+Plan ring_all_gather(int p, int r, std::span<const Range> blocks, int shift) {
+  Plan plan;
+  if (p == 1) return plan;
+  const int next = wrap(r + 1, p);
+  const int prev = wrap(r - 1, p);
+  plan.push_back(make_send(next, blocks[static_cast<std::size_t>(wrap(r + shift + 1, p))]));
+  for (int s = 1; s < p - 1; ++s) {
+    plan.push_back(make_recv(StepKind::recv_copy_send, prev, blocks[static_cast<std::size_t>(wrap(r + shift + 1 - s, p))], next));
+  }
+  plan.push_back(make_recv(StepKind::recv, prev, blocks[static_cast<std::size_t>(wrap(r + shift + 2, p))]));
+  return plan;
+}
+
+// The reduce-scatter's last step forwards the finished block at once, which is the all-gather's first
+// send: send, (p-1) x recv_reduce_send, (p-2) x recv_copy_send, recv.
+Plan ring_all_reduce(int p, int r, std::size_t count) {
+  Plan plan;
+  if (p == 1) return plan;
+  std::vector<Range> blocks;
+  for (int i = 0; i < p; ++i) blocks.push_back(block(count, p, i));
+  const int next = wrap(r + 1, p);
+  const int prev = wrap(r - 1, p);
+  auto b = [&](int i) { return blocks[static_cast<std::size_t>(wrap(i, p))]; };
+  plan.push_back(make_send(next, b(r)));
+  for (int s = 1; s < p; ++s) plan.push_back(make_recv(StepKind::recv_reduce_send, prev, b(r - s), next));
+  for (int s = 1; s < p - 1; ++s) plan.push_back(make_recv(StepKind::recv_copy_send, prev, b(r + 1 - s), next));
+  plan.push_back(make_recv(StepKind::recv, prev, b(r + 2)));
+  return plan;
+}
+
+Plan binomial_broadcast(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  const Range all{0, count};
+  const int vr = wrap(r - root, p);
+  int mask = 1;
+  while (mask < p) {
+    if (vr & mask) {
+      plan.push_back(make_recv(StepKind::recv, wrap(vr - mask + root, p), all));
+      break;
+    }
+    mask <<= 1;
+  }
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (vr + mask < p) plan.push_back(make_send(wrap(vr + mask + root, p), all));
+  }
+  return plan;
+}
+
+Plan binomial_reduce(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  const Range all{0, count};
+  const int vr = wrap(r - root, p);
+  for (int mask = 1; mask < p; mask <<= 1) {
+    if ((vr & mask) == 0) {
+      if ((vr | mask) < p) plan.push_back(make_recv(StepKind::recv_reduce, wrap((vr | mask) + root, p), all));
+    } else {
+      // Forwarding reads the accumulator: send from the receive buffer.
+      Step up = make_send(wrap((vr & ~mask) + root, p), all);
+      up.kind = StepKind::send;
+      plan.push_back(up);
+      break;
+    }
+  }
+  return plan;
+}
+
+Plan direct_gather(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  if (r == root) {
+    for (int i = 0; i < p; ++i) {
+      if (i != root) plan.push_back(make_recv(StepKind::recv, i, Range{static_cast<std::size_t>(i) * count, count}));
+    }
+  } else {
+    plan.push_back(make_send(root, Range{0, count}));
+  }
+  return plan;
+}
+
+Plan direct_scatter(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  if (r == root) {
+    for (int i = 0; i < p; ++i) {
+      if (i != root) plan.push_back(make_send(i, Range{static_cast<std::size_t>(i) * count, count}));
+    }
+  } else {
+    plan.push_back(make_recv(StepKind::recv, root, Range{0, count}));
+  }
+  return plan;
+}
+
+Plan pairwise_all_to_all(int p, int r, std::size_t count) {
+  Plan plan;
+  for (int k = 1; k < p; ++k) {
+    const int to = wrap(r + k, p);
+    const int from = wrap(r - k, p);
+    plan.push_back(Step{StepKind::send_recv, to, from, Range{static_cast<std::size_t>(to) * count, count},
+                        Range{static_cast<std::size_t>(from) * count, count}});
+  }
+  return plan;
+}
+
+Plan dissemination_barrier(int p, int r) {
+  Plan plan;
+  for (int k = 1; k < p; k <<= 1) {
+    plan.push_back(Step{StepKind::send_recv, wrap(r + k, p), wrap(r - k, p), Range{}, Range{}});
+  }
+  return plan;
+}
+
+}  // namespace weft::algorithms

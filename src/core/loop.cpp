@@ -1,0 +1,208 @@
+#include "weft/loop.hpp"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <asio.hpp>
+
+#include "weft/error.hpp"
+
+namespace weft {
+namespace {
+
+// Timers and watches live in a registry that their handlers reach through a weak_ptr, so a handler that
+// runs after the Loop is gone (borrowed mode: the caller's io_context outlives us) does nothing.
+// Touched on the loop thread only.
+struct Registry {
+  std::unordered_map<std::uint64_t, std::unique_ptr<asio::steady_timer>> timers;
+  std::unordered_set<std::uint64_t> cancelled_early;  // cancel_timer() that overtook call_after()
+  struct Watch {
+    asio::posix::stream_descriptor descriptor;
+    std::function<void()> on_readable;
+  };
+  std::unordered_map<std::uint64_t, std::unique_ptr<Watch>> watches;
+};
+
+std::chrono::microseconds default_spin() {
+  if (const char* v = std::getenv("WEFT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
+  return Loop::Options{}.spin;
+}
+
+void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::uint64_t id) {
+  auto registry = weak.lock();
+  if (!registry) return;
+  auto it = registry->watches.find(id);
+  if (it == registry->watches.end()) return;
+  it->second->descriptor.async_wait(asio::posix::stream_descriptor::wait_read,
+                                    [&io, weak, id](const std::error_code& ec) {
+                                      if (ec) return;
+                                      auto registry = weak.lock();
+                                      if (!registry) return;
+                                      auto found = registry->watches.find(id);
+                                      if (found == registry->watches.end()) return;
+                                      found->second->on_readable();
+                                      arm_watch(io, weak, id);
+                                    });
+}
+
+}  // namespace
+
+struct Loop::Impl {
+  std::unique_ptr<asio::io_context> owned_io;
+  asio::io_context* io = nullptr;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> keep_running;
+  std::thread progress_thread;
+  std::atomic<bool> stopping{false};
+  std::chrono::microseconds spin{0};
+  std::shared_ptr<Registry> registry = std::make_shared<Registry>();
+  std::atomic<std::uint64_t> next_id{1};
+
+  // The progress thread: reap ready handlers without sleeping while work keeps coming (poll), and fall
+  // back to a blocking wait (run_one) once `spin` has passed without any.
+  void run_progress() {
+    using clock = std::chrono::steady_clock;
+    auto last_work = clock::now();
+    while (!stopping.load(std::memory_order_relaxed)) {
+      if (spin.count() > 0) {
+        if (io->poll() > 0) {
+          last_work = clock::now();
+          continue;
+        }
+        if (clock::now() - last_work < spin) continue;
+      }
+      io->run_one();
+      last_work = clock::now();
+    }
+  }
+
+  template <class Fn>
+  void on_loop(Fn&& fn) {
+    if (io->get_executor().running_in_this_thread()) {
+      fn();
+    } else {
+      asio::post(*io, std::forward<Fn>(fn));
+    }
+  }
+};
+
+Loop::Loop() : Loop(Options{default_spin()}) {}
+
+Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
+  impl_->owned_io = std::make_unique<asio::io_context>(1);
+  impl_->io = impl_->owned_io.get();
+  impl_->spin = options.spin;
+  impl_->keep_running.emplace(impl_->io->get_executor());
+  impl_->progress_thread = std::thread([impl = impl_.get()] { impl->run_progress(); });
+}
+
+Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()) { impl_->io = &io; }
+
+Loop::~Loop() {
+  if (impl_->progress_thread.joinable()) {
+    impl_->stopping.store(true);
+    asio::post(*impl_->io, [] {});
+    impl_->progress_thread.join();
+  }
+  // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
+  impl_->registry.reset();
+  impl_->keep_running.reset();
+}
+
+asio::io_context& Loop::context() noexcept { return *impl_->io; }
+bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
+bool Loop::in_loop_thread() const noexcept { return impl_->io->get_executor().running_in_this_thread(); }
+
+void Loop::post(std::function<void()> fn) { asio::post(*impl_->io, std::move(fn)); }
+
+std::uint64_t Loop::call_after(std::chrono::nanoseconds delay, std::function<void(bool)> fn) {
+  const std::uint64_t id = impl_->next_id.fetch_add(1);
+  std::weak_ptr<Registry> weak = impl_->registry;
+  impl_->on_loop([io = impl_->io, weak, id, delay, fn = std::move(fn)]() mutable {
+    auto registry = weak.lock();
+    if (!registry) return;
+    if (registry->cancelled_early.erase(id)) {
+      fn(false);
+      return;
+    }
+    auto timer = std::make_unique<asio::steady_timer>(*io, delay);
+    timer->async_wait([weak, id, fn = std::move(fn)](const std::error_code& ec) {
+      if (auto registry = weak.lock()) registry->timers.erase(id);
+      fn(!ec);
+    });
+    registry->timers.emplace(id, std::move(timer));
+  });
+  return id;
+}
+
+void Loop::cancel_timer(std::uint64_t id) {
+  std::weak_ptr<Registry> weak = impl_->registry;
+  impl_->on_loop([weak, id] {
+    auto registry = weak.lock();
+    if (!registry) return;
+    auto it = registry->timers.find(id);
+    if (it != registry->timers.end()) {
+      it->second->cancel();
+    } else {
+      registry->cancelled_early.insert(id);
+    }
+  });
+}
+
+std::uint64_t Loop::watch_readable(int fd, std::function<void()> on_readable) {
+  const std::uint64_t id = impl_->next_id.fetch_add(1);
+  const int own_fd = ::dup(fd);
+  if (own_fd < 0) throw std::system_error(errno, std::generic_category(), "weft: watch_readable: dup");
+  std::weak_ptr<Registry> weak = impl_->registry;
+  impl_->on_loop([io = impl_->io, weak, id, own_fd, fn = std::move(on_readable)]() mutable {
+    auto registry = weak.lock();
+    if (!registry) {
+      ::close(own_fd);
+      return;
+    }
+    registry->watches.emplace(
+        id, std::make_unique<Registry::Watch>(Registry::Watch{asio::posix::stream_descriptor(*io, own_fd), std::move(fn)}));
+    arm_watch(*io, weak, id);
+  });
+  return id;
+}
+
+void Loop::unwatch(std::uint64_t id) {
+  std::weak_ptr<Registry> weak = impl_->registry;
+  impl_->on_loop([weak, id] {
+    if (auto registry = weak.lock()) registry->watches.erase(id);
+  });
+}
+
+// ---- sleep_for ----
+
+struct SleepState {
+  std::coroutine_handle<> waiter;
+  bool fired = false;
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+};
+
+void SleepFor::start(std::coroutine_handle<> h, std::stop_token token) {
+  state_ = std::make_shared<SleepState>();
+  state_->waiter = h;
+  const std::uint64_t id = loop_->call_after(delay_, [state = state_](bool fired) {
+    state->fired = fired;
+    state->on_stop.reset();
+    state->waiter.resume();
+  });
+  if (token.stop_possible()) {
+    state_->on_stop.emplace(token, std::function<void()>([loop = loop_, id] { loop->cancel_timer(id); }));
+  }
+}
+
+void SleepFor::await_resume() {
+  if (state_ && !state_->fired) throw CancelledError({.op = "sleep_for"}, "cancelled before the delay passed");
+}
+
+}  // namespace weft

@@ -1,0 +1,25 @@
+#pragma once
+// Bootstrap: meet at the store, exchange listening addresses, connect every pair of ranks, handshake.
+#include <memory>
+#include <vector>
+
+#include <asio.hpp>
+
+#include "src/group/store.hpp"
+#include "weft/options.hpp"
+
+namespace weft {
+
+struct BootstrapResult {
+  std::vector<asio::ip::tcp::socket> sockets;  // [peer], handshaken; [rank] unused
+  std::unique_ptr<store::Server> store_server;  // rank 0 only
+};
+
+/// Runs the whole rendezvous on `io`. `options` must be complete (rank, world size, store).
+/// Errors: weft::Error naming this rank and "bootstrap"; a TimeoutError names the ranks that never arrived.
+asio::awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out);
+
+/// The local address to bind for `interface` (a name such as "eth0", or an address). Errors: weft::Error.
+asio::ip::address interface_address(const std::string& interface, bool prefer_v6);
+
+}  // namespace weft

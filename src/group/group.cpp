@@ -1,0 +1,560 @@
+#include "weft/group.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <mutex>
+
+#include <asio.hpp>
+#include <fmt/format.h>
+
+#include "kernels/cpu/reduce.hpp"
+#include "src/core/log.hpp"
+#include "src/group/bootstrap.hpp"
+#include "transports/tcp/tcp_transport.hpp"
+
+namespace weft {
+
+namespace algo = algorithms;
+
+namespace detail {
+
+// Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop
+// it waits for that, so that nothing of the transport outlives the Group's destruction.
+struct DeleteOnLoop {
+  Loop* loop;
+  void operator()(Transport* transport) const {
+    if (loop->owns_thread() && !loop->in_loop_thread()) {
+      std::promise<void> done;
+      loop->post([&] {
+        delete transport;
+        done.set_value();
+      });
+      done.get_future().wait();
+    } else {
+      // On the loop thread we may be inside one of the transport's own callbacks: delete it later.
+      loop->post([transport] { delete transport; });
+    }
+  }
+};
+
+struct GroupState {
+  Loop* loop = nullptr;
+  std::shared_ptr<Transport> transport;            // shared with the groups split from this one
+  std::shared_ptr<store::Server> store_server;     // rank 0 of the world group only
+  std::uint32_t context = 1;
+  int rank = 0;
+  int size = 1;
+  std::vector<int> members;                        // group rank -> transport rank
+  Options options;
+  std::atomic<std::uint64_t> next_seq{1};          // written by callers, in program order
+  std::atomic<bool> failed{false};                 // set on the loop thread, read by callers
+  std::mutex failure_mutex;
+  std::string failure;                             // guarded by failure_mutex
+
+  ~GroupState() {
+    if (!transport) return;
+    loop->post([transport = transport, context = context] { transport->close_context(context); });
+  }
+
+  ErrorContext where(const char* op, std::int64_t seq, int peer = -1, std::int64_t tag = -1) const {
+    return ErrorContext{rank, peer, op, seq, tag};
+  }
+
+  void mark_failed(const std::string& what) {
+    std::lock_guard lock(failure_mutex);
+    if (failed.exchange(true)) return;
+    failure = what;
+  }
+
+  algo::Channel channel(std::uint64_t seq, const char* op) const {
+    return algo::Channel{loop, transport.get(), context, seq, rank, members, op};
+  }
+
+  algo::ExecOptions exec_options() const { return algo::ExecOptions{options.segment_bytes, options.pipeline_depth}; }
+
+  /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
+  Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers) {
+    try {
+      co_await algo::execute(channel(seq, op), plan, buffers, exec_options());
+    } catch (const Error& e) {
+      mark_failed(e.what());
+      throw;
+    }
+  }
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::GroupState;
+
+// ---------------------------------------------------------------- preconditions
+
+[[noreturn]] void invalid(const GroupState& g, const char* op, const std::string& detail, int peer = -1) {
+  throw Error(Errc::invalid_argument, g.where(op, static_cast<std::int64_t>(g.next_seq.load()), peer), detail);
+}
+
+void check_usable(GroupState& g, const char* op) {
+  if (g.failed.load()) {
+    std::lock_guard lock(g.failure_mutex);
+    throw Error(Errc::group_failed, g.where(op, static_cast<std::int64_t>(g.next_seq.load())),
+                fmt::format("an earlier operation failed: {}", g.failure));
+  }
+}
+
+void check_host(const GroupState& g, const char* op, Device device) {
+  if (device.kind != Device::Kind::host) invalid(g, op, "device buffers are not supported by this group's transport");
+}
+
+void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count, DType type,
+                  Device device) {
+  check_host(g, op, device);
+  if (count > 0 && data == nullptr) invalid(g, op, fmt::format("{} is null with {} elements", name, count));
+  (void)type;
+}
+
+void check_same_type(const GroupState& g, const char* op, DType a, DType b) {
+  if (a != b) invalid(g, op, fmt::format("input is {} but output is {}", to_string(a), to_string(b)));
+}
+
+void check_count(const GroupState& g, const char* op, const char* what, std::size_t got, std::size_t expected) {
+  if (got != expected) invalid(g, op, fmt::format("{} has {} elements, expected {}", what, got, expected));
+}
+
+void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce) {
+  if (!is_defined(type, reduce)) {
+    invalid(g, op, fmt::format("reduce op {} is not defined on {}", to_string(reduce), to_string(type)));
+  }
+}
+
+void check_rank(const GroupState& g, const char* op, const char* what, int r) {
+  if (r < 0 || r >= g.size) invalid(g, op, fmt::format("{} {} is not a rank of this group of {}", what, r, g.size), r);
+}
+
+std::uint64_t take_seq(GroupState& g) { return g.next_seq.fetch_add(1); }
+
+void copy_bytes(void* dst, const void* src, std::size_t bytes) {
+  if (bytes && dst != src) std::memmove(dst, src, bytes);
+}
+
+std::uint32_t derive_context(std::uint32_t parent, std::uint64_t seq, int color) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::uint64_t v : {static_cast<std::uint64_t>(parent), seq, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color))}) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  auto c = static_cast<std::uint32_t>(h ^ (h >> 32));
+  return c < 2 ? c + 2 : c;  // 0 is unused, 1 is the world
+}
+
+// ---------------------------------------------------------------- bridging Asio's coroutines
+
+// Awaits an asio::awaitable<void> from a weft Task: it runs on the same io_context, and the Task resumes
+// from its completion handler on the loop thread.
+struct AwaitAsio {
+  asio::io_context& io;
+  asio::awaitable<void> work;
+  std::exception_ptr error;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) {
+    asio::co_spawn(io, std::move(work), [this, h](std::exception_ptr e) {
+      error = e;
+      h.resume();
+    });
+  }
+  void await_resume() const {
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+Task<Group> create_task(Loop* loop, Options options) {
+  co_await loop->schedule();
+  BootstrapResult result;
+  try {
+    co_await AwaitAsio{loop->context(), bootstrap(loop->context(), options, result), nullptr};
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
+  }
+  auto g = std::make_shared<GroupState>();
+  g->loop = loop;
+  g->rank = options.rank;
+  g->size = options.world_size;
+  g->options = options;
+  g->store_server = std::move(result.store_server);
+  g->transport = std::shared_ptr<Transport>(
+      new TcpTransport(*loop, options.rank, options.world_size, std::move(result.sockets)), detail::DeleteOnLoop{loop});
+  for (int i = 0; i < g->size; ++i) g->members.push_back(i);
+  g->transport->open_context(g->context, g->members);
+  log().info("rank {} of {}: group ready over {}", g->rank, g->size, g->transport->name());
+  co_return Group(std::move(g));
+}
+
+// ---------------------------------------------------------------- operations
+
+struct OpHook {
+  bool finished = false;  // loop thread only
+};
+
+Task<void> send_task(std::shared_ptr<GroupState> g, ConstBufferView data, int dst, std::uint32_t tag, std::uint64_t op_seq) {
+  TransportOp op;
+  auto hook = std::make_shared<OpHook>();
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  // A send on the wire cannot be taken back from the receiver's view: cancelling it aborts the group.
+  if (token.stop_possible()) {
+    on_stop.emplace(token, std::function<void()>([g, hook, tag] {
+      g->loop->post([g, hook, tag] {
+        if (!hook->finished) {
+          g->transport->abort_context(g->context, Errc::cancelled, fmt::format("rank {} cancelled a send [tag {}]", g->rank, tag));
+        }
+      });
+    }));
+  }
+  g->transport->start_send(g->members[static_cast<std::size_t>(dst)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
+  co_await op.wait();
+  hook->finished = true;
+  on_stop.reset();
+  if (op.error()) {
+    throw_error(static_cast<Errc>(op.error().value()), g->where("send", static_cast<std::int64_t>(op_seq), dst, tag), op.reason());
+  }
+}
+
+Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, std::uint32_t tag, std::uint64_t op_seq) {
+  TransportOp op;
+  auto hook = std::make_shared<OpHook>();
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  if (token.stop_possible()) {
+    on_stop.emplace(token, std::function<void()>([g, hook, &op] {
+      g->loop->post([g, hook, &op] {
+        if (!hook->finished) g->transport->cancel_recv(op);
+      });
+    }));
+  }
+  g->transport->start_recv(g->members[static_cast<std::size_t>(src)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
+  co_await op.wait();
+  hook->finished = true;
+  on_stop.reset();
+  if (op.error()) {
+    throw_error(static_cast<Errc>(op.error().value()), g->where("recv", static_cast<std::int64_t>(op_seq), src, tag), op.reason());
+  }
+}
+
+std::vector<algo::Range> equal_blocks(int p, std::size_t count) {
+  std::vector<algo::Range> blocks;
+  for (int i = 0; i < p; ++i) blocks.push_back(algo::Range{static_cast<std::size_t>(i) * count, count});
+  return blocks;
+}
+
+Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
+  copy_bytes(out.data, in.data, out.bytes());
+  const auto plan = algo::ring_all_reduce(g->size, g->rank, out.count);
+  co_await g->run(plan, seq, "all_reduce", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op});
+  if (op == ReduceOp::avg) kernels::divide_in_place(out.data, out.count, out.dtype, g->size);
+}
+
+Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out) {
+  const std::size_t block_bytes = in.bytes();
+  copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
+  const auto blocks = equal_blocks(g->size, in.count);
+  const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
+  co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum});
+}
+
+Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
+  // The ring reduces into a copy of the input; the rank's own block is the result.
+  auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+  copy_bytes(work.get(), in.data, in.bytes());
+  const auto blocks = equal_blocks(g->size, out.count);
+  const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
+  co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op});
+  copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
+  if (op == ReduceOp::avg) kernels::divide_in_place(out.data, out.count, out.dtype, g->size);
+}
+
+Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root) {
+  const auto plan = algo::binomial_broadcast(g->size, g->rank, root, data.count);
+  co_await g->run(plan, seq, "broadcast", algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum});
+}
+
+Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op) {
+  std::unique_ptr<std::byte[]> scratch;
+  std::byte* work = out.bytes_ptr();
+  if (g->rank != root) {
+    scratch = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    work = scratch.get();
+  }
+  copy_bytes(work, in.data, in.bytes());
+  const auto plan = algo::binomial_reduce(g->size, g->rank, root, in.count);
+  co_await g->run(plan, seq, "reduce", algo::PlanBuffers{work, work, in.dtype, op});
+  if (g->rank == root && op == ReduceOp::avg) kernels::divide_in_place(out.data, out.count, out.dtype, g->size);
+}
+
+Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root) {
+  if (g->rank == root) copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(root) * in.bytes(), in.data, in.bytes());
+  const auto plan = algo::direct_gather(g->size, g->rank, root, in.count);
+  co_await g->run(plan, seq, "gather",
+                  algo::PlanBuffers{in.bytes_ptr(), g->rank == root ? out.bytes_ptr() : nullptr, in.dtype, ReduceOp::sum});
+}
+
+Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root) {
+  if (g->rank == root) copy_bytes(out.data, in.bytes_ptr() + static_cast<std::size_t>(root) * out.bytes(), out.bytes());
+  const auto plan = algo::direct_scatter(g->size, g->rank, root, out.count);
+  co_await g->run(plan, seq, "scatter",
+                  algo::PlanBuffers{g->rank == root ? in.bytes_ptr() : nullptr, out.bytes_ptr(), out.dtype, ReduceOp::sum});
+}
+
+Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out) {
+  const std::size_t block = in.count / static_cast<std::size_t>(g->size);
+  const std::size_t block_bytes = block * dtype_size(in.dtype);
+  std::unique_ptr<std::byte[]> copy;
+  const std::byte* source = in.bytes_ptr();
+  if (in.data == out.data && in.bytes()) {  // in place: send from a copy
+    copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    std::memcpy(copy.get(), in.data, in.bytes());
+    source = copy.get();
+  }
+  copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes,
+             source + static_cast<std::size_t>(g->rank) * block_bytes, block_bytes);
+  const auto plan = algo::pairwise_all_to_all(g->size, g->rank, block);
+  co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum});
+}
+
+Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq) {
+  const auto plan = algo::dissemination_barrier(g->size, g->rank);
+  co_await g->run(plan, seq, "barrier", algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum});
+}
+
+Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
+                        std::vector<std::pair<int, int>> pairs) {
+  int send_to = -1;
+  int recv_from = -1;
+  for (auto [src, dst] : pairs) {
+    if (src == g->rank) send_to = dst;
+    if (dst == g->rank) recv_from = src;
+  }
+  std::unique_ptr<std::byte[]> copy;
+  const std::byte* source = in.bytes_ptr();
+  if (in.data == out.data && send_to >= 0 && in.bytes()) {
+    copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    std::memcpy(copy.get(), in.data, in.bytes());
+    source = copy.get();
+  }
+  algo::Plan plan;
+  const algo::Range all{0, in.count};
+  if (send_to == g->rank) {
+    copy_bytes(out.data, source, out.bytes());
+  } else {
+    if (recv_from < 0 && out.bytes()) std::memset(out.data, 0, out.bytes());
+    if (send_to >= 0 && recv_from >= 0) {
+      plan.push_back(algo::Step{algo::StepKind::send_recv, send_to, recv_from, all, all});
+    } else if (send_to >= 0) {
+      plan.push_back(algo::Step{algo::StepKind::send, send_to, -1, all, {}});
+    } else if (recv_from >= 0) {
+      plan.push_back(algo::Step{algo::StepKind::recv, -1, recv_from, {}, all});
+    }
+  }
+  co_await g->run(plan, seq, "permute", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum});
+}
+
+Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int color, int key) {
+  // Everybody learns everybody's (color, key) through an all-gather on this group.
+  std::vector<std::int32_t> mine{color, key};
+  std::vector<std::int32_t> all(static_cast<std::size_t>(2 * g->size));
+  copy_bytes(all.data() + 2 * g->rank, mine.data(), 2 * sizeof(std::int32_t));
+  const auto blocks = equal_blocks(g->size, 2);
+  const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
+  auto* bytes = reinterpret_cast<std::byte*>(all.data());
+  co_await g->run(plan, seq, "split", algo::PlanBuffers{bytes, bytes, DType::i32, ReduceOp::sum});
+  if (color < 0) co_return Group();
+  std::vector<std::pair<std::pair<int, int>, int>> chosen;  // ((key, parent rank), parent rank)
+  for (int r = 0; r < g->size; ++r) {
+    if (all[static_cast<std::size_t>(2 * r)] == color) chosen.push_back({{all[static_cast<std::size_t>(2 * r + 1)], r}, r});
+  }
+  std::sort(chosen.begin(), chosen.end());
+  auto child = std::make_shared<GroupState>();
+  child->loop = g->loop;
+  child->transport = g->transport;
+  child->options = g->options;
+  child->context = derive_context(g->context, seq, color);
+  child->size = static_cast<int>(chosen.size());
+  for (int i = 0; i < child->size; ++i) {
+    const int parent_rank = chosen[static_cast<std::size_t>(i)].second;
+    if (parent_rank == g->rank) child->rank = i;
+    child->members.push_back(g->members[static_cast<std::size_t>(parent_rank)]);
+  }
+  child->transport->open_context(child->context, child->members);
+  co_return Group(std::move(child));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Group
+
+Future<Group> Group::create(Loop& loop, Options options) {
+  options.from_environment();
+  return spawn(loop, create_task(&loop, std::move(options)));
+}
+
+int Group::rank() const noexcept { return state_->rank; }
+int Group::size() const noexcept { return state_->size; }
+Loop& Group::loop() const noexcept { return *state_->loop; }
+
+Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
+  auto& g = *state_;
+  check_usable(g, "send");
+  check_rank(g, "send", "destination", dst);
+  check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
+  return spawn(*g.loop, send_task(state_, data, dst, tag, 0));
+}
+
+Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
+  auto& g = *state_;
+  check_usable(g, "recv");
+  check_rank(g, "recv", "source", src);
+  check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
+  return spawn(*g.loop, recv_task(state_, data, src, tag, 0));
+}
+
+Future<void> Group::all_reduce(BufferView data, ReduceOp op) { return all_reduce(ConstBufferView(data), data, op); }
+
+Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) {
+  auto& g = *state_;
+  const char* name = "all_reduce";
+  check_usable(g, name);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_same_type(g, name, in.dtype, out.dtype);
+  check_count(g, name, "output", out.count, in.count);
+  check_op(g, name, in.dtype, op);
+  return spawn(*g.loop, all_reduce_task(state_, take_seq(g), in, out, op));
+}
+
+Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
+  auto& g = *state_;
+  const char* name = "all_gather";
+  check_usable(g, name);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_same_type(g, name, in.dtype, out.dtype);
+  check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
+  return spawn(*g.loop, all_gather_task(state_, take_seq(g), in, out));
+}
+
+Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op) {
+  auto& g = *state_;
+  const char* name = "reduce_scatter";
+  check_usable(g, name);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_same_type(g, name, in.dtype, out.dtype);
+  check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
+  check_op(g, name, in.dtype, op);
+  return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g), in, out, op));
+}
+
+Future<void> Group::broadcast(BufferView data, int root) {
+  auto& g = *state_;
+  const char* name = "broadcast";
+  check_usable(g, name);
+  check_rank(g, name, "root", root);
+  check_buffer(g, name, "data", data.data, data.count, data.dtype, data.device);
+  return spawn(*g.loop, broadcast_task(state_, take_seq(g), data, root));
+}
+
+Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceOp op) {
+  auto& g = *state_;
+  const char* name = "reduce";
+  check_usable(g, name);
+  check_rank(g, name, "root", root);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_op(g, name, in.dtype, op);
+  if (g.rank == root) {
+    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+    check_same_type(g, name, in.dtype, out.dtype);
+    check_count(g, name, "output", out.count, in.count);
+  }
+  return spawn(*g.loop, reduce_task(state_, take_seq(g), in, out, root, op));
+}
+
+Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
+  auto& g = *state_;
+  const char* name = "gather";
+  check_usable(g, name);
+  check_rank(g, name, "root", root);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  if (g.rank == root) {
+    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+    check_same_type(g, name, in.dtype, out.dtype);
+    check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
+  }
+  return spawn(*g.loop, gather_task(state_, take_seq(g), in, out, root));
+}
+
+Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
+  auto& g = *state_;
+  const char* name = "scatter";
+  check_usable(g, name);
+  check_rank(g, name, "root", root);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  if (g.rank == root) {
+    check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+    check_same_type(g, name, in.dtype, out.dtype);
+    check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
+  }
+  return spawn(*g.loop, scatter_task(state_, take_seq(g), in, out, root));
+}
+
+Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
+  auto& g = *state_;
+  const char* name = "all_to_all";
+  check_usable(g, name);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_same_type(g, name, in.dtype, out.dtype);
+  check_count(g, name, "output", out.count, in.count);
+  if (in.count % static_cast<std::size_t>(g.size) != 0) {
+    invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", in.count, g.size));
+  }
+  return spawn(*g.loop, all_to_all_task(state_, take_seq(g), in, out));
+}
+
+Future<void> Group::barrier() {
+  auto& g = *state_;
+  check_usable(g, "barrier");
+  return spawn(*g.loop, barrier_task(state_, take_seq(g)));
+}
+
+Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs) {
+  auto& g = *state_;
+  const char* name = "permute";
+  check_usable(g, name);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_same_type(g, name, in.dtype, out.dtype);
+  check_count(g, name, "output", out.count, in.count);
+  std::vector<int> sends(static_cast<std::size_t>(g.size), 0);
+  std::vector<int> recvs(static_cast<std::size_t>(g.size), 0);
+  for (auto [src, dst] : pairs) {
+    check_rank(g, name, "source", src);
+    check_rank(g, name, "destination", dst);
+    if (++sends[static_cast<std::size_t>(src)] > 1) invalid(g, name, fmt::format("rank {} sends more than once", src), src);
+    if (++recvs[static_cast<std::size_t>(dst)] > 1) invalid(g, name, fmt::format("rank {} receives more than once", dst), dst);
+  }
+  return spawn(*g.loop, permute_task(state_, take_seq(g), in, out, std::move(pairs)));
+}
+
+Future<Group> Group::split(int color, int key) {
+  auto& g = *state_;
+  check_usable(g, "split");
+  return spawn(*g.loop, split_task(state_, take_seq(g), color, key));
+}
+
+}  // namespace weft

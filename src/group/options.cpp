@@ -1,0 +1,109 @@
+#include <charconv>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+#include "weft/error.hpp"
+#include "weft/options.hpp"
+
+namespace weft {
+namespace {
+
+[[noreturn]] void bad(const std::string& detail) {
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"}, detail);
+}
+
+long long parse_int(const char* name, const char* text, long long lo, long long hi) {
+  long long value = 0;
+  const char* end = text + std::char_traits<char>::length(text);
+  auto [ptr, ec] = std::from_chars(text, end, value);
+  if (ec != std::errc() || ptr != end || text == end) {
+    bad(fmt::format("{}='{}' is not an integer", name, text));
+  }
+  if (value < lo || value > hi) bad(fmt::format("{}={} is out of range [{}, {}]", name, value, lo, hi));
+  return value;
+}
+
+struct Convention {
+  const char* rank;
+  const char* size;
+};
+constexpr Convention conventions[] = {
+    {"WEFT_RANK", "WEFT_WORLD_SIZE"},
+    {"RANK", "WORLD_SIZE"},
+    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+    {"PMI_RANK", "PMI_SIZE"},
+    {"SLURM_PROCID", "SLURM_NTASKS"},
+};
+
+}  // namespace
+
+HostPort parse_host_port(const std::string& text, const char* what) {
+  HostPort out;
+  std::string port;
+  if (!text.empty() && text.front() == '[') {
+    const auto close = text.find(']');
+    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') {
+      bad(fmt::format("{}='{}': expected [ipv6-address]:port", what, text));
+    }
+    out.host = text.substr(1, close - 1);
+    port = text.substr(close + 2);
+  } else {
+    const auto colon = text.rfind(':');
+    if (colon == std::string::npos || colon == 0) bad(fmt::format("{}='{}': expected host:port", what, text));
+    if (text.find(':') != colon) bad(fmt::format("{}='{}': write an IPv6 address as [address]:port", what, text));
+    out.host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+  }
+  out.port = static_cast<unsigned short>(parse_int(what, port.c_str(), 0, 65535));
+  return out;
+}
+
+Options& Options::from_environment() { return from_environment([](const char* name) { return std::getenv(name); }); }
+
+Options& Options::from_environment(const std::function<const char*(const char*)>& env) {
+  if (rank < 0 || world_size < 0) {
+    for (const auto& c : conventions) {
+      const char* r = env(c.rank);
+      const char* s = env(c.size);
+      if (!r && !s) continue;
+      if (!r || !s) bad(fmt::format("{} and {} must be set together", c.rank, c.size));
+      if (world_size < 0) world_size = static_cast<int>(parse_int(c.size, s, 1, 1 << 24));
+      if (rank < 0) rank = static_cast<int>(parse_int(c.rank, r, 0, world_size - 1));
+      break;
+    }
+  }
+  if (rank < 0 || world_size < 0) {
+    bad("no rank and world size: set WEFT_RANK and WEFT_WORLD_SIZE (or run under weft-run, torchrun, mpirun or srun)");
+  }
+  if (rank >= world_size) bad(fmt::format("rank {} is not below the world size {}", rank, world_size));
+  if (store.empty()) {
+    if (const char* s = env("WEFT_STORE")) {
+      store = s;
+    } else if (env("MASTER_ADDR") || env("MASTER_PORT")) {
+      const char* addr = env("MASTER_ADDR");
+      const char* port = env("MASTER_PORT");
+      std::string host = addr ? addr : "127.0.0.1";
+      if (host.find(':') != std::string::npos && host.front() != '[') host = "[" + host + "]";
+      store = host + ":" + (port ? port : "29500");
+    } else {
+      store = "127.0.0.1:29500";
+    }
+  }
+  (void)parse_host_port(store, "the store address");
+  if (interface.empty()) {
+    if (const char* v = env("WEFT_IFNAME")) interface = v;
+  }
+  if (const char* v = env("WEFT_BOOTSTRAP_TIMEOUT")) {
+    bootstrap_timeout = std::chrono::seconds(parse_int("WEFT_BOOTSTRAP_TIMEOUT", v, 1, 86400));
+  }
+  if (const char* v = env("WEFT_SEGMENT_BYTES")) {
+    segment_bytes = static_cast<std::size_t>(parse_int("WEFT_SEGMENT_BYTES", v, 1024, 1ll << 32));
+  }
+  if (const char* v = env("WEFT_PIPELINE_DEPTH")) {
+    pipeline_depth = static_cast<int>(parse_int("WEFT_PIPELINE_DEPTH", v, 1, 1024));
+  }
+  return *this;
+}
+
+}  // namespace weft

@@ -1,0 +1,524 @@
+#include "transports/tcp/tcp_transport.hpp"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "src/core/log.hpp"
+
+namespace weft {
+namespace {
+
+constexpr std::size_t discard_chunk = 1 << 20;
+constexpr int socket_buffer_bytes = 4 << 20;
+
+std::error_code code_of(Errc e) { return make_error_code(e); }
+
+}  // namespace
+
+std::size_t TcpTransport::MatchKeyHash::operator()(const MatchKey& k) const noexcept {
+  std::uint64_t h = 0x9e3779b97f4a7c15ull;
+  auto mix = [&](std::uint64_t v) {
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  };
+  mix(static_cast<std::uint64_t>(k.peer));
+  mix(k.key.context);
+  mix(k.key.seq);
+  mix(k.key.tag);
+  return static_cast<std::size_t>(h);
+}
+
+void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
+  std::error_code ignored;
+  socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+  socket.set_option(asio::socket_base::send_buffer_size(socket_buffer_bytes), ignored);
+  socket.set_option(asio::socket_base::receive_buffer_size(socket_buffer_bytes), ignored);
+}
+
+TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets)
+    : loop_(loop), rank_(rank), size_(size) {
+  connections_.resize(static_cast<std::size_t>(size));
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    auto c = std::make_unique<Connection>(std::move(sockets[static_cast<std::size_t>(peer)]));
+    c->peer = peer;
+    tune_socket(c->socket);
+    connections_[static_cast<std::size_t>(peer)] = std::move(c);
+  }
+  // Reading starts on the loop thread, where every handler of this transport runs.
+  loop_.post([this, alive = std::weak_ptr<bool>(alive_)] {
+    if (alive.expired()) return;
+    for (auto& c : connections_) {
+      if (c && c->alive) start_read_header(*c);
+    }
+  });
+}
+
+TcpTransport::~TcpTransport() {
+  shutdown();
+  alive_.reset();
+}
+
+// ---------------------------------------------------------------- contexts
+
+void TcpTransport::open_context(std::uint32_t context, std::vector<int> members) {
+  auto& state = contexts_[context];
+  state.members = std::move(members);
+  // A member that is already gone fails the context from the start.
+  for (int m : state.members) {
+    if (m == rank_) continue;
+    auto& c = connections_[static_cast<std::size_t>(m)];
+    if (c && !c->alive && !state.failed) {
+      state.failed = true;
+      state.code = code_of(Errc::peer_failure);
+      state.failed_peer = m;
+      state.reason = c->lost_reason;
+    }
+  }
+}
+
+void TcpTransport::close_context(std::uint32_t context) {
+  contexts_.erase(context);
+  std::erase_if(mailboxes_, [&](const auto& entry) {
+    return entry.first.key.context == context && entry.second.posted.empty();
+  });
+}
+
+bool TcpTransport::context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const {
+  auto it = contexts_.find(context);
+  if (it == contexts_.end() || !it->second.failed) return false;
+  if (code) *code = it->second.code;
+  if (reason) *reason = it->second.reason;
+  return true;
+}
+
+bool TcpTransport::context_usable(std::uint32_t context, TransportOp& op) {
+  if (shut_down_) {
+    op.complete(code_of(Errc::group_failed), -1, "the transport was shut down");
+    return false;
+  }
+  auto it = contexts_.find(context);
+  if (it != contexts_.end() && it->second.failed) {
+    op.complete(it->second.code, it->second.failed_peer, it->second.reason);
+    return false;
+  }
+  return true;
+}
+
+void TcpTransport::collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out) {
+  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
+    if (it->first.key.context != context) {
+      ++it;
+      continue;
+    }
+    for (TransportOp* op : it->second.posted) out.push_back(op);
+    it = mailboxes_.erase(it);  // stale unexpected messages of a failed context are dropped too
+  }
+  for (auto& c : connections_) {
+    if (!c) continue;
+    // The operation being written (front, while writing) completes from its write handler.
+    auto first = c->send_queue.begin() + (c->writing && !c->writing_control && !c->send_queue.empty() ? 1 : 0);
+    for (auto it = first; it != c->send_queue.end();) {
+      if ((*it)->key.context == context) {
+        out.push_back(*it);
+        it = c->send_queue.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (c->current_op && c->current_op->key.context == context) {
+      // The payload still arrives; it is read into scratch and dropped.
+      out.push_back(c->current_op);
+      c->current_op = nullptr;
+    }
+  }
+}
+
+void TcpTransport::complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context) {
+  const auto& state = contexts_[context];
+  const auto code = state.code;
+  const int peer = state.failed_peer;
+  const std::string reason = state.reason;
+  for (TransportOp* op : ops) op->complete(code, peer, reason);
+}
+
+void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::string& reason) {
+  auto& state = contexts_[context];
+  if (state.failed) return;
+  state.failed = true;
+  state.code = code_of(code);
+  state.reason = reason;
+  state.failed_peer = -1;
+  wire::Header h;
+  h.kind = wire::FrameKind::abort;
+  h.context = context;
+  const std::string payload = reason.substr(0, wire::max_control_payload);
+  h.bytes = payload.size();
+  for (int m : state.members) {
+    if (m == rank_) continue;
+    auto& c = connections_[static_cast<std::size_t>(m)];
+    if (!c || !c->alive) continue;
+    c->control_queue.emplace_back(h, payload);
+    if (!c->writing) start_write(*c);
+  }
+  std::vector<TransportOp*> ops;
+  collect_context_ops(context, ops);
+  complete_all(ops, context);
+}
+
+// ---------------------------------------------------------------- sending
+
+void TcpTransport::start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {
+  op.peer = peer;
+  op.key = key;
+  op.send_data = data;
+  op.bytes = bytes;
+  if (!context_usable(key.context, op)) return;
+  if (peer == rank_) {
+    deliver_local(key, data, bytes);
+    op.complete();
+    return;
+  }
+  auto& c = *connections_[static_cast<std::size_t>(peer)];
+  if (!c.alive) {
+    op.complete(code_of(Errc::peer_failure), peer, c.lost_reason);
+    return;
+  }
+  c.send_queue.push_back(&op);
+  if (!c.writing) start_write(c);
+}
+
+void TcpTransport::start_write(Connection& c) {
+  if (!c.alive) return;
+  wire::Header h;
+  std::array<asio::const_buffer, 2> buffers;
+  if (!c.control_queue.empty()) {
+    h = c.control_queue.front().first;
+    c.control_payload = std::move(c.control_queue.front().second);
+    c.control_queue.pop_front();
+    c.writing_control = true;
+    wire::encode(h, c.send_header);
+    buffers = {asio::buffer(c.send_header), asio::buffer(c.control_payload)};
+  } else if (!c.send_queue.empty()) {
+    TransportOp& op = *c.send_queue.front();
+    h.kind = wire::FrameKind::data;
+    h.context = op.key.context;
+    h.seq = op.key.seq;
+    h.tag = op.key.tag;
+    h.bytes = op.bytes;
+    c.writing_control = false;
+    wire::encode(h, c.send_header);
+    buffers = {asio::buffer(c.send_header), asio::buffer(op.send_data, op.bytes)};
+  } else {
+    return;
+  }
+  c.writing = true;
+  asio::async_write(c.socket, buffers,
+                    [this, &c, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+                      if (alive.expired()) return;
+                      on_write_done(c, ec);
+                    });
+}
+
+void TcpTransport::on_write_done(Connection& c, const std::error_code& ec) {
+  c.writing = false;
+  TransportOp* done = nullptr;
+  if (c.writing_control) {
+    c.writing_control = false;
+    c.control_payload.clear();
+  } else if (!c.send_queue.empty()) {
+    done = c.send_queue.front();
+    c.send_queue.pop_front();
+  }
+  if (ec || !c.alive) {
+    if (c.alive) fail_connection(c, fmt::format("write failed: {}", ec.message()));
+    if (done) done->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+    return;
+  }
+  start_write(c);
+  if (done) done->complete();
+}
+
+// ---------------------------------------------------------------- receiving
+
+void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) {
+  op.peer = peer;
+  op.key = key;
+  op.recv_data = data;
+  op.bytes = bytes;
+  if (!context_usable(key.context, op)) return;
+  auto it = mailboxes_.find(MatchKey{peer, key});
+  if (it != mailboxes_.end() && !it->second.unexpected.empty()) {
+    Unexpected message = std::move(it->second.unexpected.front());
+    it->second.unexpected.pop_front();
+    if (it->second.unexpected.empty() && it->second.posted.empty()) mailboxes_.erase(it);
+    if (message.bytes != bytes) {
+      op.complete(code_of(Errc::size_mismatch), -1,
+                  fmt::format("rank {} sent {} bytes, this rank expected {}", peer, message.bytes, bytes));
+      return;
+    }
+    if (bytes) std::memcpy(data, message.data.get(), bytes);
+    op.complete();
+    return;
+  }
+  if (peer != rank_) {
+    auto& c = *connections_[static_cast<std::size_t>(peer)];
+    if (!c.alive) {
+      op.complete(code_of(Errc::peer_failure), peer, c.lost_reason);
+      return;
+    }
+  }
+  mailboxes_[MatchKey{peer, key}].posted.push_back(&op);
+}
+
+bool TcpTransport::cancel_recv(TransportOp& op) {
+  auto it = mailboxes_.find(MatchKey{op.peer, op.key});
+  if (it == mailboxes_.end()) return false;
+  auto& posted = it->second.posted;
+  auto found = std::find(posted.begin(), posted.end(), &op);
+  if (found == posted.end()) return false;
+  posted.erase(found);
+  if (posted.empty() && it->second.unexpected.empty()) mailboxes_.erase(it);
+  op.complete(code_of(Errc::cancelled), -1, "the receive was cancelled");
+  return true;
+}
+
+void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes) {
+  auto& box = mailboxes_[MatchKey{rank_, key}];
+  if (!box.posted.empty()) {
+    TransportOp* op = box.posted.front();
+    box.posted.pop_front();
+    if (box.posted.empty() && box.unexpected.empty()) mailboxes_.erase(MatchKey{rank_, key});
+    if (op->bytes != bytes) {
+      op->complete(code_of(Errc::size_mismatch), -1,
+                   fmt::format("this rank sent itself {} bytes, the receive expected {}", bytes, op->bytes));
+      return;
+    }
+    if (bytes) std::memcpy(op->recv_data, data, bytes);
+    op->complete();
+    return;
+  }
+  Unexpected message{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
+  if (bytes) std::memcpy(message.data.get(), data, bytes);
+  box.unexpected.push_back(std::move(message));
+}
+
+void TcpTransport::start_read_header(Connection& c) {
+  asio::async_read(c.socket, asio::buffer(c.recv_header),
+                   [this, &c, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+                     if (alive.expired() || !c.alive) return;
+                     if (ec) {
+                       fail_connection(c, ec == asio::error::eof ? std::string("the peer closed the connection")
+                                                                 : fmt::format("read failed: {}", ec.message()));
+                       return;
+                     }
+                     on_header(c);
+                   });
+}
+
+void TcpTransport::on_header(Connection& c) {
+  std::string error;
+  auto header = wire::decode(c.recv_header, error);
+  if (!header) {
+    fail_connection(c, fmt::format("protocol error from rank {}: {}", c.peer, error));
+    return;
+  }
+  c.current = *header;
+  switch (header->kind) {
+    case wire::FrameKind::data: {
+      auto ctx = contexts_.find(header->context);
+      if (ctx != contexts_.end() && ctx->second.failed) {
+        read_payload_into(c, nullptr, header->bytes, true);
+        return;
+      }
+      MatchKey key{c.peer, MessageKey{header->context, header->seq, header->tag}};
+      auto it = mailboxes_.find(key);
+      if (it != mailboxes_.end() && !it->second.posted.empty()) {
+        TransportOp* op = it->second.posted.front();
+        it->second.posted.pop_front();
+        if (it->second.posted.empty() && it->second.unexpected.empty()) mailboxes_.erase(it);
+        if (op->bytes != header->bytes) {
+          read_payload_into(c, nullptr, header->bytes, true);
+          op->complete(code_of(Errc::size_mismatch), -1,
+                       fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, header->bytes, op->bytes));
+          return;
+        }
+        c.current_op = op;
+        read_payload_into(c, op->recv_data, header->bytes, false);
+        return;
+      }
+      c.scratch = std::make_unique_for_overwrite<std::byte[]>(header->bytes);
+      c.scratch_size = header->bytes;
+      read_payload_into(c, c.scratch.get(), header->bytes, false);
+      return;
+    }
+    case wire::FrameKind::abort:
+      c.scratch = std::make_unique_for_overwrite<std::byte[]>(header->bytes);
+      c.scratch_size = header->bytes;
+      read_payload_into(c, c.scratch.get(), header->bytes, false);
+      return;
+    case wire::FrameKind::heartbeat:
+      read_payload_into(c, nullptr, header->bytes, true);
+      return;
+    case wire::FrameKind::hello:
+    case wire::FrameKind::hello_ack:
+      fail_connection(c, fmt::format("protocol error from rank {}: handshake frame on an established connection",
+                                     c.peer));
+      return;
+  }
+}
+
+void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard) {
+  if (bytes == 0) {
+    on_payload(c, discard);
+    return;
+  }
+  if (discard) {
+    // Read and drop in bounded chunks: a message nobody can take must not cost its size in memory.
+    if (!c.scratch || c.scratch_size < std::min(bytes, discard_chunk)) {
+      c.scratch = std::make_unique_for_overwrite<std::byte[]>(discard_chunk);
+      c.scratch_size = discard_chunk;
+    }
+    const std::size_t chunk = std::min(bytes, discard_chunk);
+    asio::async_read(c.socket, asio::buffer(c.scratch.get(), chunk),
+                     [this, &c, bytes, chunk, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec,
+                                                                                   std::size_t) {
+                       if (alive.expired() || !c.alive) return;
+                       if (ec) {
+                         fail_connection(c, fmt::format("read failed: {}", ec.message()));
+                         return;
+                       }
+                       if (bytes > chunk) {
+                         read_payload_into(c, nullptr, bytes - chunk, true);
+                       } else {
+                         on_payload(c, true);
+                       }
+                     });
+    return;
+  }
+  asio::async_read(c.socket, asio::buffer(dst, bytes),
+                   [this, &c, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+                     if (alive.expired() || !c.alive) return;
+                     if (ec) {
+                       fail_connection(c, fmt::format("read failed: {}", ec.message()));
+                       return;
+                     }
+                     on_payload(c, false);
+                   });
+}
+
+void TcpTransport::on_payload(Connection& c, bool discard) {
+  const wire::Header h = c.current;
+  if (discard) {
+    c.current_op = nullptr;
+    start_read_header(c);
+    return;
+  }
+  if (h.kind == wire::FrameKind::abort) {
+    std::string reason(reinterpret_cast<const char*>(c.scratch.get()), c.scratch_size);
+    c.scratch.reset();
+    c.scratch_size = 0;
+    start_read_header(c);
+    auto& state = contexts_[h.context];
+    if (state.failed) return;
+    state.failed = true;
+    state.code = code_of(Errc::aborted);
+    state.failed_peer = c.peer;
+    state.reason = fmt::format("rank {} aborted: {}", c.peer, reason);
+    std::vector<TransportOp*> ops;
+    collect_context_ops(h.context, ops);
+    complete_all(ops, h.context);
+    return;
+  }
+  if (TransportOp* op = std::exchange(c.current_op, nullptr)) {
+    start_read_header(c);
+    op->complete();
+    return;
+  }
+  // An unexpected message: a receive may have been posted while its payload was arriving.
+  Unexpected message{std::move(c.scratch), c.scratch_size};
+  c.scratch_size = 0;
+  start_read_header(c);
+  MatchKey key{c.peer, MessageKey{h.context, h.seq, h.tag}};
+  auto& box = mailboxes_[key];
+  if (!box.posted.empty()) {
+    TransportOp* op = box.posted.front();
+    box.posted.pop_front();
+    if (box.posted.empty() && box.unexpected.empty()) mailboxes_.erase(key);
+    if (op->bytes != message.bytes) {
+      op->complete(code_of(Errc::size_mismatch), -1,
+                   fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, message.bytes, op->bytes));
+      return;
+    }
+    if (message.bytes) std::memcpy(op->recv_data, message.data.get(), message.bytes);
+    op->complete();
+    return;
+  }
+  box.unexpected.push_back(std::move(message));
+}
+
+// ---------------------------------------------------------------- failures
+
+void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
+  if (!c.alive) return;
+  c.alive = false;
+  c.lost_reason = fmt::format("connection to rank {} lost: {}", c.peer, reason);
+  if (!shut_down_) log().warn("rank {}: {}", rank_, c.lost_reason);
+  std::error_code ignored;
+  c.socket.close(ignored);
+
+  std::vector<TransportOp*> ops;
+  // Queued sends to the peer (the one being written completes from its handler) and receives from it.
+  const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
+  ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
+  c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
+  c.control_queue.clear();
+  if (c.current_op) ops.push_back(std::exchange(c.current_op, nullptr));
+  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
+    if (it->first.peer == c.peer) {
+      ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
+      it = mailboxes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Every context the peer belongs to fails: its other members may be waiting on a rank that waits on
+  // the dead one, and would otherwise hang.
+  for (auto& [context, state] : contexts_) {
+    if (state.failed) continue;
+    if (std::find(state.members.begin(), state.members.end(), c.peer) == state.members.end()) continue;
+    state.failed = true;
+    state.code = code_of(Errc::peer_failure);
+    state.failed_peer = c.peer;
+    state.reason = c.lost_reason;
+    collect_context_ops(context, ops);
+  }
+  for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+}
+
+void TcpTransport::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  std::vector<TransportOp*> ops;
+  for (auto& c : connections_) {
+    if (!c) continue;
+    c->alive = false;
+    c->lost_reason = "the transport was shut down";
+    std::error_code ignored;
+    c->socket.close(ignored);
+    ops.insert(ops.end(), c->send_queue.begin(), c->send_queue.end());
+    c->send_queue.clear();
+    if (c->current_op) ops.push_back(std::exchange(c->current_op, nullptr));
+  }
+  for (auto& [key, box] : mailboxes_) ops.insert(ops.end(), box.posted.begin(), box.posted.end());
+  mailboxes_.clear();
+  for (TransportOp* op : ops) {
+    if (!op->done()) op->complete(code_of(Errc::group_failed), -1, "the transport was shut down");
+  }
+}
+
+}  // namespace weft

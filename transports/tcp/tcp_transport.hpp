@@ -1,0 +1,108 @@
+#pragma once
+// The TCP transport (Asio): one connection per peer pair, framed messages (wire.hpp), tag matching.
+#include <deque>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include <asio.hpp>
+
+#include "transports/tcp/wire.hpp"
+#include "weft/loop.hpp"
+#include "weft/transport.hpp"
+
+namespace weft {
+
+class TcpTransport final : public Transport {
+ public:
+  /// `sockets[peer]` is the connected, handshaken socket to each peer (sockets[rank] is unused).
+  TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets);
+  ~TcpTransport() override;
+
+  std::string_view name() const noexcept override { return "tcp"; }
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+
+  void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
+  void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
+  bool cancel_recv(TransportOp& op) override;
+
+  void open_context(std::uint32_t context, std::vector<int> members) override;
+  void close_context(std::uint32_t context) override;
+  void abort_context(std::uint32_t context, Errc code, const std::string& reason) override;
+  bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const override;
+
+  void shutdown() override;
+
+  /// Socket options every weft connection gets (TCP_NODELAY, large buffers).
+  static void tune_socket(asio::ip::tcp::socket& socket);
+
+ private:
+  struct MatchKey {
+    int peer;
+    MessageKey key;
+    friend bool operator==(const MatchKey&, const MatchKey&) = default;
+  };
+  struct MatchKeyHash {
+    std::size_t operator()(const MatchKey& k) const noexcept;
+  };
+  struct Unexpected {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t bytes = 0;
+  };
+  struct Mailbox {
+    std::deque<TransportOp*> posted;       // receives waiting for a message, oldest first
+    std::deque<Unexpected> unexpected;     // messages waiting for a receive, oldest first
+  };
+  struct Connection {
+    int peer = -1;
+    asio::ip::tcp::socket socket;
+    bool alive = true;
+    std::string lost_reason;
+    // Writer: one asynchronous write at a time, the rest queued in order.
+    std::deque<TransportOp*> send_queue;
+    std::deque<std::pair<wire::Header, std::string>> control_queue;  // abort frames, sent before data
+    bool writing = false;
+    bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
+    wire::HeaderBytes send_header{};
+    std::string control_payload;
+    // Reader.
+    wire::HeaderBytes recv_header{};
+    wire::Header current{};
+    TransportOp* current_op = nullptr;  // the receive the payload is read into, if any
+    std::unique_ptr<std::byte[]> scratch;
+    std::size_t scratch_size = 0;
+    explicit Connection(asio::ip::tcp::socket s) : socket(std::move(s)) {}
+  };
+  struct ContextState {
+    std::vector<int> members;
+    bool failed = false;
+    std::error_code code;
+    std::string reason;
+    int failed_peer = -1;
+  };
+
+  void start_write(Connection& c);
+  void on_write_done(Connection& c, const std::error_code& ec);
+  void start_read_header(Connection& c);
+  void on_header(Connection& c);
+  void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
+  void on_payload(Connection& c, bool discard);
+  void deliver_local(const MessageKey& key, const void* data, std::size_t bytes);
+  void fail_connection(Connection& c, const std::string& reason);
+  void fail_context(std::uint32_t context, ContextState& state, std::vector<TransportOp*>& to_complete);
+  void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
+  void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
+  bool context_usable(std::uint32_t context, TransportOp& op);
+
+  Loop& loop_;
+  int rank_;
+  int size_;
+  std::vector<std::unique_ptr<Connection>> connections_;
+  std::unordered_map<MatchKey, Mailbox, MatchKeyHash> mailboxes_;
+  std::unordered_map<std::uint32_t, ContextState> contexts_;
+  bool shut_down_ = false;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // handlers check it after we are gone
+};
+
+}  // namespace weft
