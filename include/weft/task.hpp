@@ -19,8 +19,22 @@ namespace weft {
 template <class T = void>
 class Task;
 
+namespace detail {
+struct TaskPromiseBase;
+}
+
 /// `co_await weft::this_stop_token()` inside a Task yields the Task's std::stop_token without suspending.
-struct this_stop_token {};
+/// (An awaiter that reads its promise, rather than an await_transform: no awaiter is ever copied.)
+struct this_stop_token {
+  std::stop_token token;
+  bool await_ready() const noexcept { return false; }
+  template <class Promise>
+  bool await_suspend(std::coroutine_handle<Promise> h) noexcept {
+    if constexpr (std::is_base_of_v<detail::TaskPromiseBase, Promise>) token = h.promise().stop_token_;
+    return false;
+  }
+  std::stop_token await_resume() const noexcept { return token; }
+};
 
 namespace detail {
 
@@ -41,17 +55,6 @@ struct TaskPromiseBase {
   std::suspend_always initial_suspend() const noexcept { return {}; }
   FinalAwaiter final_suspend() const noexcept { return {}; }
 
-  struct StopTokenAwaiter {
-    std::stop_token token;
-    bool await_ready() const noexcept { return true; }
-    void await_suspend(std::coroutine_handle<>) const noexcept {}
-    std::stop_token await_resume() const noexcept { return token; }
-  };
-  StopTokenAwaiter await_transform(this_stop_token) const noexcept { return {stop_token_}; }
-  template <class Awaitable>
-  Awaitable&& await_transform(Awaitable&& awaitable) const noexcept {
-    return std::forward<Awaitable>(awaitable);
-  }
 };
 
 /// The stop token of the coroutine behind `handle`, if it is a Task; an empty token otherwise.

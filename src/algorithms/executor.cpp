@@ -28,6 +28,8 @@ class Executor {
       : ch_(channel), buf_(buffers), esize_(dtype_size(buffers.dtype)) {
     seg_elems_ = std::max<std::size_t>(1, options.segment_bytes / esize_);
     window_ = std::max(1, options.window);
+    sent_to_.assign(channel.members.size(), 0);
+    received_from_.assign(channel.members.size(), 0);
   }
 
   Task<void> run(const Plan& plan);
@@ -46,24 +48,23 @@ class Executor {
     const std::size_t first = k * seg_elems_;
     return Range{r.offset + first, r.count == 0 ? 0 : std::min(seg_elems_, r.count - first)};
   }
-  static std::uint64_t tag(std::size_t step, std::size_t seg) noexcept {
-    return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(seg);
-  }
   std::byte* recv_at(const Range& r) const noexcept { return buf_.recv + r.offset * esize_; }
   const std::byte* send_at(const Range& r) const noexcept { return buf_.send + r.offset * esize_; }
 
   int transport_rank(int group_rank) const { return ch_.members[static_cast<std::size_t>(group_rank)]; }
 
-  TransportOp& start_send(int to, std::uint64_t t, const std::byte* data, std::size_t elems) {
+  // The k-th message from one rank to another in this operation carries tag k: plans are symmetric, so
+  // the sender's k-th send to a peer is that peer's k-th receive from the sender.
+  TransportOp& start_send(int to, const std::byte* data, std::size_t elems) {
     TransportOp& op = ops_.emplace_back();
-    const MessageKey key{ch_.context, ch_.seq, t};
+    const MessageKey key{ch_.context, ch_.seq, sent_to_[static_cast<std::size_t>(to)]++};
     ch_.transport->start_send(transport_rank(to), key, data, elems * esize_, op);
     sends_.push_back(InflightSend{&op, data, data + elems * esize_});
     return op;
   }
-  TransportOp& start_recv(int from, std::uint64_t t, std::byte* data, std::size_t elems) {
+  TransportOp& start_recv(int from, std::byte* data, std::size_t elems) {
     TransportOp& op = ops_.emplace_back();
-    const MessageKey key{ch_.context, ch_.seq, t};
+    const MessageKey key{ch_.context, ch_.seq, received_from_[static_cast<std::size_t>(from)]++};
     ch_.transport->start_recv(transport_rank(from), key, data, elems * esize_, op);
     return op;
   }
@@ -113,6 +114,8 @@ class Executor {
   kernels::ReduceFn reduce_ = nullptr;
   std::deque<TransportOp> ops_;  // every operation this plan started; a deque keeps their addresses
   std::vector<InflightSend> sends_;
+  std::vector<std::uint64_t> sent_to_;        // messages sent to each group rank so far
+  std::vector<std::uint64_t> received_from_;  // receives posted from each group rank so far
   std::unique_ptr<std::byte[]> temp_;
   bool failed_ = false;
   Errc error_code_ = Errc::protocol_error;
@@ -143,7 +146,7 @@ Task<void> Executor::run(const Plan& plan) {
       case StepKind::send: {
         for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {
           const Range seg = segment(step.send, k);
-          start_send(step.send_to, tag(i, k), send_at(seg), seg.count);
+          start_send(step.send_to, send_at(seg), seg.count);
         }
         ++i;
         break;
@@ -158,14 +161,14 @@ Task<void> Executor::run(const Plan& plan) {
           if (s.kind == StepKind::send_recv) {
             for (std::size_t k = 0, n = segments(s.send); k < n; ++k) {
               const Range seg = segment(s.send, k);
-              start_send(s.send_to, tag(j, k), send_at(seg), seg.count);
+              start_send(s.send_to, send_at(seg), seg.count);
             }
           }
           for (std::size_t k = 0, n = segments(s.recv); k < n; ++k) {
             const Range seg = segment(s.recv, k);
             std::byte* dst = recv_at(seg);
             while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
-            pending.push_back(&start_recv(s.recv_from, tag(j, k), dst, seg.count));
+            pending.push_back(&start_recv(s.recv_from, dst, seg.count));
           }
         }
         for (TransportOp* op : pending) {
@@ -182,13 +185,13 @@ Task<void> Executor::run(const Plan& plan) {
           const Range seg = segment(step.recv, k);
           std::byte* dst = recv_at(seg);
           while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
-          pending.push_back(&start_recv(step.recv_from, tag(i, k), dst, seg.count));
+          pending.push_back(&start_recv(step.recv_from, dst, seg.count));
         }
         for (std::size_t k = 0; k < n; ++k) {
           co_await pending[k]->wait();
           if (!ok(*pending[k])) break;
           const Range seg = segment(step.recv, k);
-          start_send(step.send_to, tag(i, k), recv_at(seg), seg.count);
+          start_send(step.send_to, recv_at(seg), seg.count);
         }
         ++i;
         break;
@@ -199,7 +202,7 @@ Task<void> Executor::run(const Plan& plan) {
         if (step.kind == StepKind::send_recv_reduce) {
           for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {
             const Range seg = segment(step.send, k);
-            start_send(step.send_to, tag(i, k), send_at(seg), seg.count);
+            start_send(step.send_to, send_at(seg), seg.count);
           }
         }
         const bool forward = step.kind == StepKind::recv_reduce_send;
@@ -208,7 +211,7 @@ Task<void> Executor::run(const Plan& plan) {
         std::vector<TransportOp*> pending(n, nullptr);
         auto post = [&](std::size_t k) {
           const Range seg = segment(step.recv, k);
-          pending[k] = &start_recv(step.recv_from, tag(i, k), temp(k % window), seg.count);
+          pending[k] = &start_recv(step.recv_from, temp(k % window), seg.count);
         };
         for (std::size_t k = 0; k < std::min(n, window); ++k) post(k);
         for (std::size_t k = 0; k < n; ++k) {
@@ -218,7 +221,7 @@ Task<void> Executor::run(const Plan& plan) {
           std::byte* dst = recv_at(seg);
           while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
           if (seg.count) reduce_(dst, dst, temp(k % window), seg.count);
-          if (forward) start_send(step.send_to, tag(i, k), dst, seg.count);
+          if (forward) start_send(step.send_to, dst, seg.count);
           if (k + window < n) post(k + window);
         }
         ++i;

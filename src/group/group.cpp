@@ -156,13 +156,16 @@ std::uint32_t derive_context(std::uint32_t parent, std::uint64_t seq, int color)
 
 // Awaits an asio::awaitable<void> from a weft Task: it runs on the same io_context, and the Task resumes
 // from its completion handler on the loop thread.
+// The awaitable is made inside await_suspend: an asio::awaitable held in a co_await temporary does not
+// survive g++ 12's handling of such temporaries.
+template <class MakeAwaitable>
 struct AwaitAsio {
   asio::io_context& io;
-  asio::awaitable<void> work;
-  std::exception_ptr error;
+  MakeAwaitable make;
+  std::exception_ptr error{};
   bool await_ready() const noexcept { return false; }
   void await_suspend(std::coroutine_handle<> h) {
-    asio::co_spawn(io, std::move(work), [this, h](std::exception_ptr e) {
+    asio::co_spawn(io, make(), [this, h](std::exception_ptr e) {
       error = e;
       h.resume();
     });
@@ -176,7 +179,8 @@ Task<Group> create_task(Loop* loop, Options options) {
   co_await loop->schedule();
   BootstrapResult result;
   try {
-    co_await AwaitAsio{loop->context(), bootstrap(loop->context(), options, result), nullptr};
+    auto run_bootstrap = [loop, &options, &result] { return bootstrap(loop->context(), options, result); };
+    co_await AwaitAsio<decltype(run_bootstrap)>{loop->context(), run_bootstrap};
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {

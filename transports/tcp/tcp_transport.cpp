@@ -467,7 +467,17 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
   if (!c.alive) return;
   c.alive = false;
   c.lost_reason = fmt::format("connection to rank {} lost: {}", c.peer, reason);
-  if (!shut_down_) log().warn("rank {}: {}", rank_, c.lost_reason);
+  bool pending = !c.send_queue.empty() || c.current_op;
+  for (const auto& [key, box] : mailboxes_) pending = pending || !box.posted.empty();
+  // A peer that leaves while nothing waits on it is a normal end of a job; one that leaves mid-operation
+  // is the news every rank's log should carry.
+  if (!shut_down_) {
+    if (pending) {
+      log().warn("rank {}: {}", rank_, c.lost_reason);
+    } else {
+      log().debug("rank {}: {}", rank_, c.lost_reason);
+    }
+  }
   std::error_code ignored;
   c.socket.close(ignored);
 
