@@ -251,6 +251,15 @@ Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, st
   }
 }
 
+// What a reduction does after its last combining step: avg divides by the number of ranks; a logical op
+// on one rank still yields 0 or 1 (x && x), as it does on more.
+void finish_reduction(ReduceOp op, void* data, std::size_t count, DType type, int ranks) {
+  if (op == ReduceOp::avg) kernels::divide_in_place(data, count, type, ranks);
+  if ((op == ReduceOp::logical_and || op == ReduceOp::logical_or) && ranks == 1 && count) {
+    kernels::find_reduce(type, ReduceOp::logical_and)(data, data, data, count);
+  }
+}
+
 std::vector<algo::Range> equal_blocks(int p, std::size_t count) {
   std::vector<algo::Range> blocks;
   for (int i = 0; i < p; ++i) blocks.push_back(algo::Range{static_cast<std::size_t>(i) * count, count});
@@ -261,7 +270,7 @@ Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   copy_bytes(out.data, in.data, out.bytes());
   const auto plan = algo::ring_all_reduce(g->size, g->rank, out.count);
   co_await g->run(plan, seq, "all_reduce", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op});
-  if (op == ReduceOp::avg) kernels::divide_in_place(out.data, out.count, out.dtype, g->size);
+  finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
 Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out) {
@@ -280,7 +289,7 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
   co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
-  if (op == ReduceOp::avg) kernels::divide_in_place(out.data, out.count, out.dtype, g->size);
+  finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
 Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root) {
@@ -298,7 +307,7 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
   copy_bytes(work, in.data, in.bytes());
   const auto plan = algo::binomial_reduce(g->size, g->rank, root, in.count);
   co_await g->run(plan, seq, "reduce", algo::PlanBuffers{work, work, in.dtype, op});
-  if (g->rank == root && op == ReduceOp::avg) kernels::divide_in_place(out.data, out.count, out.dtype, g->size);
+  if (g->rank == root) finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
 Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root) {

@@ -1,0 +1,88 @@
+#pragma once
+// Multi-rank test harness: ranks as threads in one process (Gloo's spawn harness), each with its own Loop
+// and its own TCP connections over loopback. Catch2 assertions are not thread-safe, so rank bodies
+// throw (check()) and the harness rethrows the first failure on the test's thread.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <weft/weft.hpp>
+
+namespace weft::test {
+
+/// A TCP port nobody listens on right now (bind to 0, read it, close).
+inline unsigned short free_port(bool v6 = false) {
+  const int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+  unsigned short port = 0;
+  if (v6) {
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    a.sin6_addr = in6addr_loopback;
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    socklen_t len = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin6_port);
+  } else {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    socklen_t len = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+/// Checks made by rank threads; a test asserts that some ran, so that it cannot pass by checking nothing.
+inline std::atomic<long> checks_made{0};
+
+inline void check(bool ok, const std::string& what) {
+  checks_made.fetch_add(1, std::memory_order_relaxed);
+  if (!ok) throw std::runtime_error(what);
+}
+
+struct RankFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Runs `body(group)` on `n` ranks as threads and rethrows the first failure, prefixed with its rank.
+inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {
+  if (base.store.empty()) base.store = "127.0.0.1:" + std::to_string(free_port());
+  base.bootstrap_timeout = std::chrono::seconds(30);
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        // Ranks oversubscribe the cores here: a spinning progress thread would starve the others.
+        Loop loop(Loop::Options{std::chrono::microseconds(0)});
+        Options options = base;
+        options.rank = r;
+        options.world_size = n;
+        Group group = Group::create(loop, options).get();
+        body(group);
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    if (!errors[static_cast<std::size_t>(r)].empty()) {
+      throw RankFailure("rank " + std::to_string(r) + ": " + errors[static_cast<std::size_t>(r)]);
+    }
+  }
+}
+
+}  // namespace weft::test

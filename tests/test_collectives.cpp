@@ -1,0 +1,216 @@
+// Every collective against the reference: every dtype, every defined op, world sizes 1, 2, 3, 4, 5 and 8,
+// counts 0, 1, 7, 4099 and a little over 1 MiB, in place and out of place. Ranks are threads.
+#include <catch2/catch.hpp>
+
+#include "harness.hpp"
+#include "reference.hpp"
+
+using namespace weft;
+using namespace weft::test;
+
+namespace {
+
+std::vector<std::size_t> counts_for(DType t) {
+  return {0, 1, 7, 4099, (std::size_t{1} << 20) / dtype_size(t) + 3};
+}
+
+std::string where(const char* what, DType t, ReduceOp op, std::size_t count, bool in_place) {
+  return fmt::format("{} {} {} x {}{}: ", what, to_string(t), to_string(op), count, in_place ? " (in place)" : "");
+}
+
+void reductions(Group& g, DType t, std::size_t count) {
+  const int p = g.size();
+  const int r = g.rank();
+  const std::size_t esize = dtype_size(t);
+  for (ReduceOp op : all_reduce_ops) {
+    if (!is_defined(t, op)) continue;
+    const auto expected = make_reduced(t, op, p, count);
+    {  // all_reduce, out of place and in place
+      auto in = make_input(t, op, r, count);
+      std::vector<std::byte> out(in.size());
+      g.all_reduce(ConstBufferView(in.data(), count, t), BufferView(out.data(), count, t), op).get();
+      auto diff = compare(t, out.data(), expected.data(), count);
+      check(diff.empty(), where("all_reduce", t, op, count, false) + diff);
+      g.all_reduce(BufferView(in.data(), count, t), op).get();
+      diff = compare(t, in.data(), expected.data(), count);
+      check(diff.empty(), where("all_reduce", t, op, count, true) + diff);
+    }
+    {  // reduce_scatter: block i of every rank's input is reduced into rank i's output
+      std::vector<std::byte> in(static_cast<std::size_t>(p) * count * esize);
+      for (int b = 0; b < p; ++b) {
+        auto part = make_input(t, op, r, count, static_cast<std::size_t>(b) * 13);
+        std::memcpy(in.data() + static_cast<std::size_t>(b) * count * esize, part.data(), part.size());
+      }
+      std::vector<std::byte> out(count * esize);
+      g.reduce_scatter(ConstBufferView(in.data(), in.size() / esize, t), BufferView(out.data(), count, t), op).get();
+      const auto mine = make_reduced(t, op, p, count, static_cast<std::size_t>(r) * 13);
+      const auto diff = compare(t, out.data(), mine.data(), count);
+      check(diff.empty(), where("reduce_scatter", t, op, count, false) + diff);
+    }
+    {  // reduce to a root that moves with the count
+      const int root = static_cast<int>(count % static_cast<std::size_t>(p));
+      auto in = make_input(t, op, r, count);
+      std::vector<std::byte> out(r == root ? in.size() : 0);
+      g.reduce(ConstBufferView(in.data(), count, t), BufferView(out.data(), r == root ? count : 0, t), root, op).get();
+      if (r == root) {
+        const auto diff = compare(t, out.data(), expected.data(), count);
+        check(diff.empty(), where("reduce", t, op, count, false) + diff);
+      }
+    }
+  }
+}
+
+void movements(Group& g, DType t, std::size_t count) {
+  const int p = g.size();
+  const int r = g.rank();
+  const std::size_t esize = dtype_size(t);
+  const std::size_t bytes = count * esize;
+  auto block_of = [&](int rank, std::size_t salt) { return make_input(t, ReduceOp::sum, rank, count, salt); };
+  const int root = static_cast<int>((count + 1) % static_cast<std::size_t>(p));
+  {  // all_gather, out of place and in place
+    auto in = block_of(r, 0);
+    std::vector<std::byte> out(bytes * static_cast<std::size_t>(p));
+    g.all_gather(ConstBufferView(in.data(), count, t), BufferView(out.data(), count * p, t)).get();
+    for (int b = 0; b < p; ++b) {
+      const auto diff = compare(t, out.data() + static_cast<std::size_t>(b) * bytes, block_of(b, 0).data(), count);
+      check(diff.empty(), where("all_gather", t, ReduceOp::sum, count, false) + fmt::format("block {}: ", b) + diff);
+    }
+    std::vector<std::byte> in_place(bytes * static_cast<std::size_t>(p));
+    if (bytes) std::memcpy(in_place.data() + static_cast<std::size_t>(r) * bytes, in.data(), bytes);
+    g.all_gather(ConstBufferView(in_place.data() + static_cast<std::size_t>(r) * bytes, count, t),
+                 BufferView(in_place.data(), count * p, t)).get();
+    check(in_place == out, where("all_gather", t, ReduceOp::sum, count, true) + "differs from out of place");
+  }
+  {  // broadcast
+    auto data = r == root ? block_of(root, 5) : std::vector<std::byte>(bytes, std::byte{0x5a});
+    g.broadcast(BufferView(data.data(), count, t), root).get();
+    const auto diff = compare(t, data.data(), block_of(root, 5).data(), count);
+    check(diff.empty(), where("broadcast", t, ReduceOp::sum, count, true) + diff);
+  }
+  {  // gather and scatter
+    auto in = block_of(r, 9);
+    std::vector<std::byte> out(r == root ? bytes * static_cast<std::size_t>(p) : 0);
+    g.gather(ConstBufferView(in.data(), count, t), BufferView(out.data(), r == root ? count * p : 0, t), root).get();
+    if (r == root) {
+      for (int b = 0; b < p; ++b) {
+        const auto diff = compare(t, out.data() + static_cast<std::size_t>(b) * bytes, block_of(b, 9).data(), count);
+        check(diff.empty(), where("gather", t, ReduceOp::sum, count, false) + fmt::format("block {}: ", b) + diff);
+      }
+    }
+    std::vector<std::byte> all;
+    if (r == root) {
+      for (int b = 0; b < p; ++b) {
+        auto part = block_of(b, 21);
+        all.insert(all.end(), part.begin(), part.end());
+      }
+    }
+    std::vector<std::byte> mine(bytes);
+    g.scatter(ConstBufferView(all.data(), r == root ? count * p : 0, t), BufferView(mine.data(), count, t), root).get();
+    const auto diff = compare(t, mine.data(), block_of(r, 21).data(), count);
+    check(diff.empty(), where("scatter", t, ReduceOp::sum, count, false) + diff);
+  }
+  {  // all_to_all: block j of rank i's input lands in block i of rank j's output
+    std::vector<std::byte> in;
+    for (int j = 0; j < p; ++j) {
+      auto part = block_of(r, static_cast<std::size_t>(j) * 31);
+      in.insert(in.end(), part.begin(), part.end());
+    }
+    std::vector<std::byte> out(in.size());
+    g.all_to_all(ConstBufferView(in.data(), count * p, t), BufferView(out.data(), count * p, t)).get();
+    for (int i = 0; i < p; ++i) {
+      const auto diff = compare(t, out.data() + static_cast<std::size_t>(i) * bytes,
+                                block_of(i, static_cast<std::size_t>(r) * 31).data(), count);
+      check(diff.empty(), where("all_to_all", t, ReduceOp::sum, count, false) + fmt::format("block {}: ", i) + diff);
+    }
+    g.all_to_all(ConstBufferView(in.data(), count * p, t), BufferView(in.data(), count * p, t)).get();
+    check(in == out, where("all_to_all", t, ReduceOp::sum, count, true) + "differs from out of place");
+  }
+  {  // permute: a shift by one, except that the last rank sends nowhere and rank 0 receives nothing
+    std::vector<std::pair<int, int>> pairs;
+    for (int i = 0; i + 1 < p; ++i) pairs.emplace_back(i, i + 1);
+    if (p == 1) pairs.emplace_back(0, 0);
+    auto in = block_of(r, 3);
+    std::vector<std::byte> out(bytes, std::byte{0x77});
+    g.permute(ConstBufferView(in.data(), count, t), BufferView(out.data(), count, t), pairs).get();
+    const std::vector<std::byte> expected =
+        p == 1 ? block_of(0, 3) : (r == 0 ? std::vector<std::byte>(bytes, std::byte{0}) : block_of(r - 1, 3));
+    const auto diff = compare(t, out.data(), expected.data(), count);
+    check(diff.empty(), where("permute", t, ReduceOp::sum, count, false) + diff);
+  }
+}
+
+void matrix(int p) {
+  const long before = checks_made.load();
+  run_ranks(p, [](Group& g) {
+    for (DType t : all_dtypes) {
+      for (std::size_t count : counts_for(t)) {
+        reductions(g, t, count);
+        movements(g, t, count);
+      }
+    }
+    g.barrier().get();
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+}  // namespace
+
+TEST_CASE("every collective matches the reference on 1 rank", "[collectives][p1]") { matrix(1); }
+TEST_CASE("every collective matches the reference on 2 ranks", "[collectives][p2]") { matrix(2); }
+TEST_CASE("every collective matches the reference on 3 ranks", "[collectives][p3]") { matrix(3); }
+TEST_CASE("every collective matches the reference on 4 ranks", "[collectives][p4]") { matrix(4); }
+TEST_CASE("every collective matches the reference on 5 ranks", "[collectives][p5]") { matrix(5); }
+TEST_CASE("every collective matches the reference on 8 ranks", "[collectives][p8]") { matrix(8); }
+
+TEST_CASE("several operations are in flight on one group at once", "[collectives][inflight]") {
+  run_ranks(4, [](Group& g) {
+    const int p = g.size();
+    std::vector<std::vector<float>> sums(6, std::vector<float>(5000));
+    std::vector<std::vector<std::int32_t>> gathered(6, std::vector<std::int32_t>(3 * static_cast<std::size_t>(p)));
+    std::vector<std::int32_t> mine(3, g.rank());
+    std::vector<Future<void>> futures;
+    for (std::size_t k = 0; k < sums.size(); ++k) {
+      std::fill(sums[k].begin(), sums[k].end(), static_cast<float>(g.rank() + static_cast<int>(k)));
+      futures.push_back(g.all_reduce(sums[k]));
+      futures.push_back(g.all_gather(mine, gathered[k]));
+    }
+    // Point-to-point messages with the same tag match in order, and overtake nothing.
+    const int next = (g.rank() + 1) % p;
+    const int prev = (g.rank() + p - 1) % p;
+    std::vector<std::int32_t> first{g.rank() * 10}, second{g.rank() * 10 + 1}, got1(1), got2(1);
+    futures.push_back(g.send(first, next, 5));
+    futures.push_back(g.send(second, next, 5));
+    futures.push_back(g.recv(got1, prev, 5));
+    futures.push_back(g.recv(got2, prev, 5));
+    for (auto& f : futures) f.get();
+    for (std::size_t k = 0; k < sums.size(); ++k) {
+      const float expected = static_cast<float>(p * (p - 1) / 2 + p * static_cast<int>(k));
+      check(sums[k][4999] == expected, fmt::format("all_reduce #{} gave {}, expected {}", k, sums[k][4999], expected));
+      for (int b = 0; b < p; ++b) check(gathered[k][3 * static_cast<std::size_t>(b)] == b, "all_gather block mismatch");
+    }
+    check(got1[0] == prev * 10 && got2[0] == prev * 10 + 1, "point-to-point messages overtook each other");
+  });
+}
+
+TEST_CASE("split forms sub-groups whose collectives stay apart", "[collectives][split]") {
+  run_ranks(5, [](Group& g) {
+    const int color = g.rank() % 2;
+    Group sub = g.split(color, -g.rank()).get();  // key reverses the order
+    const int expected_size = color == 0 ? 3 : 2;
+    check(sub.size() == expected_size, fmt::format("sub-group size {}", sub.size()));
+    std::vector<std::int64_t> v{g.rank()};
+    sub.all_reduce(v).get();
+    const std::int64_t expected = color == 0 ? 0 + 2 + 4 : 1 + 3;
+    check(v[0] == expected, fmt::format("sub-group sum {}, expected {}", v[0], expected));
+    std::vector<std::int32_t> ranks(static_cast<std::size_t>(sub.size()));
+    std::vector<std::int32_t> me{g.rank()};
+    sub.all_gather(me, ranks).get();
+    check(std::is_sorted(ranks.rbegin(), ranks.rend()), "split did not order by key");
+    // The parent still works, and a rank can leave with a negative color.
+    Group none = g.split(g.rank() == 0 ? -1 : 0, 0).get();
+    check(none.valid() == (g.rank() != 0), "negative color");
+    std::vector<float> x{1.0f};
+    g.all_reduce(x).get();
+    check(x[0] == 5.0f, "parent group after split");
+  });
+}
