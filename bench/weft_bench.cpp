@@ -1,1 +1,455 @@
-int main() { return 0; }
+// weft-bench: collective benchmarks in the manner of nccl-tests (algbw, busbw, #wrong; out of place and
+// in place). Runs under weft-run, torchrun-style environments, or mpirun.
+//
+//   weft-bench -c COLLECTIVE -b MINBYTES -e MAXBYTES -f FACTOR -d DTYPE -o OP -r ROOT -w WARMUP -n ITERS
+//              [--check] [--json FILE]
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <weft/weft.hpp>
+
+#include "bench/check_data.hpp"
+
+namespace {
+
+using namespace weft;
+
+enum class Collective { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, barrier };
+
+struct CollectiveInfo {
+  Collective kind;
+  const char* name;
+  const char* algorithm;  // what this build runs for it
+  bool rooted;
+  bool reduces;
+};
+
+constexpr CollectiveInfo collectives[] = {
+    {Collective::all_reduce, "all_reduce", "ring", false, true},
+    {Collective::all_gather, "all_gather", "ring", false, false},
+    {Collective::reduce_scatter, "reduce_scatter", "ring", false, true},
+    {Collective::broadcast, "broadcast", "binomial", true, false},
+    {Collective::reduce, "reduce", "binomial", true, true},
+    {Collective::gather, "gather", "direct", true, false},
+    {Collective::scatter, "scatter", "direct", true, false},
+    {Collective::all_to_all, "all_to_all", "pairwise", false, false},
+    {Collective::barrier, "barrier", "dissemination", false, false},
+};
+
+struct Args {
+  const CollectiveInfo* collective = &collectives[0];
+  std::size_t min_bytes = 8;
+  std::size_t max_bytes = 64 << 20;
+  double factor = 2;
+  DType dtype = DType::f32;
+  ReduceOp op = ReduceOp::sum;
+  int root = 0;
+  int warmup = 5;
+  int iters = 20;
+  bool check = false;
+  std::string json;
+};
+
+[[noreturn]] void usage(const std::string& problem) {
+  if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
+  fmt::print(stderr,
+             "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--json FILE]\n"
+             "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
+             "  sizes take K, M, G suffixes (powers of 1024); DTYPE: bool i8 u8 i16 u16 i32 u32 i64 u64 f16 bf16 f32 f64\n"
+             "  (or nccl-tests names: float, half, bfloat16, int32, ...); OP: sum prod min max avg land lor band bor bxor\n");
+  std::exit(2);
+}
+
+std::size_t parse_size(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || v < 0) usage(fmt::format("{} expects a size such as 8, 64K or 256M, got '{}'", flag, text));
+  double scale = 1;
+  const std::string suffix(end);
+  if (suffix == "K" || suffix == "k") scale = 1024.0;
+  else if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
+  else if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
+  else if (!suffix.empty()) usage(fmt::format("{}: unknown size suffix '{}' in '{}'", flag, suffix, text));
+  return static_cast<std::size_t>(v * scale);
+}
+
+int parse_int(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const long v = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end) usage(fmt::format("{} expects an integer, got '{}'", flag, text));
+  return static_cast<int>(v);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(flag + " needs a value");
+      return argv[++i];
+    };
+    if (flag == "-c" || flag == "--collective") {
+      const std::string name = value();
+      a.collective = nullptr;
+      for (const auto& c : collectives) {
+        if (name == c.name) a.collective = &c;
+      }
+      if (!a.collective) usage(fmt::format("unknown collective '{}'", name));
+    } else if (flag == "-b" || flag == "--minbytes") {
+      a.min_bytes = parse_size(flag, value());
+    } else if (flag == "-e" || flag == "--maxbytes") {
+      a.max_bytes = parse_size(flag, value());
+    } else if (flag == "-f" || flag == "--stepfactor") {
+      a.factor = std::strtod(value().c_str(), nullptr);
+      if (a.factor <= 1) usage("-f expects a factor above 1");
+    } else if (flag == "-d" || flag == "--datatype") {
+      const std::string name = value();
+      auto t = parse_dtype(name);
+      if (!t) usage(fmt::format("unknown dtype '{}'", name));
+      a.dtype = *t;
+    } else if (flag == "-o" || flag == "--op") {
+      const std::string name = value();
+      auto op = parse_reduce_op(name);
+      if (!op) usage(fmt::format("unknown op '{}'", name));
+      a.op = *op;
+    } else if (flag == "-r" || flag == "--root") {
+      a.root = parse_int(flag, value());
+    } else if (flag == "-w" || flag == "--warmup_iters") {
+      a.warmup = parse_int(flag, value());
+    } else if (flag == "-n" || flag == "--iters") {
+      a.iters = parse_int(flag, value());
+      if (a.iters < 1) usage("-n expects at least 1 iteration");
+    } else if (flag == "--check") {
+      a.check = true;
+    } else if (flag == "--json") {
+      a.json = value();
+    } else if (flag == "-h" || flag == "--help") {
+      usage("");
+    } else {
+      usage(fmt::format("unknown option '{}'", flag));
+    }
+  }
+  if (a.min_bytes > a.max_bytes) usage("-b is larger than -e");
+  if (a.collective->reduces && !is_defined(a.dtype, a.op)) {
+    usage(fmt::format("op {} is not defined on {}", to_string(a.op), to_string(a.dtype)));
+  }
+  return a;
+}
+
+double bus_factor(Collective c, int n) {
+  const double p = n;
+  switch (c) {
+    case Collective::all_reduce: return 2 * (p - 1) / p;
+    case Collective::reduce_scatter:
+    case Collective::all_gather:
+    case Collective::all_to_all:
+    case Collective::gather:
+    case Collective::scatter: return (p - 1) / p;
+    case Collective::broadcast:
+    case Collective::reduce: return 1;
+    case Collective::barrier: return 0;
+  }
+  return 1;
+}
+
+// One size of one collective: the buffers and how to run and check it.
+struct Case {
+  Case(const Args& a, Group& g) : args(a), group(g) {}
+  const Args& args;
+  Group& group;
+  std::size_t count = 0;        // elements per rank block (the "count" column is count x blocks)
+  std::size_t blocks = 1;       // blocks in the full array (p for gathers and scatters)
+  std::vector<std::byte> input;
+  std::vector<std::byte> output;
+
+  std::size_t esize() const { return dtype_size(args.dtype); }
+  int p() const { return group.size(); }
+  int r() const { return group.rank(); }
+  bool at_root() const { return r() == args.root; }
+
+  void fill() {
+    const auto t = args.dtype;
+    const auto op = args.collective->reduces ? args.op : ReduceOp::sum;
+    const std::size_t b = count * esize();
+    switch (args.collective->kind) {
+      case Collective::all_reduce:
+      case Collective::reduce:
+      case Collective::broadcast:
+      case Collective::all_gather:
+      case Collective::gather:
+        input = reference::make_input(t, op, r(), count);
+        break;
+      case Collective::reduce_scatter:
+      case Collective::all_to_all:
+      case Collective::scatter:
+        input.clear();
+        for (int k = 0; k < p(); ++k) {
+          auto part = reference::make_input(t, op, r(), count, static_cast<std::size_t>(k) * 13);
+          input.insert(input.end(), part.begin(), part.end());
+        }
+        break;
+      case Collective::barrier: input.clear(); break;
+    }
+    const std::size_t out_blocks =
+        (args.collective->kind == Collective::all_gather || args.collective->kind == Collective::gather ||
+         args.collective->kind == Collective::all_to_all)
+            ? static_cast<std::size_t>(p())
+            : 1;
+    output.assign(args.collective->kind == Collective::barrier ? 0 : out_blocks * b, std::byte{0});
+  }
+
+  // Runs once. In place: the output buffer is also the input (or holds it, for gathers and scatters).
+  Future<void> start(bool in_place) {
+    const auto t = args.dtype;
+    const std::size_t b = count * esize();
+    const auto pn = static_cast<std::size_t>(p());
+    auto* out = output.data();
+    switch (args.collective->kind) {
+      case Collective::all_reduce:
+        if (in_place) return group.all_reduce(BufferView(out, count, t), args.op);
+        return group.all_reduce(ConstBufferView(input.data(), count, t), BufferView(out, count, t), args.op);
+      case Collective::all_gather:
+        if (in_place) return group.all_gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t), BufferView(out, count * pn, t));
+        return group.all_gather(ConstBufferView(input.data(), count, t), BufferView(out, count * pn, t));
+      case Collective::reduce_scatter:
+        if (in_place) return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.op);
+        return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(out, count, t), args.op);
+      case Collective::broadcast:
+        if (!in_place && at_root()) std::memcpy(out, input.data(), b);
+        return group.broadcast(BufferView(out, count, t), args.root);
+      case Collective::reduce:
+        if (in_place) return group.reduce(ConstBufferView(out, count, t), BufferView(out, count, t), args.root, args.op);
+        return group.reduce(ConstBufferView(input.data(), count, t), BufferView(out, count, t), args.root, args.op);
+      case Collective::gather:
+        if (in_place) return group.gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t), BufferView(out, at_root() ? count * pn : 0, t), args.root);
+        return group.gather(ConstBufferView(input.data(), count, t), BufferView(out, at_root() ? count * pn : 0, t), args.root);
+      case Collective::scatter:
+        if (in_place) return group.scatter(ConstBufferView(input.data(), at_root() ? count * pn : 0, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.root);
+        return group.scatter(ConstBufferView(input.data(), at_root() ? count * pn : 0, t), BufferView(out, count, t), args.root);
+      case Collective::all_to_all:
+        if (in_place) return group.all_to_all(ConstBufferView(out, count * pn, t), BufferView(out, count * pn, t));
+        return group.all_to_all(ConstBufferView(input.data(), count * pn, t), BufferView(out, count * pn, t));
+      case Collective::barrier: return group.barrier();
+    }
+    return group.barrier();
+  }
+
+  // Prepares the buffers of an in-place run from the inputs (in-place runs consume their input).
+  void stage_in_place() {
+    const std::size_t b = count * esize();
+    switch (args.collective->kind) {
+      case Collective::all_reduce:
+      case Collective::reduce:
+        std::memcpy(output.data(), input.data(), b);
+        break;
+      case Collective::all_gather:
+      case Collective::gather:
+        std::memcpy(output.data() + static_cast<std::size_t>(r()) * b, input.data(), b);
+        break;
+      case Collective::all_to_all:
+        std::memcpy(output.data(), input.data(), input.size());
+        break;
+      case Collective::broadcast:
+        if (at_root()) std::memcpy(output.data(), input.data(), b);
+        break;
+      default: break;
+    }
+  }
+
+  // Elements that differ from the reference after one run.
+  std::size_t wrong(bool in_place) {
+    const auto t = args.dtype;
+    const std::size_t b = count * esize();
+    auto count_wrong = [&](const std::byte* got, const std::vector<std::byte>& expected, std::size_t n) {
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (std::memcmp(got + i * esize(), expected.data() + i * esize(), esize()) != 0) ++bad;
+      }
+      return bad;
+    };
+    switch (args.collective->kind) {
+      case Collective::all_reduce:
+        return count_wrong(output.data(), reference::make_reduced(t, args.op, p(), count), count);
+      case Collective::reduce:
+        return at_root() ? count_wrong(output.data(), reference::make_reduced(t, args.op, p(), count), count) : 0;
+      case Collective::reduce_scatter: {
+        const std::byte* got = in_place ? input.data() + static_cast<std::size_t>(r()) * b : output.data();
+        return count_wrong(got, reference::make_reduced(t, args.op, p(), count, static_cast<std::size_t>(r()) * 13), count);
+      }
+      case Collective::broadcast:
+        return count_wrong(output.data(), reference::make_input(t, ReduceOp::sum, args.root, count), count);
+      case Collective::all_gather:
+      case Collective::gather: {
+        if (args.collective->kind == Collective::gather && !at_root()) return 0;
+        std::size_t bad = 0;
+        for (int k = 0; k < p(); ++k) bad += count_wrong(output.data() + static_cast<std::size_t>(k) * b, reference::make_input(t, ReduceOp::sum, k, count), count);
+        return bad;
+      }
+      case Collective::scatter: {
+        const std::byte* got = in_place ? input.data() + static_cast<std::size_t>(r()) * b : output.data();
+        return count_wrong(got, reference::make_input(t, ReduceOp::sum, args.root, count, static_cast<std::size_t>(r()) * 13), count);
+      }
+      case Collective::all_to_all: {
+        std::size_t bad = 0;
+        for (int k = 0; k < p(); ++k) {
+          bad += count_wrong(output.data() + static_cast<std::size_t>(k) * b,
+                             reference::make_input(t, ReduceOp::sum, k, count, static_cast<std::size_t>(r()) * 13), count);
+        }
+        return bad;
+      }
+      case Collective::barrier: return 0;
+    }
+    return 0;
+  }
+};
+
+struct Measurement {
+  double time_us = 0;
+  double algbw = 0;
+  double busbw = 0;
+  std::int64_t wrong = 0;
+};
+
+template <class T>
+T reduce_across(Group& g, T value, ReduceOp op) {
+  std::vector<T> v{value};
+  g.all_reduce(v, op).get();
+  return v[0];
+}
+
+Measurement measure(Case& c, bool in_place, std::size_t bytes) {
+  const Args& a = c.args;
+  Measurement m;
+  if (in_place) c.stage_in_place();
+  for (int i = 0; i < a.warmup; ++i) c.start(in_place).get();
+  c.group.barrier().get();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < a.iters; ++i) c.start(in_place).get();
+  const auto t1 = std::chrono::steady_clock::now();
+  const double local_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / a.iters;
+  m.time_us = reduce_across(c.group, local_us, ReduceOp::max);  // the slowest rank sets the pace
+  const double seconds = m.time_us * 1e-6;
+  m.algbw = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
+  m.busbw = m.algbw * bus_factor(a.collective->kind, c.p());
+  if (a.check) {
+    c.fill();
+    if (in_place) c.stage_in_place();
+    c.start(in_place).get();
+    m.wrong = reduce_across(c.group, static_cast<std::int64_t>(c.wrong(in_place)), ReduceOp::sum);
+  }
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  try {
+    Loop loop;
+    Group group = Group::create(loop).get();
+    const int p = group.size();
+    if (args.collective->rooted && (args.root < 0 || args.root >= p)) usage(fmt::format("root {} is not a rank of {}", args.root, p));
+    const bool leader = group.rank() == 0;
+    const bool tty = isatty(STDOUT_FILENO) != 0;
+    const auto& info = *args.collective;
+    const char* root_text = info.rooted ? nullptr : "-1";
+
+    std::FILE* json = nullptr;
+    if (leader && !args.json.empty()) {
+      json = std::fopen(args.json.c_str(), "w");
+      if (!json) {
+        fmt::print(stderr, "weft-bench: cannot write {}\n", args.json);
+        return 2;
+      }
+      fmt::print(json, "[\n");
+    }
+    if (leader) {
+      fmt::print("# weft-bench: {} on {} ranks, transport tcp, algorithm {}, dtype {}, op {}, warmup {}, iters {}{}\n",
+                 info.name, p, info.algorithm, to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
+                 args.warmup, args.iters, args.check ? ", check on" : "");
+      fmt::print("#\n# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "", "", "",
+                 "", "", "out-of-place", "", "", "", "in-place", "", "", "");
+      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "size", "count",
+                 "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
+      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "(B)",
+                 "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+      std::fflush(stdout);
+    }
+
+    const std::size_t esize = dtype_size(args.dtype);
+    const bool blocked = info.kind == Collective::all_gather || info.kind == Collective::reduce_scatter ||
+                         info.kind == Collective::gather || info.kind == Collective::scatter ||
+                         info.kind == Collective::all_to_all;
+    const std::size_t unit = esize * (blocked ? static_cast<std::size_t>(p) : 1);
+    double busbw_sum = 0;
+    int rows = 0;
+    std::int64_t wrong_total = 0;
+    bool first_record = true;
+    std::vector<std::size_t> sizes;
+    for (double s = static_cast<double>(args.min_bytes); s <= static_cast<double>(args.max_bytes) * 1.0000001; s *= args.factor) {
+      const auto bytes = static_cast<std::size_t>(s) / unit * unit;
+      if (sizes.empty() || sizes.back() != bytes) sizes.push_back(bytes);
+      if (s == 0) break;
+    }
+    if (info.kind == Collective::barrier) sizes = {0};
+    std::size_t done = 0;
+    for (std::size_t bytes : sizes) {
+      Case c(args, group);
+      c.count = bytes / unit;
+      c.fill();
+      const Measurement out_of_place = measure(c, false, bytes);
+      c.fill();
+      const Measurement in_place = measure(c, true, bytes);
+      wrong_total += out_of_place.wrong + in_place.wrong;
+      ++done;
+      if (!leader) continue;
+      const std::size_t count_column = c.count * (blocked ? static_cast<std::size_t>(p) : 1);
+      const std::string root = root_text ? root_text : std::to_string(args.root);
+      auto wrong_text = [&](const Measurement& m) { return args.check ? std::to_string(m.wrong) : std::string("N/A"); };
+      if (tty) fmt::print(stderr, "\r\033[K");
+      fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}\n",
+                 bytes, count_column, to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none", root,
+                 out_of_place.time_us, out_of_place.algbw, out_of_place.busbw, wrong_text(out_of_place), in_place.time_us,
+                 in_place.algbw, in_place.busbw, wrong_text(in_place));
+      std::fflush(stdout);
+      if (tty) fmt::print(stderr, "weft-bench: {}/{} sizes done", done, sizes.size());
+      busbw_sum += out_of_place.busbw + in_place.busbw;
+      rows += 2;
+      if (json) {
+        for (const auto* m : {&out_of_place, &in_place}) {
+          fmt::print(json,
+                     "{}  {{\"collective\": \"{}\", \"algorithm\": \"{}\", \"transport\": \"tcp\", \"bytes\": {}, \"count\": {}, "
+                     "\"dtype\": \"{}\", \"op\": \"{}\", \"root\": {}, \"ranks\": {}, \"inplace\": {}, \"time_us\": {:.3f}, "
+                     "\"algbw\": {:.6f}, \"busbw\": {:.6f}, \"wrong\": {}}}",
+                     first_record ? "" : ",\n", info.name, info.algorithm, bytes, count_column,
+                     to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none",
+                     info.rooted ? args.root : -1, p, m == &in_place ? "true" : "false", m->time_us, m->algbw, m->busbw,
+                     args.check ? m->wrong : -1);
+          first_record = false;
+        }
+      }
+    }
+    if (leader) {
+      if (tty) fmt::print(stderr, "\r\033[K");
+      fmt::print("# Out of bounds values : {} {}\n", args.check ? wrong_total : 0, args.check ? (wrong_total ? "FAILED" : "OK") : "(not checked)");
+      fmt::print("# Avg bus bandwidth    : {:.4f}\n", rows ? busbw_sum / rows : 0.0);
+      if (json) {
+        fmt::print(json, "\n]\n");
+        std::fclose(json);
+      }
+    }
+    return wrong_total ? 1 : 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "weft-bench: {}\n", e.what());
+    return 1;
+  }
+}

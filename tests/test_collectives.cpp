@@ -3,10 +3,11 @@
 #include <catch2/catch.hpp>
 
 #include "harness.hpp"
-#include "reference.hpp"
+#include "bench/check_data.hpp"
 
 using namespace weft;
 using namespace weft::test;
+using namespace weft::reference;
 
 namespace {
 

@@ -1,1 +1,278 @@
-int main() { return 0; }
+// weft-run: starts N local ranks of a program with weft's environment set, prefixes every output line with
+// its rank, and when one rank fails (non-zero exit or a signal) ends the others and fails, naming it.
+//
+//   weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--] PROGRAM [ARGS...]
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace {
+
+volatile sig_atomic_t interrupted = 0;
+
+void on_signal(int sig) { interrupted = sig; }
+
+[[noreturn]] void usage(const std::string& problem) {
+  if (!problem.empty()) fmt::print(stderr, "weft-run: {}\n", problem);
+  fmt::print(stderr,
+             "usage: weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--] PROGRAM [ARGS...]\n"
+             "  Starts N ranks of PROGRAM with WEFT_RANK, WEFT_WORLD_SIZE, WEFT_LOCAL_RANK and WEFT_STORE set.\n"
+             "  --host ADDR      address of the store rank 0 serves (default 127.0.0.1)\n"
+             "  --port P         its port (default: a free one)\n"
+             "  --timeout S      end every rank and fail after S seconds (default: none)\n");
+  std::exit(2);
+}
+
+int parse_int(const char* flag, const char* text) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text, &end, 10);
+  if (errno || !end || *end || v < 0 || v > 1'000'000) usage(fmt::format("{} expects a non-negative integer, got '{}'", flag, text));
+  return static_cast<int>(v);
+}
+
+unsigned short free_port(const std::string& host) {
+  const bool v6 = host.find(':') != std::string::npos;
+  const int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+  unsigned short port = 0;
+  if (v6) {
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    inet_pton(AF_INET6, host.c_str(), &a.sin6_addr);
+    socklen_t len = sizeof a;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port = ntohs(a.sin6_port);
+    }
+  } else {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+    socklen_t len = sizeof a;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port = ntohs(a.sin_port);
+    }
+  }
+  ::close(fd);
+  if (port == 0) {
+    fmt::print(stderr, "weft-run: cannot find a free port on {}\n", host);
+    std::exit(2);
+  }
+  return port;
+}
+
+struct Rank {
+  pid_t pid = -1;
+  int out_fd = -1;
+  int err_fd = -1;
+  std::string out_partial;
+  std::string err_partial;
+  bool running = false;
+  int status = 0;
+};
+
+// Writes every complete line of `chunk` with the rank prefix; keeps the unfinished tail for later.
+void emit(int rank, std::string& partial, const char* chunk, std::size_t n, FILE* to, bool flush_all) {
+  partial.append(chunk, n);
+  std::size_t start = 0;
+  for (;;) {
+    const auto nl = partial.find('\n', start);
+    if (nl == std::string::npos) break;
+    fmt::print(to, "[{}] {}\n", rank, std::string_view(partial).substr(start, nl - start));
+    start = nl + 1;
+  }
+  partial.erase(0, start);
+  if (flush_all && !partial.empty()) {
+    fmt::print(to, "[{}] {}\n", rank, partial);
+    partial.clear();
+  }
+  std::fflush(to);
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  return "ended";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int n = -1;
+  int port = -1;
+  int timeout_s = 0;
+  std::string host = "127.0.0.1";
+  int i = 1;
+  for (; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> const char* {
+      if (i + 1 >= argc) usage(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "-n" || a == "--np" || a == "-np") n = parse_int("-n", value());
+    else if (a == "--port") port = parse_int("--port", value());
+    else if (a == "--host") host = value();
+    else if (a == "--timeout") timeout_s = parse_int("--timeout", value());
+    else if (a == "-h" || a == "--help") usage("");
+    else if (a == "--") {
+      ++i;
+      break;
+    } else if (!a.empty() && a[0] == '-') usage("unknown option " + a);
+    else break;
+  }
+  if (n < 1) usage("-n N (N >= 1) is required");
+  if (i >= argc) usage("no program to run");
+  if (port < 0) port = free_port(host);
+  const std::string store = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  std::vector<Rank> ranks(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    int out[2];
+    int err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+      fmt::print(stderr, "weft-run: pipe: {}\n", std::strerror(errno));
+      return 2;
+    }
+    const pid_t pid = fork();
+    if (pid < 0) {
+      fmt::print(stderr, "weft-run: fork: {}\n", std::strerror(errno));
+      return 2;
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a rank never outlives its launcher
+      dup2(out[1], STDOUT_FILENO);
+      dup2(err[1], STDERR_FILENO);
+      setenv("WEFT_RANK", std::to_string(r).c_str(), 1);
+      setenv("WEFT_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("WEFT_LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WEFT_LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("WEFT_STORE", store.c_str(), 1);
+      execvp(argv[i], argv + i);
+      fmt::print(stderr, "weft-run: cannot run {}: {}\n", argv[i], std::strerror(errno));
+      _exit(127);
+    }
+    close(out[1]);
+    close(err[1]);
+    auto& rank = ranks[static_cast<std::size_t>(r)];
+    rank.pid = pid;
+    rank.out_fd = out[0];
+    rank.err_fd = err[0];
+    rank.running = true;
+  }
+
+  const auto started = std::chrono::steady_clock::now();
+  int failed_rank = -1;
+  int failed_status = 0;
+  bool ending = false;
+  std::chrono::steady_clock::time_point kill_at{};
+  auto end_all = [&](int sig) {
+    for (auto& r : ranks) {
+      if (r.running) kill(r.pid, sig);
+    }
+  };
+
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr)
+    for (int r = 0; r < n; ++r) {
+      auto& rank = ranks[static_cast<std::size_t>(r)];
+      if (rank.out_fd >= 0) {
+        fds.push_back({rank.out_fd, POLLIN, 0});
+        owners.emplace_back(r, false);
+      }
+      if (rank.err_fd >= 0) {
+        fds.push_back({rank.err_fd, POLLIN, 0});
+        owners.emplace_back(r, true);
+      }
+    }
+    bool any_running = false;
+    for (auto& r : ranks) any_running = any_running || r.running;
+    if (fds.empty() && !any_running) break;
+
+    poll(fds.data(), fds.size(), 50);
+    for (std::size_t k = 0; k < fds.size(); ++k) {
+      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      auto [r, is_err] = owners[k];
+      auto& rank = ranks[static_cast<std::size_t>(r)];
+      char buffer[65536];
+      const ssize_t got = read(fds[k].fd, buffer, sizeof buffer);
+      if (got > 0) {
+        emit(r, is_err ? rank.err_partial : rank.out_partial, buffer, static_cast<std::size_t>(got), is_err ? stderr : stdout, false);
+      } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+        emit(r, is_err ? rank.err_partial : rank.out_partial, "", 0, is_err ? stderr : stdout, true);
+        close(fds[k].fd);
+        (is_err ? rank.err_fd : rank.out_fd) = -1;
+      }
+    }
+
+    for (int r = 0; r < n; ++r) {
+      auto& rank = ranks[static_cast<std::size_t>(r)];
+      if (!rank.running) continue;
+      int status = 0;
+      if (waitpid(rank.pid, &status, WNOHANG) == rank.pid) {
+        rank.running = false;
+        rank.status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && failed_rank < 0 && !ending) {
+          failed_rank = r;
+          failed_status = status;
+          fmt::print(stderr, "weft-run: rank {} {}; ending the other ranks\n", r, describe(status));
+          ending = true;
+          end_all(SIGTERM);
+          kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+        }
+      }
+    }
+
+    if (interrupted && !ending) {
+      fmt::print(stderr, "weft-run: interrupted (signal {}); ending every rank\n", static_cast<int>(interrupted));
+      ending = true;
+      end_all(SIGTERM);
+      kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    }
+    if (timeout_s > 0 && !ending && std::chrono::steady_clock::now() - started > std::chrono::seconds(timeout_s)) {
+      fmt::print(stderr, "weft-run: timed out after {} s; ending every rank\n", timeout_s);
+      ending = true;
+      failed_status = -1;
+      end_all(SIGTERM);
+      kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    }
+    if (ending && std::chrono::steady_clock::now() > kill_at) {
+      end_all(SIGKILL);
+      // Stragglers' pipes may be held open by their own children: stop reading once every rank is gone.
+      bool any = false;
+      for (auto& r : ranks) any = any || r.running;
+      if (!any) break;
+    }
+  }
+
+  if (failed_rank >= 0) {
+    fmt::print(stderr, "weft-run: failed: rank {} {}\n", failed_rank, describe(failed_status));
+    if (WIFEXITED(failed_status)) return WEXITSTATUS(failed_status);
+    return 128 + WTERMSIG(failed_status);
+  }
+  if (interrupted) return 130;
+  if (failed_status == -1) return 124;
+  return 0;
+}

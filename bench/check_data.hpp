@@ -1,5 +1,5 @@
 #pragma once
-// Test data and an independent reference for every (dtype, op): values are small so that every
+// Check data (shared by weft-bench --check and the tests) and an independent reference for every (dtype, op): values are small so that every
 // reduction order gives the same exact result, and the reference reduces in rank order in wide types.
 #include <cstdint>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 #include <weft/weft.hpp>
 
-namespace weft::test {
+namespace weft::reference {
 
 /// Element i of rank r's input for reduction `op` (also used, with op sum, for data movement tests).
 inline double value(DType t, ReduceOp op, int r, std::size_t i) {
@@ -145,4 +145,4 @@ inline std::string compare(DType t, const void* got, const void* expected, std::
   return "differs";
 }
 
-}  // namespace weft::test
+}  // namespace weft::reference
