@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <weft/weft.hpp>
 
 namespace weft::test {

@@ -55,7 +55,11 @@ struct GroupState {
 
   ~GroupState() {
     if (!transport) return;
-    loop->post([transport = transport, context = context] { transport->close_context(context); });
+    // A weak reference: the last Group's transport is deleted now (DeleteOnLoop), not by this lambda
+    // after the Loop may have stopped.
+    loop->post([weak = std::weak_ptr<Transport>(transport), context = context] {
+      if (auto t = weak.lock()) t->close_context(context);
+    });
   }
 
   ErrorContext where(const char* op, std::int64_t seq, int peer = -1, std::int64_t tag = -1) const {

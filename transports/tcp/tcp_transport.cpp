@@ -116,7 +116,9 @@ void TcpTransport::collect_context_ops(std::uint32_t context, std::vector<Transp
       continue;
     }
     for (TransportOp* op : it->second.posted) out.push_back(op);
-    it = mailboxes_.erase(it);  // stale unexpected messages of a failed context are dropped too
+    it->second.posted.clear();
+    // Messages that arrived before the failure stay receivable (close_context drops them).
+    it = it->second.unexpected.empty() ? mailboxes_.erase(it) : std::next(it);
   }
   for (auto& c : connections_) {
     if (!c) continue;
@@ -250,7 +252,7 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
   op.key = key;
   op.recv_data = data;
   op.bytes = bytes;
-  if (!context_usable(key.context, op)) return;
+  // A message that already arrived is delivered even when its sender or the context failed since.
   auto it = mailboxes_.find(MatchKey{peer, key});
   if (it != mailboxes_.end() && !it->second.unexpected.empty()) {
     Unexpected message = std::move(it->second.unexpected.front());
@@ -265,6 +267,7 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
     op.complete();
     return;
   }
+  if (!context_usable(key.context, op)) return;
   if (peer != rank_) {
     auto& c = *connections_[static_cast<std::size_t>(peer)];
     if (!c.alive) {
@@ -491,7 +494,9 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
   for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
     if (it->first.peer == c.peer) {
       ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
-      it = mailboxes_.erase(it);
+      it->second.posted.clear();
+      // What the peer sent before it left is still delivered to receives posted later.
+      it = it->second.unexpected.empty() ? mailboxes_.erase(it) : std::next(it);
     } else {
       ++it;
     }

@@ -1,0 +1,269 @@
+// Core: Task, Future, when_all / when_any, timers, cancellation, the loop's two modes and its completion
+// hook; the 16-bit float conversions and the reduction kernels.
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <asio.hpp>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+
+#include <weft/weft.hpp>
+
+#include "kernels/cpu/reduce.hpp"
+
+using namespace weft;
+using namespace std::chrono_literals;
+
+namespace {
+
+Task<int> forty_two(bool& ran) {
+  ran = true;
+  co_return 42;
+}
+
+Task<int> add_one(Task<int> inner) { co_return co_await std::move(inner) + 1; }
+
+Task<void> fail_with(const char* message) {
+  throw std::runtime_error(message);
+  co_return;
+}
+
+Task<int> depth(int n) {
+  if (n == 0) co_return 0;
+  co_return co_await depth(n - 1) + 1;
+}
+
+Task<int> sleepy(Loop& loop, std::chrono::milliseconds d, int value) {
+  co_await sleep_for(loop, d);
+  co_return value;
+}
+
+Task<int> failing_after(Loop& loop, std::chrono::milliseconds d) {
+  co_await sleep_for(loop, d);
+  throw std::runtime_error("child failed");
+}
+
+}  // namespace
+
+TEST_CASE("a Task is lazy and runs when awaited", "[core][task]") {
+  Loop loop;
+  bool ran = false;
+  Task<int> t = forty_two(ran);
+  CHECK_FALSE(ran);
+  CHECK(sync_wait(loop, add_one(std::move(t))) == 43);
+  CHECK(ran);
+}
+
+TEST_CASE("a Task's exception reaches its awaiter", "[core][task]") {
+  Loop loop;
+  CHECK_THROWS_WITH(sync_wait(loop, fail_with("boom")), "boom");
+}
+
+TEST_CASE("symmetric transfer keeps a deep chain of Tasks off the stack", "[core][task]") {
+  Loop loop;
+  CHECK(sync_wait(loop, depth(200000)) == 200000);
+}
+
+TEST_CASE("a Future completed on the loop thread is waited on from another thread", "[core][future]") {
+  Loop loop;
+  Future<int> f = spawn(loop, sleepy(loop, 30ms, 7));
+  CHECK_FALSE(f.ready());
+  CHECK_FALSE(f.wait_for(1ms));
+  f.wait();
+  CHECK(f.ready());
+  CHECK(f.get() == 7);
+}
+
+TEST_CASE("a Future can be awaited from a Task", "[core][future]") {
+  Loop loop;
+  auto outer = [](Loop& l) -> Task<int> {
+    Future<int> inner = spawn(l, sleepy(l, 5ms, 20));
+    co_return co_await std::move(inner) + 1;
+  };
+  CHECK(sync_wait(loop, outer(loop)) == 21);
+}
+
+TEST_CASE("cancelling a sleeping Future fails it with CancelledError", "[core][cancel]") {
+  Loop loop;
+  Future<int> f = spawn(loop, sleepy(loop, 10s, 1));
+  const auto start = std::chrono::steady_clock::now();
+  f.cancel();
+  CHECK_THROWS_AS(f.get(), CancelledError);
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+}
+
+TEST_CASE("when_all returns every value in order", "[core][when]") {
+  Loop loop;
+  auto all = [](Loop& l) -> Task<std::vector<int>> {
+    std::vector<Future<int>> fs;
+    fs.push_back(spawn(l, sleepy(l, 20ms, 1)));
+    fs.push_back(spawn(l, sleepy(l, 1ms, 2)));
+    fs.push_back(spawn(l, sleepy(l, 10ms, 3)));
+    co_return co_await when_all(std::move(fs));
+  };
+  CHECK(sync_wait(loop, all(loop)) == std::vector<int>{1, 2, 3});
+}
+
+TEST_CASE("when_all over different types returns a tuple", "[core][when]") {
+  Loop loop;
+  auto all = [](Loop& l) -> Task<int> {
+    auto [a, b] = co_await when_all(spawn(l, sleepy(l, 2ms, 5)), spawn(l, sleepy(l, 1ms, 6)));
+    co_return a * b;
+  };
+  CHECK(sync_wait(loop, all(loop)) == 30);
+}
+
+TEST_CASE("when_all: a failing child cancels its siblings and the failure is rethrown", "[core][when]") {
+  Loop loop;
+  auto all = [](Loop& l) -> Task<std::vector<int>> {
+    std::vector<Future<int>> fs;
+    fs.push_back(spawn(l, sleepy(l, 30s, 1)));
+    fs.push_back(spawn(l, failing_after(l, 5ms)));
+    fs.push_back(spawn(l, sleepy(l, 30s, 3)));
+    co_return co_await when_all(std::move(fs));
+  };
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(sync_wait(loop, all(loop)), "child failed");
+  CHECK(std::chrono::steady_clock::now() - start < 5s);  // the 30 s siblings were cancelled
+}
+
+TEST_CASE("when_any returns the first to finish and cancels the rest", "[core][when]") {
+  Loop loop;
+  auto any = [](Loop& l) -> Task<WhenAnyResult<int>> {
+    std::vector<Future<int>> fs;
+    fs.push_back(spawn(l, sleepy(l, 30s, 1)));
+    fs.push_back(spawn(l, sleepy(l, 2ms, 2)));
+    co_return co_await when_any(std::move(fs));
+  };
+  const auto start = std::chrono::steady_clock::now();
+  auto winner = sync_wait(loop, any(loop));
+  CHECK(winner.index == 1);
+  CHECK(winner.value == 2);
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("cancelling a Task's Future reaches the Futures it awaits", "[core][cancel]") {
+  Loop loop;
+  auto outer = [](Loop& l) -> Task<int> {
+    co_return co_await spawn(l, sleepy(l, 30s, 1));
+  };
+  Future<int> f = spawn(loop, outer(loop));
+  std::this_thread::sleep_for(5ms);
+  f.cancel();
+  CHECK_THROWS_AS(f.get(), CancelledError);
+}
+
+TEST_CASE("a borrowed io_context runs weft's work on the caller's thread", "[core][loop]") {
+  asio::io_context io;
+  Loop loop(io);
+  CHECK_FALSE(loop.owns_thread());
+  Future<int> f = spawn(loop, sleepy(loop, 1ms, 9));
+  CHECK_FALSE(f.ready());
+  const auto caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  loop.post([&] { ran_on = std::this_thread::get_id(); });
+  while (!f.ready()) io.run_one();
+  CHECK(f.get() == 9);
+  CHECK(ran_on == caller);
+}
+
+TEST_CASE("the completion hook delivers an eventfd's readiness into the loop", "[core][loop]") {
+  Loop loop;
+  const int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  REQUIRE(fd >= 0);
+  std::atomic<int> seen{0};
+  std::atomic<bool> on_loop{true};
+  const auto id = loop.watch_readable(fd, [&] {
+    std::uint64_t value = 0;
+    while (read(fd, &value, sizeof value) == sizeof value) seen += static_cast<int>(value);
+    on_loop = on_loop && loop.in_loop_thread();
+  });
+  std::uint64_t one = 1;
+  std::thread producer([&] {
+    for (int i = 0; i < 3; ++i) {
+      CHECK(write(fd, &one, sizeof one) == sizeof one);
+      std::this_thread::sleep_for(2ms);
+    }
+  });
+  producer.join();
+  for (int i = 0; i < 200 && seen < 3; ++i) std::this_thread::sleep_for(5ms);
+  CHECK(seen == 3);
+  CHECK(on_loop);
+  loop.unwatch(id);
+  close(fd);
+}
+
+TEST_CASE("timers fire on the loop and can be cancelled", "[core][loop]") {
+  Loop loop;
+  std::promise<bool> fired;
+  std::promise<bool> cancelled;
+  loop.call_after(1ms, [&](bool f) { fired.set_value(f); });
+  const auto id = loop.call_after(10s, [&](bool f) { cancelled.set_value(f); });
+  loop.cancel_timer(id);
+  CHECK(fired.get_future().get() == true);
+  CHECK(cancelled.get_future().get() == false);
+}
+
+TEST_CASE("f16 conversions round to nearest even and keep NaN, infinity and subnormals", "[core][dtype]") {
+  CHECK(half(1.0f).bits == 0x3c00);
+  CHECK(half(65504.0f).bits == 0x7bff);
+  CHECK(half(65520.0f).bits == 0x7c00);           // halfway to the next binade rounds to infinity
+  CHECK(half(1.0f + 1.0f / 2048).bits == 0x3c00);  // tie: rounds to even
+  CHECK(half(1.0f + 3.0f / 2048).bits == 0x3c02);  // tie: rounds to even (up)
+  CHECK(half(std::ldexp(1.0f, -24)).bits == 0x0001);  // smallest subnormal
+  CHECK(half(std::ldexp(1.0f, -26)).bits == 0x0000);  // below half of it: zero
+  CHECK(half(-0.0f).bits == 0x8000);
+  CHECK(half(INFINITY).bits == 0x7c00);
+  CHECK(std::isnan(static_cast<float>(half(NAN))));
+  // Every non-NaN half survives a round trip through float.
+  for (std::uint32_t b = 0; b < 0x10000; ++b) {
+    const auto h = half::from_bits(static_cast<std::uint16_t>(b));
+    const float f = static_cast<float>(h);
+    if (std::isnan(f)) {
+      CHECK((b & 0x7c00) == 0x7c00);
+      continue;
+    }
+    if (half(f).bits != b) FAIL("half round trip of 0x" << std::hex << b);
+  }
+}
+
+TEST_CASE("bf16 conversions round to nearest even and keep NaN", "[core][dtype]") {
+  CHECK(bfloat16(1.0f).bits == 0x3f80);
+  CHECK(bfloat16(std::bit_cast<float>(0x3f808000u)).bits == 0x3f80);  // tie to even (down)
+  CHECK(bfloat16(std::bit_cast<float>(0x3f818000u)).bits == 0x3f82);  // tie to even (up)
+  CHECK(bfloat16(std::bit_cast<float>(0x3f808001u)).bits == 0x3f81);
+  CHECK(std::isnan(static_cast<float>(bfloat16(NAN))));
+  CHECK(std::isnan(static_cast<float>(bfloat16(std::bit_cast<float>(0x7f800001u)))));  // signalling NaN stays NaN
+  CHECK(bfloat16(INFINITY).bits == 0x7f80);
+}
+
+TEST_CASE("reduction kernels exist exactly where the op is defined", "[core][kernels]") {
+  for (DType t : all_dtypes) {
+    for (ReduceOp op : all_reduce_ops) {
+      CHECK((kernels::find_reduce(t, op) != nullptr) == is_defined(t, op));
+    }
+  }
+  CHECK_FALSE(is_defined(DType::f32, ReduceOp::bitwise_xor));
+  CHECK_FALSE(is_defined(DType::boolean, ReduceOp::sum));
+  CHECK(is_defined(DType::i32, ReduceOp::logical_and));
+}
+
+TEST_CASE("integer kernels wrap instead of overflowing", "[core][kernels]") {
+  std::int32_t a[2] = {INT32_MAX, -7};
+  std::int32_t b[2] = {1, 3};
+  kernels::find_reduce(DType::i32, ReduceOp::sum)(a, a, b, 2);
+  CHECK(a[0] == INT32_MIN);
+  CHECK(a[1] == -4);
+  std::uint16_t x[1] = {60000};
+  std::uint16_t y[1] = {60000};
+  kernels::find_reduce(DType::u16, ReduceOp::prod)(x, x, y, 1);
+  CHECK(x[0] == static_cast<std::uint16_t>(60000u * 60000u));
+  half h[3] = {half(1.5f), half(-2.0f), half(0.0f)};
+  half k[3] = {half(2.0f), half(4.0f), half(3.0f)};
+  kernels::find_reduce(DType::f16, ReduceOp::max)(h, h, k, 3);
+  CHECK(static_cast<float>(h[0]) == 2.0f);
+  CHECK(static_cast<float>(h[1]) == 4.0f);
+  kernels::find_reduce(DType::f16, ReduceOp::logical_and)(h, h, k, 3);
+  CHECK(static_cast<float>(h[2]) == 1.0f);
+}

@@ -1,0 +1,204 @@
+// Errors: bad arguments are refused before any byte moves; a rank that never arrives is named; a peer
+// that leaves mid-collective fails every other rank's future (nothing hangs); mismatched sizes fail.
+#include <catch2/catch.hpp>
+
+#include "harness.hpp"
+
+using namespace weft;
+using namespace weft::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Expects `fn` to throw a weft::Error with `code` whose message contains every one of `words`.
+template <class Fn>
+void expect_error(Fn&& fn, Errc code, std::initializer_list<std::string> words) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    check(e.errc() == code, fmt::format("expected {}, got: {}", error_category().message(static_cast<int>(code)), e.what()));
+    for (const auto& w : words) check(std::string(e.what()).find(w) != std::string::npos, fmt::format("'{}' not in: {}", w, e.what()));
+    return;
+  }
+  check(false, "no error was thrown");
+}
+
+}  // namespace
+
+TEST_CASE("bad arguments are rejected before anything is sent, naming rank and operation", "[errors][preconditions]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> f(8);
+    std::vector<float> small(3);
+    std::vector<std::int32_t> ints(8);
+    const std::string me = fmt::format("rank {}", g.rank());
+    expect_error([&] { (void)g.broadcast(f, 2); }, Errc::invalid_argument, {me, "broadcast", "root 2"});
+    expect_error([&] { (void)g.reduce(f, f, -1); }, Errc::invalid_argument, {me, "reduce", "root -1"});
+    expect_error([&] { (void)g.send(f, 5); }, Errc::invalid_argument, {me, "send", "destination 5"});
+    expect_error([&] { (void)g.recv(f, -3); }, Errc::invalid_argument, {me, "recv", "source -3"});
+    expect_error([&] { (void)g.all_reduce(f, ReduceOp::bitwise_xor); }, Errc::invalid_argument, {me, "all_reduce", "bxor", "f32"});
+    expect_error([&] { (void)g.all_reduce(f, small); }, Errc::invalid_argument, {"all_reduce", "3 elements, expected 8"});
+    expect_error([&] { (void)g.all_reduce(f, ints); }, Errc::invalid_argument, {"all_reduce", "f32", "i32"});
+    expect_error([&] { (void)g.all_gather(f, small); }, Errc::invalid_argument, {"all_gather", "expected 16"});
+    expect_error([&] { (void)g.reduce_scatter(small, f); }, Errc::invalid_argument, {"reduce_scatter", "expected 16"});
+    expect_error([&] { (void)g.all_to_all(small, small); }, Errc::invalid_argument, {"all_to_all", "equal blocks"});
+    expect_error([&] { (void)g.permute(f, f, {{0, 1}, {0, 0}}); }, Errc::invalid_argument, {"permute", "sends more than once"});
+    BufferView device_view(f.data(), f.size(), DType::f32, Device{Device::Kind::cuda, 0});
+    expect_error([&] { (void)g.all_reduce(device_view); }, Errc::invalid_argument, {"device"});
+    // Nothing was sent and no sequence number was used: the group still works.
+    std::vector<float> one{1.0f};
+    g.all_reduce(one).get();
+    check(one[0] == 2.0f, "the group works after refused calls");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a rank that never arrives is named by the bootstrap timeout", "[errors][bootstrap]") {
+  Options base;
+  base.store = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < 2; ++r) {  // world size 3: rank 2 never comes
+    threads.emplace_back([&, r] {
+      Loop loop(Loop::Options{0us});
+      Options o = base;
+      o.rank = r;
+      o.world_size = 3;
+      o.bootstrap_timeout = 2s;
+      try {
+        Group::create(loop, o).get();
+      } catch (const TimeoutError& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = std::string("wrong error type: ") + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  for (int r = 0; r < 2; ++r) {
+    INFO(errors[static_cast<std::size_t>(r)]);
+    CHECK(errors[static_cast<std::size_t>(r)].find("ranks [2] never arrived") != std::string::npos);
+    CHECK(errors[static_cast<std::size_t>(r)].find("bootstrap") != std::string::npos);
+  }
+}
+
+TEST_CASE("a peer that leaves mid-collective fails every other rank's future", "[errors][peer]") {
+  const long before = checks_made.load();
+  run_ranks(4, [](Group& g) {
+    if (g.rank() == 3) {
+      // Join one collective, then leave without joining the next: the Group's destructor closes its
+      // connections, as a process that exits would.
+      std::vector<float> x(1000, 1.0f);
+      g.all_reduce(x).get();
+      return;
+    }
+    std::vector<float> x(1000, 1.0f);
+    g.all_reduce(x).get();
+    std::vector<float> big(1 << 20, 1.0f);
+    Future<void> f = g.all_reduce(big);
+    const bool finished = f.wait_for(15s);
+    check(finished, "the all_reduce hung after rank 3 left");
+    try {
+      f.get();
+      check(false, "the all_reduce succeeded without rank 3");
+    } catch (const PeerFailure& e) {
+      check(std::string(e.what()).find("rank 3") != std::string::npos, std::string("failure does not name rank 3: ") + e.what());
+      check(std::string(e.what()).find("all_reduce #2") != std::string::npos, std::string("failure does not name the op: ") + e.what());
+    } catch (const Error& e) {
+      // A rank whose own peer was alive may learn of the failure through that peer's abort.
+      check(e.errc() == Errc::aborted && std::string(e.what()).find("rank 3") != std::string::npos,
+            std::string("unexpected error: ") + e.what());
+    }
+    // The group is failed now, and says so.
+    expect_error([&] { (void)g.barrier(); }, Errc::group_failed, {"earlier operation failed"});
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("ranks that disagree on the size of a collective fail instead of hanging", "[errors][mismatch]") {
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    std::vector<float> x(g.rank() == 1 ? 600 : 300, 1.0f);
+    Future<void> f = g.all_reduce(x);
+    check(f.wait_for(15s), "a mismatched all_reduce hung");
+    try {
+      f.get();
+      check(false, "a mismatched all_reduce succeeded");
+    } catch (const Error& e) {
+      check(e.errc() == Errc::size_mismatch || e.errc() == Errc::aborted, std::string("unexpected error: ") + e.what());
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a receive of the wrong size fails and nothing is truncated", "[errors][mismatch]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    if (g.rank() == 0) {
+      std::vector<std::int32_t> v(10, 1);
+      g.send(v, 1, 3).get();
+      g.send(v, 1, 4).get();
+    } else {
+      std::vector<std::int32_t> small(4, 0);
+      expect_error([&] { g.recv(small, 0, 3).get(); }, Errc::size_mismatch, {"rank 1", "recv", "sent 40 bytes", "expected 16"});
+      std::vector<std::int32_t> right(10, 0);
+      g.recv(right, 0, 4).get();  // point-to-point errors leave the group usable
+      check(right[9] == 1, "the next message arrived intact");
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a cancelled receive is withdrawn and the group stays usable", "[errors][cancel]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> v(4);
+    if (g.rank() == 1) {
+      Future<void> f = g.recv(v, 0, 99);  // nobody sends this
+      f.cancel();
+      try {
+        f.get();
+        check(false, "a cancelled receive succeeded");
+      } catch (const CancelledError& e) {
+        check(std::string(e.what()).find("recv") != std::string::npos, e.what());
+      }
+    }
+    std::vector<float> x{1.0f};
+    g.all_reduce(x).get();
+    check(x[0] == 2.0f, "the group works after a cancelled receive");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a cancelled collective fails on every rank, naming the rank that cancelled", "[errors][cancel]") {
+  const long before = checks_made.load();
+  std::atomic<int> finished{0};
+  run_ranks(3, [&](Group& g) {
+    if (g.rank() == 2) {
+      // Rank 2 is late and never joins; it stays connected until the others are done.
+      while (finished.load() < 2) std::this_thread::sleep_for(5ms);
+      return;
+    }
+    std::vector<float> x(1000, 1.0f);
+    Future<void> f = g.all_reduce(x);
+    if (g.rank() == 0) {
+      std::this_thread::sleep_for(50ms);
+      f.cancel();
+    }
+    const bool ended = f.wait_for(15s);
+    finished.fetch_add(1);
+    check(ended, "the all_reduce hung after rank 0 cancelled it");
+    try {
+      f.get();
+      check(false, "the all_reduce succeeded");
+    } catch (const CancelledError& e) {
+      check(g.rank() == 0, std::string("rank 1 saw a local cancellation: ") + e.what());
+    } catch (const Error& e) {
+      check(g.rank() == 1 && e.errc() == Errc::aborted, std::string("unexpected error: ") + e.what());
+      check(std::string(e.what()).find("rank 0 cancelled all_reduce #1") != std::string::npos, e.what());
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}
