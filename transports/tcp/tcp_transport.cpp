@@ -44,7 +44,7 @@ TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip:
   connections_.resize(static_cast<std::size_t>(size));
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
-    auto c = std::make_unique<Connection>(std::move(sockets[static_cast<std::size_t>(peer)]));
+    auto c = std::make_shared<Connection>(std::move(sockets[static_cast<std::size_t>(peer)]));
     c->peer = peer;
     tune_socket(c->socket);
     connections_[static_cast<std::size_t>(peer)] = std::move(c);
@@ -220,7 +220,7 @@ void TcpTransport::start_write(Connection& c) {
   }
   c.writing = true;
   asio::async_write(c.socket, buffers,
-                    [this, &c, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+                    [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
                       if (alive.expired()) return;
                       on_write_done(c, ec);
                     });
@@ -312,7 +312,7 @@ void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::s
 
 void TcpTransport::start_read_header(Connection& c) {
   asio::async_read(c.socket, asio::buffer(c.recv_header),
-                   [this, &c, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+                   [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
                      if (alive.expired() || !c.alive) return;
                      if (ec) {
                        fail_connection(c, ec == asio::error::eof ? std::string("the peer closed the connection")
@@ -367,6 +367,9 @@ void TcpTransport::on_header(Connection& c) {
     case wire::FrameKind::heartbeat:
       read_payload_into(c, nullptr, header->bytes, true);
       return;
+    case wire::FrameKind::goodbye:
+      peer_departed(c);
+      return;
     case wire::FrameKind::hello:
     case wire::FrameKind::hello_ack:
       fail_connection(c, fmt::format("protocol error from rank {}: handshake frame on an established connection",
@@ -388,7 +391,7 @@ void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes
     }
     const std::size_t chunk = std::min(bytes, discard_chunk);
     asio::async_read(c.socket, asio::buffer(c.scratch.get(), chunk),
-                     [this, &c, bytes, chunk, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec,
+                     [this, &c, bytes, chunk, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec,
                                                                                    std::size_t) {
                        if (alive.expired() || !c.alive) return;
                        if (ec) {
@@ -404,7 +407,7 @@ void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes
     return;
   }
   asio::async_read(c.socket, asio::buffer(dst, bytes),
-                   [this, &c, alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+                   [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
                      if (alive.expired() || !c.alive) return;
                      if (ec) {
                        fail_connection(c, fmt::format("read failed: {}", ec.message()));
@@ -511,6 +514,48 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
     state.failed_peer = c.peer;
     state.reason = c.lost_reason;
     collect_context_ops(context, ops);
+    // Tell the other members the root cause: if this rank stops before they notice the loss themselves,
+    // they learn which rank failed rather than only that this one went away.
+    wire::Header h;
+    h.kind = wire::FrameKind::abort;
+    h.context = context;
+    const std::string payload = fmt::format("rank {} reports: {}", rank_, c.lost_reason);
+    h.bytes = payload.size();
+    for (int m : state.members) {
+      if (m == rank_ || m == c.peer) continue;
+      auto& other = connections_[static_cast<std::size_t>(m)];
+      if (!other || !other->alive) continue;
+      other->control_queue.emplace_back(h, payload);
+      if (!other->writing) start_write(*other);
+    }
+  }
+  for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+}
+
+// The peer said goodbye: it finished everything it had to send. Receives from it that are not satisfied
+// by what already arrived fail, and so do sends to it; the contexts it belongs to do not fail, because
+// ranks that finished their part of a collective and left are a normal end. A rank that waits on it
+// fails its collective and aborts the context, which tells everybody else.
+void TcpTransport::peer_departed(Connection& c) {
+  if (!c.alive) return;
+  c.alive = false;
+  c.lost_reason = fmt::format("rank {} left the group (it closed its connection normally)", c.peer);
+  log().debug("rank {}: {}", rank_, c.lost_reason);
+  std::error_code ignored;
+  c.socket.close(ignored);
+  std::vector<TransportOp*> ops;
+  const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
+  ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
+  c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
+  c.control_queue.clear();
+  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
+    if (it->first.peer == c.peer) {
+      ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
+      it->second.posted.clear();
+      it = it->second.unexpected.empty() ? mailboxes_.erase(it) : std::next(it);
+    } else {
+      ++it;
+    }
   }
   for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
 }
@@ -521,6 +566,17 @@ void TcpTransport::shutdown() {
   std::vector<TransportOp*> ops;
   for (auto& c : connections_) {
     if (!c) continue;
+    if (c->alive && !c->writing) {
+      // Say goodbye, so that the peer can tell a normal end from a crash. 48 bytes fit in any socket
+      // buffer; a blocking write is fine here.
+      wire::Header bye;
+      bye.kind = wire::FrameKind::goodbye;
+      wire::HeaderBytes bytes{};
+      wire::encode(bye, bytes);
+      std::error_code ignored;
+      asio::write(c->socket, asio::buffer(bytes), ignored);
+      c->socket.shutdown(asio::ip::tcp::socket::shutdown_send, ignored);
+    }
     c->alive = false;
     c->lost_reason = "the transport was shut down";
     std::error_code ignored;

@@ -90,6 +90,7 @@ class TcpTransport final : public Transport {
   void on_payload(Connection& c, bool discard);
   void deliver_local(const MessageKey& key, const void* data, std::size_t bytes);
   void fail_connection(Connection& c, const std::string& reason);
+  void peer_departed(Connection& c);
   void fail_context(std::uint32_t context, ContextState& state, std::vector<TransportOp*>& to_complete);
   void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
   void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
@@ -98,7 +99,9 @@ class TcpTransport final : public Transport {
   Loop& loop_;
   int rank_;
   int size_;
-  std::vector<std::unique_ptr<Connection>> connections_;
+  // shared_ptr: every pending Asio handler holds its connection, so that a socket outlives the handlers
+  // (and composed reads) still queued for it when the transport goes away.
+  std::vector<std::shared_ptr<Connection>> connections_;
   std::unordered_map<MatchKey, Mailbox, MatchKeyHash> mailboxes_;
   std::unordered_map<std::uint32_t, ContextState> contexts_;
   bool shut_down_ = false;

@@ -20,6 +20,7 @@ enum class FrameKind : std::uint8_t {
   hello = 2,      // first frame of a connection: payload is Hello
   hello_ack = 3,  // answer to hello: payload is u32 status + reason
   heartbeat = 4,  // reserved for failure detection
+  goodbye = 5,    // the sender is leaving normally: nothing more follows on this connection
 };
 
 struct Header {

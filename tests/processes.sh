@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Ranks as processes: weft-run, the launcher conventions, and a peer killed mid-collective.
+# usage: processes.sh BUILD_DIR CASE
+set -u
+build=$1
+case_name=$2
+run=$build/tools/weft-run
+bench=$build/bench/weft-bench
+worker=$build/tests/weft-test-worker
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+case $case_name in
+  bench-all)
+    # Every collective through weft-run on 4 processes, checked, over unaligned and zero sizes too.
+    for c in all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier; do
+      out=$("$run" -n 4 --timeout 120 -- "$bench" -c "$c" -b 0 -e 1M -f 7 -w 1 -n 3 -r 1 --check 2>&1) || { echo "$out"; echo "FAIL: $c"; exit 1; }
+      echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $c wrong values"; exit 1; }
+      echo "ok: $c"
+    done
+    for spec in "f16 max" "bf16 sum" "i64 prod" "u8 bxor" "bool lor" "f64 avg" "i8 min"; do
+      set -- $spec
+      out=$("$run" -n 3 --timeout 120 -- "$bench" -c all_reduce -b 1 -e 300K -f 9 -d "$1" -o "$2" -w 1 -n 2 --check 2>&1) || { echo "$out"; echo "FAIL: $spec"; exit 1; }
+      echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $spec"; exit 1; }
+      echo "ok: all_reduce $spec"
+    done
+    ;;
+  run-fails-fast)
+    # A rank that fails ends the others at once, and weft-run names it and fails with its status.
+    start=$(date +%s)
+    out=$("$run" -n 3 -- sh -c 'if [ "$WEFT_RANK" = 1 ]; then echo bye; exit 7; fi; sleep 60' 2>&1)
+    rc=$?
+    took=$(( $(date +%s) - start ))
+    echo "$out"
+    [ $rc -eq 7 ] || { echo "FAIL: exit status $rc, expected 7"; exit 1; }
+    echo "$out" | grep -q "rank 1 exited with status 7" || { echo "FAIL: rank not named"; exit 1; }
+    echo "$out" | grep -q "^\[1\] bye" || { echo "FAIL: output not prefixed with the rank"; exit 1; }
+    [ $took -lt 15 ] || { echo "FAIL: took ${took}s"; exit 1; }
+    out=$("$run" -n 2 -- sh -c 'kill -9 $$' 2>&1); rc=$?
+    [ $rc -eq 137 ] || { echo "$out"; echo "FAIL: killed rank gave $rc"; exit 1; }
+    echo "$out" | grep -q "killed by signal 9" || { echo "$out"; echo "FAIL: signal not named"; exit 1; }
+    ;;
+  torchrun-env)
+    port=$(free_port)
+    pids=()
+    for r in 0 1 2; do
+      RANK=$r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$worker" sum & pids+=($!)
+    done
+    rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    exit $rc
+    ;;
+  slurm-env)
+    port=$(free_port)
+    pids=()
+    for r in 0 1; do
+      SLURM_PROCID=$r SLURM_NTASKS=2 WEFT_STORE=127.0.0.1:$port "$worker" sum & pids+=($!)
+    done
+    rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    exit $rc
+    ;;
+  mpirun)
+    if ! command -v mpirun >/dev/null; then echo "skipped: mpirun not installed"; exit 77; fi
+    port=$(free_port)
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpirun --oversubscribe -n 3 \
+      --mca btl self,tcp -x WEFT_STORE=127.0.0.1:$port "$worker" sum
+    ;;
+  kill-peer)
+    # kill -9 of one rank of 4 mid-collective: every survivor fails naming it, and nothing hangs.
+    port=$(free_port)
+    pids=()
+    for r in 0 1 2 3; do
+      WEFT_RANK=$r WEFT_WORLD_SIZE=4 WEFT_STORE=127.0.0.1:$port timeout 60 "$worker" kill-peer 3 & pids+=($!)
+    done
+    rc=0
+    for r in 0 1 2; do wait "${pids[$r]}" || { echo "FAIL: rank $r exited $?"; rc=1; }; done
+    wait "${pids[3]}"; victim=$?
+    [ $victim -eq 137 ] || { echo "FAIL: the victim exited $victim, not by SIGKILL"; rc=1; }
+    exit $rc
+    ;;
+  *) echo "unknown case $case_name"; exit 2 ;;
+esac

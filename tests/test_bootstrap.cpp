@@ -1,0 +1,104 @@
+// Bootstrap: configuration from each environment convention, IPv6 loopback, binding to a named interface.
+#include <catch2/catch.hpp>
+
+#include <map>
+
+#include "harness.hpp"
+
+using namespace weft;
+using namespace weft::test;
+
+namespace {
+
+Options from(std::map<std::string, std::string> env) {
+  Options o;
+  o.from_environment([&](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("weft's own variables configure a rank", "[bootstrap][env]") {
+  auto o = from({{"WEFT_RANK", "2"}, {"WEFT_WORLD_SIZE", "4"}, {"WEFT_STORE", "10.1.2.3:4000"}, {"WEFT_IFNAME", "eth1"}});
+  CHECK(o.rank == 2);
+  CHECK(o.world_size == 4);
+  CHECK(o.store == "10.1.2.3:4000");
+  CHECK(o.interface == "eth1");
+}
+
+TEST_CASE("torchrun's variables configure a rank", "[bootstrap][env]") {
+  auto o = from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29400"}});
+  CHECK(o.rank == 1);
+  CHECK(o.world_size == 2);
+  CHECK(o.store == "node7:29400");
+  auto v6 = from({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "::1"}, {"MASTER_PORT", "29401"}});
+  CHECK(v6.store == "[::1]:29401");
+}
+
+TEST_CASE("Open MPI's, PMI's and Slurm's variables configure a rank", "[bootstrap][env]") {
+  auto ompi = from({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "5"}});
+  CHECK(ompi.rank == 3);
+  CHECK(ompi.world_size == 5);
+  CHECK(ompi.store == "127.0.0.1:29500");
+  auto pmi = from({{"PMI_RANK", "0"}, {"PMI_SIZE", "3"}, {"WEFT_STORE", "[fe80::1]:1234"}});
+  CHECK(pmi.rank == 0);
+  CHECK(pmi.world_size == 3);
+  CHECK(pmi.store == "[fe80::1]:1234");
+  auto slurm = from({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"MASTER_ADDR", "head"}});
+  CHECK(slurm.rank == 6);
+  CHECK(slurm.world_size == 8);
+  CHECK(slurm.store == "head:29500");
+}
+
+TEST_CASE("conventions are read in order: weft's first", "[bootstrap][env]") {
+  auto o = from({{"WEFT_RANK", "1"}, {"WEFT_WORLD_SIZE", "2"}, {"RANK", "5"}, {"WORLD_SIZE", "9"}, {"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "8"}});
+  CHECK(o.rank == 1);
+  CHECK(o.world_size == 2);
+  auto t = from({{"RANK", "5"}, {"WORLD_SIZE", "9"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}});
+  CHECK(t.rank == 5);
+  CHECK(t.world_size == 9);
+}
+
+TEST_CASE("a malformed or missing variable is an error that names it", "[bootstrap][env]") {
+  CHECK_THROWS_WITH(from({{"WEFT_RANK", "x1"}, {"WEFT_WORLD_SIZE", "2"}}), Catch::Contains("WEFT_RANK='x1' is not an integer"));
+  CHECK_THROWS_WITH(from({{"WEFT_RANK", "3"}, {"WEFT_WORLD_SIZE", "2"}}), Catch::Contains("WEFT_RANK=3 is out of range"));
+  CHECK_THROWS_WITH(from({{"RANK", "0"}}), Catch::Contains("RANK and WORLD_SIZE must be set together"));
+  CHECK_THROWS_WITH(from({}), Catch::Contains("no rank and world size"));
+  CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "nohostport"}}), Catch::Contains("expected host:port"));
+  CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "::1:80"}}), Catch::Contains("[address]:port"));
+  CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_PIPELINE_DEPTH", "0"}}), Catch::Contains("WEFT_PIPELINE_DEPTH=0 is out of range"));
+}
+
+TEST_CASE("ranks meet over IPv6 loopback", "[bootstrap][ipv6]") {
+  if (free_port(true) == 0) {
+    WARN("skipped: no IPv6 loopback on this machine");
+    return;
+  }
+  Options o;
+  o.store = "[::1]:" + std::to_string(free_port(true));
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    std::vector<double> v(100, 1.5);
+    g.all_reduce(v).get();
+    check(v[99] == 4.5, "all_reduce over IPv6");
+  }, o);
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("ranks bind to the interface they are told", "[bootstrap][ifname]") {
+  Options o;
+  o.interface = "lo";
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<std::int32_t> v{g.rank() + 1};
+    g.all_reduce(v).get();
+    check(v[0] == 3, "all_reduce over lo");
+  }, o);
+  REQUIRE(checks_made.load() > before);
+  Options bad;
+  bad.interface = "no-such-interface0";
+  CHECK_THROWS_WITH(run_ranks(2, [](Group&) {}, bad), Catch::Contains("interface 'no-such-interface0'"));
+}
