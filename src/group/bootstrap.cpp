@@ -278,7 +278,10 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   std::vector<std::string> keys;
   for (int i = 0; i < size; ++i) keys.push_back(fmt::format("weft/addr/{}", i));
   co_await store.set(keys[static_cast<std::size_t>(rank)], fmt::format("{} {}", listen_address.to_string(), listen_port));
-  const auto missing = co_await store.wait(keys, remaining(deadline));
+  // Rank 0 hosts the store: it waits a little longer than everybody else, so that the other ranks'
+  // WAITs time out first and learn which ranks are missing, rather than seeing the store vanish.
+  const auto store_grace = rank == 0 ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(0);
+  const auto missing = co_await store.wait(keys, remaining(deadline) + store_grace);
   if (!missing.empty()) {
     std::vector<std::string> ranks;
     for (const auto& key : missing) ranks.push_back(key.substr(key.rfind('/') + 1));
