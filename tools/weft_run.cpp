@@ -1,11 +1,12 @@
 // weft-run: starts N local ranks of a program with weft's environment set, prefixes every output line with
 // its rank, and when one rank fails (non-zero exit or a signal) ends the others and fails, naming it.
 //
-//   weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--] PROGRAM [ARGS...]
+//   weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--bind core|none] [--] PROGRAM [ARGS...]
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -31,11 +32,12 @@ void on_signal(int sig) { interrupted = sig; }
 [[noreturn]] void usage(const std::string& problem) {
   if (!problem.empty()) fmt::print(stderr, "weft-run: {}\n", problem);
   fmt::print(stderr,
-             "usage: weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--] PROGRAM [ARGS...]\n"
+             "usage: weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--bind core|none] [--] PROGRAM [ARGS...]\n"
              "  Starts N ranks of PROGRAM with WEFT_RANK, WEFT_WORLD_SIZE, WEFT_LOCAL_RANK and WEFT_STORE set.\n"
              "  --host ADDR      address of the store rank 0 serves (default 127.0.0.1)\n"
              "  --port P         its port (default: a free one)\n"
-             "  --timeout S      end every rank and fail after S seconds (default: none)\n");
+             "  --timeout S      end every rank and fail after S seconds (default: none)\n"
+             "  --bind core|none pin rank r to the r-th allowed CPU (default: core when N <= CPUs, as mpirun does)\n");
   std::exit(2);
 }
 
@@ -117,6 +119,7 @@ int main(int argc, char** argv) {
   int port = -1;
   int timeout_s = 0;
   std::string host = "127.0.0.1";
+  std::string bind = "auto";
   int i = 1;
   for (; i < argc; ++i) {
     const std::string a = argv[i];
@@ -128,6 +131,10 @@ int main(int argc, char** argv) {
     else if (a == "--port") port = parse_int("--port", value());
     else if (a == "--host") host = value();
     else if (a == "--timeout") timeout_s = parse_int("--timeout", value());
+    else if (a == "--bind") {
+      bind = value();
+      if (bind != "core" && bind != "none") usage("--bind takes core or none");
+    }
     else if (a == "-h" || a == "--help") usage("");
     else if (a == "--") {
       ++i;
@@ -146,6 +153,18 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // CPUs this launcher may use; with one rank per CPU, a rank's threads stay on its core and never
+  // share one with a peer they wait for (two polling ranks on one core take turns in whole time slices).
+  std::vector<int> cpus;
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+    }
+  }
+  const bool pin = bind == "core" || (bind == "auto" && !cpus.empty() && n <= static_cast<int>(cpus.size()));
+
   std::vector<Rank> ranks(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
     int out[2];
@@ -161,6 +180,12 @@ int main(int argc, char** argv) {
     }
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // a rank never outlives its launcher
+      if (pin && !cpus.empty()) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[static_cast<std::size_t>(r) % cpus.size()], &one);
+        sched_setaffinity(0, sizeof one, &one);
+      }
       dup2(out[1], STDOUT_FILENO);
       dup2(err[1], STDERR_FILENO);
       setenv("WEFT_RANK", std::to_string(r).c_str(), 1);

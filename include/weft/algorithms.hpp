@@ -95,8 +95,9 @@ struct Channel {
 };
 
 struct ExecOptions {
-  std::size_t segment_bytes = 512 * 1024;  ///< a step's range travels in segments of this size
-  int window = 4;                          ///< segments of one step in flight at once
+  std::size_t segment_bytes = 256 * 1024;  ///< a step's range travels in segments of this size
+  int window = 4;                          ///< segments of a reducing step posted ahead, at least ...
+  std::size_t scratch_bytes = 16 << 20;    ///< ... and up to this many bytes of them (scratch memory)
 };
 
 /// The buffers a plan runs over. `send` may equal `recv`.
@@ -105,6 +106,10 @@ struct PlanBuffers {
   std::byte* recv = nullptr;
   DType dtype = DType::u8;
   ReduceOp op = ReduceOp::sum;  ///< used by the reducing kinds
+  /// Where reducing steps read this rank's own contribution: recv[i] = local[i] op incoming[i]. Null: the
+  /// receive buffer already holds it (recv[i] = recv[i] op incoming[i]). A non-null `local` spares the
+  /// copy of the input into the receive buffer, for plans that reduce each range at most once (the ring).
+  const std::byte* local = nullptr;
 };
 
 /// Runs `plan` (this rank's script). Completes when every send of the plan may be reused and every

@@ -37,17 +37,27 @@ class Future;
 
 namespace detail {
 
+/// How long Future::wait polls before it sleeps (WEFT_WAIT_SPIN_US, default 0; read once).
+std::chrono::microseconds wait_spin() noexcept;
+
 class FutureStateBase {
  public:
   bool ready() const noexcept { return ready_.load(std::memory_order_acquire); }
 
-  /// Blocks until the operation completes. Spins briefly first: a wake-up through the kernel costs tens of
-  /// microseconds on a VM, more than most small collectives take.
+  /// Blocks until the operation completes. By default it sleeps at once and leaves the core to the loop
+  /// thread, which polls while operations are in flight (measured best on 2 ranks x 2 threads on 2 cores,
+  /// docs/DESIGN.md). WEFT_WAIT_SPIN_US makes it poll (yielding) that long first, for machines with cores
+  /// to spare.
   void wait() {
-    for (int i = 0; i < spin_iterations_ && !ready(); ++i) {
-      if ((i & 63) == 63) std::this_thread::yield();
-    }
     if (ready()) return;
+    const auto spin = wait_spin();
+    if (spin.count() > 0) {
+      const auto until = std::chrono::steady_clock::now() + spin;
+      // Yield while polling: on a machine with fewer cores than busy threads the loop thread needs this
+      // core more than the waiter does.
+      while (!ready() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      if (ready()) return;
+    }
     std::unique_lock lock(mutex_);
     done_cv_.wait(lock, [&] { return ready(); });
   }
@@ -90,7 +100,6 @@ class FutureStateBase {
   }
 
  private:
-  static constexpr int spin_iterations_ = 4096;
   std::atomic<bool> ready_{false};
   std::mutex mutex_;
   std::condition_variable done_cv_;
@@ -185,7 +194,8 @@ class [[nodiscard]] Future {
 
 namespace detail {
 template <class T>
-Detached drive(Task<T> task, std::shared_ptr<FutureState<T>> state) {
+Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) {
+  loop.operation_started();
   try {
     if constexpr (std::is_void_v<T>) {
       co_await std::move(task);
@@ -195,6 +205,7 @@ Detached drive(Task<T> task, std::shared_ptr<FutureState<T>> state) {
   } catch (...) {
     state->set_error(std::current_exception());
   }
+  loop.operation_finished();
   state->finish();
 }
 }  // namespace detail
@@ -206,7 +217,7 @@ template <class T>
 Future<T> spawn(Loop& loop, Task<T> task) {
   auto state = std::make_shared<detail::FutureState<T>>();
   task.set_stop_token(state->stop_token());
-  auto driver = detail::drive(std::move(task), state);
+  auto driver = detail::drive(loop, std::move(task), state);
   if (loop.in_loop_thread()) {
     driver.handle.resume();
   } else {

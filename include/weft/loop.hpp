@@ -34,11 +34,12 @@ struct SleepState;
 class Loop {
  public:
   struct Options {
-    /// How long the progress thread keeps polling after the last piece of work before it sleeps in the
-    /// kernel (owned mode only). A sleeping thread takes tens of microseconds to wake on a VM; a short
-    /// spin keeps small collectives fast. Zero turns the spin off (use it when ranks oversubscribe cores).
-    /// WEFT_SPIN_US overrides the default.
-    std::chrono::microseconds spin{50};
+    /// While operations are in flight, how long the progress thread keeps polling after the last event
+    /// before it sleeps in the kernel (owned mode only). A sleeping thread takes tens of microseconds to
+    /// wake on a VM, more than a small collective's messages take to arrive; polling only while something
+    /// is in flight leaves the cores to the application (and the waiting threads) the rest of the time.
+    /// Zero turns polling off (use it when ranks oversubscribe the cores). WEFT_SPIN_US overrides it.
+    std::chrono::microseconds spin{1000};
   };
 
   /// Owned mode: an io_context of its own and a progress thread that runs it.
@@ -54,6 +55,10 @@ class Loop {
   bool owns_thread() const noexcept;
   /// True when the calling thread is the one running this loop right now.
   bool in_loop_thread() const noexcept;
+
+  /// Counts operations in flight (spawn does this): the progress thread polls only while some are.
+  void operation_started() noexcept;
+  void operation_finished() noexcept;
 
   /// Runs `fn` on the loop's thread, later. Thread-safe.
   void post(std::function<void()> fn);

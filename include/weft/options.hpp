@@ -22,7 +22,7 @@ struct Options {
   /// How long the bootstrap may take before it fails, naming the ranks that never arrived.
   std::chrono::milliseconds bootstrap_timeout{std::chrono::seconds(120)};
   /// A step's data travels in segments of this many bytes, `pipeline_depth` in flight.
-  std::size_t segment_bytes = 512 * 1024;
+  std::size_t segment_bytes = 256 * 1024;
   int pipeline_depth = 8;
 
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;

@@ -27,7 +27,8 @@ class Executor {
   Executor(const Channel& channel, PlanBuffers buffers, ExecOptions options)
       : ch_(channel), buf_(buffers), esize_(dtype_size(buffers.dtype)) {
     seg_elems_ = std::max<std::size_t>(1, options.segment_bytes / esize_);
-    window_ = std::max(1, options.window);
+    window_ = std::max<std::size_t>({1, static_cast<std::size_t>(std::max(1, options.window)),
+                                      options.scratch_bytes / (seg_elems_ * esize_)});
     sent_to_.assign(channel.members.size(), 0);
     received_from_.assign(channel.members.size(), 0);
   }
@@ -92,9 +93,13 @@ class Executor {
     return nullptr;
   }
 
+  // Scratch for incoming segments of reducing steps: as many slots as the largest such step can use.
   std::byte* temp(std::size_t slot) {
-    if (!temp_) temp_ = std::make_unique_for_overwrite<std::byte[]>(static_cast<std::size_t>(window_) * seg_elems_ * esize_);
+    if (!temp_) temp_ = std::make_unique_for_overwrite<std::byte[]>(temp_slots_ * seg_elems_ * esize_);
     return temp_.get() + slot * seg_elems_ * esize_;
+  }
+  const std::byte* local_at(const Range& r) const noexcept {
+    return buf_.local ? buf_.local + r.offset * esize_ : recv_at(r);
   }
 
   [[noreturn]] void throw_failure() const {
@@ -110,7 +115,8 @@ class Executor {
   PlanBuffers buf_;
   std::size_t esize_;
   std::size_t seg_elems_ = 1;
-  int window_ = 1;
+  std::size_t window_ = 1;
+  std::size_t temp_slots_ = 0;
   kernels::ReduceFn reduce_ = nullptr;
   std::deque<TransportOp> ops_;  // every operation this plan started; a deque keeps their addresses
   std::vector<InflightSend> sends_;
@@ -125,6 +131,12 @@ class Executor {
 
 Task<void> Executor::run(const Plan& plan) {
   reduce_ = kernels::find_reduce(buf_.dtype, buf_.op);
+  for (const Step& step : plan) {
+    if (step.kind == StepKind::recv_reduce || step.kind == StepKind::recv_reduce_send ||
+        step.kind == StepKind::send_recv_reduce) {
+      temp_slots_ = std::max(temp_slots_, std::min(segments(step.recv), window_));
+    }
+  }
 
   auto hook = std::make_shared<CancelHook>(CancelHook{ch_});
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
@@ -207,7 +219,7 @@ Task<void> Executor::run(const Plan& plan) {
         }
         const bool forward = step.kind == StepKind::recv_reduce_send;
         const std::size_t n = segments(step.recv);
-        const auto window = static_cast<std::size_t>(window_);
+        const std::size_t window = std::min(n, window_);
         std::vector<TransportOp*> pending(n, nullptr);
         auto post = [&](std::size_t k) {
           const Range seg = segment(step.recv, k);
@@ -220,7 +232,7 @@ Task<void> Executor::run(const Plan& plan) {
           const Range seg = segment(step.recv, k);
           std::byte* dst = recv_at(seg);
           while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
-          if (seg.count) reduce_(dst, dst, temp(k % window), seg.count);
+          if (seg.count) reduce_(dst, local_at(seg), temp(k % window), seg.count);
           if (forward) start_send(step.send_to, dst, seg.count);
           if (k + window < n) post(k + window);
         }

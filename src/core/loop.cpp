@@ -13,6 +13,7 @@
 #include <asio.hpp>
 
 #include "weft/error.hpp"
+#include "weft/future.hpp"
 
 namespace weft {
 namespace {
@@ -63,14 +64,16 @@ struct Loop::Impl {
   std::chrono::microseconds spin{0};
   std::shared_ptr<Registry> registry = std::make_shared<Registry>();
   std::atomic<std::uint64_t> next_id{1};
+  std::atomic<int> in_flight{0};
 
-  // The progress thread: reap ready handlers without sleeping while work keeps coming (poll), and fall
-  // back to a blocking wait (run_one) once `spin` has passed without any.
+  // The progress thread, split in reap and wait: while operations are in flight it reaps ready handlers
+  // without sleeping (poll) until `spin` passes without an event; otherwise it waits in the kernel
+  // (run_one) for the next one.
   void run_progress() {
     using clock = std::chrono::steady_clock;
     auto last_work = clock::now();
     while (!stopping.load(std::memory_order_relaxed)) {
-      if (spin.count() > 0) {
+      if (spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0) {
         if (io->poll() > 0) {
           last_work = clock::now();
           continue;
@@ -118,6 +121,9 @@ Loop::~Loop() {
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
 bool Loop::in_loop_thread() const noexcept { return impl_->io->get_executor().running_in_this_thread(); }
+
+void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::memory_order_relaxed); }
+void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }
 
 void Loop::post(std::function<void()> fn) { asio::post(*impl_->io, std::move(fn)); }
 
@@ -178,6 +184,16 @@ void Loop::unwatch(std::uint64_t id) {
   impl_->on_loop([weak, id] {
     if (auto registry = weak.lock()) registry->watches.erase(id);
   });
+}
+
+// ---- Future::wait's poll bound ----
+
+std::chrono::microseconds detail::wait_spin() noexcept {
+  static const std::chrono::microseconds value = [] {
+    if (const char* v = std::getenv("WEFT_WAIT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
+    return std::chrono::microseconds(0);
+  }();
+  return value;
 }
 
 // ---- sleep_for ----

@@ -271,9 +271,13 @@ std::vector<algo::Range> equal_blocks(int p, std::size_t count) {
 }
 
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
-  copy_bytes(out.data, in.data, out.bytes());
+  // The ring reduces every block once and writes every block of `out`: out of place, it reads this
+  // rank's contribution straight from `in` (no staging copy).
+  const bool in_place = in.data == out.data;
+  if (g->size == 1) copy_bytes(out.data, in.data, out.bytes());
   const auto plan = algo::ring_all_reduce(g->size, g->rank, out.count);
-  co_await g->run(plan, seq, "all_reduce", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op});
+  co_await g->run(plan, seq, "all_reduce",
+                  algo::PlanBuffers{in.bytes_ptr(), out.bytes_ptr(), out.dtype, op, in_place ? nullptr : in.bytes_ptr()});
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
@@ -286,12 +290,13 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
 }
 
 Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
-  // The ring reduces into a copy of the input; the rank's own block is the result.
+  // The ring reduces into scratch, reading this rank's contributions from `in`; the rank's own block
+  // is the result. (One rank has no ring: its input is the result.)
   auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
-  copy_bytes(work.get(), in.data, in.bytes());
+  if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
   const auto blocks = equal_blocks(g->size, out.count);
   const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op});
+  co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }

@@ -14,6 +14,7 @@ namespace weft {
 namespace {
 
 constexpr std::size_t discard_chunk = 1 << 20;
+constexpr std::size_t spare_limit = 64 << 20;  // bytes of unexpected-message buffers kept for reuse
 constexpr int socket_buffer_bytes = 4 << 20;
 
 std::error_code code_of(Errc e) { return make_error_code(e); }
@@ -35,8 +36,10 @@ std::size_t TcpTransport::MatchKeyHash::operator()(const MatchKey& k) const noex
 void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
   std::error_code ignored;
   socket.set_option(asio::ip::tcp::no_delay(true), ignored);
-  socket.set_option(asio::socket_base::send_buffer_size(socket_buffer_bytes), ignored);
-  socket.set_option(asio::socket_base::receive_buffer_size(socket_buffer_bytes), ignored);
+  if (socket_buffer_bytes > 0) {
+    socket.set_option(asio::socket_base::send_buffer_size(socket_buffer_bytes), ignored);
+    socket.set_option(asio::socket_base::receive_buffer_size(socket_buffer_bytes), ignored);
+  }
 }
 
 TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets)
@@ -61,6 +64,25 @@ TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip:
 TcpTransport::~TcpTransport() {
   shutdown();
   alive_.reset();
+}
+
+TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
+  for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
+    if (it->capacity >= bytes && it->capacity <= 2 * bytes + 4096) {
+      Unexpected found = std::move(*it);
+      spare_bytes_ -= found.capacity;
+      spare_buffers_.erase(it);
+      found.bytes = bytes;
+      return found;
+    }
+  }
+  return Unexpected{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes, bytes};
+}
+
+void TcpTransport::give_back(Unexpected&& buffer) {
+  if (buffer.capacity < 4096 || spare_bytes_ + buffer.capacity > spare_limit) return;
+  spare_bytes_ += buffer.capacity;
+  spare_buffers_.push_back(std::move(buffer));
 }
 
 // ---------------------------------------------------------------- contexts
@@ -259,11 +281,13 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
     it->second.unexpected.pop_front();
     if (it->second.unexpected.empty() && it->second.posted.empty()) mailboxes_.erase(it);
     if (message.bytes != bytes) {
+      give_back(std::move(message));
       op.complete(code_of(Errc::size_mismatch), -1,
                   fmt::format("rank {} sent {} bytes, this rank expected {}", peer, message.bytes, bytes));
       return;
     }
     if (bytes) std::memcpy(data, message.data.get(), bytes);
+    give_back(std::move(message));
     op.complete();
     return;
   }
@@ -305,7 +329,7 @@ void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::s
     op->complete();
     return;
   }
-  Unexpected message{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
+  Unexpected message = take_buffer(bytes);
   if (bytes) std::memcpy(message.data.get(), data, bytes);
   box.unexpected.push_back(std::move(message));
 }
@@ -354,9 +378,8 @@ void TcpTransport::on_header(Connection& c) {
         read_payload_into(c, op->recv_data, header->bytes, false);
         return;
       }
-      c.scratch = std::make_unique_for_overwrite<std::byte[]>(header->bytes);
-      c.scratch_size = header->bytes;
-      read_payload_into(c, c.scratch.get(), header->bytes, false);
+      c.incoming = take_buffer(header->bytes);
+      read_payload_into(c, c.incoming.data.get(), header->bytes, false);
       return;
     }
     case wire::FrameKind::abort:
@@ -446,8 +469,7 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
     return;
   }
   // An unexpected message: a receive may have been posted while its payload was arriving.
-  Unexpected message{std::move(c.scratch), c.scratch_size};
-  c.scratch_size = 0;
+  Unexpected message = std::move(c.incoming);
   start_read_header(c);
   MatchKey key{c.peer, MessageKey{h.context, h.seq, h.tag}};
   auto& box = mailboxes_[key];
@@ -455,12 +477,14 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
     TransportOp* op = box.posted.front();
     box.posted.pop_front();
     if (box.posted.empty() && box.unexpected.empty()) mailboxes_.erase(key);
-    if (op->bytes != message.bytes) {
+    const std::size_t got = message.bytes;
+    if (got == op->bytes && got) std::memcpy(op->recv_data, message.data.get(), got);
+    give_back(std::move(message));
+    if (op->bytes != got) {
       op->complete(code_of(Errc::size_mismatch), -1,
-                   fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, message.bytes, op->bytes));
+                   fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, got, op->bytes));
       return;
     }
-    if (message.bytes) std::memcpy(op->recv_data, message.data.get(), message.bytes);
     op->complete();
     return;
   }

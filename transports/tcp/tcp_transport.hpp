@@ -49,7 +49,14 @@ class TcpTransport final : public Transport {
   struct Unexpected {
     std::unique_ptr<std::byte[]> data;
     std::size_t bytes = 0;
+    std::size_t capacity = 0;
   };
+  // Buffers for messages that arrive before their receive, reused: a pipelined collective produces many
+  // of the same size, and fresh large allocations cost an mmap and page faults each.
+  Unexpected take_buffer(std::size_t bytes);
+  void give_back(Unexpected&& buffer);
+  std::vector<Unexpected> spare_buffers_;
+  std::size_t spare_bytes_ = 0;
   struct Mailbox {
     std::deque<TransportOp*> posted;       // receives waiting for a message, oldest first
     std::deque<Unexpected> unexpected;     // messages waiting for a receive, oldest first
@@ -70,8 +77,9 @@ class TcpTransport final : public Transport {
     wire::HeaderBytes recv_header{};
     wire::Header current{};
     TransportOp* current_op = nullptr;  // the receive the payload is read into, if any
-    std::unique_ptr<std::byte[]> scratch;
+    std::unique_ptr<std::byte[]> scratch;  // control payloads and discarded bytes
     std::size_t scratch_size = 0;
+    Unexpected incoming;                   // an unexpected message being read
     explicit Connection(asio::ip::tcp::socket s) : socket(std::move(s)) {}
   };
   struct ContextState {
