@@ -86,7 +86,8 @@ TEST_CASE("a rank that never arrives is named by the bootstrap timeout", "[error
 
 TEST_CASE("a peer that leaves mid-collective fails every other rank's future", "[errors][peer]") {
   const long before = checks_made.load();
-  run_ranks(4, [](Group& g) {
+  std::atomic<int> survivors_done{0};
+  run_ranks(4, [&](Group& g) {
     if (g.rank() == 3) {
       // Join one collective, then leave without joining the next: the Group's destructor closes its
       // connections, as a process that exits would.
@@ -94,6 +95,15 @@ TEST_CASE("a peer that leaves mid-collective fails every other rank's future", "
       g.all_reduce(x).get();
       return;
     }
+    // Survivors stay up until all of them have seen the failure (as they would to shrink and go on):
+    // one that left at once would be a second failure, reported in its own name.
+    struct StayUntilAllSurvivorsAreDone {
+      std::atomic<int>& done;
+      ~StayUntilAllSurvivorsAreDone() {
+        done.fetch_add(1);
+        while (done.load() < 3) std::this_thread::sleep_for(1ms);
+      }
+    } stay{survivors_done};
     std::vector<float> x(1000, 1.0f);
     g.all_reduce(x).get();
     std::vector<float> big(1 << 20, 1.0f);

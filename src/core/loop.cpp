@@ -112,6 +112,12 @@ Loop::~Loop() {
     impl_->stopping.store(true);
     asio::post(*impl_->io, [] {});
     impl_->progress_thread.join();
+    // Run what was posted before the end, on this thread (the loop's thread is gone, so nothing runs
+    // concurrently): e.g. a transport whose last Group was released on the loop thread is deleted by
+    // a posted handler, and must still close its connections.
+    impl_->io->restart();
+    for (int round = 0; round < 100 && impl_->io->poll() > 0; ++round) {
+    }
   }
   // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
   impl_->registry.reset();

@@ -154,11 +154,8 @@ void TcpTransport::collect_context_ops(std::uint32_t context, std::vector<Transp
         ++it;
       }
     }
-    if (c->current_op && c->current_op->key.context == context) {
-      // The payload still arrives; it is read into scratch and dropped.
-      out.push_back(c->current_op);
-      c->current_op = nullptr;
-    }
+    // A receive whose payload is being read right now (c->current_op) is left alone: the kernel is
+    // writing into its buffer, so it completes (with the context's failure) when that read ends.
   }
 }
 
@@ -465,7 +462,12 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
   }
   if (TransportOp* op = std::exchange(c.current_op, nullptr)) {
     start_read_header(c);
-    op->complete();
+    auto ctx = contexts_.find(op->key.context);
+    if (ctx != contexts_.end() && ctx->second.failed) {
+      op->complete(ctx->second.code, ctx->second.failed_peer, ctx->second.reason);
+    } else {
+      op->complete();
+    }
     return;
   }
   // An unexpected message: a receive may have been posted while its payload was arriving.
