@@ -395,10 +395,12 @@ int main(int argc, char** argv) {
     std::int64_t wrong_total = 0;
     bool first_record = true;
     std::vector<std::size_t> sizes;
-    for (double s = static_cast<double>(args.min_bytes); s <= static_cast<double>(args.max_bytes) * 1.0000001; s *= args.factor) {
+    // Sizes from -b to -e by -f, rounded down to whole elements per rank; -b 0 adds a zero-length run.
+    if (args.min_bytes == 0) sizes.push_back(0);
+    for (double s = static_cast<double>(std::max<std::size_t>(args.min_bytes, 1));
+         s <= static_cast<double>(args.max_bytes) * 1.0000001; s *= args.factor) {
       const auto bytes = static_cast<std::size_t>(s) / unit * unit;
       if (sizes.empty() || sizes.back() != bytes) sizes.push_back(bytes);
-      if (s == 0) break;
     }
     if (info.kind == Collective::barrier) sizes = {0};
     std::size_t done = 0;

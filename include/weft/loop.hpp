@@ -38,7 +38,9 @@ class Loop {
     /// before it sleeps in the kernel (owned mode only). A sleeping thread takes tens of microseconds to
     /// wake on a VM, more than a small collective's messages take to arrive; polling only while something
     /// is in flight leaves the cores to the application (and the waiting threads) the rest of the time.
-    /// Zero turns polling off (use it when ranks oversubscribe the cores). WEFT_SPIN_US overrides it.
+    /// Zero turns polling off (use it when ranks oversubscribe the cores). Default: WEFT_SPIN_US, else 0
+    /// when the launcher's local rank count (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE,
+    /// OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE) exceeds the cores, else 1000 us.
     std::chrono::microseconds spin{1000};
   };
 

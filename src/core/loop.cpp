@@ -31,8 +31,15 @@ struct Registry {
   std::unordered_map<std::uint64_t, std::unique_ptr<Watch>> watches;
 };
 
+// Polling pays only while every polling rank has a core: with more local ranks than cores, a poller
+// takes whole time slices from the rank it waits for. The launchers say how many ranks share the host.
 std::chrono::microseconds default_spin() {
   if (const char* v = std::getenv("WEFT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
+  for (const char* name : {"WEFT_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(name);
+    const unsigned cores = std::thread::hardware_concurrency();
+    if (v && cores > 0 && std::atoll(v) > static_cast<long long>(cores)) return std::chrono::microseconds(0);
+  }
   return Loop::Options{}.spin;
 }
 
