@@ -6,6 +6,8 @@
 /// when_any: completes when the first child completes; the others are cancelled and awaited. Returns the
 /// index of the winner and its value (or rethrows its error).
 #include <atomic>
+#include <chrono>
+#include <string>
 #include <coroutine>
 #include <exception>
 #include <functional>
@@ -18,6 +20,7 @@
 #include <variant>
 #include <vector>
 
+#include "weft/error.hpp"
 #include "weft/future.hpp"
 
 namespace weft {
@@ -189,6 +192,45 @@ Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
   if (latch->first_error) std::rethrow_exception(latch->first_error);
   const auto index = static_cast<std::size_t>(latch->winner.load());
   co_return WhenAnyResult<T>{index, std::move(*slots[index])};
+}
+
+}  // namespace weft
+
+namespace weft {
+
+/// Awaits `future`, but for at most `timeout`: past the deadline the operation is cancelled and
+/// weft::TimeoutError is thrown (once the operation has ended, so its buffers are free again).
+/// Errors: the operation's own error, or TimeoutError. Cancellation: the awaiting Task's stop token
+/// cancels the operation too.
+template <class T>
+Task<T> with_timeout(Loop& loop, Future<T> future, std::chrono::nanoseconds timeout) {
+  auto fired = std::make_shared<std::atomic<bool>>(false);
+  const std::uint64_t timer = loop.call_after(timeout, [fired, state = future.state()](bool expired) {
+    if (!expired || state->ready()) return;
+    fired->store(true);
+    state->cancel();
+  });
+  std::exception_ptr error;
+  std::optional<detail::NonVoid<T>> value;
+  try {
+    if constexpr (std::is_void_v<T>) {
+      co_await std::move(future);
+    } else {
+      value.emplace(co_await std::move(future));
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  loop.cancel_timer(timer);
+  if (error) {
+    if (fired->load()) {
+      throw TimeoutError({.op = "with_timeout"},
+                         "the operation did not finish within " +
+                             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()) + " ms");
+    }
+    std::rethrow_exception(error);
+  }
+  if constexpr (!std::is_void_v<T>) co_return std::move(*value);
 }
 
 }  // namespace weft

@@ -113,11 +113,10 @@ void check_host(const GroupState& g, const char* op, Device device) {
   if (device.kind != Device::Kind::host) invalid(g, op, "device buffers are not supported by this group's transport");
 }
 
-void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count, DType type,
+void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
                   Device device) {
   check_host(g, op, device);
   if (count > 0 && data == nullptr) invalid(g, op, fmt::format("{} is null with {} elements", name, count));
-  (void)type;
 }
 
 void check_same_type(const GroupState& g, const char* op, DType a, DType b) {
@@ -433,7 +432,7 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   auto& g = *state_;
   check_usable(g, "send");
   check_rank(g, "send", "destination", dst);
-  check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
+  check_buffer(g, "send", "data", data.data, data.count, data.device);
   return spawn(*g.loop, send_task(state_, data, dst, tag, 0));
 }
 
@@ -441,7 +440,7 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   auto& g = *state_;
   check_usable(g, "recv");
   check_rank(g, "recv", "source", src);
-  check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
+  check_buffer(g, "recv", "data", data.data, data.count, data.device);
   return spawn(*g.loop, recv_task(state_, data, src, tag, 0));
 }
 
@@ -451,8 +450,8 @@ Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) 
   auto& g = *state_;
   const char* name = "all_reduce";
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   check_op(g, name, in.dtype, op);
@@ -463,8 +462,8 @@ Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
   auto& g = *state_;
   const char* name = "all_gather";
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
   return spawn(*g.loop, all_gather_task(state_, take_seq(g), in, out));
@@ -474,8 +473,8 @@ Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp 
   auto& g = *state_;
   const char* name = "reduce_scatter";
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
   check_op(g, name, in.dtype, op);
@@ -487,7 +486,7 @@ Future<void> Group::broadcast(BufferView data, int root) {
   const char* name = "broadcast";
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "data", data.data, data.count, data.dtype, data.device);
+  check_buffer(g, name, "data", data.data, data.count, data.device);
   return spawn(*g.loop, broadcast_task(state_, take_seq(g), data, root));
 }
 
@@ -496,10 +495,10 @@ Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceO
   const char* name = "reduce";
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
   check_op(g, name, in.dtype, op);
   if (g.rank == root) {
-    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+    check_buffer(g, name, "output", out.data, out.count, out.device);
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "output", out.count, in.count);
   }
@@ -511,9 +510,9 @@ Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
   const char* name = "gather";
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
   if (g.rank == root) {
-    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+    check_buffer(g, name, "output", out.data, out.count, out.device);
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
   }
@@ -525,9 +524,9 @@ Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
   const char* name = "scatter";
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_buffer(g, name, "output", out.data, out.count, out.device);
   if (g.rank == root) {
-    check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+    check_buffer(g, name, "input", in.data, in.count, in.device);
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
   }
@@ -538,8 +537,8 @@ Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
   auto& g = *state_;
   const char* name = "all_to_all";
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   if (in.count % static_cast<std::size_t>(g.size) != 0) {
@@ -558,8 +557,8 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
   auto& g = *state_;
   const char* name = "permute";
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   std::vector<int> sends(static_cast<std::size_t>(g.size), 0);
