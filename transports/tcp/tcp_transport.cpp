@@ -183,18 +183,7 @@ void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::st
   state.code = code_of(code);
   state.reason = reason;
   state.failed_peer = -1;
-  wire::Header h;
-  h.kind = wire::FrameKind::abort;
-  h.context = context;
-  const std::string payload = reason.substr(0, wire::max_control_payload);
-  h.bytes = payload.size();
-  for (int m : state.members) {
-    if (m == rank_) continue;
-    auto& c = connections_[static_cast<std::size_t>(m)];
-    if (!c || !c->alive) continue;
-    c->control_queue.emplace_back(h, payload);
-    if (!c->writing) start_write(*c);
-  }
+  send_abort(context, state.members, reason);
   std::vector<TransportOp*> ops;
   collect_context_ops(context, ops);
   complete_all(ops, context);
@@ -519,26 +508,8 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
       log().debug("rank {}: {}", rank_, c.lost_reason);
     }
   }
-  std::error_code ignored;
-  c.socket.close(ignored);
-
   std::vector<TransportOp*> ops;
-  // Queued sends to the peer (the one being written completes from its handler) and receives from it.
-  const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
-  ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
-  c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
-  c.control_queue.clear();
-  if (c.current_op) ops.push_back(std::exchange(c.current_op, nullptr));
-  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
-    if (it->first.peer == c.peer) {
-      ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
-      it->second.posted.clear();
-      // What the peer sent before it left is still delivered to receives posted later.
-      it = it->second.unexpected.empty() ? mailboxes_.erase(it) : std::next(it);
-    } else {
-      ++it;
-    }
-  }
+  close_connection(c, ops);
   // Every context the peer belongs to fails: its other members may be waiting on a rank that waits on
   // the dead one, and would otherwise hang.
   for (auto& [context, state] : contexts_) {
@@ -551,18 +522,7 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
     collect_context_ops(context, ops);
     // Tell the other members the root cause: if this rank stops before they notice the loss themselves,
     // they learn which rank failed rather than only that this one went away.
-    wire::Header h;
-    h.kind = wire::FrameKind::abort;
-    h.context = context;
-    const std::string payload = fmt::format("rank {} reports: {}", rank_, c.lost_reason);
-    h.bytes = payload.size();
-    for (int m : state.members) {
-      if (m == rank_ || m == c.peer) continue;
-      auto& other = connections_[static_cast<std::size_t>(m)];
-      if (!other || !other->alive) continue;
-      other->control_queue.emplace_back(h, payload);
-      if (!other->writing) start_write(*other);
-    }
+    send_abort(context, state.members, fmt::format("rank {} reports: {}", rank_, c.lost_reason));
   }
   for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
 }
@@ -576,13 +536,22 @@ void TcpTransport::peer_departed(Connection& c) {
   c.alive = false;
   c.lost_reason = fmt::format("rank {} left the group (it closed its connection normally)", c.peer);
   log().debug("rank {}: {}", rank_, c.lost_reason);
+  std::vector<TransportOp*> ops;
+  close_connection(c, ops);
+  for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+}
+
+// Closes `c` and takes out every operation that can no longer complete on it: queued sends (the one
+// being written completes from its handler), the receive being read into (closing the socket stops the
+// read) and receives posted for the peer. Messages that already arrived stay receivable.
+void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& ops) {
   std::error_code ignored;
   c.socket.close(ignored);
-  std::vector<TransportOp*> ops;
   const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
   ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
   c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
   c.control_queue.clear();
+  if (c.current_op) ops.push_back(std::exchange(c.current_op, nullptr));
   for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
     if (it->first.peer == c.peer) {
       ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
@@ -592,7 +561,21 @@ void TcpTransport::peer_departed(Connection& c) {
       ++it;
     }
   }
-  for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+}
+
+void TcpTransport::send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason) {
+  wire::Header h;
+  h.kind = wire::FrameKind::abort;
+  h.context = context;
+  std::string payload = reason.substr(0, wire::max_control_payload);
+  h.bytes = payload.size();
+  for (int m : members) {
+    if (m == rank_) continue;
+    auto& c = connections_[static_cast<std::size_t>(m)];
+    if (!c || !c->alive) continue;
+    c->control_queue.emplace_back(h, payload);
+    if (!c->writing) start_write(*c);
+  }
 }
 
 void TcpTransport::shutdown() {

@@ -99,6 +99,8 @@ class TcpTransport final : public Transport {
   void deliver_local(const MessageKey& key, const void* data, std::size_t bytes);
   void fail_connection(Connection& c, const std::string& reason);
   void peer_departed(Connection& c);
+  void close_connection(Connection& c, std::vector<TransportOp*>& ops);
+  void send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason);
   void fail_context(std::uint32_t context, ContextState& state, std::vector<TransportOp*>& to_complete);
   void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
   void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
