@@ -1,0 +1,264 @@
+// Plans checked without any I/O: every rank's script runs in a simulator with one FIFO mailbox per
+// (sender, receiver) pair, as the executor's per-peer message order promises, and the result is compared
+// with a reference. World sizes 1..16 and awkward counts (0, 1, p-1, p+1, primes).
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <deque>
+#include <map>
+
+#include <fmt/format.h>
+#include <weft/weft.hpp>
+
+#include "kernels/cpu/reduce.hpp"
+
+using namespace weft;
+using namespace weft::algorithms;
+
+namespace {
+
+using Value = std::int64_t;
+
+struct RankState {
+  Plan plan;
+  std::vector<Value> send;  // the send buffer
+  std::vector<Value> recv;  // the receive buffer
+  const Value* local = nullptr;  // PlanBuffers::local, if the plan reads its contribution from elsewhere
+  bool send_is_recv = false;     // the send buffer is the receive buffer (sends see what arrived before)
+  std::size_t next = 0;     // next step
+  bool sent = false;        // the next step's own send went out already (it sends before it receives)
+};
+
+// Runs every rank's plan to the end; fails (returns a message) on a deadlock or a size disagreement.
+std::string simulate(std::vector<RankState>& ranks) {
+  const int p = static_cast<int>(ranks.size());
+  std::map<std::pair<int, int>, std::deque<std::vector<Value>>> mailbox;
+  auto reduce = kernels::find_reduce(DType::i64, ReduceOp::sum);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      auto& st = ranks[static_cast<std::size_t>(r)];
+      while (st.next < st.plan.size()) {
+        const Step& s = st.plan[st.next];
+        const bool receives = s.kind != StepKind::send;
+        const bool sends_first = s.kind == StepKind::send || s.kind == StepKind::send_recv || s.kind == StepKind::send_recv_reduce;
+        if (sends_first && !st.sent) {
+          const auto& from = st.send_is_recv ? st.recv : st.send;
+          mailbox[{r, s.send_to}].emplace_back(from.begin() + static_cast<std::ptrdiff_t>(s.send.offset),
+                                               from.begin() + static_cast<std::ptrdiff_t>(s.send.offset + s.send.count));
+          st.sent = true;
+          progress = true;
+        }
+        if (receives) {
+          auto& box = mailbox[{s.recv_from, r}];
+          if (box.empty()) break;  // blocked: try the other ranks
+        }
+        if (receives) {
+          auto& box = mailbox[{s.recv_from, r}];
+          std::vector<Value> msg = std::move(box.front());
+          box.pop_front();
+          if (msg.size() != s.recv.count) {
+            return fmt::format("rank {} step {} ({}) expected {} elements from rank {}, got {}", r, st.next,
+                               to_string(s.kind), s.recv.count, s.recv_from, msg.size());
+          }
+          Value* dst = st.recv.data() + s.recv.offset;
+          const bool reducing = s.kind == StepKind::recv_reduce || s.kind == StepKind::recv_reduce_send ||
+                                s.kind == StepKind::send_recv_reduce;
+          if (reducing) {
+            const Value* mine = st.local ? st.local + s.recv.offset : dst;
+            if (!msg.empty()) reduce(dst, mine, msg.data(), msg.size());
+          } else if (!msg.empty()) {
+            std::memcpy(dst, msg.data(), msg.size() * sizeof(Value));
+          }
+          if (s.kind == StepKind::recv_reduce_send || s.kind == StepKind::recv_copy_send) {
+            mailbox[{r, s.send_to}].emplace_back(dst, dst + s.recv.count);
+          }
+        }
+        ++st.next;
+        st.sent = false;
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < p; ++r) {
+    const auto& st = ranks[static_cast<std::size_t>(r)];
+    if (st.next < st.plan.size()) {
+      return fmt::format("deadlock: rank {} stuck at step {} of {} ({} from rank {})", r, st.next, st.plan.size(),
+                         to_string(st.plan[st.next].kind), st.plan[st.next].recv_from);
+    }
+  }
+  for (const auto& [key, box] : mailbox) {
+    if (!box.empty()) return fmt::format("{} message(s) from rank {} to rank {} were never received", box.size(), key.first, key.second);
+  }
+  return {};
+}
+
+Value input(int r, std::size_t i) { return static_cast<Value>(r) * 1000003 + static_cast<Value>(i) * 7 + 1; }
+Value sum_over(int p, std::size_t i) {
+  Value s = 0;
+  for (int r = 0; r < p; ++r) s += input(r, i);
+  return s;
+}
+
+std::vector<std::size_t> awkward_counts(int p) {
+  return {0, 1, static_cast<std::size_t>(p > 1 ? p - 1 : 2), static_cast<std::size_t>(p + 1), 13, 97};
+}
+
+std::vector<Range> equal(int p, std::size_t count) {
+  std::vector<Range> b;
+  for (int i = 0; i < p; ++i) b.push_back(Range{static_cast<std::size_t>(i) * count, count});
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("ring all_reduce plans reduce every element on every rank", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (std::size_t n : awkward_counts(p)) {
+      for (bool out_of_place : {false, true}) {
+        std::vector<std::vector<Value>> inputs(static_cast<std::size_t>(p));
+        std::vector<RankState> ranks(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& in = inputs[static_cast<std::size_t>(r)];
+          for (std::size_t i = 0; i < n; ++i) in.push_back(input(r, i));
+          auto& st = ranks[static_cast<std::size_t>(r)];
+          st.plan = ring_all_reduce(p, r, n);
+          st.send = in;
+          // Out of place, the output starts as garbage and the plan reads the input through `local`.
+          st.recv = out_of_place && p > 1 ? std::vector<Value>(n, -77) : in;
+          if (out_of_place && p > 1) st.local = in.data();
+        }
+        INFO("p=" << p << " count=" << n << (out_of_place ? " out of place" : " in place"));
+        REQUIRE(simulate(ranks) == "");
+        for (int r = 0; r < p; ++r) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(ranks[static_cast<std::size_t>(r)].recv[i] == sum_over(p, i));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("ring reduce_scatter and all_gather plans put every block where it belongs", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (std::size_t n : awkward_counts(p)) {
+      INFO("p=" << p << " block=" << n);
+      std::vector<RankState> rs(static_cast<std::size_t>(p));
+      std::vector<std::vector<Value>> inputs(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& in = inputs[static_cast<std::size_t>(r)];
+        for (std::size_t i = 0; i < n * static_cast<std::size_t>(p); ++i) in.push_back(input(r, i));
+        auto& st = rs[static_cast<std::size_t>(r)];
+        st.plan = ring_reduce_scatter(p, r, equal(p, n), -1);
+        st.send = in;
+        st.recv = p > 1 ? std::vector<Value>(in.size(), -5) : in;
+        if (p > 1) st.local = in.data();
+      }
+      REQUIRE(simulate(rs) == "");
+      for (int r = 0; r < p; ++r) {
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::size_t at = static_cast<std::size_t>(r) * n + i;
+          REQUIRE(rs[static_cast<std::size_t>(r)].recv[at] == sum_over(p, at));
+        }
+      }
+      std::vector<RankState> ag(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = ag[static_cast<std::size_t>(r)];
+        st.plan = ring_all_gather(p, r, equal(p, n), -1);
+        st.recv.assign(n * static_cast<std::size_t>(p), -9);
+        for (std::size_t i = 0; i < n; ++i) st.recv[static_cast<std::size_t>(r) * n + i] = input(r, i);
+        st.send_is_recv = true;  // all_gather sends from the buffer it gathers into
+      }
+      REQUIRE(simulate(ag) == "");
+      for (int r = 0; r < p; ++r) {
+        for (int b = 0; b < p; ++b) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(ag[static_cast<std::size_t>(r)].recv[static_cast<std::size_t>(b) * n + i] == input(b, i));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("binomial broadcast and reduce plans reach every rank from every root", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (int root = 0; root < p; ++root) {
+      for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{13}}) {
+        INFO("p=" << p << " root=" << root << " count=" << n);
+        // Both run in place: the Group passes one buffer as send and receive buffer.
+        std::vector<RankState> bc(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = bc[static_cast<std::size_t>(r)];
+          st.plan = binomial_broadcast(p, r, root, n);
+          st.send_is_recv = true;
+          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(r == root ? input(root, i) : -1);
+        }
+        REQUIRE(simulate(bc) == "");
+        for (int r = 0; r < p; ++r) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(bc[static_cast<std::size_t>(r)].recv[i] == input(root, i));
+        }
+        std::vector<RankState> rd(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = rd[static_cast<std::size_t>(r)];
+          st.plan = binomial_reduce(p, r, root, n);
+          st.send_is_recv = true;
+          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(input(r, i));
+        }
+        REQUIRE(simulate(rd) == "");
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(rd[static_cast<std::size_t>(root)].recv[i] == sum_over(p, i));
+      }
+    }
+  }
+}
+
+TEST_CASE("gather, scatter, all_to_all and barrier plans are symmetric", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    const std::size_t n = 3;
+    for (int root = 0; root < p; root += (p > 4 ? 3 : 1)) {
+      INFO("p=" << p << " root=" << root);
+      std::vector<RankState> ga(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = ga[static_cast<std::size_t>(r)];
+        st.plan = direct_gather(p, r, root, n);
+        for (std::size_t i = 0; i < n; ++i) st.send.push_back(input(r, i));
+        st.recv.assign(r == root ? n * static_cast<std::size_t>(p) : 0, -1);
+      }
+      REQUIRE(simulate(ga) == "");
+      for (int b = 0; b < p; ++b) {
+        if (b == root) continue;
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(ga[static_cast<std::size_t>(root)].recv[static_cast<std::size_t>(b) * n + i] == input(b, i));
+      }
+      std::vector<RankState> sc(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = sc[static_cast<std::size_t>(r)];
+        st.plan = direct_scatter(p, r, root, n);
+        if (r == root) {
+          for (std::size_t i = 0; i < n * static_cast<std::size_t>(p); ++i) st.send.push_back(input(root, i));
+        }
+        st.recv.assign(n, -1);
+      }
+      REQUIRE(simulate(sc) == "");
+      for (int r = 0; r < p; ++r) {
+        if (r == root) continue;
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(sc[static_cast<std::size_t>(r)].recv[i] == input(root, static_cast<std::size_t>(r) * n + i));
+      }
+    }
+    std::vector<RankState> a2a(static_cast<std::size_t>(p));
+    for (int r = 0; r < p; ++r) {
+      auto& st = a2a[static_cast<std::size_t>(r)];
+      st.plan = pairwise_all_to_all(p, r, n);
+      for (std::size_t i = 0; i < n * static_cast<std::size_t>(p); ++i) st.send.push_back(input(r, i));
+      st.recv.assign(n * static_cast<std::size_t>(p), -1);
+    }
+    REQUIRE(simulate(a2a) == "");
+    for (int r = 0; r < p; ++r) {
+      for (int j = 0; j < p; ++j) {
+        if (j == r) continue;
+        for (std::size_t i = 0; i < n; ++i) {
+          REQUIRE(a2a[static_cast<std::size_t>(r)].recv[static_cast<std::size_t>(j) * n + i] == input(j, static_cast<std::size_t>(r) * n + i));
+        }
+      }
+    }
+    std::vector<RankState> bar(static_cast<std::size_t>(p));
+    for (int r = 0; r < p; ++r) bar[static_cast<std::size_t>(r)].plan = dissemination_barrier(p, r);
+    REQUIRE(simulate(bar) == "");
+  }
+}
