@@ -27,21 +27,20 @@ enum class Collective { all_reduce, all_gather, reduce_scatter, broadcast, reduc
 struct CollectiveInfo {
   Collective kind;
   const char* name;
-  const char* algorithm;  // what this build runs for it
   bool rooted;
   bool reduces;
 };
 
 constexpr CollectiveInfo collectives[] = {
-    {Collective::all_reduce, "all_reduce", "ring", false, true},
-    {Collective::all_gather, "all_gather", "ring", false, false},
-    {Collective::reduce_scatter, "reduce_scatter", "ring", false, true},
-    {Collective::broadcast, "broadcast", "binomial", true, false},
-    {Collective::reduce, "reduce", "binomial", true, true},
-    {Collective::gather, "gather", "direct", true, false},
-    {Collective::scatter, "scatter", "direct", true, false},
-    {Collective::all_to_all, "all_to_all", "pairwise", false, false},
-    {Collective::barrier, "barrier", "dissemination", false, false},
+    {Collective::all_reduce, "all_reduce", false, true},
+    {Collective::all_gather, "all_gather", false, false},
+    {Collective::reduce_scatter, "reduce_scatter", false, true},
+    {Collective::broadcast, "broadcast", true, false},
+    {Collective::reduce, "reduce", true, true},
+    {Collective::gather, "gather", true, false},
+    {Collective::scatter, "scatter", true, false},
+    {Collective::all_to_all, "all_to_all", false, false},
+    {Collective::barrier, "barrier", false, false},
 };
 
 struct Args {
@@ -373,13 +372,13 @@ int main(int argc, char** argv) {
       fmt::print(json, "[\n");
     }
     if (leader) {
-      fmt::print("# weft-bench: {} on {} ranks, transport tcp, algorithm {}, dtype {}, op {}, warmup {}, iters {}{}\n",
-                 info.name, p, info.algorithm, to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
+      fmt::print("# weft-bench: {} on {} ranks, transport tcp, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
+                 info.name, p, to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
                  args.warmup, args.iters, args.check ? ", check on" : "");
       fmt::print("#\n# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "", "", "",
                  "", "", "out-of-place", "", "", "", "in-place", "", "", "");
-      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "size", "count",
-                 "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong");
+      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}  {}\n", "size", "count",
+                 "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "algorithm");
       fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "(B)",
                  "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
       std::fflush(stdout);
@@ -415,13 +414,14 @@ int main(int argc, char** argv) {
       ++done;
       if (!leader) continue;
       const std::size_t count_column = c.count * (blocked ? static_cast<std::size_t>(p) : 1);
+      const std::string algorithm = group.algorithm_for(info.name, bytes);
       const std::string root = root_text ? root_text : std::to_string(args.root);
       auto wrong_text = [&](const Measurement& m) { return args.check ? std::to_string(m.wrong) : std::string("N/A"); };
       if (tty) fmt::print(stderr, "\r\033[K");
-      fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}\n",
+      fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}  {}\n",
                  bytes, count_column, to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none", root,
                  out_of_place.time_us, out_of_place.algbw, out_of_place.busbw, wrong_text(out_of_place), in_place.time_us,
-                 in_place.algbw, in_place.busbw, wrong_text(in_place));
+                 in_place.algbw, in_place.busbw, wrong_text(in_place), algorithm);
       std::fflush(stdout);
       if (tty) fmt::print(stderr, "weft-bench: {}/{} sizes done", done, sizes.size());
       busbw_sum += out_of_place.busbw + in_place.busbw;
@@ -432,7 +432,7 @@ int main(int argc, char** argv) {
                      "{}  {{\"collective\": \"{}\", \"algorithm\": \"{}\", \"transport\": \"tcp\", \"bytes\": {}, \"count\": {}, "
                      "\"dtype\": \"{}\", \"op\": \"{}\", \"root\": {}, \"ranks\": {}, \"inplace\": {}, \"time_us\": {:.3f}, "
                      "\"algbw\": {:.6f}, \"busbw\": {:.6f}, \"wrong\": {}}}",
-                     first_record ? "" : ",\n", info.name, info.algorithm, bytes, count_column,
+                     first_record ? "" : ",\n", info.name, algorithm, bytes, count_column,
                      to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none",
                      info.rooted ? args.root : -1, p, m == &in_place ? "true" : "false", m->time_us, m->algbw, m->busbw,
                      args.check ? m->wrong : -1);

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "harness.hpp"
+#include "src/algorithms/selection.hpp"
 
 using namespace weft;
 using namespace weft::test;
@@ -101,4 +102,33 @@ TEST_CASE("ranks bind to the interface they are told", "[bootstrap][ifname]") {
   Options bad;
   bad.interface = "no-such-interface0";
   CHECK_THROWS_WITH(run_ranks(2, [](Group&) {}, bad), Catch::Contains("interface 'no-such-interface0'"));
+}
+
+TEST_CASE("WEFT_ALGO chooses algorithms by size, and a malformed value says what was expected", "[bootstrap][algo]") {
+  algorithms::Selection s;
+  CHECK(s.choose("all_reduce", 8, 4) == "recursive_doubling");
+  CHECK(s.choose("all_reduce", 64 << 20, 4) == "ring");
+  CHECK(s.choose("broadcast", 8, 4) == "binomial");
+  s.override_with("all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring", "WEFT_ALGO");
+  CHECK(s.choose("all_reduce", 16383, 4) == "recursive_doubling");
+  CHECK(s.choose("all_reduce", 16384, 4) == "rabenseifner");
+  CHECK(s.choose("all_reduce", (1 << 20) - 1, 4) == "rabenseifner");
+  CHECK(s.choose("all_reduce", 1 << 20, 4) == "ring");
+  s.override_with("all_reduce:tree@1K-2K; broadcast:binomial", "WEFT_ALGO");
+  CHECK(s.choose("all_reduce", 1500, 4) == "tree");
+  CHECK(s.choose("all_reduce", 8, 4) == "recursive_doubling");  // outside every range: the built-in table
+  algorithms::Selection t;
+  CHECK_THROWS_WITH(t.override_with("all_reduce=ring", "WEFT_ALGO"), Catch::Contains("has no ':'") && Catch::Contains("Expected collective:algorithm"));
+  CHECK_THROWS_WITH(t.override_with("allreduce:ring", "WEFT_ALGO"), Catch::Contains("unknown collective 'allreduce'"));
+  CHECK_THROWS_WITH(t.override_with("all_reduce:bruck", "WEFT_ALGO"), Catch::Contains("'bruck' is not an algorithm of all_reduce (valid: ring, recursive_doubling"));
+  CHECK_THROWS_WITH(t.override_with("all_reduce:ring@16K", "WEFT_ALGO"), Catch::Contains("has no '-'"));
+  CHECK_THROWS_WITH(t.override_with("all_reduce:ring@1X-2K", "WEFT_ALGO"), Catch::Contains("'1X' is not a size"));
+  CHECK_THROWS_WITH(t.override_with("all_reduce:ring@2K-1K", "WEFT_ALGO"), Catch::Contains("is empty"));
+  // Group::create refuses it before anything starts.
+  Loop loop(Loop::Options{std::chrono::microseconds(0)});
+  Options o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.algorithms = "all_reduce:fastest";
+  CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("WEFT_ALGO='all_reduce:fastest'"));
 }

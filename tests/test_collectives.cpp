@@ -234,3 +234,33 @@ TEST_CASE("a message over 4 GiB arrives whole", "[collectives][large]") {
   });
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("every all_reduce algorithm matches the reference", "[collectives][algorithms]") {
+  for (const char* algorithm : {"ring", "recursive_doubling", "rabenseifner", "tree"}) {
+    for (int p : {1, 2, 3, 4, 5, 8}) {
+      Options options;
+      options.algorithms = std::string("all_reduce:") + algorithm;
+      const long before = checks_made.load();
+      run_ranks(p, [&](Group& g) {
+        check(g.algorithm_for("all_reduce", 1 << 20) == algorithm, "the override was not taken");
+        for (DType t : {DType::f32, DType::i64, DType::bf16, DType::u8}) {
+          for (ReduceOp op : {ReduceOp::sum, ReduceOp::max, ReduceOp::prod, ReduceOp::bitwise_xor, ReduceOp::avg}) {
+            if (!is_defined(t, op)) continue;
+            for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4099}, std::size_t{300000}}) {
+              const auto expected = make_reduced(t, op, g.size(), count);
+              auto in = make_input(t, op, g.rank(), count);
+              std::vector<std::byte> out(in.size());
+              g.all_reduce(ConstBufferView(in.data(), count, t), BufferView(out.data(), count, t), op).get();
+              auto diff = compare(t, out.data(), expected.data(), count);
+              check(diff.empty(), std::string(algorithm) + " " + where("all_reduce", t, op, count, false) + diff);
+              g.all_reduce(BufferView(in.data(), count, t), op).get();
+              diff = compare(t, in.data(), expected.data(), count);
+              check(diff.empty(), std::string(algorithm) + " " + where("all_reduce", t, op, count, true) + diff);
+            }
+          }
+        }
+      }, options);
+      REQUIRE(checks_made.load() > before);
+    }
+  }
+}

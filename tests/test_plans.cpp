@@ -138,6 +138,31 @@ TEST_CASE("ring all_reduce plans reduce every element on every rank", "[plans]")
   }
 }
 
+TEST_CASE("recursive doubling, Rabenseifner and tree all_reduce plans reduce every element on every rank", "[plans]") {
+  using Builder = Plan (*)(int, int, std::size_t);
+  const std::pair<const char*, Builder> builders[] = {{"recursive_doubling", &recursive_doubling_all_reduce},
+                                                      {"rabenseifner", &rabenseifner_all_reduce},
+                                                      {"tree", &tree_all_reduce}};
+  for (auto [name, build] : builders) {
+    for (int p = 1; p <= 16; ++p) {
+      for (std::size_t n : awkward_counts(p)) {
+        INFO(name << " p=" << p << " count=" << n);
+        std::vector<RankState> ranks(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = ranks[static_cast<std::size_t>(r)];
+          st.plan = build(p, r, n);
+          st.send_is_recv = true;  // these run in place
+          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(input(r, i));
+        }
+        REQUIRE(simulate(ranks) == "");
+        for (int r = 0; r < p; ++r) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(ranks[static_cast<std::size_t>(r)].recv[i] == sum_over(p, i));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("ring reduce_scatter and all_gather plans put every block where it belongs", "[plans]") {
   for (int p = 1; p <= 16; ++p) {
     for (std::size_t n : awkward_counts(p)) {

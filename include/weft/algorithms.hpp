@@ -65,6 +65,14 @@ Plan ring_reduce_scatter(int p, int r, std::span<const Range> blocks, int shift)
 Plan ring_all_gather(int p, int r, std::span<const Range> blocks, int shift);
 /// Ring all-reduce: reduce-scatter then all-gather, of `count` elements in place.
 Plan ring_all_reduce(int p, int r, std::size_t count);
+/// Recursive doubling all-reduce, in place: lg p exchanges of the whole buffer (best for small ones).
+/// Non-powers of two fold the first 2(p - 2^k) ranks in pairs before and unfold them after.
+Plan recursive_doubling_all_reduce(int p, int r, std::size_t count);
+/// Rabenseifner all-reduce, in place: recursive-halving reduce-scatter, then recursive-doubling
+/// all-gather over 2^k blocks (with the same fold for non-powers of two).
+Plan rabenseifner_all_reduce(int p, int r, std::size_t count);
+/// Binomial reduce to rank 0 followed by binomial broadcast, in place.
+Plan tree_all_reduce(int p, int r, std::size_t count);
 /// Binomial-tree broadcast of `count` elements from `root`.
 Plan binomial_broadcast(int p, int r, int root, std::size_t count);
 /// Binomial-tree reduce of `count` elements to `root` (every rank's receive buffer is its accumulator).

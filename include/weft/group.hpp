@@ -24,6 +24,8 @@
 /// before its Loop; destroying it shuts its connections down (peers see this rank leave).
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -90,6 +92,10 @@ class Group {
   /// Collective over this group: ranks with the same `color` form a new group, ordered by (key, rank).
   /// A negative color leaves the rank out (its Future yields an invalid Group).
   Future<Group> split(int color, int key);
+
+  /// The algorithm this group runs for `collective` ("all_reduce", ...) on a buffer of `bytes` bytes
+  /// (the built-in table, overridden by Options::algorithms / WEFT_ALGO).
+  std::string algorithm_for(std::string_view collective, std::size_t bytes) const;
 
   /// The group's state; for weft's own layers.
   const std::shared_ptr<detail::GroupState>& state() const noexcept { return state_; }

@@ -24,11 +24,14 @@ struct Options {
   /// A step's data travels in segments of this many bytes, `pipeline_depth` in flight.
   std::size_t segment_bytes = 256 * 1024;
   int pipeline_depth = 8;
+  /// Algorithm choices overriding the built-in table, e.g.
+  /// "all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring" (WEFT_ALGO; syntax in README).
+  std::string algorithms;
 
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
-  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH.
+  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

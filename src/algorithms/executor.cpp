@@ -166,10 +166,24 @@ Task<void> Executor::run(const Plan& plan) {
       case StepKind::recv:
       case StepKind::send_recv: {
         // A run of receive steps is posted at once, so that no message of the run waits as unexpected.
+        // A later exchange joins the run only if what it sends does not depend on what the run receives
+        // (recursive doubling forwards what it just received: those exchanges go one at a time).
         std::vector<TransportOp*> pending;
+        std::vector<std::pair<const std::byte*, const std::byte*>> landing;  // receive ranges of the run
+        auto depends_on_run = [&](const Step& s) {
+          if (s.kind != StepKind::send_recv || s.send.count == 0) return false;
+          const std::byte* lo = send_at(s.send);
+          const std::byte* hi = lo + s.send.count * esize_;
+          for (auto [a, b] : landing) {
+            if (a < hi && lo < b) return true;
+          }
+          return false;
+        };
         std::size_t j = i;
         for (; j < plan.size() && (plan[j].kind == StepKind::recv || plan[j].kind == StepKind::send_recv); ++j) {
           const Step& s = plan[j];
+          if (j > i && depends_on_run(s)) break;
+          if (s.recv.count) landing.emplace_back(recv_at(s.recv), recv_at(s.recv) + s.recv.count * esize_);
           if (s.kind == StepKind::send_recv) {
             for (std::size_t k = 0, n = segments(s.send); k < n; ++k) {
               const Range seg = segment(s.send, k);

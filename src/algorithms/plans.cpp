@@ -82,6 +82,115 @@ Plan ring_all_reduce(int p, int r, std::size_t count) {
   return plan;
 }
 
+namespace {
+
+// The fold that lets power-of-two algorithms run on any p: of the first 2*rem ranks (rem = p - 2^k), each
+// even one hands its data to the odd one above it and waits; the others take part under a new rank.
+struct Fold {
+  int pof2 = 1;
+  int rem = 0;
+  int new_rank = -1;  // -1: this rank sits out (an even rank among the first 2*rem)
+  int real(int new_r) const { return new_r < rem ? new_r * 2 + 1 : new_r + rem; }
+};
+
+Fold fold_for(int p, int r) {
+  Fold f;
+  while (f.pof2 * 2 <= p) f.pof2 *= 2;
+  f.rem = p - f.pof2;
+  if (r < 2 * f.rem) {
+    f.new_rank = (r % 2 == 1) ? r / 2 : -1;
+  } else {
+    f.new_rank = r - f.rem;
+  }
+  return f;
+}
+
+void fold_in(Plan& plan, const Fold& f, int r, Range all) {
+  if (r >= 2 * f.rem) return;
+  if (r % 2 == 0) {
+    plan.push_back(make_send(r + 1, all));
+  } else {
+    plan.push_back(make_recv(StepKind::recv_reduce, r - 1, all));
+  }
+}
+
+void fold_out(Plan& plan, const Fold& f, int r, Range all) {
+  if (r >= 2 * f.rem) return;
+  if (r % 2 == 0) {
+    plan.push_back(make_recv(StepKind::recv, r + 1, all));
+  } else {
+    plan.push_back(make_send(r - 1, all));
+  }
+}
+
+// Elements of blocks [first, last) when `count` elements are cut into `parts` blocks.
+Range blocks(std::size_t count, int parts, int first, int last) {
+  const Range a = block(count, parts, first);
+  if (last <= first) return Range{a.offset, 0};
+  const Range b = block(count, parts, last - 1);
+  return Range{a.offset, b.offset + b.count - a.offset};
+}
+
+}  // namespace
+
+Plan recursive_doubling_all_reduce(int p, int r, std::size_t count) {
+  Plan plan;
+  const Range all{0, count};
+  const Fold f = fold_for(p, r);
+  fold_in(plan, f, r, all);
+  if (f.new_rank >= 0) {
+    for (int mask = 1; mask < f.pof2; mask <<= 1) {
+      const int partner = f.real(f.new_rank ^ mask);
+      plan.push_back(Step{StepKind::send_recv_reduce, partner, partner, all, all});
+    }
+  }
+  fold_out(plan, f, r, all);
+  return plan;
+}
+
+Plan rabenseifner_all_reduce(int p, int r, std::size_t count) {
+  Plan plan;
+  const Range all{0, count};
+  const Fold f = fold_for(p, r);
+  fold_in(plan, f, r, all);
+  if (f.new_rank >= 0) {
+    const int nr = f.new_rank;
+    // Recursive halving: each round keeps the half of the current blocks that holds block nr.
+    int lo = 0;
+    int hi = f.pof2;
+    for (int mask = f.pof2 / 2; mask > 0; mask >>= 1) {
+      const int partner = f.real(nr ^ mask);
+      const int mid = lo + (hi - lo) / 2;
+      const bool upper = (nr & mask) != 0;
+      const Range keep = upper ? blocks(count, f.pof2, mid, hi) : blocks(count, f.pof2, lo, mid);
+      const Range give = upper ? blocks(count, f.pof2, lo, mid) : blocks(count, f.pof2, mid, hi);
+      plan.push_back(Step{StepKind::send_recv_reduce, partner, partner, give, keep});
+      if (upper) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    // Recursive doubling all-gather: exchange what each holds, doubling it every round.
+    for (int mask = 1; mask < f.pof2; mask <<= 1) {
+      const int partner_new = nr ^ mask;
+      const int mine = nr & ~(mask - 1);
+      const int theirs = partner_new & ~(mask - 1);
+      plan.push_back(Step{StepKind::send_recv, f.real(partner_new), f.real(partner_new),
+                          blocks(count, f.pof2, mine, mine + mask), blocks(count, f.pof2, theirs, theirs + mask)});
+    }
+  }
+  fold_out(plan, f, r, all);
+  return plan;
+}
+
+Plan tree_all_reduce(int p, int r, std::size_t count) {
+  Plan plan = binomial_reduce(p, r, 0, count);
+  const Plan down = binomial_broadcast(p, r, 0, count);
+  plan.insert(plan.end(), down.begin(), down.end());
+  return plan;
+}
+
 Plan binomial_broadcast(int p, int r, int root, std::size_t count) {
   Plan plan;
   const Range all{0, count};

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "kernels/cpu/reduce.hpp"
+#include "src/algorithms/selection.hpp"
 #include "src/core/log.hpp"
 #include "src/group/bootstrap.hpp"
 #include "transports/tcp/tcp_transport.hpp"
@@ -48,6 +49,7 @@ struct GroupState {
   int size = 1;
   std::vector<int> members;                        // group rank -> transport rank
   Options options;
+  algo::Selection selection;                       // which algorithm runs what
   std::atomic<std::uint64_t> next_seq{1};          // written by callers, in program order
   std::atomic<bool> failed{false};                 // set on the loop thread, read by callers
   std::mutex failure_mutex;
@@ -190,6 +192,7 @@ Task<Group> create_task(Loop* loop, Options options) {
     throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
   }
   auto g = std::make_shared<GroupState>();
+  g->selection.override_with(options.algorithms, "WEFT_ALGO");
   g->loop = loop;
   g->rank = options.rank;
   g->size = options.world_size;
@@ -270,13 +273,23 @@ std::vector<algo::Range> equal_blocks(int p, std::size_t count) {
 }
 
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
-  // The ring reduces every block once and writes every block of `out`: out of place, it reads this
-  // rank's contribution straight from `in` (no staging copy).
-  const bool in_place = in.data == out.data;
-  if (g->size == 1) copy_bytes(out.data, in.data, out.bytes());
-  const auto plan = algo::ring_all_reduce(g->size, g->rank, out.count);
-  co_await g->run(plan, seq, "all_reduce",
-                  algo::PlanBuffers{in.bytes_ptr(), out.bytes_ptr(), out.dtype, op, in_place ? nullptr : in.bytes_ptr()});
+  const std::string_view algorithm = g->selection.choose("all_reduce", out.bytes(), g->size);
+  algo::Plan plan;
+  algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
+  if (algorithm == "ring" && g->size > 1) {
+    // The ring reduces every block once and writes every block of `out`: out of place, it reads this
+    // rank's contribution straight from `in` (no staging copy).
+    plan = algo::ring_all_reduce(g->size, g->rank, out.count);
+    buffers.send = in.bytes_ptr();
+    if (in.data != out.data) buffers.local = in.bytes_ptr();
+  } else {
+    // The others run in place on `out`, sending what they have reduced so far.
+    copy_bytes(out.data, in.data, out.bytes());
+    if (algorithm == "recursive_doubling") plan = algo::recursive_doubling_all_reduce(g->size, g->rank, out.count);
+    else if (algorithm == "rabenseifner") plan = algo::rabenseifner_all_reduce(g->size, g->rank, out.count);
+    else if (algorithm == "tree") plan = algo::tree_all_reduce(g->size, g->rank, out.count);
+  }
+  co_await g->run(plan, seq, "all_reduce", buffers);
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
@@ -421,7 +434,12 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
 
 Future<Group> Group::create(Loop& loop, Options options) {
   options.from_environment();
+  algo::Selection().override_with(options.algorithms, "WEFT_ALGO");  // a malformed value fails here
   return spawn(loop, create_task(&loop, std::move(options)));
+}
+
+std::string Group::algorithm_for(std::string_view collective, std::size_t bytes) const {
+  return std::string(state_->selection.choose(collective, bytes, state_->size));
 }
 
 int Group::rank() const noexcept { return state_->rank; }

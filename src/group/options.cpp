@@ -100,6 +100,9 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (const char* v = env("WEFT_SEGMENT_BYTES")) {
     segment_bytes = static_cast<std::size_t>(parse_int("WEFT_SEGMENT_BYTES", v, 1024, 1ll << 32));
   }
+  if (algorithms.empty()) {
+    if (const char* v = env("WEFT_ALGO")) algorithms = v;
+  }
   if (const char* v = env("WEFT_PIPELINE_DEPTH")) {
     pipeline_depth = static_cast<int>(parse_int("WEFT_PIPELINE_DEPTH", v, 1, 1024));
   }

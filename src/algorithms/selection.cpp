@@ -1,0 +1,135 @@
+#include "src/algorithms/selection.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "weft/error.hpp"
+
+namespace weft::algorithms {
+namespace {
+
+const std::map<std::string_view, std::vector<std::string_view>>& table() {
+  static const std::map<std::string_view, std::vector<std::string_view>> known = {
+      {"all_reduce", {"ring", "recursive_doubling", "rabenseifner", "tree"}},
+      {"all_gather", {"ring"}},
+      {"reduce_scatter", {"ring"}},
+      {"broadcast", {"binomial"}},
+      {"reduce", {"binomial"}},
+      {"gather", {"direct"}},
+      {"scatter", {"direct"}},
+      {"all_to_all", {"pairwise"}},
+      {"barrier", {"dissemination"}},
+  };
+  return known;
+}
+
+[[noreturn]] void bad(std::string_view source, std::string_view spec, const std::string& detail) {
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
+              fmt::format("{}='{}': {}. Expected collective:algorithm[@LO-HI][,algorithm[@LO-HI]...][;...], "
+                          "e.g. all_reduce:recursive_doubling@0-16K,ring",
+                          source, spec, detail));
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+std::vector<std::string_view> split(std::string_view s, char sep) {
+  std::vector<std::string_view> out;
+  std::size_t start = 0;
+  for (;;) {
+    const auto at = s.find(sep, start);
+    out.push_back(trim(s.substr(start, at == std::string_view::npos ? std::string_view::npos : at - start)));
+    if (at == std::string_view::npos) break;
+    start = at + 1;
+  }
+  return out;
+}
+
+bool parse_size(std::string_view text, std::size_t& out) {
+  std::size_t value = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || ptr == text.data()) return false;
+  std::string_view suffix(ptr, static_cast<std::size_t>(text.data() + text.size() - ptr));
+  std::size_t scale = 1;
+  if (suffix == "K" || suffix == "k") scale = std::size_t{1} << 10;
+  else if (suffix == "M" || suffix == "m") scale = std::size_t{1} << 20;
+  else if (suffix == "G" || suffix == "g") scale = std::size_t{1} << 30;
+  else if (!suffix.empty()) return false;
+  out = value * scale;
+  return true;
+}
+
+}  // namespace
+
+const std::vector<std::string_view>& algorithms_for(std::string_view collective) {
+  static const std::vector<std::string_view> none;
+  auto it = table().find(collective);
+  return it == table().end() ? none : it->second;
+}
+
+Selection::Selection() = default;
+
+void Selection::override_with(std::string_view spec, std::string_view source) {
+  if (trim(spec).empty()) return;
+  for (std::string_view entry : split(spec, ';')) {
+    if (entry.empty()) continue;
+    const auto colon = entry.find(':');
+    if (colon == std::string_view::npos) bad(source, spec, fmt::format("'{}' has no ':' after the collective", entry));
+    const std::string_view collective = trim(entry.substr(0, colon));
+    const auto& valid = algorithms_for(collective);
+    if (valid.empty()) {
+      std::string names;
+      for (const auto& [name, algos] : table()) names += (names.empty() ? "" : ", ") + std::string(name);
+      bad(source, spec, fmt::format("unknown collective '{}' (known: {})", collective, names));
+    }
+    Entry parsed{std::string(collective), {}};
+    for (std::string_view choice : split(entry.substr(colon + 1), ',')) {
+      Choice c;
+      const auto at = choice.find('@');
+      const std::string_view name = trim(choice.substr(0, at));
+      if (std::find(valid.begin(), valid.end(), name) == valid.end()) {
+        std::string names;
+        for (auto v : valid) names += (names.empty() ? "" : ", ") + std::string(v);
+        bad(source, spec, fmt::format("'{}' is not an algorithm of {} (valid: {})", name, collective, names));
+      }
+      c.algorithm = std::string(name);
+      if (at != std::string_view::npos) {
+        const std::string_view range = choice.substr(at + 1);
+        const auto dash = range.find('-');
+        if (dash == std::string_view::npos) bad(source, spec, fmt::format("range '{}' has no '-'", range));
+        if (!parse_size(trim(range.substr(0, dash)), c.lo)) bad(source, spec, fmt::format("'{}' is not a size", range.substr(0, dash)));
+        const std::string_view hi = trim(range.substr(dash + 1));
+        if (!hi.empty() && !parse_size(hi, c.hi)) bad(source, spec, fmt::format("'{}' is not a size", hi));
+        if (c.hi <= c.lo) bad(source, spec, fmt::format("range '{}' is empty", range));
+      }
+      parsed.choices.push_back(std::move(c));
+    }
+    std::erase_if(overrides_, [&](const Entry& e) { return e.collective == parsed.collective; });
+    overrides_.push_back(std::move(parsed));
+  }
+}
+
+std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks) const {
+  for (const auto& entry : overrides_) {
+    if (entry.collective != collective) continue;
+    for (const auto& c : entry.choices) {
+      if (bytes >= c.lo && bytes < c.hi) return c.algorithm;
+    }
+  }
+  if (collective == "all_reduce") {
+    // Built-in: recursive doubling while latency dominates, the ring for bandwidth. Measured here
+    // (2 and 4 ranks, bench/RESULTS.md): recursive doubling wins up to 256 KiB, the ring from 2 MiB.
+    if (ranks > 1 && bytes < (std::size_t{512} << 10)) return "recursive_doubling";
+    return "ring";
+  }
+  const auto& valid = algorithms_for(collective);
+  return valid.empty() ? std::string_view{} : valid.front();
+}
+
+}  // namespace weft::algorithms

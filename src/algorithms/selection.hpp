@@ -1,0 +1,41 @@
+#pragma once
+// Which algorithm runs a collective: built-in defaults by (collective, bytes, ranks), overridden by
+// Options::algorithms / WEFT_ALGO, e.g.
+//   all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring;broadcast:binomial
+// A choice's range is [lo, hi) in bytes of the collective's buffer (K, M, G: powers of 1024); a choice
+// without a range takes every size the earlier choices left. A malformed value is an error that says
+// what was expected; nothing is silently ignored.
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace weft::algorithms {
+
+/// The algorithms this build implements for `collective` (empty for an unknown collective).
+const std::vector<std::string_view>& algorithms_for(std::string_view collective);
+
+class Selection {
+ public:
+  /// The built-in table (see selection.cpp for the measurements behind it).
+  Selection();
+  /// Overrides the collectives `spec` names. Errors: weft::Error (invalid_argument) naming `source`
+  /// (e.g. "WEFT_ALGO") and what was expected.
+  void override_with(std::string_view spec, std::string_view source);
+  /// The algorithm for a collective of `bytes` bytes on `ranks` ranks.
+  std::string_view choose(std::string_view collective, std::size_t bytes, int ranks) const;
+
+ private:
+  struct Choice {
+    std::string algorithm;
+    std::size_t lo = 0;
+    std::size_t hi = static_cast<std::size_t>(-1);
+  };
+  struct Entry {
+    std::string collective;
+    std::vector<Choice> choices;
+  };
+  std::vector<Entry> overrides_;
+};
+
+}  // namespace weft::algorithms
