@@ -5,6 +5,8 @@
 #include "harness.hpp"
 #include "bench/check_data.hpp"
 
+#include <cmath>
+
 using namespace weft;
 using namespace weft::test;
 using namespace weft::reference;
@@ -258,6 +260,99 @@ TEST_CASE("every all_reduce algorithm matches the reference", "[collectives][alg
               check(diff.empty(), std::string(algorithm) + " " + where("all_reduce", t, op, count, true) + diff);
             }
           }
+        }
+      }, options);
+      REQUIRE(checks_made.load() > before);
+    }
+  }
+}
+
+namespace {
+
+// Floats whose sums depend on the order of addition: mixed magnitudes from a seeded generator.
+std::vector<float> messy_floats(int rank, std::size_t n) {
+  std::vector<float> v(n);
+  std::uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(rank + 1);
+  for (auto& f : v) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const int exponent = static_cast<int>(x % 40) - 20;
+    f = std::ldexp(static_cast<float>((x >> 20) % 100000) / 100000.0f - 0.5f, exponent);
+  }
+  return v;
+}
+
+std::uint64_t fingerprint(const void* data, std::size_t bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("every rank receives bitwise identical all_reduce results, for every algorithm", "[collectives][bitwise]") {
+  for (const char* algorithm : {"ring", "recursive_doubling", "rabenseifner", "tree"}) {
+    Options options;
+    options.algorithms = std::string("all_reduce:") + algorithm;
+    const long before = checks_made.load();
+    run_ranks(5, [&](Group& g) {
+      for (std::size_t n : {std::size_t{1}, std::size_t{1000}, std::size_t{100003}}) {
+        auto v = messy_floats(g.rank(), n);
+        g.all_reduce(v).get();
+        std::vector<std::uint64_t> mine{fingerprint(v.data(), v.size() * sizeof(float))};
+        std::vector<std::uint64_t> all(static_cast<std::size_t>(g.size()));
+        g.all_gather(mine, all).get();
+        for (auto h : all) check(h == all[0], fmt::format("{}: ranks hold different bits for {} elements", algorithm, n));
+      }
+    }, options);
+    REQUIRE(checks_made.load() > before);
+  }
+}
+
+TEST_CASE("deterministic mode reduces in rank order, the same for every algorithm and segment size", "[collectives][deterministic]") {
+  const int p = 5;
+  for (std::size_t segment : {std::size_t{1024}, std::size_t{256 * 1024}}) {
+    for (const char* algorithm : {"ring", "recursive_doubling", "tree"}) {
+      Options options;
+      options.deterministic = true;
+      options.segment_bytes = segment;
+      options.algorithms = std::string("all_reduce:") + algorithm;
+      const long before = checks_made.load();
+      run_ranks(p, [&](Group& g) {
+        for (std::size_t n : {std::size_t{0}, std::size_t{3}, std::size_t{1001}, std::size_t{70001}}) {
+          // The reference: ((x0 + x1) + x2) + ... in float, element by element.
+          std::vector<float> expected = messy_floats(0, n);
+          for (int r = 1; r < p; ++r) {
+            const auto x = messy_floats(r, n);
+            for (std::size_t i = 0; i < n; ++i) expected[i] = expected[i] + x[i];
+          }
+          auto v = messy_floats(g.rank(), n);
+          std::vector<float> out(n);
+          g.all_reduce(v, out).get();
+          check(std::memcmp(out.data(), expected.data(), n * sizeof(float)) == 0,
+                fmt::format("deterministic all_reduce ({}, segment {}) differs from the rank-order sum, {} elements", algorithm, segment, n));
+          g.all_reduce(BufferView(v)).get();
+          check(std::memcmp(v.data(), expected.data(), n * sizeof(float)) == 0, "deterministic all_reduce in place");
+          // reduce_scatter and reduce follow the same order.
+          std::vector<float> all;
+          for (int b = 0; b < p; ++b) {
+            auto part = messy_floats(g.rank() * 7 + b, n);
+            all.insert(all.end(), part.begin(), part.end());
+          }
+          std::vector<float> block(n);
+          g.reduce_scatter(all, block).get();
+          std::vector<float> want = messy_floats(0 * 7 + g.rank(), n);
+          for (int r = 1; r < p; ++r) {
+            const auto x = messy_floats(r * 7 + g.rank(), n);
+            for (std::size_t i = 0; i < n; ++i) want[i] = want[i] + x[i];
+          }
+          check(std::memcmp(block.data(), want.data(), n * sizeof(float)) == 0, "deterministic reduce_scatter");
+          auto mine = messy_floats(g.rank(), n);
+          std::vector<float> at_root(g.rank() == 2 ? n : 0);
+          g.reduce(mine, at_root, 2).get();
+          if (g.rank() == 2) check(std::memcmp(at_root.data(), expected.data(), n * sizeof(float)) == 0, "deterministic reduce");
         }
       }, options);
       REQUIRE(checks_made.load() > before);

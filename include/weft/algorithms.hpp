@@ -73,6 +73,10 @@ Plan recursive_doubling_all_reduce(int p, int r, std::size_t count);
 Plan rabenseifner_all_reduce(int p, int r, std::size_t count);
 /// Binomial reduce to rank 0 followed by binomial broadcast, in place.
 Plan tree_all_reduce(int p, int r, std::size_t count);
+/// Ordered exchange (the first half of deterministic reductions): rank r receives block r of every other
+/// rank i into slot i of its receive buffer (slot size blocks[r].count), and sends its block j to rank j.
+/// Its own slot is not in the plan (a local copy).
+Plan ordered_exchange(int p, int r, std::span<const Range> blocks);
 /// Binomial-tree broadcast of `count` elements from `root`.
 Plan binomial_broadcast(int p, int r, int root, std::size_t count);
 /// Binomial-tree reduce of `count` elements to `root` (every rank's receive buffer is its accumulator).
@@ -100,6 +104,7 @@ struct Channel {
   int rank = 0;                     ///< this rank in the group
   std::span<const int> members;     ///< group rank -> transport rank
   const char* op_name = "collective";
+  std::uint64_t first_tag = 0;      ///< tags start here: a second plan of the same operation uses its own
 };
 
 struct ExecOptions {

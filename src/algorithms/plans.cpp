@@ -184,6 +184,18 @@ Plan rabenseifner_all_reduce(int p, int r, std::size_t count) {
   return plan;
 }
 
+Plan ordered_exchange(int p, int r, std::span<const Range> blocks) {
+  Plan plan;
+  const std::size_t slot = blocks[static_cast<std::size_t>(r)].count;
+  for (int k = 1; k < p; ++k) {
+    const int to = wrap(r + k, p);
+    const int from = wrap(r - k, p);
+    plan.push_back(Step{StepKind::send_recv, to, from, blocks[static_cast<std::size_t>(to)],
+                        Range{static_cast<std::size_t>(from) * slot, slot}});
+  }
+  return plan;
+}
+
 Plan tree_all_reduce(int p, int r, std::size_t count) {
   Plan plan = binomial_reduce(p, r, 0, count);
   const Plan down = binomial_broadcast(p, r, 0, count);

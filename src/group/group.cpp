@@ -74,16 +74,17 @@ struct GroupState {
     failure = what;
   }
 
-  algo::Channel channel(std::uint64_t seq, const char* op) const {
-    return algo::Channel{loop, transport.get(), context, seq, rank, members, op};
+  algo::Channel channel(std::uint64_t seq, const char* op, std::uint64_t first_tag = 0) const {
+    return algo::Channel{loop, transport.get(), context, seq, rank, members, op, first_tag};
   }
 
   algo::ExecOptions exec_options() const { return algo::ExecOptions{options.segment_bytes, options.pipeline_depth}; }
 
   /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
-  Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers) {
+  Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers,
+                 std::uint64_t first_tag = 0) {
     try {
-      co_await algo::execute(channel(seq, op), plan, buffers, exec_options());
+      co_await algo::execute(channel(seq, op, first_tag), plan, buffers, exec_options());
     } catch (const Error& e) {
       mark_failed(e.what());
       throw;
@@ -272,7 +273,43 @@ std::vector<algo::Range> equal_blocks(int p, std::size_t count) {
   return blocks;
 }
 
+// Deterministic reduction of block `mine` of every rank: an ordered exchange brings every rank's block
+// here (slot i from rank i), and the fold runs in rank order: ((x0 op x1) op x2) ...
+Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, const char* name, const std::byte* in,
+                          std::span<const algo::Range> blocks, std::byte* dst, DType type, ReduceOp op) {
+  const std::size_t esize = dtype_size(type);
+  const algo::Range mine = blocks[static_cast<std::size_t>(g.rank)];
+  auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, mine.count * esize * static_cast<std::size_t>(g.size)));
+  copy_bytes(slots.get() + static_cast<std::size_t>(g.rank) * mine.count * esize, in + mine.offset * esize, mine.count * esize);
+  const auto plan = algo::ordered_exchange(g.size, g.rank, blocks);
+  co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op});
+  copy_bytes(dst, slots.get(), mine.count * esize);
+  const auto reduce = kernels::find_reduce(type, op);
+  for (int i = 1; i < g.size && mine.count; ++i) {
+    reduce(dst, dst, slots.get() + static_cast<std::size_t>(i) * mine.count * esize, mine.count);
+  }
+}
+
+Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name,
+                                    ConstBufferView in, BufferView out, ReduceOp op) {
+  std::vector<algo::Range> blocks;
+  for (int i = 0; i < g->size; ++i) blocks.push_back(algo::block(out.count, g->size, i));
+  const algo::Range mine = blocks[static_cast<std::size_t>(g->rank)];
+  const std::size_t esize = dtype_size(out.dtype);
+  // In place, the reduced block may only land once every send of the input has gone: fold into scratch.
+  auto folded = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, mine.count * esize));
+  co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, folded.get(), out.dtype, op);
+  copy_bytes(out.bytes_ptr() + mine.offset * esize, folded.get(), mine.count * esize);
+  finish_reduction(op, out.bytes_ptr() + mine.offset * esize, mine.count, out.dtype, g->size);
+  const auto gather = algo::ring_all_gather(g->size, g->rank, blocks, -1);
+  co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, std::uint64_t{1} << 32);
+}
+
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
+  if (g->options.deterministic && g->size > 1) {
+    co_await deterministic_all_reduce(g, seq, "all_reduce", in, out, op);
+    co_return;
+  }
   const std::string_view algorithm = g->selection.choose("all_reduce", out.bytes(), g->size);
   algo::Plan plan;
   algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
@@ -302,6 +339,14 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
 }
 
 Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
+  if (g->options.deterministic && g->size > 1) {
+    const auto blocks = equal_blocks(g->size, out.count);
+    auto folded = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, out.bytes()));
+    co_await ordered_reduce(*g, seq, "reduce_scatter", in.bytes_ptr(), blocks, folded.get(), out.dtype, op);
+    copy_bytes(out.data, folded.get(), out.bytes());
+    finish_reduction(op, out.data, out.count, out.dtype, g->size);
+    co_return;
+  }
   // The ring reduces into scratch, reading this rank's contributions from `in`; the rank's own block
   // is the result. (One rank has no ring: its input is the result.)
   auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
@@ -319,6 +364,17 @@ Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Buff
 }
 
 Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op) {
+  if (g->options.deterministic && g->size > 1) {
+    // Every rank computes the rank-order result; only the root keeps it.
+    std::unique_ptr<std::byte[]> scratch;
+    BufferView result = out;
+    if (g->rank != root) {
+      scratch = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+      result = BufferView(scratch.get(), in.count, in.dtype);
+    }
+    co_await deterministic_all_reduce(g, seq, "reduce", in, result, op);
+    co_return;
+  }
   std::unique_ptr<std::byte[]> scratch;
   std::byte* work = out.bytes_ptr();
   if (g->rank != root) {
