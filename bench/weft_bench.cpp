@@ -22,25 +22,25 @@ namespace {
 
 using namespace weft;
 
-enum class Collective { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, barrier };
+enum class Kind { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, barrier };
 
 struct CollectiveInfo {
-  Collective kind;
+  Kind kind;
   const char* name;
   bool rooted;
   bool reduces;
 };
 
 constexpr CollectiveInfo collectives[] = {
-    {Collective::all_reduce, "all_reduce", false, true},
-    {Collective::all_gather, "all_gather", false, false},
-    {Collective::reduce_scatter, "reduce_scatter", false, true},
-    {Collective::broadcast, "broadcast", true, false},
-    {Collective::reduce, "reduce", true, true},
-    {Collective::gather, "gather", true, false},
-    {Collective::scatter, "scatter", true, false},
-    {Collective::all_to_all, "all_to_all", false, false},
-    {Collective::barrier, "barrier", false, false},
+    {Kind::all_reduce, "all_reduce", false, true},
+    {Kind::all_gather, "all_gather", false, false},
+    {Kind::reduce_scatter, "reduce_scatter", false, true},
+    {Kind::broadcast, "broadcast", true, false},
+    {Kind::reduce, "reduce", true, true},
+    {Kind::gather, "gather", true, false},
+    {Kind::scatter, "scatter", true, false},
+    {Kind::all_to_all, "all_to_all", false, false},
+    {Kind::barrier, "barrier", false, false},
 };
 
 struct Args {
@@ -144,18 +144,18 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double bus_factor(Collective c, int n) {
+double bus_factor(Kind c, int n) {
   const double p = n;
   switch (c) {
-    case Collective::all_reduce: return 2 * (p - 1) / p;
-    case Collective::reduce_scatter:
-    case Collective::all_gather:
-    case Collective::all_to_all:
-    case Collective::gather:
-    case Collective::scatter: return (p - 1) / p;
-    case Collective::broadcast:
-    case Collective::reduce: return 1;
-    case Collective::barrier: return 0;
+    case Kind::all_reduce: return 2 * (p - 1) / p;
+    case Kind::reduce_scatter:
+    case Kind::all_gather:
+    case Kind::all_to_all:
+    case Kind::gather:
+    case Kind::scatter: return (p - 1) / p;
+    case Kind::broadcast:
+    case Kind::reduce: return 1;
+    case Kind::barrier: return 0;
   }
   return 1;
 }
@@ -180,30 +180,30 @@ struct Case {
     const auto op = args.collective->reduces ? args.op : ReduceOp::sum;
     const std::size_t b = count * esize();
     switch (args.collective->kind) {
-      case Collective::all_reduce:
-      case Collective::reduce:
-      case Collective::broadcast:
-      case Collective::all_gather:
-      case Collective::gather:
+      case Kind::all_reduce:
+      case Kind::reduce:
+      case Kind::broadcast:
+      case Kind::all_gather:
+      case Kind::gather:
         input = reference::make_input(t, op, r(), count);
         break;
-      case Collective::reduce_scatter:
-      case Collective::all_to_all:
-      case Collective::scatter:
+      case Kind::reduce_scatter:
+      case Kind::all_to_all:
+      case Kind::scatter:
         input.clear();
         for (int k = 0; k < p(); ++k) {
           auto part = reference::make_input(t, op, r(), count, static_cast<std::size_t>(k) * 13);
           input.insert(input.end(), part.begin(), part.end());
         }
         break;
-      case Collective::barrier: input.clear(); break;
+      case Kind::barrier: input.clear(); break;
     }
     const std::size_t out_blocks =
-        (args.collective->kind == Collective::all_gather || args.collective->kind == Collective::gather ||
-         args.collective->kind == Collective::all_to_all)
+        (args.collective->kind == Kind::all_gather || args.collective->kind == Kind::gather ||
+         args.collective->kind == Kind::all_to_all)
             ? static_cast<std::size_t>(p())
             : 1;
-    output.assign(args.collective->kind == Collective::barrier ? 0 : out_blocks * b, std::byte{0});
+    output.assign(args.collective->kind == Kind::barrier ? 0 : out_blocks * b, std::byte{0});
   }
 
   // Runs once. In place: the output buffer is also the input (or holds it, for gathers and scatters).
@@ -213,31 +213,31 @@ struct Case {
     const auto pn = static_cast<std::size_t>(p());
     auto* out = output.data();
     switch (args.collective->kind) {
-      case Collective::all_reduce:
+      case Kind::all_reduce:
         if (in_place) return group.all_reduce(BufferView(out, count, t), args.op);
         return group.all_reduce(ConstBufferView(input.data(), count, t), BufferView(out, count, t), args.op);
-      case Collective::all_gather:
+      case Kind::all_gather:
         if (in_place) return group.all_gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t), BufferView(out, count * pn, t));
         return group.all_gather(ConstBufferView(input.data(), count, t), BufferView(out, count * pn, t));
-      case Collective::reduce_scatter:
+      case Kind::reduce_scatter:
         if (in_place) return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.op);
         return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(out, count, t), args.op);
-      case Collective::broadcast:
+      case Kind::broadcast:
         if (!in_place && at_root()) std::memcpy(out, input.data(), b);
         return group.broadcast(BufferView(out, count, t), args.root);
-      case Collective::reduce:
+      case Kind::reduce:
         if (in_place) return group.reduce(ConstBufferView(out, count, t), BufferView(out, count, t), args.root, args.op);
         return group.reduce(ConstBufferView(input.data(), count, t), BufferView(out, count, t), args.root, args.op);
-      case Collective::gather:
+      case Kind::gather:
         if (in_place) return group.gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t), BufferView(out, at_root() ? count * pn : 0, t), args.root);
         return group.gather(ConstBufferView(input.data(), count, t), BufferView(out, at_root() ? count * pn : 0, t), args.root);
-      case Collective::scatter:
+      case Kind::scatter:
         if (in_place) return group.scatter(ConstBufferView(input.data(), at_root() ? count * pn : 0, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.root);
         return group.scatter(ConstBufferView(input.data(), at_root() ? count * pn : 0, t), BufferView(out, count, t), args.root);
-      case Collective::all_to_all:
+      case Kind::all_to_all:
         if (in_place) return group.all_to_all(ConstBufferView(out, count * pn, t), BufferView(out, count * pn, t));
         return group.all_to_all(ConstBufferView(input.data(), count * pn, t), BufferView(out, count * pn, t));
-      case Collective::barrier: return group.barrier();
+      case Kind::barrier: return group.barrier();
     }
     return group.barrier();
   }
@@ -246,18 +246,18 @@ struct Case {
   void stage_in_place() {
     const std::size_t b = count * esize();
     switch (args.collective->kind) {
-      case Collective::all_reduce:
-      case Collective::reduce:
+      case Kind::all_reduce:
+      case Kind::reduce:
         std::memcpy(output.data(), input.data(), b);
         break;
-      case Collective::all_gather:
-      case Collective::gather:
+      case Kind::all_gather:
+      case Kind::gather:
         std::memcpy(output.data() + static_cast<std::size_t>(r()) * b, input.data(), b);
         break;
-      case Collective::all_to_all:
+      case Kind::all_to_all:
         std::memcpy(output.data(), input.data(), input.size());
         break;
-      case Collective::broadcast:
+      case Kind::broadcast:
         if (at_root()) std::memcpy(output.data(), input.data(), b);
         break;
       default: break;
@@ -276,28 +276,28 @@ struct Case {
       return bad;
     };
     switch (args.collective->kind) {
-      case Collective::all_reduce:
+      case Kind::all_reduce:
         return count_wrong(output.data(), reference::make_reduced(t, args.op, p(), count), count);
-      case Collective::reduce:
+      case Kind::reduce:
         return at_root() ? count_wrong(output.data(), reference::make_reduced(t, args.op, p(), count), count) : 0;
-      case Collective::reduce_scatter: {
+      case Kind::reduce_scatter: {
         const std::byte* got = in_place ? input.data() + static_cast<std::size_t>(r()) * b : output.data();
         return count_wrong(got, reference::make_reduced(t, args.op, p(), count, static_cast<std::size_t>(r()) * 13), count);
       }
-      case Collective::broadcast:
+      case Kind::broadcast:
         return count_wrong(output.data(), reference::make_input(t, ReduceOp::sum, args.root, count), count);
-      case Collective::all_gather:
-      case Collective::gather: {
-        if (args.collective->kind == Collective::gather && !at_root()) return 0;
+      case Kind::all_gather:
+      case Kind::gather: {
+        if (args.collective->kind == Kind::gather && !at_root()) return 0;
         std::size_t bad = 0;
         for (int k = 0; k < p(); ++k) bad += count_wrong(output.data() + static_cast<std::size_t>(k) * b, reference::make_input(t, ReduceOp::sum, k, count), count);
         return bad;
       }
-      case Collective::scatter: {
+      case Kind::scatter: {
         const std::byte* got = in_place ? input.data() + static_cast<std::size_t>(r()) * b : output.data();
         return count_wrong(got, reference::make_input(t, ReduceOp::sum, args.root, count, static_cast<std::size_t>(r()) * 13), count);
       }
-      case Collective::all_to_all: {
+      case Kind::all_to_all: {
         std::size_t bad = 0;
         for (int k = 0; k < p(); ++k) {
           bad += count_wrong(output.data() + static_cast<std::size_t>(k) * b,
@@ -305,7 +305,7 @@ struct Case {
         }
         return bad;
       }
-      case Collective::barrier: return 0;
+      case Kind::barrier: return 0;
     }
     return 0;
   }
@@ -385,9 +385,9 @@ int main(int argc, char** argv) {
     }
 
     const std::size_t esize = dtype_size(args.dtype);
-    const bool blocked = info.kind == Collective::all_gather || info.kind == Collective::reduce_scatter ||
-                         info.kind == Collective::gather || info.kind == Collective::scatter ||
-                         info.kind == Collective::all_to_all;
+    const bool blocked = info.kind == Kind::all_gather || info.kind == Kind::reduce_scatter ||
+                         info.kind == Kind::gather || info.kind == Kind::scatter ||
+                         info.kind == Kind::all_to_all;
     const std::size_t unit = esize * (blocked ? static_cast<std::size_t>(p) : 1);
     double busbw_sum = 0;
     int rows = 0;
@@ -401,7 +401,7 @@ int main(int argc, char** argv) {
       const auto bytes = static_cast<std::size_t>(s) / unit * unit;
       if (sizes.empty() || sizes.back() != bytes) sizes.push_back(bytes);
     }
-    if (info.kind == Collective::barrier) sizes = {0};
+    if (info.kind == Kind::barrier) sizes = {0};
     std::size_t done = 0;
     for (std::size_t bytes : sizes) {
       Case c(args, group);

@@ -359,3 +359,71 @@ TEST_CASE("deterministic mode reduces in rank order, the same for every algorith
     }
   }
 }
+
+TEST_CASE("each collective's transpose passes the dot-product test across ranks", "[collectives][transpose]") {
+  // <A x, y> == <x, A^T y>, each inner product summed over ranks; integer-valued doubles keep it exact.
+  const long before = checks_made.load();
+  run_ranks(4, [](Group& g) {
+    const int p = g.size();
+    const int r = g.rank();
+    const std::size_t n = 6;
+    auto vec = [&](int salt, std::size_t len) {
+      std::vector<double> v(len);
+      for (std::size_t i = 0; i < len; ++i) v[i] = static_cast<double>(((r + 3) * (salt + 5) * 31 + static_cast<int>(i) * 17) % 23) - 11;
+      return v;
+    };
+    auto dot = [&](const std::vector<double>& a, const std::vector<double>& b) {
+      double s = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+      std::vector<double> total{s};
+      g.all_reduce(total).get();
+      return total[0];
+    };
+    const std::size_t pn = n * static_cast<std::size_t>(p);
+    const int root = 2;
+    const std::vector<std::pair<int, int>> pairs{{0, 3}, {3, 1}, {1, 2}};  // rank 2 sends nowhere, rank 0 gets zeros
+    for (Collective c : {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::broadcast,
+                         Collective::reduce, Collective::gather, Collective::scatter, Collective::all_to_all,
+                         Collective::permute}) {
+      // Input and output lengths of c on this rank.
+      std::size_t in_len = n, out_len = n;
+      if (c == Collective::all_gather) out_len = pn;
+      if (c == Collective::reduce_scatter) in_len = pn;
+      if (c == Collective::reduce) out_len = r == root ? n : 0;
+      if (c == Collective::gather) out_len = r == root ? pn : 0;
+      if (c == Collective::scatter) in_len = r == root ? pn : 0;
+      if (c == Collective::all_to_all) in_len = out_len = pn;
+      const auto x = vec(1 + static_cast<int>(c), in_len);
+      const auto y = vec(20 + static_cast<int>(c), out_len);
+      std::vector<double> ax(out_len);
+      switch (c) {
+        case Collective::all_reduce: g.all_reduce(x, ax).get(); break;
+        case Collective::all_gather: g.all_gather(x, ax).get(); break;
+        case Collective::reduce_scatter: g.reduce_scatter(x, ax).get(); break;
+        case Collective::broadcast: {
+          ax = x;
+          g.broadcast(ax, root).get();
+          break;
+        }
+        case Collective::reduce: g.reduce(x, ax, root).get(); break;
+        case Collective::gather: g.gather(x, ax, root).get(); break;
+        case Collective::scatter: g.scatter(x, ax, root).get(); break;
+        case Collective::all_to_all: g.all_to_all(x, ax).get(); break;
+        case Collective::permute: g.permute(x, ax, pairs).get(); break;
+      }
+      std::vector<double> aty(in_len);
+      apply_transpose(g, c, ConstBufferView(y), BufferView(aty), ReduceOp::sum, root, pairs).get();
+      const double left = dot(ax, y);
+      const double right = dot(x, aty);
+      check(left == right, fmt::format("{}: <Ax, y> = {} but <x, A^T y> = {}", to_string(c), left, right));
+      check(transpose_of(transpose_of(c)) == c, fmt::format("{}: the transpose of the transpose", to_string(c)));
+    }
+    try {
+      (void)apply_transpose(g, Collective::all_reduce, ConstBufferView(vec(0, n)), BufferView(nullptr, 0, DType::f64), ReduceOp::max);
+      check(false, "the transpose of a max all_reduce was accepted");
+    } catch (const Error& e) {
+      check(e.errc() == Errc::invalid_argument, e.what());
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}

@@ -11,4 +11,5 @@
 #include "weft/reduce_op.hpp"
 #include "weft/task.hpp"
 #include "weft/transport.hpp"
+#include "weft/transpose.hpp"
 #include "weft/when.hpp"

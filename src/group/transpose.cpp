@@ -1,0 +1,78 @@
+#include "weft/transpose.hpp"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "weft/error.hpp"
+#include "weft/group.hpp"
+
+namespace weft {
+
+std::string_view to_string(Collective c) noexcept {
+  switch (c) {
+    case Collective::all_reduce: return "all_reduce";
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::broadcast: return "broadcast";
+    case Collective::reduce: return "reduce";
+    case Collective::gather: return "gather";
+    case Collective::scatter: return "scatter";
+    case Collective::all_to_all: return "all_to_all";
+    case Collective::permute: return "permute";
+  }
+  return "?";
+}
+
+Collective transpose_of(Collective c) noexcept {
+  switch (c) {
+    case Collective::all_reduce: return Collective::all_reduce;
+    case Collective::all_gather: return Collective::reduce_scatter;
+    case Collective::reduce_scatter: return Collective::all_gather;
+    case Collective::broadcast: return Collective::reduce;
+    case Collective::reduce: return Collective::broadcast;
+    case Collective::gather: return Collective::scatter;
+    case Collective::scatter: return Collective::gather;
+    case Collective::all_to_all: return Collective::all_to_all;
+    case Collective::permute: return Collective::permute;
+  }
+  return c;
+}
+
+std::vector<std::pair<int, int>> inverse_pairs(const std::vector<std::pair<int, int>>& pairs) {
+  std::vector<std::pair<int, int>> out;
+  out.reserve(pairs.size());
+  for (auto [src, dst] : pairs) out.emplace_back(dst, src);
+  return out;
+}
+
+Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotangent, BufferView gradient, ReduceOp op,
+                             int root, const std::vector<std::pair<int, int>>& pairs) {
+  const bool reduces = c == Collective::all_reduce || c == Collective::reduce_scatter || c == Collective::reduce;
+  if (reduces && op != ReduceOp::sum) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = group.rank(), .op = "apply_transpose"},
+                fmt::format("the transpose of {} with op {} is not linear (only sum is)", to_string(c), to_string(op)));
+  }
+  switch (c) {
+    case Collective::all_reduce: return group.all_reduce(cotangent, gradient, ReduceOp::sum);
+    case Collective::all_gather: return group.reduce_scatter(cotangent, gradient, ReduceOp::sum);
+    case Collective::reduce_scatter: return group.all_gather(cotangent, gradient);
+    case Collective::broadcast:
+      // Only the root's input reached the outputs: elsewhere the gradient is zero.
+      if (group.rank() != root && gradient.bytes()) std::memset(gradient.data, 0, gradient.bytes());
+      return group.reduce(cotangent, group.rank() == root ? gradient : BufferView(nullptr, 0, gradient.dtype), root,
+                          ReduceOp::sum);
+    case Collective::reduce: {
+      // Every rank's gradient is the root's cotangent.
+      if (group.rank() == root && gradient.bytes()) std::memcpy(gradient.data, cotangent.data, gradient.bytes());
+      return group.broadcast(gradient, root);
+    }
+    case Collective::gather: return group.scatter(cotangent, gradient, root);
+    case Collective::scatter: return group.gather(cotangent, gradient, root);
+    case Collective::all_to_all: return group.all_to_all(cotangent, gradient);
+    case Collective::permute: return group.permute(cotangent, gradient, inverse_pairs(pairs));
+  }
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "apply_transpose"}, "unknown collective");
+}
+
+}  // namespace weft
