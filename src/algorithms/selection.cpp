@@ -123,10 +123,13 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
     }
   }
   if (collective == "all_reduce") {
-    // Built-in: recursive doubling while latency dominates, the ring for bandwidth. Measured here
-    // (2 and 4 ranks, bench/RESULTS.md): recursive doubling wins up to 256 KiB, the ring from 2 MiB.
-    if (ranks > 1 && bytes < (std::size_t{512} << 10)) return "recursive_doubling";
-    return "ring";
+    // Built-in, from bench/algorithms.sh on this project's VMs (bench/RESULTS.md): recursive doubling
+    // while latency dominates; on two ranks the ring from 512 KiB; on more, Rabenseifner up to 4 MiB
+    // (it halves the rounds' data) and the ring beyond.
+    if (ranks <= 1) return "ring";
+    if (bytes < (std::size_t{64} << 10)) return "recursive_doubling";
+    if (ranks == 2) return bytes < (std::size_t{512} << 10) ? "recursive_doubling" : "ring";
+    return bytes < (std::size_t{4} << 20) ? "rabenseifner" : "ring";
   }
   const auto& valid = algorithms_for(collective);
   return valid.empty() ? std::string_view{} : valid.front();
