@@ -93,6 +93,14 @@ class Group {
   /// A negative color leaves the rank out (its Future yields an invalid Group).
   Future<Group> split(int color, int key);
 
+  /// Runs a plan (algorithms.hpp: a public builder's or your own) as one collective of this group: it
+  /// takes the next sequence number, so every rank must call it in the same order as the other
+  /// collectives, each with its own rank's plan. This is how new collectives are built from public
+  /// pieces (examples/hierarchical_all_reduce.cpp).
+  /// Errors: weft::Error (invalid_argument) for a step naming a rank outside the group, before anything
+  /// is sent; failures while running as for any collective. Lifetime: the buffers must outlive the Future.
+  Future<void> run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name = "plan");
+
   /// The algorithm this group runs for `collective` ("all_reduce", ...) on a buffer of `bytes` bytes
   /// (the built-in table, overridden by Options::algorithms / WEFT_ALGO).
   std::string algorithm_for(std::string_view collective, std::size_t bytes) const;

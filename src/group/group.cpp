@@ -646,6 +646,28 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
   return spawn(*g.loop, permute_task(state_, take_seq(g), in, out, std::move(pairs)));
 }
 
+namespace {
+Task<void> plan_task(std::shared_ptr<GroupState> g, std::uint64_t seq, algo::Plan plan, algo::PlanBuffers buffers,
+                     const char* name) {
+  co_await g->run(plan, seq, name, buffers);
+}
+}  // namespace
+
+Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name) {
+  auto& g = *state_;
+  check_usable(g, name);
+  for (const auto& step : plan) {
+    const bool sends = step.kind != algo::StepKind::recv && step.kind != algo::StepKind::recv_reduce;
+    const bool receives = step.kind != algo::StepKind::send;
+    if (sends) check_rank(g, name, "send_to", step.send_to);
+    if (receives) check_rank(g, name, "recv_from", step.recv_from);
+    const bool reduces = step.kind == algo::StepKind::recv_reduce || step.kind == algo::StepKind::recv_reduce_send ||
+                         step.kind == algo::StepKind::send_recv_reduce;
+    if (reduces) check_op(g, name, buffers.dtype, buffers.op);
+  }
+  return spawn(*g.loop, plan_task(state_, take_seq(g), std::move(plan), buffers, name));
+}
+
 Future<Group> Group::split(int color, int key) {
   auto& g = *state_;
   check_usable(g, "split");
