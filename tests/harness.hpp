@@ -60,7 +60,7 @@ struct RankFailure : std::runtime_error {
 /// Runs `body(group)` on `n` ranks as threads and rethrows the first failure, prefixed with its rank.
 inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {
   if (base.store.empty()) base.store = "127.0.0.1:" + std::to_string(free_port());
-  base.bootstrap_timeout = std::chrono::seconds(30);
+  if (base.bootstrap_timeout == Options{}.bootstrap_timeout) base.bootstrap_timeout = std::chrono::seconds(30);
   std::vector<std::string> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
