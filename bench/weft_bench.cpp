@@ -55,13 +55,16 @@ struct Args {
   int iters = 20;
   bool check = false;
   std::string json;
+  std::string tune;  // --tune [FILE]: sweep every algorithm, write the winners as a tuning file
 };
 
 [[noreturn]] void usage(const std::string& problem) {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--json FILE]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--json FILE] [--tune [FILE]]\n"
+             "  --tune: time every algorithm of the collective at every size and write the fastest, as\n"
+             "          WEFT_ALGO ranges, to FILE (default weft-tuning.txt); load it with WEFT_TUNING=FILE\n"
              "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
              "  sizes take K, M, G suffixes (powers of 1024); DTYPE: bool i8 u8 i16 u16 i32 u32 i64 u64 f16 bf16 f32 f64\n"
              "  (or nccl-tests names: float, half, bfloat16, int32, ...); OP: sum prod min max avg land lor band bor bxor\n");
@@ -131,6 +134,8 @@ Args parse(int argc, char** argv) {
       a.check = true;
     } else if (flag == "--json") {
       a.json = value();
+    } else if (flag == "--tune") {
+      a.tune = (i + 1 < argc && argv[i + 1][0] != '-') ? argv[++i] : "weft-tuning.txt";
     } else if (flag == "-h" || flag == "--help") {
       usage("");
     } else {
@@ -350,6 +355,60 @@ Measurement measure(Case& c, bool in_place, std::size_t bytes) {
 
 }  // namespace
 
+// --tune: every algorithm at every size (the slowest rank's time, so every rank picks the same), then
+// the winners merged into ranges and written in WEFT_ALGO syntax.
+int tune(const Args& args, Group& group, const std::vector<std::size_t>& sizes, std::size_t unit) {
+  const auto& info = *args.collective;
+  const auto& algorithms = algorithms::available_algorithms(info.name);
+  const bool leader = group.rank() == 0;
+  std::vector<std::string> winners;
+  if (leader) fmt::print("# tuning {} on {} ranks: time (us) per algorithm\n#   {:>12}", info.name, group.size(), "size");
+  if (leader) {
+    for (auto a : algorithms) fmt::print(" {:>20}", a);
+    fmt::print("  best\n");
+  }
+  for (std::size_t bytes : sizes) {
+    Case c(args, group);
+    c.count = bytes / unit;
+    double best_time = 0;
+    std::string best;
+    if (leader) fmt::print("    {:>12}", bytes);
+    for (auto a : algorithms) {
+      group.override_algorithms(fmt::format("{}:{}", info.name, a));
+      c.fill();
+      const Measurement m = measure(c, false, bytes);
+      if (leader) fmt::print(" {:>20.2f}", m.time_us);
+      if (best.empty() || m.time_us < best_time) {
+        best_time = m.time_us;
+        best = std::string(a);
+      }
+    }
+    if (leader) fmt::print("  {}\n", best);
+    std::fflush(stdout);
+    winners.push_back(best);
+  }
+  if (!leader) return 0;
+  // Ranges: a winner holds from its first size to the first size another algorithm won.
+  std::string line = std::string(info.name) + ":";
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    if (k > 0 && winners[k] == winners[k - 1]) continue;
+    std::size_t end = k;
+    while (end < sizes.size() && winners[end] == winners[k]) ++end;
+    const std::size_t lo = k == 0 ? 0 : sizes[k];
+    if (line.back() != ':') line += ",";
+    line += end == sizes.size() ? fmt::format("{}@{}-", winners[k], lo) : fmt::format("{}@{}-{}", winners[k], lo, sizes[end]);
+  }
+  std::FILE* f = std::fopen(args.tune.c_str(), "w");
+  if (!f) {
+    fmt::print(stderr, "weft-bench: cannot write {}\n", args.tune);
+    return 2;
+  }
+  fmt::print(f, "# written by weft-bench --tune on {} ranks; load with WEFT_TUNING={}\n{}\n", group.size(), args.tune, line);
+  std::fclose(f);
+  fmt::print("# wrote {}: {}\n", args.tune, line);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
   try {
@@ -402,6 +461,7 @@ int main(int argc, char** argv) {
       if (sizes.empty() || sizes.back() != bytes) sizes.push_back(bytes);
     }
     if (info.kind == Kind::barrier) sizes = {0};
+    if (!args.tune.empty()) return tune(args, group, sizes, unit);
     std::size_t done = 0;
     for (std::size_t bytes : sizes) {
       Case c(args, group);

@@ -24,6 +24,15 @@ case $case_name in
       echo "ok: all_reduce $spec"
     done
     ;;
+  tune)
+    # weft-bench --tune writes a tuning file that WEFT_TUNING loads; the tuned run still checks out.
+    file=$(mktemp)
+    "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 1M -f 16 -w 1 -n 3 --tune "$file" || { echo "FAIL: --tune"; exit 1; }
+    grep -q "^all_reduce:" "$file" || { cat "$file"; echo "FAIL: no tuning line"; exit 1; }
+    out=$(WEFT_TUNING=$file "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 1M -f 16 -w 1 -n 3 --check 2>&1) || { echo "$out"; exit 1; }
+    echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: tuned run"; exit 1; }
+    rm -f "$file"
+    ;;
   run-fails-fast)
     # A rank that fails ends the others at once, and weft-run names it and fails with its status.
     start=$(date +%s)

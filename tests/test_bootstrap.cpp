@@ -1,7 +1,11 @@
 // Bootstrap: configuration from each environment convention, IPv6 loopback, binding to a named interface.
 #include <catch2/catch.hpp>
 
+#include <cstdio>
+#include <fstream>
 #include <map>
+
+#include <unistd.h>
 
 #include "harness.hpp"
 #include "src/algorithms/selection.hpp"
@@ -134,4 +138,34 @@ TEST_CASE("WEFT_ALGO chooses algorithms by size, and a malformed value says what
   o.world_size = 1;
   o.algorithms = "all_reduce:fastest";
   CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("WEFT_ALGO='all_reduce:fastest'"));
+}
+
+TEST_CASE("a tuning file is loaded before WEFT_ALGO, and a bad one is refused by name", "[bootstrap][algo]") {
+  const std::string path = "/tmp/weft-test-tuning-" + std::to_string(::getpid()) + ".txt";
+  {
+    std::ofstream f(path);
+    f << "# written by a test\nall_reduce:tree@0-1K,ring\n";
+  }
+  Loop loop(Loop::Options{std::chrono::microseconds(0)});
+  Options o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.tuning_file = path;
+  Group g = Group::create(loop, o).get();
+  CHECK(g.algorithm_for("all_reduce", 100) == "tree");
+  CHECK(g.algorithm_for("all_reduce", 1 << 20) == "ring");
+  o.algorithms = "all_reduce:rabenseifner@0-1K";  // WEFT_ALGO wins over the file
+  Group h = Group::create(loop, o).get();
+  CHECK(h.algorithm_for("all_reduce", 100) == "rabenseifner");
+  g.override_algorithms("all_reduce:recursive_doubling");
+  CHECK(g.algorithm_for("all_reduce", 1 << 20) == "recursive_doubling");
+  CHECK_THROWS_WITH(g.override_algorithms("all_reduce:quick"), Catch::Contains("'quick' is not an algorithm"));
+  {
+    std::ofstream f(path);
+    f << "all_reduce ring\n";
+  }
+  CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("the tuning file " + path) && Catch::Contains("has no ':'"));
+  std::remove(path.c_str());
+  o.tuning_file = "/nonexistent/weft-tuning.txt";
+  CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("cannot read the tuning file '/nonexistent/weft-tuning.txt'"));
 }

@@ -92,6 +92,10 @@ Plan pairwise_all_to_all(int p, int r, std::size_t count);
 /// Dissemination barrier: ceil(log2 p) rounds of zero-byte exchanges.
 Plan dissemination_barrier(int p, int r);
 
+/// The algorithms this build implements for `collective` ("all_reduce", ...); empty for an unknown one.
+/// The names are those of WEFT_ALGO and tuning files.
+const std::vector<std::string_view>& available_algorithms(std::string_view collective);
+
 // ---- execution ----
 
 /// Where a plan's messages go: a transport, a context (the Group's), the operation's sequence number,

@@ -101,6 +101,11 @@ class Group {
   /// is sent; failures while running as for any collective. Lifetime: the buffers must outlive the Future.
   Future<void> run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name = "plan");
 
+  /// Replaces this rank's algorithm choices for the collectives `spec` names (WEFT_ALGO syntax). Every
+  /// rank must make the same change before its next collective, and not while calling collectives from
+  /// another thread. Errors: weft::Error (invalid_argument) saying what was expected.
+  void override_algorithms(std::string_view spec);
+
   /// The algorithm this group runs for `collective` ("all_reduce", ...) on a buffer of `bytes` bytes
   /// (the built-in table, overridden by Options::algorithms / WEFT_ALGO).
   std::string algorithm_for(std::string_view collective, std::size_t bytes) const;

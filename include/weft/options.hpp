@@ -27,6 +27,9 @@ struct Options {
   /// Algorithm choices overriding the built-in table, e.g.
   /// "all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring" (WEFT_ALGO; syntax in README).
   std::string algorithms;
+  /// A tuning file written by `weft-bench --tune` (WEFT_TUNING): algorithm choices in WEFT_ALGO's syntax,
+  /// applied before `algorithms`. An unreadable or malformed file is an error naming it.
+  std::string tuning_file;
   /// Deterministic reductions (WEFT_DETERMINISTIC=1): every element is reduced in rank order,
   /// ((x0 op x1) op x2) ..., so results are bitwise the same on every rank for every algorithm, segment
   /// size and message size. all_reduce and reduce_scatter then exchange blocks (the same traffic as the
@@ -36,7 +39,7 @@ struct Options {
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
-  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_DETERMINISTIC.
+  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "weft/algorithms.hpp"
 #include "weft/error.hpp"
 
 namespace weft::algorithms {
@@ -66,6 +67,10 @@ bool parse_size(std::string_view text, std::size_t& out) {
 }
 
 }  // namespace
+
+const std::vector<std::string_view>& available_algorithms(std::string_view collective) {
+  return algorithms_for(collective);
+}
 
 const std::vector<std::string_view>& algorithms_for(std::string_view collective) {
   static const std::vector<std::string_view> none;

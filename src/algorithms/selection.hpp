@@ -22,6 +22,7 @@ class Selection {
   /// Overrides the collectives `spec` names. Errors: weft::Error (invalid_argument) naming `source`
   /// (e.g. "WEFT_ALGO") and what was expected.
   void override_with(std::string_view spec, std::string_view source);
+
   /// The algorithm for a collective of `bytes` bytes on `ranks` ranks.
   std::string_view choose(std::string_view collective, std::size_t bytes, int ranks) const;
 

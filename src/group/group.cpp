@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <mutex>
 
@@ -49,7 +50,7 @@ struct GroupState {
   int size = 1;
   std::vector<int> members;                        // group rank -> transport rank
   Options options;
-  algo::Selection selection;                       // which algorithm runs what
+  algo::Selection selection;                       // which algorithm runs what; read by callers
   std::atomic<std::uint64_t> next_seq{1};          // written by callers, in program order
   std::atomic<bool> failed{false};                 // set on the loop thread, read by callers
   std::mutex failure_mutex;
@@ -181,7 +182,7 @@ struct AwaitAsio {
   }
 };
 
-Task<Group> create_task(Loop* loop, Options options) {
+Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
   co_await loop->schedule();
   BootstrapResult result;
   try {
@@ -193,7 +194,7 @@ Task<Group> create_task(Loop* loop, Options options) {
     throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
   }
   auto g = std::make_shared<GroupState>();
-  g->selection.override_with(options.algorithms, "WEFT_ALGO");
+  g->selection = std::move(selection);
   g->loop = loop;
   g->rank = options.rank;
   g->size = options.world_size;
@@ -305,12 +306,12 @@ Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t
   co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, std::uint64_t{1} << 32);
 }
 
-Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
+Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
+                           std::string algorithm) {
   if (g->options.deterministic && g->size > 1) {
     co_await deterministic_all_reduce(g, seq, "all_reduce", in, out, op);
     co_return;
   }
-  const std::string_view algorithm = g->selection.choose("all_reduce", out.bytes(), g->size);
   algo::Plan plan;
   algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
   if (algorithm == "ring" && g->size > 1) {
@@ -490,9 +491,26 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
 
 Future<Group> Group::create(Loop& loop, Options options) {
   options.from_environment();
-  algo::Selection().override_with(options.algorithms, "WEFT_ALGO");  // a malformed value fails here
-  return spawn(loop, create_task(&loop, std::move(options)));
+  // Algorithm choices: the built-in table, then a tuning file, then WEFT_ALGO. Malformed ones fail here.
+  algo::Selection selection;
+  if (!options.tuning_file.empty()) {
+    std::ifstream file(options.tuning_file);
+    if (!file) {
+      throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                  fmt::format("cannot read the tuning file '{}' (WEFT_TUNING)", options.tuning_file));
+    }
+    std::string content;
+    for (std::string line; std::getline(file, line);) {
+      if (line.empty() || line[0] == '#') continue;
+      content += line + ";";
+    }
+    selection.override_with(content, "the tuning file " + options.tuning_file);
+  }
+  selection.override_with(options.algorithms, "WEFT_ALGO");
+  return spawn(loop, create_task(&loop, std::move(options), std::move(selection)));
 }
+
+void Group::override_algorithms(std::string_view spec) { state_->selection.override_with(spec, "override_algorithms"); }
 
 std::string Group::algorithm_for(std::string_view collective, std::size_t bytes) const {
   return std::string(state_->selection.choose(collective, bytes, state_->size));
@@ -529,7 +547,9 @@ Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) 
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   check_op(g, name, in.dtype, op);
-  return spawn(*g.loop, all_reduce_task(state_, take_seq(g), in, out, op));
+  // Chosen on the caller's thread, where override_algorithms changes the table.
+  std::string algorithm(g.selection.choose("all_reduce", out.bytes(), g.size));
+  return spawn(*g.loop, all_reduce_task(state_, take_seq(g), in, out, op, std::move(algorithm)));
 }
 
 Future<void> Group::all_gather(ConstBufferView in, BufferView out) {

@@ -101,6 +101,9 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
     segment_bytes = static_cast<std::size_t>(parse_int("WEFT_SEGMENT_BYTES", v, 1024, 1ll << 32));
   }
   if (const char* v = env("WEFT_DETERMINISTIC")) deterministic = deterministic || parse_int("WEFT_DETERMINISTIC", v, 0, 1) == 1;
+  if (tuning_file.empty()) {
+    if (const char* v = env("WEFT_TUNING")) tuning_file = v;
+  }
   if (algorithms.empty()) {
     if (const char* v = env("WEFT_ALGO")) algorithms = v;
   }
