@@ -427,3 +427,33 @@ TEST_CASE("each collective's transpose passes the dot-product test across ranks"
   });
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("every all_gather, broadcast and reduce algorithm matches the reference", "[collectives][algorithms2]") {
+  const char* specs[] = {"all_gather:bruck;broadcast:scatter_all_gather;reduce:reduce_scatter_gather",
+                         "all_gather:ring;broadcast:binomial;reduce:binomial"};
+  for (const char* spec : specs) {
+    for (int p : {1, 2, 3, 5, 8}) {
+      Options options;
+      options.algorithms = spec;
+      const long before = checks_made.load();
+      run_ranks(p, [&](Group& g) {
+        for (DType t : {DType::f32, DType::i16, DType::f16}) {
+          for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4099}, std::size_t{200003}}) {
+            movements(g, t, count);
+            for (ReduceOp op : {ReduceOp::sum, ReduceOp::min}) {
+              const int root = static_cast<int>(count % static_cast<std::size_t>(g.size()));
+              auto in = make_input(t, op, g.rank(), count);
+              std::vector<std::byte> out(g.rank() == root ? in.size() : 0);
+              g.reduce(ConstBufferView(in.data(), count, t), BufferView(out.data(), g.rank() == root ? count : 0, t), root, op).get();
+              if (g.rank() == root) {
+                const auto diff = compare(t, out.data(), make_reduced(t, op, g.size(), count).data(), count);
+                check(diff.empty(), std::string(spec) + " " + where("reduce", t, op, count, false) + diff);
+              }
+            }
+          }
+        }
+      }, options);
+      REQUIRE(checks_made.load() > before);
+    }
+  }
+}

@@ -287,3 +287,51 @@ TEST_CASE("gather, scatter, all_to_all and barrier plans are symmetric", "[plans
     REQUIRE(simulate(bar) == "");
   }
 }
+
+TEST_CASE("Bruck all_gather, scatter+all-gather broadcast and reduce-scatter+gather reduce plans", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (std::size_t n : awkward_counts(p)) {
+      INFO("p=" << p << " count=" << n);
+      // Bruck: slot i of rank r ends holding block (r + i) mod p.
+      std::vector<RankState> bruck(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = bruck[static_cast<std::size_t>(r)];
+        st.plan = bruck_all_gather(p, r, n);
+        st.send_is_recv = true;
+        st.recv.assign(n * static_cast<std::size_t>(p), -3);
+        for (std::size_t i = 0; i < n; ++i) st.recv[i] = input(r, i);
+      }
+      REQUIRE(simulate(bruck) == "");
+      for (int r = 0; r < p; ++r) {
+        for (int slot = 0; slot < p; ++slot) {
+          const int owner = (r + slot) % p;
+          for (std::size_t i = 0; i < n; ++i) {
+            REQUIRE(bruck[static_cast<std::size_t>(r)].recv[static_cast<std::size_t>(slot) * n + i] == input(owner, i));
+          }
+        }
+      }
+      for (int root : {0, p - 1, p / 2}) {
+        std::vector<RankState> bc(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = bc[static_cast<std::size_t>(r)];
+          st.plan = scatter_all_gather_broadcast(p, r, root, n);
+          st.send_is_recv = true;
+          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(r == root ? input(root, i) : -1);
+        }
+        REQUIRE(simulate(bc) == "");
+        for (int r = 0; r < p; ++r) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(bc[static_cast<std::size_t>(r)].recv[i] == input(root, i));
+        }
+        std::vector<RankState> rd(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = rd[static_cast<std::size_t>(r)];
+          st.plan = reduce_scatter_gather_reduce(p, r, root, n);
+          st.send_is_recv = true;
+          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(input(r, i));
+        }
+        REQUIRE(simulate(rd) == "");
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(rd[static_cast<std::size_t>(root)].recv[i] == sum_over(p, i));
+      }
+    }
+  }
+}

@@ -77,6 +77,13 @@ Plan tree_all_reduce(int p, int r, std::size_t count);
 /// rank i into slot i of its receive buffer (slot size blocks[r].count), and sends its block j to rank j.
 /// Its own slot is not in the plan (a local copy).
 Plan ordered_exchange(int p, int r, std::span<const Range> blocks);
+/// Bruck all-gather over a rotated buffer of p blocks of `count` elements: rank r starts with its block in
+/// slot 0 and ends with block (r + i) mod p in slot i (the caller rotates). ceil(lg p) rounds, any p.
+Plan bruck_all_gather(int p, int r, std::size_t count);
+/// Broadcast for large buffers (van de Geijn): the root scatters the p blocks, then a ring all-gather.
+Plan scatter_all_gather_broadcast(int p, int r, int root, std::size_t count);
+/// Reduce for large buffers: a ring reduce-scatter, then every block gathered at the root.
+Plan reduce_scatter_gather_reduce(int p, int r, int root, std::size_t count);
 /// Binomial-tree broadcast of `count` elements from `root`.
 Plan binomial_broadcast(int p, int r, int root, std::size_t count);
 /// Binomial-tree reduce of `count` elements to `root` (every rank's receive buffer is its accumulator).

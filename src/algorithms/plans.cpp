@@ -196,6 +196,49 @@ Plan ordered_exchange(int p, int r, std::span<const Range> blocks) {
   return plan;
 }
 
+Plan bruck_all_gather(int p, int r, std::size_t count) {
+  Plan plan;
+  for (int dist = 1; dist < p; dist <<= 1) {
+    const auto blocks_now = static_cast<std::size_t>(std::min(dist, p - dist));
+    plan.push_back(Step{StepKind::send_recv, wrap(r - dist, p), wrap(r + dist, p), Range{0, blocks_now * count},
+                        Range{static_cast<std::size_t>(dist) * count, blocks_now * count}});
+  }
+  return plan;
+}
+
+Plan scatter_all_gather_broadcast(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  if (p == 1) return plan;
+  std::vector<Range> parts;
+  for (int i = 0; i < p; ++i) parts.push_back(block(count, p, i));
+  if (r == root) {
+    for (int i = 0; i < p; ++i) {
+      if (i != root) plan.push_back(make_send(i, parts[static_cast<std::size_t>(i)]));
+    }
+  } else {
+    plan.push_back(make_recv(StepKind::recv, root, parts[static_cast<std::size_t>(r)]));
+  }
+  const Plan gather = ring_all_gather(p, r, parts, -1);
+  plan.insert(plan.end(), gather.begin(), gather.end());
+  return plan;
+}
+
+Plan reduce_scatter_gather_reduce(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  if (p == 1) return plan;
+  std::vector<Range> parts;
+  for (int i = 0; i < p; ++i) parts.push_back(block(count, p, i));
+  plan = ring_reduce_scatter(p, r, parts, -1);
+  if (r == root) {
+    for (int i = 0; i < p; ++i) {
+      if (i != root) plan.push_back(make_recv(StepKind::recv, i, parts[static_cast<std::size_t>(i)]));
+    }
+  } else {
+    plan.push_back(make_send(root, parts[static_cast<std::size_t>(r)]));
+  }
+  return plan;
+}
+
 Plan tree_all_reduce(int p, int r, std::size_t count) {
   Plan plan = binomial_reduce(p, r, 0, count);
   const Plan down = binomial_broadcast(p, r, 0, count);

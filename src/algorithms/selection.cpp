@@ -15,10 +15,10 @@ namespace {
 const std::map<std::string_view, std::vector<std::string_view>>& table() {
   static const std::map<std::string_view, std::vector<std::string_view>> known = {
       {"all_reduce", {"ring", "recursive_doubling", "rabenseifner", "tree"}},
-      {"all_gather", {"ring"}},
+      {"all_gather", {"ring", "bruck"}},
       {"reduce_scatter", {"ring"}},
-      {"broadcast", {"binomial"}},
-      {"reduce", {"binomial"}},
+      {"broadcast", {"binomial", "scatter_all_gather"}},
+      {"reduce", {"binomial", "reduce_scatter_gather"}},
       {"gather", {"direct"}},
       {"scatter", {"direct"}},
       {"all_to_all", {"pairwise"}},
@@ -136,6 +136,11 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
     if (ranks == 2) return bytes < (std::size_t{512} << 10) ? "recursive_doubling" : "ring";
     return bytes < (std::size_t{4} << 20) ? "rabenseifner" : "ring";
   }
+  // Latency-bound sizes take the algorithms with the fewest rounds, bandwidth-bound ones those that
+  // split the data (bench/RESULTS.md).
+  if (collective == "all_gather") return bytes < (std::size_t{64} << 10) && ranks > 2 ? "bruck" : "ring";
+  if (collective == "broadcast") return bytes >= (std::size_t{512} << 10) && ranks > 2 ? "scatter_all_gather" : "binomial";
+  if (collective == "reduce") return bytes >= (std::size_t{512} << 10) && ranks > 2 ? "reduce_scatter_gather" : "binomial";
   const auto& valid = algorithms_for(collective);
   return valid.empty() ? std::string_view{} : valid.front();
 }

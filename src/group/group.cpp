@@ -331,8 +331,22 @@ Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out) {
+Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
+                           std::string algorithm) {
   const std::size_t block_bytes = in.bytes();
+  if (algorithm == "bruck" && g->size > 1) {
+    // Bruck gathers into a rotated buffer (slot i holds rank r+i's block); rotate it into place.
+    const auto p = static_cast<std::size_t>(g->size);
+    auto rotated = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
+    copy_bytes(rotated.get(), in.data, block_bytes);
+    const auto plan = algo::bruck_all_gather(g->size, g->rank, in.count);
+    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum});
+    for (std::size_t i = 0; i < p; ++i) {
+      copy_bytes(out.bytes_ptr() + ((static_cast<std::size_t>(g->rank) + i) % p) * block_bytes, rotated.get() + i * block_bytes,
+                 block_bytes);
+    }
+    co_return;
+  }
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
   const auto blocks = equal_blocks(g->size, in.count);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
@@ -359,12 +373,14 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root) {
-  const auto plan = algo::binomial_broadcast(g->size, g->rank, root, data.count);
+Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root, std::string algorithm) {
+  const auto plan = algorithm == "scatter_all_gather" ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
+                                                      : algo::binomial_broadcast(g->size, g->rank, root, data.count);
   co_await g->run(plan, seq, "broadcast", algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum});
 }
 
-Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op) {
+Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op,
+                       std::string algorithm) {
   if (g->options.deterministic && g->size > 1) {
     // Every rank computes the rank-order result; only the root keeps it.
     std::unique_ptr<std::byte[]> scratch;
@@ -383,7 +399,8 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
     work = scratch.get();
   }
   copy_bytes(work, in.data, in.bytes());
-  const auto plan = algo::binomial_reduce(g->size, g->rank, root, in.count);
+  const auto plan = algorithm == "reduce_scatter_gather" ? algo::reduce_scatter_gather_reduce(g->size, g->rank, root, in.count)
+                                                         : algo::binomial_reduce(g->size, g->rank, root, in.count);
   co_await g->run(plan, seq, "reduce", algo::PlanBuffers{work, work, in.dtype, op});
   if (g->rank == root) finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
@@ -560,7 +577,8 @@ Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
   check_buffer(g, name, "output", out.data, out.count, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
-  return spawn(*g.loop, all_gather_task(state_, take_seq(g), in, out));
+  std::string algorithm(g.selection.choose("all_gather", out.bytes(), g.size));
+  return spawn(*g.loop, all_gather_task(state_, take_seq(g), in, out, std::move(algorithm)));
 }
 
 Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op) {
@@ -581,7 +599,8 @@ Future<void> Group::broadcast(BufferView data, int root) {
   check_usable(g, name);
   check_rank(g, name, "root", root);
   check_buffer(g, name, "data", data.data, data.count, data.device);
-  return spawn(*g.loop, broadcast_task(state_, take_seq(g), data, root));
+  std::string algorithm(g.selection.choose("broadcast", data.bytes(), g.size));
+  return spawn(*g.loop, broadcast_task(state_, take_seq(g), data, root, std::move(algorithm)));
 }
 
 Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceOp op) {
@@ -596,7 +615,8 @@ Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceO
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "output", out.count, in.count);
   }
-  return spawn(*g.loop, reduce_task(state_, take_seq(g), in, out, root, op));
+  std::string algorithm(g.selection.choose("reduce", in.bytes(), g.size));
+  return spawn(*g.loop, reduce_task(state_, take_seq(g), in, out, root, op, std::move(algorithm)));
 }
 
 Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
