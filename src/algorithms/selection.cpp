@@ -138,9 +138,12 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
   }
   // Latency-bound sizes take the algorithms with the fewest rounds, bandwidth-bound ones those that
   // split the data (bench/RESULTS.md).
-  if (collective == "all_gather") return bytes < (std::size_t{64} << 10) && ranks > 2 ? "bruck" : "ring";
-  if (collective == "broadcast") return bytes >= (std::size_t{512} << 10) && ranks > 2 ? "scatter_all_gather" : "binomial";
-  if (collective == "reduce") return bytes >= (std::size_t{512} << 10) && ranks > 2 ? "reduce_scatter_gather" : "binomial";
+  if (collective == "all_gather") return bytes < (std::size_t{16} << 10) && ranks > 2 ? "bruck" : "ring";
+  if (collective == "reduce") {
+    const bool split = ranks == 2 ? bytes >= (std::size_t{256} << 10) : bytes >= (std::size_t{8} << 20);
+    return split && ranks > 1 ? "reduce_scatter_gather" : "binomial";
+  }
+  // broadcast: the binomial tree won at every size measured (scatter_all_gather stays selectable).
   const auto& valid = algorithms_for(collective);
   return valid.empty() ? std::string_view{} : valid.front();
 }
