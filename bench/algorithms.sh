@@ -11,6 +11,8 @@ ranks_list=${*:-2 4}
 declare -A variants=(
   [all_reduce]="ring recursive_doubling rabenseifner tree deterministic"
   [all_gather]="ring bruck"
+  [all_to_all]="pairwise bruck"
+  [reduce_scatter]="ring recursive_halving"
   [broadcast]="binomial scatter_all_gather"
   [reduce]="binomial reduce_scatter_gather"
 )

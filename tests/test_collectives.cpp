@@ -428,11 +428,12 @@ TEST_CASE("each collective's transpose passes the dot-product test across ranks"
   REQUIRE(checks_made.load() > before);
 }
 
-TEST_CASE("every all_gather, broadcast and reduce algorithm matches the reference", "[collectives][algorithms2]") {
-  const char* specs[] = {"all_gather:bruck;broadcast:scatter_all_gather;reduce:reduce_scatter_gather",
-                         "all_gather:ring;broadcast:binomial;reduce:binomial"};
+TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter and all_to_all algorithm matches the reference", "[collectives][algorithms2]") {
+  const char* specs[] = {"all_gather:bruck;broadcast:scatter_all_gather;reduce:reduce_scatter_gather;all_to_all:bruck;"
+                         "reduce_scatter:recursive_halving",
+                         "all_gather:ring;broadcast:binomial;reduce:binomial;all_to_all:pairwise;reduce_scatter:ring"};
   for (const char* spec : specs) {
-    for (int p : {1, 2, 3, 5, 8}) {
+    for (int p : {1, 2, 3, 4, 5, 8}) {
       Options options;
       options.algorithms = spec;
       const long before = checks_made.load();
@@ -440,6 +441,7 @@ TEST_CASE("every all_gather, broadcast and reduce algorithm matches the referenc
         for (DType t : {DType::f32, DType::i16, DType::f16}) {
           for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4099}, std::size_t{200003}}) {
             movements(g, t, count);
+            reductions(g, t, count > 5000 ? 4099 : count);
             for (ReduceOp op : {ReduceOp::sum, ReduceOp::min}) {
               const int root = static_cast<int>(count % static_cast<std::size_t>(g.size()));
               auto in = make_input(t, op, g.rank(), count);

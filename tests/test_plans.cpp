@@ -335,3 +335,47 @@ TEST_CASE("Bruck all_gather, scatter+all-gather broadcast and reduce-scatter+gat
     }
   }
 }
+
+TEST_CASE("Bruck all_to_all and recursive-halving reduce_scatter plans", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (std::size_t n : awkward_counts(p)) {
+      INFO("p=" << p << " block=" << n);
+      // Bruck: rank r's slot i starts as its block for rank r+i; after the plan, slot i holds what rank
+      // r-i sent to r.
+      std::vector<RankState> a2a(static_cast<std::size_t>(p));
+      auto payload = [&](int from, int to, std::size_t i) { return input(from, static_cast<std::size_t>(to) * 100000 + i); };
+      for (int r = 0; r < p; ++r) {
+        auto& st = a2a[static_cast<std::size_t>(r)];
+        st.plan = bruck_all_to_all(p, r, n);
+        st.send_is_recv = true;
+        for (int slot = 0; slot < p; ++slot) {
+          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(payload(r, (r + slot) % p, i));
+        }
+      }
+      REQUIRE(simulate(a2a) == "");
+      for (int r = 0; r < p; ++r) {
+        for (int slot = 0; slot < p; ++slot) {
+          const int from = ((r - slot) % p + p) % p;
+          for (std::size_t i = 0; i < n; ++i) {
+            REQUIRE(a2a[static_cast<std::size_t>(r)].recv[static_cast<std::size_t>(slot) * n + i] == payload(from, r, i));
+          }
+        }
+      }
+      if ((p & (p - 1)) != 0) continue;
+      std::vector<RankState> rs(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = rs[static_cast<std::size_t>(r)];
+        st.plan = recursive_halving_reduce_scatter(p, r, n);
+        st.send_is_recv = true;
+        for (std::size_t i = 0; i < n * static_cast<std::size_t>(p); ++i) st.recv.push_back(input(r, i));
+      }
+      REQUIRE(simulate(rs) == "");
+      for (int r = 0; r < p; ++r) {
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::size_t at = static_cast<std::size_t>(r) * n + i;
+          REQUIRE(rs[static_cast<std::size_t>(r)].recv[at] == sum_over(p, at));
+        }
+      }
+    }
+  }
+}

@@ -84,6 +84,13 @@ Plan bruck_all_gather(int p, int r, std::size_t count);
 Plan scatter_all_gather_broadcast(int p, int r, int root, std::size_t count);
 /// Reduce for large buffers: a ring reduce-scatter, then every block gathered at the root.
 Plan reduce_scatter_gather_reduce(int p, int r, int root, std::size_t count);
+/// Bruck all-to-all for small blocks, over a rotated buffer of p blocks (slot i holds the block for rank
+/// r + i; the caller rotates in and out): in round k every slot whose index has bit k set moves 2^k ranks
+/// on. ceil(lg p) rounds instead of p - 1.
+Plan bruck_all_to_all(int p, int r, std::size_t count);
+/// Recursive-halving reduce-scatter for a power-of-two p, in place over p blocks of `count` elements:
+/// lg p rounds, each exchanging half of what is left; block r ends reduced at rank r.
+Plan recursive_halving_reduce_scatter(int p, int r, std::size_t count);
 /// Binomial-tree broadcast of `count` elements from `root`.
 Plan binomial_broadcast(int p, int r, int root, std::size_t count);
 /// Binomial-tree reduce of `count` elements to `root` (every rank's receive buffer is its accumulator).

@@ -239,6 +239,42 @@ Plan reduce_scatter_gather_reduce(int p, int r, int root, std::size_t count) {
   return plan;
 }
 
+Plan bruck_all_to_all(int p, int r, std::size_t count) {
+  Plan plan;
+  for (int dist = 1; dist < p; dist <<= 1) {
+    const int to = wrap(r + dist, p);
+    const int from = wrap(r - dist, p);
+    // The slots with bit `dist` set come in runs of `dist` consecutive slots.
+    for (int first = dist; first < p; first += 2 * dist) {
+      const int last = std::min(first + dist, p);
+      const Range run{static_cast<std::size_t>(first) * count, static_cast<std::size_t>(last - first) * count};
+      plan.push_back(Step{StepKind::send_recv, to, from, run, run});
+    }
+  }
+  return plan;
+}
+
+Plan recursive_halving_reduce_scatter(int p, int r, std::size_t count) {
+  Plan plan;
+  if ((p & (p - 1)) != 0) return plan;  // powers of two only: the Group falls back to the ring
+  int lo = 0;
+  int hi = p;
+  for (int mask = p / 2; mask > 0; mask >>= 1) {
+    const int partner = r ^ mask;
+    const int mid = lo + (hi - lo) / 2;
+    const bool upper = (r & mask) != 0;
+    const Range low{static_cast<std::size_t>(lo) * count, static_cast<std::size_t>(mid - lo) * count};
+    const Range high{static_cast<std::size_t>(mid) * count, static_cast<std::size_t>(hi - mid) * count};
+    plan.push_back(Step{StepKind::send_recv_reduce, partner, partner, upper ? low : high, upper ? high : low});
+    if (upper) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return plan;
+}
+
 Plan tree_all_reduce(int p, int r, std::size_t count) {
   Plan plan = binomial_reduce(p, r, 0, count);
   const Plan down = binomial_broadcast(p, r, 0, count);

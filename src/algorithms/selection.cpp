@@ -16,12 +16,12 @@ const std::map<std::string_view, std::vector<std::string_view>>& table() {
   static const std::map<std::string_view, std::vector<std::string_view>> known = {
       {"all_reduce", {"ring", "recursive_doubling", "rabenseifner", "tree"}},
       {"all_gather", {"ring", "bruck"}},
-      {"reduce_scatter", {"ring"}},
+      {"reduce_scatter", {"ring", "recursive_halving"}},
       {"broadcast", {"binomial", "scatter_all_gather"}},
       {"reduce", {"binomial", "reduce_scatter_gather"}},
       {"gather", {"direct"}},
       {"scatter", {"direct"}},
-      {"all_to_all", {"pairwise"}},
+      {"all_to_all", {"pairwise", "bruck"}},
       {"barrier", {"dissemination"}},
   };
   return known;

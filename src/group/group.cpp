@@ -353,7 +353,8 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum});
 }
 
-Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op) {
+Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
+                               std::string algorithm) {
   if (g->options.deterministic && g->size > 1) {
     const auto blocks = equal_blocks(g->size, out.count);
     auto folded = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, out.bytes()));
@@ -362,8 +363,20 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
     finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
-  // The ring reduces into scratch, reading this rank's contributions from `in`; the rank's own block
-  // is the result. (One rank has no ring: its input is the result.)
+  const bool power_of_two = (g->size & (g->size - 1)) == 0;
+  if (algorithm == "recursive_halving" && power_of_two && g->size > 1) {
+    // Halving accumulates into the same ranges round after round: it works on a copy of the input.
+    auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+    copy_bytes(work.get(), in.data, in.bytes());
+    const auto plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, out.count);
+    co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op});
+    copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
+    finish_reduction(op, out.data, out.count, out.dtype, g->size);
+    co_return;
+  }
+  // The ring (also where recursive halving was asked for on a non-power-of-two group) reduces into
+  // scratch, reading this rank's contributions from `in`; the rank's own block is the result. (One rank
+  // has no ring: its input is the result.)
   auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
   if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
   const auto blocks = equal_blocks(g->size, out.count);
@@ -419,9 +432,21 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
                   algo::PlanBuffers{g->rank == root ? in.bytes_ptr() : nullptr, out.bytes_ptr(), out.dtype, ReduceOp::sum});
 }
 
-Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out) {
+Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
+                           std::string algorithm) {
   const std::size_t block = in.count / static_cast<std::size_t>(g->size);
   const std::size_t block_bytes = block * dtype_size(in.dtype);
+  if (algorithm == "bruck" && g->size > 1) {
+    // Rotate in (slot i: the block for rank r+i), run, rotate out (slot i came from rank r-i).
+    const auto p = static_cast<std::size_t>(g->size);
+    const auto r = static_cast<std::size_t>(g->rank);
+    auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
+    for (std::size_t i = 0; i < p; ++i) copy_bytes(slots.get() + i * block_bytes, in.bytes_ptr() + ((r + i) % p) * block_bytes, block_bytes);
+    const auto plan = algo::bruck_all_to_all(g->size, g->rank, block);
+    co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum});
+    for (std::size_t i = 0; i < p; ++i) copy_bytes(out.bytes_ptr() + ((r + p - i) % p) * block_bytes, slots.get() + i * block_bytes, block_bytes);
+    co_return;
+  }
   std::unique_ptr<std::byte[]> copy;
   const std::byte* source = in.bytes_ptr();
   if (in.data == out.data && in.bytes()) {  // in place: send from a copy
@@ -590,7 +615,8 @@ Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp 
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
   check_op(g, name, in.dtype, op);
-  return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g), in, out, op));
+  std::string algorithm(g.selection.choose("reduce_scatter", in.bytes(), g.size));
+  return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g), in, out, op, std::move(algorithm)));
 }
 
 Future<void> Group::broadcast(BufferView data, int root) {
@@ -658,7 +684,8 @@ Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
   if (in.count % static_cast<std::size_t>(g.size) != 0) {
     invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", in.count, g.size));
   }
-  return spawn(*g.loop, all_to_all_task(state_, take_seq(g), in, out));
+  std::string algorithm(g.selection.choose("all_to_all", in.bytes(), g.size));
+  return spawn(*g.loop, all_to_all_task(state_, take_seq(g), in, out, std::move(algorithm)));
 }
 
 Future<void> Group::barrier() {
