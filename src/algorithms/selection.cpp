@@ -143,7 +143,12 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
     const bool split = ranks == 2 ? bytes >= (std::size_t{256} << 10) : bytes >= (std::size_t{8} << 20);
     return split && ranks > 1 ? "reduce_scatter_gather" : "binomial";
   }
-  // broadcast: the binomial tree won at every size measured (scatter_all_gather stays selectable).
+  if (collective == "reduce_scatter") {
+    const bool power_of_two = ranks > 2 && (ranks & (ranks - 1)) == 0;
+    return power_of_two && bytes < (std::size_t{64} << 10) ? "recursive_halving" : "ring";
+  }
+  // broadcast: the binomial tree won at every size measured, and all_to_all's pairwise exchange too
+  // (scatter_all_gather and bruck stay selectable).
   const auto& valid = algorithms_for(collective);
   return valid.empty() ? std::string_view{} : valid.front();
 }
