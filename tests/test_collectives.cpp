@@ -459,3 +459,103 @@ TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter and all_to_all al
     }
   }
 }
+
+TEST_CASE("random sequences of collectives, algorithms, dtypes, ops, counts and roots, many in flight", "[collectives][property]") {
+  const char* collectives[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"};
+  for (int p : {3, 4, 5}) {
+    const long before = checks_made.load();
+    run_ranks(p, [&](Group& g) {
+      std::uint64_t seed = 12345 + static_cast<std::uint64_t>(p);  // the same sequence on every rank
+      auto next = [&](std::uint64_t bound) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        return (seed >> 33) % bound;
+      };
+      struct Pending {
+        Future<void> done;
+        std::vector<std::byte> in, out, expected;
+        std::string what;
+        DType type;
+        std::size_t count;
+        bool check_out = true;
+      };
+      for (int batch = 0; batch < 12; ++batch) {
+        std::vector<std::unique_ptr<Pending>> pending;
+        for (int k = 0; k < 12; ++k) {
+          const std::string collective = collectives[next(std::size(collectives))];
+          const auto& algos = algorithms::available_algorithms(collective);
+          const std::string algorithm(algos[next(algos.size())]);
+          g.override_algorithms(collective + ":" + algorithm);
+          const DType t = all_dtypes[next(std::size(all_dtypes))];
+          ReduceOp op = all_reduce_ops[next(std::size(all_reduce_ops))];
+          while (!is_defined(t, op)) op = all_reduce_ops[next(std::size(all_reduce_ops))];
+          const std::size_t counts[] = {0, 1, 2, 5, 17, 1000, 4099, 30001};
+          const std::size_t count = counts[next(std::size(counts))];
+          const int root = static_cast<int>(next(static_cast<std::uint64_t>(p)));
+          const std::size_t salt = next(1000);
+          auto job = std::make_unique<Pending>();
+          job->type = t;
+          job->what = fmt::format("batch {} #{}: {}/{} {} {} x {} root {}", batch, k, collective, algorithm, to_string(t), to_string(op), count, root);
+          const std::size_t esize = dtype_size(t);
+          const auto pn = static_cast<std::size_t>(p);
+          if (collective == "all_reduce") {
+            job->in = make_input(t, op, g.rank(), count, salt);
+            job->out.resize(job->in.size());
+            job->expected = make_reduced(t, op, p, count, salt);
+            job->count = count;
+            job->done = g.all_reduce(ConstBufferView(job->in.data(), count, t), BufferView(job->out.data(), count, t), op);
+          } else if (collective == "all_gather") {
+            job->in = make_input(t, ReduceOp::sum, g.rank(), count, salt);
+            job->out.resize(count * esize * pn);
+            for (int b = 0; b < p; ++b) {
+              auto part = make_input(t, ReduceOp::sum, b, count, salt);
+              job->expected.insert(job->expected.end(), part.begin(), part.end());
+            }
+            job->count = count * pn;
+            job->done = g.all_gather(ConstBufferView(job->in.data(), count, t), BufferView(job->out.data(), count * pn, t));
+          } else if (collective == "reduce_scatter") {
+            for (int b = 0; b < p; ++b) {
+              auto part = make_input(t, op, g.rank(), count, salt + static_cast<std::size_t>(b) * 13);
+              job->in.insert(job->in.end(), part.begin(), part.end());
+            }
+            job->out.resize(count * esize);
+            job->expected = make_reduced(t, op, p, count, salt + static_cast<std::size_t>(g.rank()) * 13);
+            job->count = count;
+            job->done = g.reduce_scatter(ConstBufferView(job->in.data(), count * pn, t), BufferView(job->out.data(), count, t), op);
+          } else if (collective == "broadcast") {
+            job->out = g.rank() == root ? make_input(t, ReduceOp::sum, root, count, salt) : std::vector<std::byte>(count * esize);
+            job->expected = make_input(t, ReduceOp::sum, root, count, salt);
+            job->count = count;
+            job->done = g.broadcast(BufferView(job->out.data(), count, t), root);
+          } else if (collective == "reduce") {
+            job->in = make_input(t, op, g.rank(), count, salt);
+            job->out.resize(g.rank() == root ? job->in.size() : 0);
+            job->expected = make_reduced(t, op, p, count, salt);
+            job->count = count;
+            job->check_out = g.rank() == root;
+            job->done = g.reduce(ConstBufferView(job->in.data(), count, t), BufferView(job->out.data(), g.rank() == root ? count : 0, t), root, op);
+          } else {  // all_to_all
+            for (int j = 0; j < p; ++j) {
+              auto part = make_input(t, ReduceOp::sum, g.rank(), count, salt + static_cast<std::size_t>(j) * 31);
+              job->in.insert(job->in.end(), part.begin(), part.end());
+            }
+            for (int i = 0; i < p; ++i) {
+              auto part = make_input(t, ReduceOp::sum, i, count, salt + static_cast<std::size_t>(g.rank()) * 31);
+              job->expected.insert(job->expected.end(), part.begin(), part.end());
+            }
+            job->out.resize(job->in.size());
+            job->count = count * pn;
+            job->done = g.all_to_all(ConstBufferView(job->in.data(), count * pn, t), BufferView(job->out.data(), count * pn, t));
+          }
+          pending.push_back(std::move(job));
+        }
+        for (auto& job : pending) {
+          job->done.get();
+          if (!job->check_out) continue;
+          const auto diff = compare(job->type, job->out.data(), job->expected.data(), job->count);
+          check(diff.empty(), job->what + ": " + diff);
+        }
+      }
+    });
+    REQUIRE(checks_made.load() > before);
+  }
+}
