@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
-# Side by side in one run: weft, Open MPI (--mca btl tcp,self) and Gloo (best of ring, ring_chunked,
-# halving_doubling, bcube), all_reduce f32 sum on loopback, the three taking turns ROUNDS times so that
-# the machine's drift hits all of them alike. Prints each round and a markdown table of the medians.
-#   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES]
+# Side by side in one run: weft, Open MPI (--mca btl tcp,self) and, for all_reduce, Gloo (best of ring,
+# ring_chunked, halving_doubling, bcube), f32 (sum) on loopback, taking turns ROUNDS times so that the
+# machine's drift hits all of them alike. Prints a markdown table of the medians and every round.
+#   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES] [COLLECTIVE]
 set -euo pipefail
 build=$1
 ranks=${2:-2}
 rounds=${3:-3}
 min=${4:-1024}
 max=${5:-268435456}
+collective=${6:-all_reduce}
 out=$(mktemp -d)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for round in $(seq 1 "$rounds"); do
   echo "== round $round: weft" >&2
-  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c all_reduce -b "$min" -e "$max" -f 4 -w 5 -n 20 \
+  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$collective" -b "$min" -e "$max" -f 4 -w 5 -n 20 \
     --json "$out/weft.$round.json" > "$out/weft.$round.txt"
   echo "== round $round: open mpi" >&2
-  mpirun -n "$ranks" --mca btl tcp,self "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 > "$out/mpi.$round.txt" 2>/dev/null
-  if [ -x "$build/bench/gloo-allreduce-bench" ]; then
+  mpirun -n "$ranks" --mca btl tcp,self "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 "$collective" > "$out/mpi.$round.txt" 2>/dev/null
+  if [ "$collective" = all_reduce ] && [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
     "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 20 > "$out/gloo.$round.txt"
   fi
 done
-python3 - "$out" "$rounds" "$ranks" <<'PY'
+python3 - "$out" "$rounds" "$ranks" "$collective" <<'PY'
 import json, statistics, sys, glob, os
-out, rounds, ranks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, rounds, ranks, collective = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 weft, mpi, gloo = {}, {}, {}
 for r in range(1, rounds + 1):
     for rec in json.load(open(f"{out}/weft.{r}.json")):
@@ -46,7 +47,7 @@ def size(b):
     for unit, n in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if b >= n: return f"{b // n} {unit}"
     return f"{b} B"
-print(f"all_reduce f32 sum, {ranks} ranks, loopback; median of {rounds} rounds (busbw GB/s, time us)\n")
+print(f"{collective} f32, {ranks} ranks, loopback; median of {rounds} rounds (busbw GB/s, time us)\n")
 print("| size | weft time | weft busbw | Open MPI tcp time | Open MPI busbw | Gloo best time | Gloo busbw | weft / MPI busbw | per-round weft / MPI busbw |")
 print("|---|---|---|---|---|---|---|---|---|")
 for b in sorted(weft):

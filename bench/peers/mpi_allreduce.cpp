@@ -1,10 +1,14 @@
-// The Open MPI side of bench/RESULTS.md: MPI_Allreduce (f32, sum) timed like weft-bench (time per op =
-// the slowest rank's average; busbw = algbw x 2(n-1)/n). Not part of weft.
-//   mpirun -n 2 --mca btl tcp,self mpi-allreduce-bench MINBYTES MAXBYTES FACTOR ITERS
+// The Open MPI side of bench/RESULTS.md: an MPI collective (f32; sum where it reduces) timed like
+// weft-bench: time per op = the slowest rank's mean, size = the full array (nccl-tests), busbw = algbw x the
+// collective's factor. Not part of weft.
+//   mpirun -n 2 --mca btl tcp,self mpi-allreduce-bench MINBYTES MAXBYTES FACTOR ITERS [COLLECTIVE]
+//   COLLECTIVE: all_reduce (default), all_gather, reduce_scatter, broadcast, all_to_all
 #include <mpi.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 int main(int argc, char** argv) {
@@ -16,19 +20,34 @@ int main(int argc, char** argv) {
   const long max_bytes = argc > 2 ? std::atol(argv[2]) : 1 << 26;
   const long factor = argc > 3 ? std::atol(argv[3]) : 2;
   const int iters = argc > 4 ? std::atoi(argv[4]) : 20;
-  if (rank == 0) std::printf("# mpi all_reduce f32 sum, %d ranks\n# %12s %12s %10s %8s %8s\n", size, "size", "count", "time_us", "algbw", "busbw");
-  for (long bytes = min_bytes; bytes <= max_bytes; bytes *= factor) {
-    const long count = bytes / 4;
-    std::vector<float> in(count, 1.0f), out(count);
+  const std::string collective = argc > 5 ? argv[5] : "all_reduce";
+  const double p = size;
+  double bus = 2 * (p - 1) / p;
+  if (collective == "all_gather" || collective == "reduce_scatter" || collective == "all_to_all") bus = (p - 1) / p;
+  if (collective == "broadcast") bus = 1;
+  const long unit = 4L * (collective == "all_reduce" || collective == "broadcast" ? 1 : size);
+  if (rank == 0) std::printf("# mpi %s f32, %d ranks\n# %12s %12s %10s %8s %8s\n", collective.c_str(), size, "size", "count", "time_us", "algbw", "busbw");
+  for (long requested = min_bytes; requested <= max_bytes; requested *= factor) {
+    const long bytes = requested / unit * unit;
+    const int block = static_cast<int>(bytes / unit);  // elements per rank block (or all, for the unblocked)
+    std::vector<float> in(static_cast<std::size_t>(bytes / 4 + 1), 1.0f), out(static_cast<std::size_t>(bytes / 4 + 1));
+    std::vector<int> counts(static_cast<std::size_t>(size), block);
+    auto run = [&] {
+      if (collective == "all_reduce") MPI_Allreduce(in.data(), out.data(), block, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      else if (collective == "all_gather") MPI_Allgather(in.data(), block, MPI_FLOAT, out.data(), block, MPI_FLOAT, MPI_COMM_WORLD);
+      else if (collective == "reduce_scatter") MPI_Reduce_scatter(in.data(), out.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      else if (collective == "broadcast") MPI_Bcast(in.data(), block, MPI_FLOAT, 0, MPI_COMM_WORLD);
+      else if (collective == "all_to_all") MPI_Alltoall(in.data(), block, MPI_FLOAT, out.data(), block, MPI_FLOAT, MPI_COMM_WORLD);
+    };
     const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
-    for (int i = 0; i < 3; ++i) MPI_Allreduce(in.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    for (int i = 0; i < 3; ++i) run();
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = MPI_Wtime();
-    for (int i = 0; i < n; ++i) MPI_Allreduce(in.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    for (int i = 0; i < n; ++i) run();
     double us = (MPI_Wtime() - t0) * 1e6 / n, worst = 0;
     MPI_Allreduce(&us, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     const double algbw = bytes / worst / 1e3;
-    if (rank == 0) std::printf("  %12ld %12ld %10.2f %8.3f %8.3f\n", bytes, count, worst, algbw, algbw * 2.0 * (size - 1) / size);
+    if (rank == 0) std::printf("  %12ld %12ld %10.2f %8.3f %8.3f\n", bytes, bytes / 4, worst, algbw, algbw * bus);
   }
   MPI_Finalize();
 }
