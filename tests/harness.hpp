@@ -57,6 +57,9 @@ struct RankFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// Loops made by run_ranks let the waiting thread drive them (Loop::Options::caller_drives).
+inline bool harness_caller_drives = false;
+
 /// Runs `body(group)` on `n` ranks as threads and rethrows the first failure, prefixed with its rank.
 inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {
   if (base.store.empty()) base.store = "127.0.0.1:" + std::to_string(free_port());
@@ -67,7 +70,7 @@ inline void run_ranks(int n, const std::function<void(Group&)>& body, Options ba
     threads.emplace_back([&, r] {
       try {
         // Ranks oversubscribe the cores here: a spinning progress thread would starve the others.
-        Loop loop(Loop::Options{std::chrono::microseconds(0)});
+        Loop loop(Loop::Options{std::chrono::microseconds(0), harness_caller_drives});
         Options options = base;
         options.rank = r;
         options.world_size = n;

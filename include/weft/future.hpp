@@ -50,6 +50,8 @@ class FutureStateBase {
   /// to spare.
   void wait() {
     if (ready()) return;
+    // Drive the loop on this thread while waiting, if it can be borrowed: no hand-off on completion.
+    if (loop_ && loop_->drive_until([this] { return ready(); })) return;
     const auto spin = wait_spin();
     if (spin.count() > 0) {
       const auto until = std::chrono::steady_clock::now() + spin;
@@ -78,6 +80,8 @@ class FutureStateBase {
   }
 
   void cancel() noexcept { stop_.request_stop(); }
+  /// The loop the operation runs on (set by spawn): wait() drives it.
+  void set_loop(Loop* loop) noexcept { loop_ = loop; }
   std::stop_token stop_token() const noexcept { return stop_.get_token(); }
 
   void set_error(std::exception_ptr error) noexcept { error_ = std::move(error); }
@@ -106,6 +110,7 @@ class FutureStateBase {
   std::coroutine_handle<> waiter_;  // guarded by mutex_
   std::exception_ptr error_;        // written before finish(), read after ready()
   std::stop_source stop_;
+  Loop* loop_ = nullptr;
 };
 
 template <class T>
@@ -216,6 +221,7 @@ Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) 
 template <class T>
 Future<T> spawn(Loop& loop, Task<T> task) {
   auto state = std::make_shared<detail::FutureState<T>>();
+  state->set_loop(&loop);
   task.set_stop_token(state->stop_token());
   auto driver = detail::drive(loop, std::move(task), state);
   if (loop.in_loop_thread()) {

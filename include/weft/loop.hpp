@@ -42,6 +42,10 @@ class Loop {
     /// when the launcher's local rank count (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE,
     /// OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE) exceeds the cores, else 1000 us.
     std::chrono::microseconds spin{1000};
+    /// Caller-driven progress (experimental): Future::wait borrows the loop and runs it on the waiting
+    /// thread (drive_until). Off by default: on the 2-core VMs it saved the completion hand-off for small
+    /// operations but did not measurably win across sizes (bench/RESULTS.md). WEFT_DRIVE=1 turns it on.
+    bool caller_drives = false;
   };
 
   /// Owned mode: an io_context of its own and a progress thread that runs it.
@@ -57,6 +61,13 @@ class Loop {
   bool owns_thread() const noexcept;
   /// True when the calling thread is the one running this loop right now.
   bool in_loop_thread() const noexcept;
+
+  /// Caller-driven progress: when this loop owns a progress thread and the caller is another thread,
+  /// parks the progress thread and runs the loop on the caller's thread until `done()` holds (polling
+  /// while operations are in flight, then sleeping in the kernel in short slices). Future::wait uses it,
+  /// so that a blocking wait costs no hand-off between threads. Returns false, having done nothing, when
+  /// it cannot borrow the loop (borrowed mode, called on the loop's thread, or another thread drives).
+  bool drive_until(const std::function<bool()>& done);
 
   /// Counts operations in flight (spawn does this): the progress thread polls only while some are.
   void operation_started() noexcept;

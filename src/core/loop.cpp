@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -43,6 +45,11 @@ std::chrono::microseconds default_spin() {
   return Loop::Options{}.spin;
 }
 
+bool default_caller_drives() {
+  const char* v = std::getenv("WEFT_DRIVE");
+  return v && std::string_view(v) == "1";
+}
+
 void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::uint64_t id) {
   auto registry = weak.lock();
   if (!registry) return;
@@ -69,17 +76,38 @@ struct Loop::Impl {
   std::thread progress_thread;
   std::atomic<bool> stopping{false};
   std::chrono::microseconds spin{0};
+  bool caller_drives = false;
   std::shared_ptr<Registry> registry = std::make_shared<Registry>();
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<int> in_flight{0};
 
+  // Caller-driven progress: a waiting thread may borrow the loop; the progress thread parks meanwhile.
+  std::mutex driver_mutex;
+  std::condition_variable driver_cv;
+  bool borrow_wanted = false;  // guarded by driver_mutex
+  bool parked = false;         // guarded by driver_mutex
+  std::atomic<bool> borrow_flag{false};
+
+  void park() {
+    std::unique_lock lock(driver_mutex);
+    parked = true;
+    driver_cv.notify_all();
+    driver_cv.wait(lock, [&] { return !borrow_wanted || stopping.load(); });
+    parked = false;
+  }
+
   // The progress thread, split in reap and wait: while operations are in flight it reaps ready handlers
   // without sleeping (poll) until `spin` passes without an event; otherwise it waits in the kernel
-  // (run_one) for the next one.
+  // (run_one) for the next one. It parks while a waiting thread drives the loop.
   void run_progress() {
     using clock = std::chrono::steady_clock;
     auto last_work = clock::now();
     while (!stopping.load(std::memory_order_relaxed)) {
+      if (borrow_flag.load(std::memory_order_acquire)) {
+        park();
+        last_work = clock::now();
+        continue;
+      }
       if (spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0) {
         if (io->poll() > 0) {
           last_work = clock::now();
@@ -102,12 +130,13 @@ struct Loop::Impl {
   }
 };
 
-Loop::Loop() : Loop(Options{default_spin()}) {}
+Loop::Loop() : Loop(Options{default_spin(), default_caller_drives()}) {}
 
 Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
   impl_->io = impl_->owned_io.get();
   impl_->spin = options.spin;
+  impl_->caller_drives = options.caller_drives;
   impl_->keep_running.emplace(impl_->io->get_executor());
   impl_->progress_thread = std::thread([impl = impl_.get()] { impl->run_progress(); });
 }
@@ -116,7 +145,11 @@ Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()) { impl_->io =
 
 Loop::~Loop() {
   if (impl_->progress_thread.joinable()) {
-    impl_->stopping.store(true);
+    {
+      std::lock_guard lock(impl_->driver_mutex);
+      impl_->stopping.store(true);
+    }
+    impl_->driver_cv.notify_all();
     asio::post(*impl_->io, [] {});
     impl_->progress_thread.join();
     // Run what was posted before the end, on this thread (the loop's thread is gone, so nothing runs
@@ -134,6 +167,46 @@ Loop::~Loop() {
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
 bool Loop::in_loop_thread() const noexcept { return impl_->io->get_executor().running_in_this_thread(); }
+
+bool Loop::drive_until(const std::function<bool()>& done) {
+  Impl& im = *impl_;
+  if (!im.caller_drives || !im.progress_thread.joinable() || in_loop_thread()) return false;
+  {
+    std::lock_guard lock(im.driver_mutex);
+    if (im.borrow_wanted || im.stopping.load()) return false;
+    im.borrow_wanted = true;
+    im.borrow_flag.store(true, std::memory_order_release);
+  }
+  asio::post(*im.io, [] {});  // wakes the progress thread if it sleeps in run_one
+  bool driving = false;
+  {
+    std::unique_lock lock(im.driver_mutex);
+    im.driver_cv.wait(lock, [&] { return im.parked || im.stopping.load(); });
+    driving = im.parked;
+  }
+  if (driving) {
+    // Same policy as the progress thread: poll while events keep coming or operations are in flight
+    // (within `spin`), else sleep in the kernel for short slices and look again.
+    using clock = std::chrono::steady_clock;
+    auto last_work = clock::now();
+    while (!done()) {
+      if (im.io->poll() > 0) {
+        last_work = clock::now();
+        continue;
+      }
+      if (im.spin.count() > 0 && clock::now() - last_work < im.spin) continue;
+      im.io->run_one_for(std::chrono::milliseconds(2));
+      last_work = clock::now();
+    }
+  }
+  {
+    std::lock_guard lock(im.driver_mutex);
+    im.borrow_wanted = false;
+    im.borrow_flag.store(false, std::memory_order_release);
+  }
+  im.driver_cv.notify_all();
+  return driving;
+}
 
 void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::memory_order_relaxed); }
 void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }
