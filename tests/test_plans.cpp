@@ -203,32 +203,43 @@ TEST_CASE("ring reduce_scatter and all_gather plans put every block where it bel
   }
 }
 
+using RootedBuilder = Plan (*)(int, int, int, std::size_t);
+
+// A rooted broadcast plan run in place (the Group passes one buffer as send and receive buffer).
+void check_broadcast(RootedBuilder build, int p, int root, std::size_t n) {
+  std::vector<RankState> ranks(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& st = ranks[static_cast<std::size_t>(r)];
+    st.plan = build(p, r, root, n);
+    st.send_is_recv = true;
+    for (std::size_t i = 0; i < n; ++i) st.recv.push_back(r == root ? input(root, i) : -1);
+  }
+  REQUIRE(simulate(ranks) == "");
+  for (int r = 0; r < p; ++r) {
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(ranks[static_cast<std::size_t>(r)].recv[i] == input(root, i));
+  }
+}
+
+// A rooted reduce plan run in place on every rank's accumulator.
+void check_reduce(RootedBuilder build, int p, int root, std::size_t n) {
+  std::vector<RankState> ranks(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& st = ranks[static_cast<std::size_t>(r)];
+    st.plan = build(p, r, root, n);
+    st.send_is_recv = true;
+    for (std::size_t i = 0; i < n; ++i) st.recv.push_back(input(r, i));
+  }
+  REQUIRE(simulate(ranks) == "");
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(ranks[static_cast<std::size_t>(root)].recv[i] == sum_over(p, i));
+}
+
 TEST_CASE("binomial broadcast and reduce plans reach every rank from every root", "[plans]") {
   for (int p = 1; p <= 16; ++p) {
     for (int root = 0; root < p; ++root) {
       for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{13}}) {
         INFO("p=" << p << " root=" << root << " count=" << n);
-        // Both run in place: the Group passes one buffer as send and receive buffer.
-        std::vector<RankState> bc(static_cast<std::size_t>(p));
-        for (int r = 0; r < p; ++r) {
-          auto& st = bc[static_cast<std::size_t>(r)];
-          st.plan = binomial_broadcast(p, r, root, n);
-          st.send_is_recv = true;
-          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(r == root ? input(root, i) : -1);
-        }
-        REQUIRE(simulate(bc) == "");
-        for (int r = 0; r < p; ++r) {
-          for (std::size_t i = 0; i < n; ++i) REQUIRE(bc[static_cast<std::size_t>(r)].recv[i] == input(root, i));
-        }
-        std::vector<RankState> rd(static_cast<std::size_t>(p));
-        for (int r = 0; r < p; ++r) {
-          auto& st = rd[static_cast<std::size_t>(r)];
-          st.plan = binomial_reduce(p, r, root, n);
-          st.send_is_recv = true;
-          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(input(r, i));
-        }
-        REQUIRE(simulate(rd) == "");
-        for (std::size_t i = 0; i < n; ++i) REQUIRE(rd[static_cast<std::size_t>(root)].recv[i] == sum_over(p, i));
+        check_broadcast(&binomial_broadcast, p, root, n);
+        check_reduce(&binomial_reduce, p, root, n);
       }
     }
   }
@@ -311,26 +322,8 @@ TEST_CASE("Bruck all_gather, scatter+all-gather broadcast and reduce-scatter+gat
         }
       }
       for (int root : {0, p - 1, p / 2}) {
-        std::vector<RankState> bc(static_cast<std::size_t>(p));
-        for (int r = 0; r < p; ++r) {
-          auto& st = bc[static_cast<std::size_t>(r)];
-          st.plan = scatter_all_gather_broadcast(p, r, root, n);
-          st.send_is_recv = true;
-          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(r == root ? input(root, i) : -1);
-        }
-        REQUIRE(simulate(bc) == "");
-        for (int r = 0; r < p; ++r) {
-          for (std::size_t i = 0; i < n; ++i) REQUIRE(bc[static_cast<std::size_t>(r)].recv[i] == input(root, i));
-        }
-        std::vector<RankState> rd(static_cast<std::size_t>(p));
-        for (int r = 0; r < p; ++r) {
-          auto& st = rd[static_cast<std::size_t>(r)];
-          st.plan = reduce_scatter_gather_reduce(p, r, root, n);
-          st.send_is_recv = true;
-          for (std::size_t i = 0; i < n; ++i) st.recv.push_back(input(r, i));
-        }
-        REQUIRE(simulate(rd) == "");
-        for (std::size_t i = 0; i < n; ++i) REQUIRE(rd[static_cast<std::size_t>(root)].recv[i] == sum_over(p, i));
+        check_broadcast(&scatter_all_gather_broadcast, p, root, n);
+        check_reduce(&reduce_scatter_gather_reduce, p, root, n);
       }
     }
   }
