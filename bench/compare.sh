@@ -17,7 +17,9 @@ for round in $(seq 1 "$rounds"); do
   "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$collective" -b "$min" -e "$max" -f 4 -w 5 -n 20 \
     --json "$out/weft.$round.json" > "$out/weft.$round.txt"
   echo "== round $round: open mpi" >&2
-  mpirun -n "$ranks" --mca btl tcp,self "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 "$collective" > "$out/mpi.$round.txt" 2>/dev/null
+  oversubscribe=""
+  [ "$ranks" -le "$(nproc)" ] || oversubscribe=--oversubscribe
+  mpirun -n "$ranks" $oversubscribe --mca btl tcp,self "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 "$collective" > "$out/mpi.$round.txt" 2>/dev/null
   if [ "$collective" = all_reduce ] && [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
     "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 20 > "$out/gloo.$round.txt"

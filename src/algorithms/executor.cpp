@@ -15,6 +15,45 @@
 namespace weft::algorithms {
 namespace {
 
+// Scratch buffers are reused from one operation to the next: a fresh multi-megabyte allocation costs an
+// mmap and a page fault per 4 KiB every time. One pool per thread (each loop runs on one thread), so no
+// locking; at most 64 MiB kept.
+class ScratchPool {
+ public:
+  struct Buffer {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t capacity = 0;
+  };
+  static Buffer take(std::size_t bytes) {
+    auto& spare = pool().spare;
+    for (auto it = spare.begin(); it != spare.end(); ++it) {
+      if (it->capacity >= bytes && it->capacity <= 2 * bytes) {
+        Buffer found = std::move(*it);
+        pool().kept -= found.capacity;
+        spare.erase(it);
+        return found;
+      }
+    }
+    return Buffer{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
+  }
+  static void give(Buffer&& buffer) {
+    if (!buffer.data || pool().kept + buffer.capacity > limit) return;
+    pool().kept += buffer.capacity;
+    pool().spare.push_back(std::move(buffer));
+  }
+
+ private:
+  static constexpr std::size_t limit = 64 << 20;
+  struct State {
+    std::vector<Buffer> spare;
+    std::size_t kept = 0;
+  };
+  static State& pool() {
+    thread_local State state;
+    return state;
+  }
+};
+
 // Reached from a stop callback on any thread; the abort itself runs on the loop, and only while the
 // plan is still running.
 struct CancelHook {
@@ -95,8 +134,8 @@ class Executor {
 
   // Scratch for incoming segments of reducing steps: as many slots as the largest such step can use.
   std::byte* temp(std::size_t slot) {
-    if (!temp_) temp_ = std::make_unique_for_overwrite<std::byte[]>(temp_slots_ * seg_elems_ * esize_);
-    return temp_.get() + slot * seg_elems_ * esize_;
+    if (!temp_.data) temp_ = ScratchPool::take(temp_slots_ * seg_elems_ * esize_);
+    return temp_.data.get() + slot * seg_elems_ * esize_;
   }
   const std::byte* local_at(const Range& r) const noexcept {
     return buf_.local ? buf_.local + r.offset * esize_ : recv_at(r);
@@ -122,7 +161,7 @@ class Executor {
   std::vector<InflightSend> sends_;
   std::vector<std::uint64_t> sent_to_;        // messages sent to each group rank so far
   std::vector<std::uint64_t> received_from_;  // receives posted from each group rank so far
-  std::unique_ptr<std::byte[]> temp_;
+  ScratchPool::Buffer temp_;
   bool failed_ = false;
   Errc error_code_ = Errc::protocol_error;
   std::string error_reason_;
@@ -264,6 +303,7 @@ Task<void> Executor::run(const Plan& plan) {
   }
   hook->finished = true;
   on_stop.reset();
+  ScratchPool::give(std::move(temp_));
   if (failed_) throw_failure();
 }
 
