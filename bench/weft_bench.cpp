@@ -421,6 +421,21 @@ int main(int argc, char** argv) {
     const auto& info = *args.collective;
     const char* root_text = info.rooted ? nullptr : "-1";
 
+    const std::size_t esize = dtype_size(args.dtype);
+    const bool blocked = info.kind == Kind::all_gather || info.kind == Kind::reduce_scatter ||
+                         info.kind == Kind::gather || info.kind == Kind::scatter ||
+                         info.kind == Kind::all_to_all;
+    const std::size_t unit = esize * (blocked ? static_cast<std::size_t>(p) : 1);
+    std::vector<std::size_t> sizes;
+    // Sizes from -b to -e by -f, rounded down to whole elements per rank; -b 0 adds a zero-length run.
+    if (args.min_bytes == 0) sizes.push_back(0);
+    for (double s = static_cast<double>(std::max<std::size_t>(args.min_bytes, 1));
+         s <= static_cast<double>(args.max_bytes) * 1.0000001; s *= args.factor) {
+      const auto bytes = static_cast<std::size_t>(s) / unit * unit;
+      if (sizes.empty() || sizes.back() != bytes) sizes.push_back(bytes);
+    }
+    if (info.kind == Kind::barrier) sizes = {0};
+    if (!args.tune.empty()) return tune(args, group, sizes, unit);
     std::FILE* json = nullptr;
     if (leader && !args.json.empty()) {
       json = std::fopen(args.json.c_str(), "w");
@@ -443,25 +458,10 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
 
-    const std::size_t esize = dtype_size(args.dtype);
-    const bool blocked = info.kind == Kind::all_gather || info.kind == Kind::reduce_scatter ||
-                         info.kind == Kind::gather || info.kind == Kind::scatter ||
-                         info.kind == Kind::all_to_all;
-    const std::size_t unit = esize * (blocked ? static_cast<std::size_t>(p) : 1);
     double busbw_sum = 0;
     int rows = 0;
     std::int64_t wrong_total = 0;
     bool first_record = true;
-    std::vector<std::size_t> sizes;
-    // Sizes from -b to -e by -f, rounded down to whole elements per rank; -b 0 adds a zero-length run.
-    if (args.min_bytes == 0) sizes.push_back(0);
-    for (double s = static_cast<double>(std::max<std::size_t>(args.min_bytes, 1));
-         s <= static_cast<double>(args.max_bytes) * 1.0000001; s *= args.factor) {
-      const auto bytes = static_cast<std::size_t>(s) / unit * unit;
-      if (sizes.empty() || sizes.back() != bytes) sizes.push_back(bytes);
-    }
-    if (info.kind == Kind::barrier) sizes = {0};
-    if (!args.tune.empty()) return tune(args, group, sizes, unit);
     std::size_t done = 0;
     for (std::size_t bytes : sizes) {
       Case c(args, group);
