@@ -137,29 +137,32 @@ Range blocks(std::size_t count, int parts, int first, int last) {
   return Range{a.offset, b.offset + b.count - a.offset};
 }
 
-}  // namespace
-
-Plan recursive_doubling_all_reduce(int p, int r, std::size_t count) {
+// A power-of-two all-reduce on any p: fold in, run `body` on the ranks that take part, fold out.
+template <class Body>
+Plan with_fold(int p, int r, std::size_t count, Body body) {
   Plan plan;
   const Range all{0, count};
   const Fold f = fold_for(p, r);
   fold_in(plan, f, r, all);
-  if (f.new_rank >= 0) {
-    for (int mask = 1; mask < f.pof2; mask <<= 1) {
-      const int partner = f.real(f.new_rank ^ mask);
-      plan.push_back(Step{StepKind::send_recv_reduce, partner, partner, all, all});
-    }
-  }
+  if (f.new_rank >= 0) body(plan, f);
   fold_out(plan, f, r, all);
   return plan;
 }
 
+}  // namespace
+
+Plan recursive_doubling_all_reduce(int p, int r, std::size_t count) {
+  return with_fold(p, r, count, [&](Plan& plan, const Fold& f) {
+    const Range all{0, count};
+    for (int mask = 1; mask < f.pof2; mask <<= 1) {
+      const int partner = f.real(f.new_rank ^ mask);
+      plan.push_back(Step{StepKind::send_recv_reduce, partner, partner, all, all});
+    }
+  });
+}
+
 Plan rabenseifner_all_reduce(int p, int r, std::size_t count) {
-  Plan plan;
-  const Range all{0, count};
-  const Fold f = fold_for(p, r);
-  fold_in(plan, f, r, all);
-  if (f.new_rank >= 0) {
+  return with_fold(p, r, count, [&](Plan& plan, const Fold& f) {
     const int nr = f.new_rank;
     // Recursive halving: each round keeps the half of the current blocks that holds block nr.
     int lo = 0;
@@ -185,9 +188,7 @@ Plan rabenseifner_all_reduce(int p, int r, std::size_t count) {
       plan.push_back(Step{StepKind::send_recv, f.real(partner_new), f.real(partner_new),
                           blocks(count, f.pof2, mine, mine + mask), blocks(count, f.pof2, theirs, theirs + mask)});
     }
-  }
-  fold_out(plan, f, r, all);
-  return plan;
+  });
 }
 
 Plan ordered_exchange(int p, int r, std::span<const Range> blocks) {
