@@ -275,15 +275,8 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
     Unexpected message = std::move(it->second.unexpected.front());
     it->second.unexpected.pop_front();
     if (it->second.unexpected.empty() && it->second.posted.empty()) mailboxes_.erase(it);
-    if (message.bytes != bytes) {
-      give_back(std::move(message));
-      op.complete(code_of(Errc::size_mismatch), -1,
-                  fmt::format("rank {} sent {} bytes, this rank expected {}", peer, message.bytes, bytes));
-      return;
-    }
-    if (bytes) std::memcpy(data, message.data.get(), bytes);
+    deliver(op, peer, message.data.get(), message.bytes);
     give_back(std::move(message));
-    op.complete();
     return;
   }
   if (!context_usable(key.context, op)) return;
@@ -309,24 +302,33 @@ bool TcpTransport::cancel_recv(TransportOp& op) {
   return true;
 }
 
+TransportOp* TcpTransport::take_posted(const MatchKey& key) {
+  auto it = mailboxes_.find(key);
+  if (it == mailboxes_.end() || it->second.posted.empty()) return nullptr;
+  TransportOp* op = it->second.posted.front();
+  it->second.posted.pop_front();
+  if (it->second.posted.empty() && it->second.unexpected.empty()) mailboxes_.erase(it);
+  return op;
+}
+
+void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes) {
+  if (op.bytes != bytes) {
+    op.complete(code_of(Errc::size_mismatch), -1,
+                fmt::format("rank {} sent {} bytes, this rank expected {}", from, bytes, op.bytes));
+    return;
+  }
+  if (bytes) std::memcpy(op.recv_data, data, bytes);
+  op.complete();
+}
+
 void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes) {
-  auto& box = mailboxes_[MatchKey{rank_, key}];
-  if (!box.posted.empty()) {
-    TransportOp* op = box.posted.front();
-    box.posted.pop_front();
-    if (box.posted.empty() && box.unexpected.empty()) mailboxes_.erase(MatchKey{rank_, key});
-    if (op->bytes != bytes) {
-      op->complete(code_of(Errc::size_mismatch), -1,
-                   fmt::format("this rank sent itself {} bytes, the receive expected {}", bytes, op->bytes));
-      return;
-    }
-    if (bytes) std::memcpy(op->recv_data, data, bytes);
-    op->complete();
+  if (TransportOp* op = take_posted(MatchKey{rank_, key})) {
+    deliver(*op, rank_, data, bytes);
     return;
   }
   Unexpected message = take_buffer(bytes);
   if (bytes) std::memcpy(message.data.get(), data, bytes);
-  box.unexpected.push_back(std::move(message));
+  mailboxes_[MatchKey{rank_, key}].unexpected.push_back(std::move(message));
 }
 
 void TcpTransport::start_read_header(Connection& c) {
@@ -357,12 +359,7 @@ void TcpTransport::on_header(Connection& c) {
         read_payload_into(c, nullptr, header->bytes, true);
         return;
       }
-      MatchKey key{c.peer, MessageKey{header->context, header->seq, header->tag}};
-      auto it = mailboxes_.find(key);
-      if (it != mailboxes_.end() && !it->second.posted.empty()) {
-        TransportOp* op = it->second.posted.front();
-        it->second.posted.pop_front();
-        if (it->second.posted.empty() && it->second.unexpected.empty()) mailboxes_.erase(it);
+      if (TransportOp* op = take_posted(MatchKey{c.peer, MessageKey{header->context, header->seq, header->tag}})) {
         if (op->bytes != header->bytes) {
           read_payload_into(c, nullptr, header->bytes, true);
           op->complete(code_of(Errc::size_mismatch), -1,
@@ -471,24 +468,13 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
   // An unexpected message: a receive may have been posted while its payload was arriving.
   Unexpected message = std::move(c.incoming);
   start_read_header(c);
-  MatchKey key{c.peer, MessageKey{h.context, h.seq, h.tag}};
-  auto& box = mailboxes_[key];
-  if (!box.posted.empty()) {
-    TransportOp* op = box.posted.front();
-    box.posted.pop_front();
-    if (box.posted.empty() && box.unexpected.empty()) mailboxes_.erase(key);
-    const std::size_t got = message.bytes;
-    if (got == op->bytes && got) std::memcpy(op->recv_data, message.data.get(), got);
+  const MatchKey key{c.peer, MessageKey{h.context, h.seq, h.tag}};
+  if (TransportOp* op = take_posted(key)) {
+    deliver(*op, c.peer, message.data.get(), message.bytes);
     give_back(std::move(message));
-    if (op->bytes != got) {
-      op->complete(code_of(Errc::size_mismatch), -1,
-                   fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, got, op->bytes));
-      return;
-    }
-    op->complete();
     return;
   }
-  box.unexpected.push_back(std::move(message));
+  mailboxes_[key].unexpected.push_back(std::move(message));
 }
 
 // ---------------------------------------------------------------- failures

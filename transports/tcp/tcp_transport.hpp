@@ -97,6 +97,11 @@ class TcpTransport final : public Transport {
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
   void on_payload(Connection& c, bool discard);
   void deliver_local(const MessageKey& key, const void* data, std::size_t bytes);
+  // The oldest receive posted for `key`, taken out of its mailbox (erased when empty); null if none.
+  TransportOp* take_posted(const MatchKey& key);
+  // Completes `op` with `bytes` bytes from rank `from`: copied when the sizes agree, else failed with
+  // size_mismatch (nothing is truncated).
+  void deliver(TransportOp& op, int from, const void* data, std::size_t bytes);
   void fail_connection(Connection& c, const std::string& reason);
   void peer_departed(Connection& c);
   void close_connection(Connection& c, std::vector<TransportOp*>& ops);
