@@ -96,27 +96,38 @@ struct Loop::Impl {
     parked = false;
   }
 
-  // The progress thread, split in reap and wait: while operations are in flight it reaps ready handlers
-  // without sleeping (poll) until `spin` passes without an event; otherwise it waits in the kernel
-  // (run_one) for the next one. It parks while a waiting thread drives the loop.
+  using Clock = std::chrono::steady_clock;
+
+  // One turn of the loop, split in reap and wait: when `polling`, reap ready handlers without sleeping
+  // (poll) until `spin` passes without an event; otherwise wait in the kernel for the next one (at most
+  // `max_wait`; zero: as long as it takes).
+  void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait) {
+    if (polling) {
+      if (io->poll() > 0) {
+        last_work = Clock::now();
+        return;
+      }
+      if (Clock::now() - last_work < spin) return;
+    }
+    if (max_wait.count() > 0) {
+      io->run_one_for(max_wait);
+    } else {
+      io->run_one();
+    }
+    last_work = Clock::now();
+  }
+
+  // The progress thread: polls while operations are in flight, sleeps otherwise, and parks while a
+  // waiting thread drives the loop.
   void run_progress() {
-    using clock = std::chrono::steady_clock;
-    auto last_work = clock::now();
+    auto last_work = Clock::now();
     while (!stopping.load(std::memory_order_relaxed)) {
       if (borrow_flag.load(std::memory_order_acquire)) {
         park();
-        last_work = clock::now();
+        last_work = Clock::now();
         continue;
       }
-      if (spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0) {
-        if (io->poll() > 0) {
-          last_work = clock::now();
-          continue;
-        }
-        if (clock::now() - last_work < spin) continue;
-      }
-      io->run_one();
-      last_work = clock::now();
+      turn(last_work, spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0, std::chrono::milliseconds(0));
     }
   }
 
@@ -185,19 +196,9 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     driving = im.parked;
   }
   if (driving) {
-    // Same policy as the progress thread: poll while events keep coming or operations are in flight
-    // (within `spin`), else sleep in the kernel for short slices and look again.
-    using clock = std::chrono::steady_clock;
-    auto last_work = clock::now();
-    while (!done()) {
-      if (im.io->poll() > 0) {
-        last_work = clock::now();
-        continue;
-      }
-      if (im.spin.count() > 0 && clock::now() - last_work < im.spin) continue;
-      im.io->run_one_for(std::chrono::milliseconds(2));
-      last_work = clock::now();
-    }
+    // Poll within `spin` of the last event, else sleep in the kernel for short slices and look again.
+    auto last_work = Impl::Clock::now();
+    while (!done()) im.turn(last_work, true, std::chrono::milliseconds(2));
   }
   {
     std::lock_guard lock(im.driver_mutex);
