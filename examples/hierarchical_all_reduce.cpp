@@ -14,8 +14,7 @@ namespace algo = weft::algorithms;
 weft::Task<void> hierarchical_all_reduce(weft::Group& node, weft::Group& across, std::vector<double>& data) {
   const std::size_t count = data.size();
   auto* bytes = reinterpret_cast<std::byte*>(data.data());
-  std::vector<algo::Range> blocks;
-  for (int i = 0; i < node.size(); ++i) blocks.push_back(algo::block(count, node.size(), i));
+  const std::vector<algo::Range> blocks = algo::blocks_of(count, node.size());
   const algo::PlanBuffers in_place{bytes, bytes, weft::DType::f64, weft::ReduceOp::sum};
 
   // 1. Inside the node: after it, this rank holds block node.rank() summed over the node.

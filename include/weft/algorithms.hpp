@@ -55,6 +55,8 @@ using Plan = std::vector<Step>;
 
 /// The i-th of `parts` nearly equal blocks of `count` elements (the first count % parts get one more).
 Range block(std::size_t count, int parts, int i) noexcept;
+/// All `parts` blocks of `count` elements, in order.
+std::vector<Range> blocks_of(std::size_t count, int parts);
 
 // ---- plans (rank `r` of `p`) ----
 

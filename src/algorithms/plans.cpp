@@ -9,12 +9,6 @@ int wrap(int x, int p) noexcept { return ((x % p) + p) % p; }
 
 Step make_send(int to, Range range) { return Step{StepKind::send, to, -1, range, {}}; }
 
-// The p nearly equal blocks of `count` elements.
-std::vector<Range> all_blocks(std::size_t count, int p) {
-  std::vector<Range> blocks;
-  for (int i = 0; i < p; ++i) blocks.push_back(block(count, p, i));
-  return blocks;
-}
 Step make_recv(StepKind kind, int from, Range range, int to = -1) {
   Step s{kind, to, from, {}, range};
   if (to >= 0) s.send = range;
@@ -42,6 +36,12 @@ Range block(std::size_t count, int parts, int i) noexcept {
   const std::size_t base = count / n;
   const std::size_t extra = count % n;
   return Range{k * base + std::min(k, extra), base + (k < extra ? 1 : 0)};
+}
+
+std::vector<Range> blocks_of(std::size_t count, int parts) {
+  std::vector<Range> blocks;
+  for (int i = 0; i < parts; ++i) blocks.push_back(block(count, parts, i));
+  return blocks;
 }
 
 // Rank r sends its starting block to the next rank; each later step receives the block the previous rank
@@ -77,7 +77,7 @@ Plan ring_all_gather(int p, int r, std::span<const Range> blocks, int shift) {
 Plan ring_all_reduce(int p, int r, std::size_t count) {
   Plan plan;
   if (p == 1) return plan;
-  const std::vector<Range> blocks = all_blocks(count, p);
+  const std::vector<Range> blocks = blocks_of(count, p);
   const int next = wrap(r + 1, p);
   const int prev = wrap(r - 1, p);
   auto b = [&](int i) { return blocks[static_cast<std::size_t>(wrap(i, p))]; };
@@ -216,7 +216,7 @@ Plan bruck_all_gather(int p, int r, std::size_t count) {
 Plan scatter_all_gather_broadcast(int p, int r, int root, std::size_t count) {
   Plan plan;
   if (p == 1) return plan;
-  const std::vector<Range> parts = all_blocks(count, p);
+  const std::vector<Range> parts = blocks_of(count, p);
   if (r == root) {
     for (int i = 0; i < p; ++i) {
       if (i != root) plan.push_back(make_send(i, parts[static_cast<std::size_t>(i)]));
@@ -232,7 +232,7 @@ Plan scatter_all_gather_broadcast(int p, int r, int root, std::size_t count) {
 Plan reduce_scatter_gather_reduce(int p, int r, int root, std::size_t count) {
   Plan plan;
   if (p == 1) return plan;
-  const std::vector<Range> parts = all_blocks(count, p);
+  const std::vector<Range> parts = blocks_of(count, p);
   plan = ring_reduce_scatter(p, r, parts, -1);
   if (r == root) {
     for (int i = 0; i < p; ++i) {

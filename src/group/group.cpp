@@ -268,11 +268,6 @@ void finish_reduction(ReduceOp op, void* data, std::size_t count, DType type, in
   }
 }
 
-std::vector<algo::Range> equal_blocks(int p, std::size_t count) {
-  std::vector<algo::Range> blocks;
-  for (int i = 0; i < p; ++i) blocks.push_back(algo::Range{static_cast<std::size_t>(i) * count, count});
-  return blocks;
-}
 
 // Deterministic reduction of block `mine` of every rank: an ordered exchange brings every rank's block
 // here (slot i from rank i), and the fold runs in rank order: ((x0 op x1) op x2) ...
@@ -293,14 +288,12 @@ Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, const char* name, co
 
 Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name,
                                     ConstBufferView in, BufferView out, ReduceOp op) {
-  std::vector<algo::Range> blocks;
-  for (int i = 0; i < g->size; ++i) blocks.push_back(algo::block(out.count, g->size, i));
+  const auto blocks = algo::blocks_of(out.count, g->size);
   const algo::Range mine = blocks[static_cast<std::size_t>(g->rank)];
   const std::size_t esize = dtype_size(out.dtype);
-  // In place, the reduced block may only land once every send of the input has gone: fold into scratch.
-  auto folded = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, mine.count * esize));
-  co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, folded.get(), out.dtype, op);
-  copy_bytes(out.bytes_ptr() + mine.offset * esize, folded.get(), mine.count * esize);
+  // The fold lands after the exchange has ended, and the exchange never sends this rank's own block:
+  // in place, it may write straight over the input.
+  co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, out.bytes_ptr() + mine.offset * esize, out.dtype, op);
   finish_reduction(op, out.bytes_ptr() + mine.offset * esize, mine.count, out.dtype, g->size);
   const auto gather = algo::ring_all_gather(g->size, g->rank, blocks, -1);
   co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, std::uint64_t{1} << 32);
@@ -348,7 +341,7 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     co_return;
   }
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
-  const auto blocks = equal_blocks(g->size, in.count);
+  const auto blocks = algo::blocks_of(out.count, g->size);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
   co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum});
 }
@@ -356,10 +349,8 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
 Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
                                std::string algorithm) {
   if (g->options.deterministic && g->size > 1) {
-    const auto blocks = equal_blocks(g->size, out.count);
-    auto folded = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, out.bytes()));
-    co_await ordered_reduce(*g, seq, "reduce_scatter", in.bytes_ptr(), blocks, folded.get(), out.dtype, op);
-    copy_bytes(out.data, folded.get(), out.bytes());
+    const auto blocks = algo::blocks_of(in.count, g->size);
+    co_await ordered_reduce(*g, seq, "reduce_scatter", in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op);
     finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
@@ -379,7 +370,7 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   // has no ring: its input is the result.)
   auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
   if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
-  const auto blocks = equal_blocks(g->size, out.count);
+  const auto blocks = algo::blocks_of(in.count, g->size);
   const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
   co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
@@ -502,7 +493,7 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
   std::vector<std::int32_t> mine{color, key};
   std::vector<std::int32_t> all(static_cast<std::size_t>(2 * g->size));
   copy_bytes(all.data() + 2 * g->rank, mine.data(), 2 * sizeof(std::int32_t));
-  const auto blocks = equal_blocks(g->size, 2);
+  const auto blocks = algo::blocks_of(2 * static_cast<std::size_t>(g->size), g->size);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
   auto* bytes = reinterpret_cast<std::byte*>(all.data());
   co_await g->run(plan, seq, "split", algo::PlanBuffers{bytes, bytes, DType::i32, ReduceOp::sum});
