@@ -57,8 +57,9 @@ struct RankFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Loops made by run_ranks let the waiting thread drive them (Loop::Options::caller_drives).
-inline bool harness_caller_drives = false;
+/// Loops made by run_ranks let the waiting thread drive them (Loop::Options::caller_drives, the
+/// default); one test turns it off to run everything on the progress threads alone.
+inline bool harness_caller_drives = true;
 
 /// Runs `body(group)` on `n` ranks as threads and rethrows the first failure, prefixed with its rank.
 inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {

@@ -47,7 +47,7 @@ std::chrono::microseconds default_spin() {
 
 bool default_caller_drives() {
   const char* v = std::getenv("WEFT_DRIVE");
-  return v && std::string_view(v) == "1";
+  return !(v && std::string_view(v) == "0");
 }
 
 void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::uint64_t id) {
@@ -81,22 +81,38 @@ struct Loop::Impl {
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<int> in_flight{0};
 
+  using Clock = std::chrono::steady_clock;
+
   // Caller-driven progress: a waiting thread may borrow the loop; the progress thread parks meanwhile.
   std::mutex driver_mutex;
   std::condition_variable driver_cv;
-  bool borrow_wanted = false;  // guarded by driver_mutex
-  bool parked = false;         // guarded by driver_mutex
+  bool borrow_wanted = false;         // guarded by driver_mutex
+  bool parked = false;                // guarded by driver_mutex; mirrored in parked_flag for spinners
+  Clock::time_point handed_back{};    // guarded by driver_mutex: when the last borrower let go
+  std::atomic<bool> parked_flag{false};
   std::atomic<bool> borrow_flag{false};
+
+  // A parked progress thread stays parked this long after a borrower hands the loop back, in case a
+  // thread borrows it again (back-to-back blocking calls): waking it on every hand-back, only to park it
+  // again, cost about 11 us per call on the 2-core VMs (bench/RESULTS.md). It resumes at once when the
+  // borrower leaves operations in flight, and otherwise finds out on its next tick.
+  static constexpr std::chrono::microseconds linger{500};
 
   void park() {
     std::unique_lock lock(driver_mutex);
     parked = true;
+    parked_flag.store(true, std::memory_order_release);
     driver_cv.notify_all();
-    driver_cv.wait(lock, [&] { return !borrow_wanted || stopping.load(); });
+    while (!stopping.load()) {
+      if (!borrow_wanted &&
+          (in_flight.load(std::memory_order_relaxed) > 0 || Clock::now() - handed_back >= linger)) {
+        break;
+      }
+      driver_cv.wait_for(lock, linger);
+    }
     parked = false;
+    parked_flag.store(false, std::memory_order_release);
   }
-
-  using Clock = std::chrono::steady_clock;
 
   // One turn of the loop, split in reap and wait: when `polling`, reap ready handlers without sleeping
   // (poll) until `spin` passes without an event; otherwise wait in the kernel for the next one (at most
@@ -188,7 +204,13 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     im.borrow_wanted = true;
     im.borrow_flag.store(true, std::memory_order_release);
   }
-  asio::post(*im.io, [] {});  // wakes the progress thread if it sleeps in run_one
+  if (!im.parked_flag.load(std::memory_order_acquire)) {
+    asio::post(*im.io, [] {});  // wakes the progress thread if it sleeps in run_one
+    // It parks within microseconds when it is polling: wait for that without sleeping (a sleeping
+    // waiter's wake-up costs tens of microseconds on a VM), for a bounded while, then sleep.
+    const auto until = Impl::Clock::now() + std::chrono::microseconds(200);
+    while (!im.parked_flag.load(std::memory_order_acquire) && Impl::Clock::now() < until) std::this_thread::yield();
+  }
   bool driving = false;
   {
     std::unique_lock lock(im.driver_mutex);
@@ -200,12 +222,16 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     auto last_work = Impl::Clock::now();
     while (!done()) im.turn(last_work, true, std::chrono::milliseconds(2));
   }
+  bool work_left = false;
   {
     std::lock_guard lock(im.driver_mutex);
     im.borrow_wanted = false;
     im.borrow_flag.store(false, std::memory_order_release);
+    im.handed_back = Impl::Clock::now();
+    work_left = im.in_flight.load(std::memory_order_relaxed) > 0;
   }
-  im.driver_cv.notify_all();
+  // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it now.
+  if (work_left) im.driver_cv.notify_all();
   return driving;
 }
 
