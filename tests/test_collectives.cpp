@@ -238,10 +238,11 @@ TEST_CASE("a message over 4 GiB arrives whole", "[collectives][large]") {
 }
 
 TEST_CASE("every all_reduce algorithm matches the reference", "[collectives][algorithms]") {
-  for (const char* algorithm : {"ring", "recursive_doubling", "rabenseifner", "tree"}) {
+  REQUIRE(algorithms::available_algorithms("all_reduce").size() == 5);
+  for (std::string_view algorithm : algorithms::available_algorithms("all_reduce")) {
     for (int p : {1, 2, 3, 4, 5, 8}) {
       Options options;
-      options.algorithms = std::string("all_reduce:") + algorithm;
+      options.algorithms = "all_reduce:" + std::string(algorithm);
       const long before = checks_made.load();
       run_ranks(p, [&](Group& g) {
         check(g.algorithm_for("all_reduce", 1 << 20) == algorithm, "the override was not taken");
@@ -293,9 +294,9 @@ std::uint64_t fingerprint(const void* data, std::size_t bytes) {
 }  // namespace
 
 TEST_CASE("every rank receives bitwise identical all_reduce results, for every algorithm", "[collectives][bitwise]") {
-  for (const char* algorithm : {"ring", "recursive_doubling", "rabenseifner", "tree"}) {
+  for (std::string_view algorithm : algorithms::available_algorithms("all_reduce")) {
     Options options;
-    options.algorithms = std::string("all_reduce:") + algorithm;
+    options.algorithms = "all_reduce:" + std::string(algorithm);
     const long before = checks_made.load();
     run_ranks(5, [&](Group& g) {
       for (std::size_t n : {std::size_t{1}, std::size_t{1000}, std::size_t{100003}}) {
@@ -318,7 +319,7 @@ TEST_CASE("deterministic mode reduces in rank order, the same for every algorith
       Options options;
       options.deterministic = true;
       options.segment_bytes = segment;
-      options.algorithms = std::string("all_reduce:") + algorithm;
+      options.algorithms = "all_reduce:" + std::string(algorithm);
       const long before = checks_made.load();
       run_ranks(p, [&](Group& g) {
         for (std::size_t n : {std::size_t{0}, std::size_t{3}, std::size_t{1001}, std::size_t{70001}}) {
@@ -428,10 +429,12 @@ TEST_CASE("each collective's transpose passes the dot-product test across ranks"
   REQUIRE(checks_made.load() > before);
 }
 
-TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter and all_to_all algorithm matches the reference", "[collectives][algorithms2]") {
+TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter, all_to_all, gather and scatter algorithm matches the reference", "[collectives][algorithms2]") {
   const char* specs[] = {"all_gather:bruck;broadcast:scatter_all_gather;reduce:reduce_scatter_gather;all_to_all:bruck;"
-                         "reduce_scatter:recursive_halving",
-                         "all_gather:ring;broadcast:binomial;reduce:binomial;all_to_all:pairwise;reduce_scatter:ring"};
+                         "reduce_scatter:recursive_halving;gather:binomial;scatter:binomial",
+                         "all_gather:ring;broadcast:binomial;reduce:binomial;all_to_all:pairwise;reduce_scatter:ring;"
+                         "gather:direct;scatter:direct",
+                         "all_gather:recursive_doubling"};
   for (const char* spec : specs) {
     for (int p : {1, 2, 3, 4, 5, 8}) {
       Options options;
@@ -461,7 +464,7 @@ TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter and all_to_all al
 }
 
 TEST_CASE("random sequences of collectives, algorithms, dtypes, ops, counts and roots, many in flight", "[collectives][property]") {
-  const char* collectives[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"};
+  const char* collectives[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter"};
   for (int p : {3, 4, 5}) {
     const long before = checks_made.load();
     run_ranks(p, [&](Group& g) {
@@ -533,6 +536,27 @@ TEST_CASE("random sequences of collectives, algorithms, dtypes, ops, counts and 
             job->count = count;
             job->check_out = g.rank() == root;
             job->done = g.reduce(ConstBufferView(job->in.data(), count, t), BufferView(job->out.data(), g.rank() == root ? count : 0, t), root, op);
+          } else if (collective == "gather") {
+            job->in = make_input(t, ReduceOp::sum, g.rank(), count, salt);
+            for (int b = 0; b < p; ++b) {
+              auto part = make_input(t, ReduceOp::sum, b, count, salt);
+              job->expected.insert(job->expected.end(), part.begin(), part.end());
+            }
+            job->out.resize(g.rank() == root ? count * esize * pn : 0);
+            job->count = count * pn;
+            job->check_out = g.rank() == root;
+            job->done = g.gather(ConstBufferView(job->in.data(), count, t), BufferView(job->out.data(), g.rank() == root ? count * pn : 0, t), root);
+          } else if (collective == "scatter") {
+            if (g.rank() == root) {
+              for (int b = 0; b < p; ++b) {
+                auto part = make_input(t, ReduceOp::sum, b, count, salt + 7);
+                job->in.insert(job->in.end(), part.begin(), part.end());
+              }
+            }
+            job->expected = make_input(t, ReduceOp::sum, g.rank(), count, salt + 7);
+            job->out.resize(count * esize);
+            job->count = count;
+            job->done = g.scatter(ConstBufferView(job->in.data(), g.rank() == root ? count * pn : 0, t), BufferView(job->out.data(), count, t), root);
           } else {  // all_to_all
             for (int j = 0; j < p; ++j) {
               auto part = make_input(t, ReduceOp::sum, g.rank(), count, salt + static_cast<std::size_t>(j) * 31);

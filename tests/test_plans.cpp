@@ -372,3 +372,103 @@ TEST_CASE("Bruck all_to_all and recursive-halving reduce_scatter plans", "[plans
     }
   }
 }
+
+TEST_CASE("bidirectional ring all_reduce plans reduce every element on every rank", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (std::size_t n : awkward_counts(p)) {
+      std::vector<std::vector<Value>> inputs(static_cast<std::size_t>(p));
+      std::vector<RankState> ranks(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& in = inputs[static_cast<std::size_t>(r)];
+        for (std::size_t i = 0; i < n; ++i) in.push_back(input(r, i));
+        auto& st = ranks[static_cast<std::size_t>(r)];
+        st.plan = bidirectional_ring_all_reduce(p, r, n);
+        st.send = in;
+        st.recv = p > 1 ? std::vector<Value>(n, -77) : in;
+        if (p > 1) st.local = in.data();
+        // Both directions are in the plan: every rank sends to both neighbours (p > 2, n > 1).
+        if (p > 2 && n > 2 * static_cast<std::size_t>(p)) {
+          bool to_next = false;
+          bool to_prev = false;
+          for (const Step& s : st.plan) {
+            to_next = to_next || s.send_to == (r + 1) % p;
+            to_prev = to_prev || s.send_to == (r + p - 1) % p;
+          }
+          REQUIRE((to_next && to_prev));
+        }
+      }
+      INFO("p=" << p << " count=" << n);
+      REQUIRE(simulate(ranks) == "");
+      for (int r = 0; r < p; ++r) {
+        for (std::size_t i = 0; i < n; ++i) REQUIRE(ranks[static_cast<std::size_t>(r)].recv[i] == sum_over(p, i));
+      }
+    }
+  }
+}
+
+TEST_CASE("recursive doubling all_gather plans gather every block on powers of two", "[plans]") {
+  for (int p : {1, 2, 4, 8, 16}) {
+    for (std::size_t n : awkward_counts(p)) {
+      INFO("p=" << p << " count=" << n);
+      std::vector<RankState> ranks(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = ranks[static_cast<std::size_t>(r)];
+        st.plan = recursive_doubling_all_gather(p, r, n);
+        st.send_is_recv = true;
+        st.recv.assign(n * static_cast<std::size_t>(p), -3);
+        for (std::size_t i = 0; i < n; ++i) st.recv[static_cast<std::size_t>(r) * n + i] = input(r, i);
+      }
+      REQUIRE(simulate(ranks) == "");
+      for (int r = 0; r < p; ++r) {
+        for (int b = 0; b < p; ++b) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(ranks[static_cast<std::size_t>(r)].recv[static_cast<std::size_t>(b) * n + i] == input(b, i));
+        }
+      }
+    }
+  }
+  REQUIRE(recursive_doubling_all_gather(3, 0, 5).empty());
+}
+
+TEST_CASE("binomial gather and scatter plans move every block through the tree", "[plans]") {
+  for (int p = 1; p <= 16; ++p) {
+    for (std::size_t n : awkward_counts(p)) {
+      for (int root : {0, p - 1, p / 2}) {
+        INFO("p=" << p << " root=" << root << " count=" << n);
+        const auto total = n * static_cast<std::size_t>(p);
+        // Gather: slot 0 holds the rank's own block; the root ends with slot i = rank root + i.
+        std::vector<RankState> ga(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = ga[static_cast<std::size_t>(r)];
+          st.plan = binomial_gather(p, r, root, n);
+          st.send_is_recv = true;
+          st.recv.assign(total, -5);
+          for (std::size_t i = 0; i < n; ++i) st.recv[i] = input(r, i);
+          if (r != root) REQUIRE(st.plan.back().kind == StepKind::send);
+        }
+        REQUIRE(simulate(ga) == "");
+        for (int slot = 0; slot < p; ++slot) {
+          for (std::size_t i = 0; i < n; ++i) {
+            REQUIRE(ga[static_cast<std::size_t>(root)].recv[static_cast<std::size_t>(slot) * n + i] == input((root + slot) % p, i));
+          }
+        }
+        // Scatter: the root's slot i holds the block for rank root + i; every rank ends with its own.
+        std::vector<RankState> sc(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = sc[static_cast<std::size_t>(r)];
+          st.plan = binomial_scatter(p, r, root, n);
+          st.send_is_recv = true;
+          st.recv.assign(total, -5);
+          if (r == root) {
+            for (int slot = 0; slot < p; ++slot) {
+              for (std::size_t i = 0; i < n; ++i) st.recv[static_cast<std::size_t>(slot) * n + i] = input((root + slot) % p, i);
+            }
+          }
+        }
+        REQUIRE(simulate(sc) == "");
+        for (int r = 0; r < p; ++r) {
+          for (std::size_t i = 0; i < n; ++i) REQUIRE(sc[static_cast<std::size_t>(r)].recv[i] == input(r, i));
+        }
+      }
+    }
+  }
+}

@@ -67,6 +67,9 @@ Plan ring_reduce_scatter(int p, int r, std::span<const Range> blocks, int shift)
 Plan ring_all_gather(int p, int r, std::span<const Range> blocks, int shift);
 /// Ring all-reduce: reduce-scatter then all-gather, of `count` elements in place.
 Plan ring_all_reduce(int p, int r, std::size_t count);
+/// Bidirectional ring all-reduce, in place: the lower half of the buffer runs the ring r -> r+1 and the
+/// upper half the ring r -> r-1 at the same time, so every connection carries data both ways.
+Plan bidirectional_ring_all_reduce(int p, int r, std::size_t count);
 /// Recursive doubling all-reduce, in place: lg p exchanges of the whole buffer (best for small ones).
 /// Non-powers of two fold the first 2(p - 2^k) ranks in pairs before and unfold them after.
 Plan recursive_doubling_all_reduce(int p, int r, std::size_t count);
@@ -82,6 +85,9 @@ Plan ordered_exchange(int p, int r, std::span<const Range> blocks);
 /// Bruck all-gather over a rotated buffer of p blocks of `count` elements: rank r starts with its block in
 /// slot 0 and ends with block (r + i) mod p in slot i (the caller rotates). ceil(lg p) rounds, any p.
 Plan bruck_all_gather(int p, int r, std::size_t count);
+/// Recursive-doubling all-gather for a power-of-two p, over p blocks of `count` elements in rank order:
+/// lg p exchanges, each of everything gathered so far. (Empty for other p: use Bruck.)
+Plan recursive_doubling_all_gather(int p, int r, std::size_t count);
 /// Broadcast for large buffers (van de Geijn): the root scatters the p blocks, then a ring all-gather.
 Plan scatter_all_gather_broadcast(int p, int r, int root, std::size_t count);
 /// Reduce for large buffers: a ring reduce-scatter, then every block gathered at the root.
@@ -100,6 +106,14 @@ Plan binomial_reduce(int p, int r, int root, std::size_t count);
 /// Gather: block i (count elements) of the root's receive buffer comes from rank i. The root's own block
 /// is not in the plan (a local copy).
 Plan direct_gather(int p, int r, int root, std::size_t count);
+/// Binomial gather, over a buffer in virtual order (slot i: the block of rank root + r' + i, where
+/// r' = r - root; slot 0 is this rank's own block, a local copy): lg p rounds, each child's subtree in one
+/// message. The root's buffer ends with every block (the caller rotates it into rank order); the others
+/// need room for their subtree.
+Plan binomial_gather(int p, int r, int root, std::size_t count);
+/// Binomial scatter, the gather reversed, over the same virtual-order buffer: the root's holds every
+/// block; each rank ends with its own block in slot 0.
+Plan binomial_scatter(int p, int r, int root, std::size_t count);
 /// Scatter: block i of the root's send buffer goes to rank i, into [0, count) of its receive buffer.
 Plan direct_scatter(int p, int r, int root, std::size_t count);
 /// All-to-all: block j of the send buffer goes to rank j, arriving as block r of its receive buffer

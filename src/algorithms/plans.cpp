@@ -88,6 +88,29 @@ Plan ring_all_reduce(int p, int r, std::size_t count) {
   return plan;
 }
 
+// Two rings at once, each over half of the buffer: the lower half travels r -> r+1 (the ring above),
+// the upper half r -> r-1 (the same ring with ranks mirrored, r' = -r mod p), so that every connection
+// carries data both ways. The two scripts interleave step by step; their ranges never overlap, so the
+// executor runs a step of each at the same time.
+Plan bidirectional_ring_all_reduce(int p, int r, std::size_t count) {
+  if (p == 1) return {};
+  const std::size_t low = count / 2;
+  const Plan forward = ring_all_reduce(p, r, low);
+  Plan backward = ring_all_reduce(p, wrap(-r, p), count - low);
+  for (Step& step : backward) {
+    if (step.send_to >= 0) step.send_to = wrap(-step.send_to, p);
+    if (step.recv_from >= 0) step.recv_from = wrap(-step.recv_from, p);
+    step.send.offset += low;
+    step.recv.offset += low;
+  }
+  Plan plan;
+  for (std::size_t i = 0; i < forward.size(); ++i) {
+    plan.push_back(forward[i]);
+    plan.push_back(backward[i]);
+  }
+  return plan;
+}
+
 namespace {
 
 // The fold that lets power-of-two algorithms run on any p: of the first 2*rem ranks (rem = p - 2^k), each
@@ -343,6 +366,67 @@ Plan direct_scatter(int p, int r, int root, std::size_t count) {
     }
   } else {
     plan.push_back(make_recv(StepKind::recv, root, Range{0, count}));
+  }
+  return plan;
+}
+
+Plan recursive_doubling_all_gather(int p, int r, std::size_t count) {
+  Plan plan;
+  if ((p & (p - 1)) != 0) return plan;  // powers of two only: the Group falls back to Bruck
+  for (int mask = 1; mask < p; mask <<= 1) {
+    const int partner = r ^ mask;
+    // Each rank holds the aligned run of `mask` blocks around it and swaps it for its partner's.
+    const auto mine = static_cast<std::size_t>(r & ~(mask - 1));
+    const auto theirs = static_cast<std::size_t>(partner & ~(mask - 1));
+    const auto n = static_cast<std::size_t>(mask) * count;
+    plan.push_back(Step{StepKind::send_recv, partner, partner, Range{mine * count, n}, Range{theirs * count, n}});
+  }
+  return plan;
+}
+
+namespace {
+// The subtree of virtual rank v in a binomial tree of p ranks: v and the ranks below it, [v, v + size).
+int subtree_size(int v, int p) {
+  int mask = 1;
+  while (mask < p && (v & mask) == 0) mask <<= 1;
+  return std::min(mask, p - v);
+}
+}  // namespace
+
+// Virtual ranks v = r - root; every rank's buffer holds its subtree's blocks in virtual order from slot 0.
+// A child's subtree arrives in one message: lg p rounds, every block moving up once per level.
+Plan binomial_gather(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  const int v = wrap(r - root, p);
+  for (int mask = 1; mask < p; mask <<= 1) {
+    if (v & mask) {
+      plan.push_back(make_send(wrap(v - mask + root, p), Range{0, static_cast<std::size_t>(subtree_size(v, p)) * count}));
+      break;
+    }
+    if (v + mask < p) {
+      const auto child_blocks = static_cast<std::size_t>(subtree_size(v + mask, p));
+      plan.push_back(make_recv(StepKind::recv, wrap(v + mask + root, p),
+                               Range{static_cast<std::size_t>(mask) * count, child_blocks * count}));
+    }
+  }
+  return plan;
+}
+
+// The gather reversed: the root's buffer holds all blocks in virtual order; each rank receives its
+// subtree's blocks from its parent and passes on each child's part, largest child first.
+Plan binomial_scatter(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  const int v = wrap(r - root, p);
+  int mask = 1;
+  while (mask < p && (v & mask) == 0) mask <<= 1;
+  if (v != 0) {
+    plan.push_back(make_recv(StepKind::recv, wrap(v - mask + root, p), Range{0, static_cast<std::size_t>(subtree_size(v, p)) * count}));
+  }
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (v + mask < p) {
+      const auto child_blocks = static_cast<std::size_t>(subtree_size(v + mask, p));
+      plan.push_back(make_send(wrap(v + mask + root, p), Range{static_cast<std::size_t>(mask) * count, child_blocks * count}));
+    }
   }
   return plan;
 }

@@ -14,13 +14,13 @@ namespace {
 
 const std::map<std::string_view, std::vector<std::string_view>>& table() {
   static const std::map<std::string_view, std::vector<std::string_view>> known = {
-      {"all_reduce", {"ring", "recursive_doubling", "rabenseifner", "tree"}},
-      {"all_gather", {"ring", "bruck"}},
+      {"all_reduce", {"ring", "bidirectional_ring", "recursive_doubling", "rabenseifner", "tree"}},
+      {"all_gather", {"ring", "bruck", "recursive_doubling"}},
       {"reduce_scatter", {"ring", "recursive_halving"}},
       {"broadcast", {"binomial", "scatter_all_gather"}},
       {"reduce", {"binomial", "reduce_scatter_gather"}},
-      {"gather", {"direct"}},
-      {"scatter", {"direct"}},
+      {"gather", {"direct", "binomial"}},
+      {"scatter", {"direct", "binomial"}},
       {"all_to_all", {"pairwise", "bruck"}},
       {"barrier", {"dissemination"}},
   };

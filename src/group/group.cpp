@@ -307,10 +307,11 @@ Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   }
   algo::Plan plan;
   algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
-  if (algorithm == "ring" && g->size > 1) {
-    // The ring reduces every block once and writes every block of `out`: out of place, it reads this
+  if ((algorithm == "ring" || algorithm == "bidirectional_ring") && g->size > 1) {
+    // The rings reduce every block once and write every block of `out`: out of place, they read this
     // rank's contribution straight from `in` (no staging copy).
-    plan = algo::ring_all_reduce(g->size, g->rank, out.count);
+    plan = algorithm == "ring" ? algo::ring_all_reduce(g->size, g->rank, out.count)
+                               : algo::bidirectional_ring_all_reduce(g->size, g->rank, out.count);
     buffers.send = in.bytes_ptr();
     if (in.data != out.data) buffers.local = in.bytes_ptr();
   } else {
@@ -327,7 +328,15 @@ Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
 Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
                            std::string algorithm) {
   const std::size_t block_bytes = in.bytes();
-  if (algorithm == "bruck" && g->size > 1) {
+  const bool power_of_two = (g->size & (g->size - 1)) == 0;
+  if (algorithm == "recursive_doubling" && power_of_two && g->size > 1) {
+    copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
+    const auto plan = algo::recursive_doubling_all_gather(g->size, g->rank, in.count);
+    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum});
+    co_return;
+  }
+  // Bruck also serves recursive doubling on a non-power-of-two group (the same lg p rounds).
+  if ((algorithm == "bruck" || algorithm == "recursive_doubling") && g->size > 1) {
     // Bruck gathers into a rotated buffer (slot i holds rank r+i's block); rotate it into place.
     const auto p = static_cast<std::size_t>(g->size);
     auto rotated = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
@@ -409,14 +418,54 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
   if (g->rank == root) finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root) {
+// Elements a plan touches in its buffers: the room a binomial gather or scatter needs on this rank.
+std::size_t plan_extent(const algo::Plan& plan) {
+  std::size_t end = 0;
+  for (const algo::Step& step : plan) end = std::max({end, step.send.offset + step.send.count, step.recv.offset + step.recv.count});
+  return end;
+}
+
+Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
+                       std::string algorithm) {
+  const std::size_t block_bytes = in.bytes();
+  const auto p = static_cast<std::size_t>(g->size);
+  if (algorithm == "binomial" && g->size > 1) {
+    // Blocks travel in virtual order (slot i: rank root + r' + i), own block first; the root rotates.
+    const auto plan = algo::binomial_gather(g->size, g->rank, root, in.count);
+    const std::size_t slots = std::max<std::size_t>(in.count, plan_extent(plan));
+    auto staging = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, slots * dtype_size(in.dtype)));
+    copy_bytes(staging.get(), in.data, block_bytes);
+    co_await g->run(plan, seq, "gather", algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum});
+    if (g->rank == root) {
+      for (std::size_t i = 0; i < p; ++i) {
+        copy_bytes(out.bytes_ptr() + ((static_cast<std::size_t>(root) + i) % p) * block_bytes, staging.get() + i * block_bytes, block_bytes);
+      }
+    }
+    co_return;
+  }
   if (g->rank == root) copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(root) * in.bytes(), in.data, in.bytes());
   const auto plan = algo::direct_gather(g->size, g->rank, root, in.count);
   co_await g->run(plan, seq, "gather",
                   algo::PlanBuffers{in.bytes_ptr(), g->rank == root ? out.bytes_ptr() : nullptr, in.dtype, ReduceOp::sum});
 }
 
-Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root) {
+Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
+                        std::string algorithm) {
+  const std::size_t block_bytes = out.bytes();
+  const auto p = static_cast<std::size_t>(g->size);
+  if (algorithm == "binomial" && g->size > 1) {
+    const auto plan = algo::binomial_scatter(g->size, g->rank, root, out.count);
+    const std::size_t slots = std::max<std::size_t>(out.count, plan_extent(plan));
+    auto staging = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, slots * dtype_size(out.dtype)));
+    if (g->rank == root) {
+      for (std::size_t i = 0; i < p; ++i) {
+        copy_bytes(staging.get() + i * block_bytes, in.bytes_ptr() + ((static_cast<std::size_t>(root) + i) % p) * block_bytes, block_bytes);
+      }
+    }
+    co_await g->run(plan, seq, "scatter", algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum});
+    copy_bytes(out.data, staging.get(), block_bytes);
+    co_return;
+  }
   if (g->rank == root) copy_bytes(out.data, in.bytes_ptr() + static_cast<std::size_t>(root) * out.bytes(), out.bytes());
   const auto plan = algo::direct_scatter(g->size, g->rank, root, out.count);
   co_await g->run(plan, seq, "scatter",
@@ -647,7 +696,8 @@ Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
   }
-  return spawn(*g.loop, gather_task(state_, take_seq(g), in, out, root));
+  std::string algorithm(g.selection.choose("gather", in.bytes() * static_cast<std::size_t>(g.size), g.size));
+  return spawn(*g.loop, gather_task(state_, take_seq(g), in, out, root, std::move(algorithm)));
 }
 
 Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
@@ -661,7 +711,8 @@ Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
   }
-  return spawn(*g.loop, scatter_task(state_, take_seq(g), in, out, root));
+  std::string algorithm(g.selection.choose("scatter", out.bytes() * static_cast<std::size_t>(g.size), g.size));
+  return spawn(*g.loop, scatter_task(state_, take_seq(g), in, out, root, std::move(algorithm)));
 }
 
 Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
