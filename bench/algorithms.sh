@@ -9,12 +9,14 @@ collectives=${2:-all_reduce}
 shift 2 || true
 ranks_list=${*:-2 4}
 declare -A variants=(
-  [all_reduce]="ring recursive_doubling rabenseifner tree deterministic"
-  [all_gather]="ring bruck"
+  [all_reduce]="ring bidirectional_ring recursive_doubling rabenseifner tree deterministic"
+  [all_gather]="ring bruck recursive_doubling"
   [all_to_all]="pairwise bruck"
   [reduce_scatter]="ring recursive_halving"
   [broadcast]="binomial scatter_all_gather"
   [reduce]="binomial reduce_scatter_gather"
+  [gather]="direct binomial"
+  [scatter]="direct binomial"
 )
 for collective in ${collectives//,/ }; do
   for ranks in $ranks_list; do
