@@ -127,7 +127,7 @@ TEST_CASE("WEFT_ALGO chooses algorithms by size, and a malformed value says what
   algorithms::Selection t;
   CHECK_THROWS_WITH(t.override_with("all_reduce=ring", "WEFT_ALGO"), Catch::Contains("has no ':'") && Catch::Contains("Expected collective:algorithm"));
   CHECK_THROWS_WITH(t.override_with("allreduce:ring", "WEFT_ALGO"), Catch::Contains("unknown collective 'allreduce'"));
-  CHECK_THROWS_WITH(t.override_with("all_reduce:bruck", "WEFT_ALGO"), Catch::Contains("'bruck' is not an algorithm of all_reduce (valid: ring, recursive_doubling"));
+  CHECK_THROWS_WITH(t.override_with("all_reduce:bruck", "WEFT_ALGO"), Catch::Contains("'bruck' is not an algorithm of all_reduce (valid: ring, bidirectional_ring, recursive_doubling"));
   CHECK_THROWS_WITH(t.override_with("all_reduce:ring@16K", "WEFT_ALGO"), Catch::Contains("has no '-'"));
   CHECK_THROWS_WITH(t.override_with("all_reduce:ring@1X-2K", "WEFT_ALGO"), Catch::Contains("'1X' is not a size"));
   CHECK_THROWS_WITH(t.override_with("all_reduce:ring@2K-1K", "WEFT_ALGO"), Catch::Contains("is empty"));
