@@ -332,16 +332,44 @@ void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::s
 }
 
 void TcpTransport::start_read_header(Connection& c) {
-  asio::async_read(c.socket, asio::buffer(c.recv_header),
-                   [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
+  const std::size_t have = c.inbox_end - c.inbox_begin;
+  if (have >= wire::header_size) {
+    // A whole header is here already: handle it from the loop's queue, not by recursion (a run of small
+    // frames would otherwise nest one call per frame).
+    std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
+    c.inbox_begin += wire::header_size;
+    asio::post(c.socket.get_executor(), [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)] {
+      if (alive.expired() || !c.alive) return;
+      on_header(c);
+    });
+    return;
+  }
+  if (c.inbox_begin > 0) {
+    std::memmove(c.inbox.get(), c.inbox.get() + c.inbox_begin, have);
+    c.inbox_begin = 0;
+    c.inbox_end = have;
+  }
+  asio::async_read(c.socket, asio::buffer(c.inbox.get() + c.inbox_end, Connection::inbox_size - c.inbox_end),
+                   asio::transfer_at_least(wire::header_size - have),
+                   [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t n) {
                      if (alive.expired() || !c.alive) return;
                      if (ec) {
                        fail_connection(c, ec == asio::error::eof ? std::string("the peer closed the connection")
                                                                  : fmt::format("read failed: {}", ec.message()));
                        return;
                      }
+                     c.inbox_end += n;
+                     std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
+                     c.inbox_begin += wire::header_size;
                      on_header(c);
                    });
+}
+
+std::size_t TcpTransport::take_from_inbox(Connection& c, void* dst, std::size_t bytes) {
+  const std::size_t n = std::min(bytes, c.inbox_end - c.inbox_begin);
+  if (n > 0 && dst) std::memcpy(dst, c.inbox.get() + c.inbox_begin, n);
+  c.inbox_begin += n;
+  return n;
 }
 
 void TcpTransport::on_header(Connection& c) {
@@ -394,6 +422,9 @@ void TcpTransport::on_header(Connection& c) {
 }
 
 void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard) {
+  const std::size_t buffered = take_from_inbox(c, discard ? nullptr : dst, bytes);
+  bytes -= buffered;
+  if (!discard && dst) dst = static_cast<std::byte*>(dst) + buffered;
   if (bytes == 0) {
     on_payload(c, discard);
     return;

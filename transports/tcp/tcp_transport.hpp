@@ -73,7 +73,13 @@ class TcpTransport final : public Transport {
     bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
     wire::HeaderBytes send_header{};
     std::string control_payload;
-    // Reader.
+    // Reader. Headers are read through a small read-ahead buffer, so that one recv usually brings a
+    // header with its (small) payload, and often the frames after it; payloads beyond what it holds are
+    // read straight into their destination.
+    static constexpr std::size_t inbox_size = 4096;
+    std::unique_ptr<std::byte[]> inbox = std::make_unique_for_overwrite<std::byte[]>(inbox_size);
+    std::size_t inbox_begin = 0;
+    std::size_t inbox_end = 0;
     wire::HeaderBytes recv_header{};
     wire::Header current{};
     TransportOp* current_op = nullptr;  // the receive the payload is read into, if any
@@ -93,6 +99,8 @@ class TcpTransport final : public Transport {
   void start_write(Connection& c);
   void on_write_done(Connection& c, const std::error_code& ec);
   void start_read_header(Connection& c);
+  // Moves up to `bytes` already-read bytes from the inbox to `dst` (null: drops them); returns how many.
+  std::size_t take_from_inbox(Connection& c, void* dst, std::size_t bytes);
   void on_header(Connection& c);
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
   void on_payload(Connection& c, bool discard);
