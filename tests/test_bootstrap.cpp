@@ -113,7 +113,7 @@ TEST_CASE("WEFT_ALGO chooses algorithms by size, and a malformed value says what
   algorithms::Selection s;
   CHECK(s.choose("all_reduce", 8, 4) == "recursive_doubling");
   CHECK(s.choose("all_reduce", 1 << 20, 4) == "rabenseifner");
-  CHECK(s.choose("all_reduce", 1 << 20, 2) == "ring");
+  CHECK(s.choose("all_reduce", 1 << 20, 2) == "bidirectional_ring");
   CHECK(s.choose("all_reduce", 64 << 20, 4) == "ring");
   CHECK(s.choose("broadcast", 8, 4) == "binomial");
   s.override_with("all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring", "WEFT_ALGO");

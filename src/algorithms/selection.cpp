@@ -129,11 +129,12 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
   }
   if (collective == "all_reduce") {
     // Built-in, from bench/algorithms.sh on this project's VMs (bench/RESULTS.md): recursive doubling
-    // while latency dominates; on two ranks the ring from 512 KiB; on more, Rabenseifner up to 4 MiB
-    // (it halves the rounds' data) and the ring beyond.
+    // while latency dominates; on two ranks the bidirectional ring from 512 KiB (its two interleaved
+    // rings keep a transfer going while the other reduces: 1.2-1.6x the ring at 1-4 MiB); on more,
+    // Rabenseifner up to 4 MiB (it halves the rounds' data) and the ring beyond.
     if (ranks <= 1) return "ring";
     if (bytes < (std::size_t{64} << 10)) return "recursive_doubling";
-    if (ranks == 2) return bytes < (std::size_t{512} << 10) ? "recursive_doubling" : "ring";
+    if (ranks == 2) return bytes < (std::size_t{512} << 10) ? "recursive_doubling" : "bidirectional_ring";
     return bytes < (std::size_t{4} << 20) ? "rabenseifner" : "ring";
   }
   // Latency-bound sizes take the algorithms with the fewest rounds, bandwidth-bound ones those that
