@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "src/core/log.hpp"
+#include "transports/tcp/asio_stream.hpp"
 
 namespace weft {
 namespace {
@@ -18,15 +19,6 @@ constexpr std::size_t spare_limit = 64 << 20;  // bytes of unexpected-message bu
 constexpr int socket_buffer_bytes = 4 << 20;
 
 std::error_code code_of(Errc e) { return make_error_code(e); }
-
-// Asio's transfer_all caps every read or write system call at 64 KiB; a segment of 256 KiB then costs
-// four syscalls and four trips through the reactor. This condition asks for everything still missing.
-struct TransferRemaining {
-  std::size_t total;
-  std::size_t operator()(const std::error_code& ec, std::size_t done) const noexcept {
-    return ec ? 0 : total - done;
-  }
-};
 
 }  // namespace
 
@@ -52,13 +44,22 @@ void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
 }
 
 TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets)
-    : loop_(loop), rank_(rank), size_(size) {
+    : TcpTransport(loop, rank, size, std::move(sockets), "tcp",
+                   [](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+                     return std::make_shared<AsioStream>(std::move(socket), events, peer, std::move(alive));
+                   }) {}
+
+TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
+                           const StreamFactory& make_stream)
+    : loop_(loop), backend_(backend), rank_(rank), size_(size) {
   connections_.resize(static_cast<std::size_t>(size));
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
-    auto c = std::make_shared<Connection>(std::move(sockets[static_cast<std::size_t>(peer)]));
+    auto& socket = sockets[static_cast<std::size_t>(peer)];
+    tune_socket(socket);
+    auto c = std::make_shared<Connection>();
     c->peer = peer;
-    tune_socket(c->socket);
+    c->stream = make_stream(std::move(socket), this, peer, alive_);
     connections_[static_cast<std::size_t>(peer)] = std::move(c);
   }
   // Reading starts on the loop thread, where every handler of this transport runs.
@@ -214,14 +215,15 @@ void TcpTransport::start_send(int peer, const MessageKey& key, const void* data,
 void TcpTransport::start_write(Connection& c) {
   if (!c.alive) return;
   wire::Header h;
-  std::array<asio::const_buffer, 2> buffers;
+  ConstBytes first{c.send_header.data(), c.send_header.size()};
+  ConstBytes second;
   if (!c.control_queue.empty()) {
     h = c.control_queue.front().first;
     c.control_payload = std::move(c.control_queue.front().second);
     c.control_queue.pop_front();
     c.writing_control = true;
     wire::encode(h, c.send_header);
-    buffers = {asio::buffer(c.send_header), asio::buffer(c.control_payload)};
+    second = ConstBytes{c.control_payload.data(), c.control_payload.size()};
   } else if (!c.send_queue.empty()) {
     TransportOp& op = *c.send_queue.front();
     h.kind = wire::FrameKind::data;
@@ -231,17 +233,15 @@ void TcpTransport::start_write(Connection& c) {
     h.bytes = op.bytes;
     c.writing_control = false;
     wire::encode(h, c.send_header);
-    buffers = {asio::buffer(c.send_header), asio::buffer(op.send_data, op.bytes)};
+    second = ConstBytes{op.send_data, op.bytes};
   } else {
     return;
   }
   c.writing = true;
-  asio::async_write(c.socket, buffers, TransferRemaining{asio::buffer_size(buffers)},
-                    [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
-                      if (alive.expired()) return;
-                      on_write_done(c, ec);
-                    });
+  c.stream->write(first, second);
 }
+
+void TcpTransport::on_written(int peer, const std::error_code& ec) { on_write_done(*connections_[static_cast<std::size_t>(peer)], ec); }
 
 void TcpTransport::on_write_done(Connection& c, const std::error_code& ec) {
   c.writing = false;
@@ -338,9 +338,10 @@ void TcpTransport::start_read_header(Connection& c) {
     // frames would otherwise nest one call per frame).
     std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
     c.inbox_begin += wire::header_size;
-    asio::post(c.socket.get_executor(), [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)] {
-      if (alive.expired() || !c.alive) return;
-      on_header(c);
+    loop_.post([this, peer = c.peer, alive = std::weak_ptr<bool>(alive_)] {
+      if (alive.expired()) return;
+      Connection& conn = *connections_[static_cast<std::size_t>(peer)];
+      if (conn.alive) on_header(conn);
     });
     return;
   }
@@ -349,20 +350,37 @@ void TcpTransport::start_read_header(Connection& c) {
     c.inbox_begin = 0;
     c.inbox_end = have;
   }
-  asio::async_read(c.socket, asio::buffer(c.inbox.get() + c.inbox_end, Connection::inbox_size - c.inbox_end),
-                   asio::transfer_at_least(wire::header_size - have),
-                   [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t n) {
-                     if (alive.expired() || !c.alive) return;
-                     if (ec) {
-                       fail_connection(c, ec == asio::error::eof ? std::string("the peer closed the connection")
-                                                                 : fmt::format("read failed: {}", ec.message()));
-                       return;
-                     }
-                     c.inbox_end += n;
-                     std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
-                     c.inbox_begin += wire::header_size;
-                     on_header(c);
-                   });
+  c.reading = Reading::header;
+  c.stream->read(c.inbox.get() + c.inbox_end, wire::header_size - have, Connection::inbox_size - c.inbox_end);
+}
+
+void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t bytes) {
+  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  if (!c.alive) return;
+  if (ec) {
+    const bool between_frames = c.reading == Reading::header && c.inbox_begin == c.inbox_end;
+    fail_connection(c, ec == asio::error::eof && between_frames ? std::string("the peer closed the connection")
+                                                                : fmt::format("read failed: {}", ec.message()));
+    return;
+  }
+  switch (c.reading) {
+    case Reading::header:
+      c.inbox_end += bytes;
+      std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
+      c.inbox_begin += wire::header_size;
+      on_header(c);
+      return;
+    case Reading::payload:
+      on_payload(c, false);
+      return;
+    case Reading::discard:
+      if (c.discard_after > 0) {
+        read_payload_into(c, nullptr, c.discard_after, true);
+      } else {
+        on_payload(c, true);
+      }
+      return;
+  }
 }
 
 std::size_t TcpTransport::take_from_inbox(Connection& c, void* dst, std::size_t bytes) {
@@ -436,31 +454,13 @@ void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes
       c.scratch_size = discard_chunk;
     }
     const std::size_t chunk = std::min(bytes, discard_chunk);
-    asio::async_read(c.socket, asio::buffer(c.scratch.get(), chunk), TransferRemaining{chunk},
-                     [this, &c, bytes, chunk, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec,
-                                                                                   std::size_t) {
-                       if (alive.expired() || !c.alive) return;
-                       if (ec) {
-                         fail_connection(c, fmt::format("read failed: {}", ec.message()));
-                         return;
-                       }
-                       if (bytes > chunk) {
-                         read_payload_into(c, nullptr, bytes - chunk, true);
-                       } else {
-                         on_payload(c, true);
-                       }
-                     });
+    c.reading = Reading::discard;
+    c.discard_after = bytes - chunk;
+    c.stream->read(c.scratch.get(), chunk, chunk);
     return;
   }
-  asio::async_read(c.socket, asio::buffer(dst, bytes), TransferRemaining{bytes},
-                   [this, &c, hold = connections_[static_cast<std::size_t>(c.peer)], alive = std::weak_ptr<bool>(alive_)](const std::error_code& ec, std::size_t) {
-                     if (alive.expired() || !c.alive) return;
-                     if (ec) {
-                       fail_connection(c, fmt::format("read failed: {}", ec.message()));
-                       return;
-                     }
-                     on_payload(c, false);
-                   });
+  c.reading = Reading::payload;
+  c.stream->read(dst, bytes, bytes);
 }
 
 void TcpTransport::on_payload(Connection& c, bool discard) {
@@ -562,8 +562,7 @@ void TcpTransport::peer_departed(Connection& c) {
 // being written completes from its handler), the receive being read into (closing the socket stops the
 // read) and receives posted for the peer. Messages that already arrived stay receivable.
 void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& ops) {
-  std::error_code ignored;
-  c.socket.close(ignored);
+  c.stream->close();
   const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
   ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
   c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
@@ -608,14 +607,12 @@ void TcpTransport::shutdown() {
       bye.kind = wire::FrameKind::goodbye;
       wire::HeaderBytes bytes{};
       wire::encode(bye, bytes);
-      std::error_code ignored;
-      asio::write(c->socket, asio::buffer(bytes), ignored);
-      c->socket.shutdown(asio::ip::tcp::socket::shutdown_send, ignored);
+      c->stream->write_blocking(bytes.data(), bytes.size());
+      c->stream->shutdown_send();
     }
     c->alive = false;
     c->lost_reason = "the transport was shut down";
-    std::error_code ignored;
-    c->socket.close(ignored);
+    c->stream->close();
     ops.insert(ops.end(), c->send_queue.begin(), c->send_queue.end());
     c->send_queue.clear();
     if (c->current_op) ops.push_back(std::exchange(c->current_op, nullptr));

@@ -1,25 +1,33 @@
 #pragma once
 // The TCP transport (Asio): one connection per peer pair, framed messages (wire.hpp), tag matching.
 #include <deque>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
 
 #include <asio.hpp>
 
+#include "transports/tcp/stream.hpp"
 #include "transports/tcp/wire.hpp"
 #include "weft/loop.hpp"
 #include "weft/transport.hpp"
 
 namespace weft {
 
-class TcpTransport final : public Transport {
+class TcpTransport final : public Transport, private StreamEvents {
  public:
-  /// `sockets[peer]` is the connected, handshaken socket to each peer (sockets[rank] is unused).
+  /// `sockets[peer]` is the connected, handshaken socket to each peer (sockets[rank] is unused). Their
+  /// bytes move through Asio's reactor.
   TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets);
+  /// The same protocol over streams made by `make_stream(socket, events, peer, alive)` for each peer (the
+  /// io_uring backend); `backend` names it.
+  using StreamFactory = std::function<std::shared_ptr<Stream>(asio::ip::tcp::socket, StreamEvents*, int, std::weak_ptr<bool>)>;
+  TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
+               const StreamFactory& make_stream);
   ~TcpTransport() override;
 
-  std::string_view name() const noexcept override { return "tcp"; }
+  std::string_view name() const noexcept override { return backend_; }
   int rank() const noexcept override { return rank_; }
   int size() const noexcept override { return size_; }
 
@@ -61,12 +69,13 @@ class TcpTransport final : public Transport {
     std::deque<TransportOp*> posted;       // receives waiting for a message, oldest first
     std::deque<Unexpected> unexpected;     // messages waiting for a receive, oldest first
   };
+  enum class Reading : std::uint8_t { header, payload, discard };
   struct Connection {
     int peer = -1;
-    asio::ip::tcp::socket socket;
+    std::shared_ptr<Stream> stream;
     bool alive = true;
     std::string lost_reason;
-    // Writer: one asynchronous write at a time, the rest queued in order.
+    // Writer: one write at a time, the rest queued in order.
     std::deque<TransportOp*> send_queue;
     std::deque<std::pair<wire::Header, std::string>> control_queue;  // abort frames, sent before data
     bool writing = false;
@@ -80,13 +89,14 @@ class TcpTransport final : public Transport {
     std::unique_ptr<std::byte[]> inbox = std::make_unique_for_overwrite<std::byte[]>(inbox_size);
     std::size_t inbox_begin = 0;
     std::size_t inbox_end = 0;
+    Reading reading = Reading::header;  // what the read in flight is for
+    std::size_t discard_after = 0;      // Reading::discard: bytes still to drop after this chunk
     wire::HeaderBytes recv_header{};
     wire::Header current{};
     TransportOp* current_op = nullptr;  // the receive the payload is read into, if any
     std::unique_ptr<std::byte[]> scratch;  // control payloads and discarded bytes
     std::size_t scratch_size = 0;
     Unexpected incoming;                   // an unexpected message being read
-    explicit Connection(asio::ip::tcp::socket s) : socket(std::move(s)) {}
   };
   struct ContextState {
     std::vector<int> members;
@@ -96,6 +106,8 @@ class TcpTransport final : public Transport {
     int failed_peer = -1;
   };
 
+  void on_written(int peer, const std::error_code& ec) override;
+  void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
   void start_write(Connection& c);
   void on_write_done(Connection& c, const std::error_code& ec);
   void start_read_header(Connection& c);
@@ -120,6 +132,7 @@ class TcpTransport final : public Transport {
   bool context_usable(std::uint32_t context, TransportOp& op);
 
   Loop& loop_;
+  std::string backend_;
   int rank_;
   int size_;
   // shared_ptr: every pending Asio handler holds its connection, so that a socket outlives the handlers

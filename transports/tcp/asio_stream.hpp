@@ -1,0 +1,31 @@
+#pragma once
+// The Asio backend of Stream: a tcp::socket driven by the loop's io_context (epoll).
+#include <memory>
+
+#include <asio.hpp>
+
+#include "transports/tcp/stream.hpp"
+
+namespace weft {
+
+class AsioStream final : public Stream, public std::enable_shared_from_this<AsioStream> {
+ public:
+  /// Events go to `events` for `peer` while `alive` lives (the transport's lifetime flag).
+  AsioStream(asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive)
+      : socket_(std::move(socket)), events_(events), peer_(peer), alive_(std::move(alive)) {}
+
+  std::string_view backend() const noexcept override { return "tcp"; }
+  void write(ConstBytes first, ConstBytes second) override;
+  void read(void* dst, std::size_t min, std::size_t cap) override;
+  void write_blocking(const void* data, std::size_t size) override;
+  void shutdown_send() override;
+  void close() override;
+
+ private:
+  asio::ip::tcp::socket socket_;
+  StreamEvents* events_;
+  int peer_;
+  std::weak_ptr<bool> alive_;
+};
+
+}  // namespace weft
