@@ -35,11 +35,16 @@ struct Options {
   /// size and message size. all_reduce and reduce_scatter then exchange blocks (the same traffic as the
   /// ring) and reduce locally; reduce runs a deterministic all_reduce. Cost: bench/RESULTS.md.
   bool deterministic = false;
+  /// How bytes move between ranks (WEFT_TRANSPORT): "tcp" (Asio's reactor), "uring" (io_uring), or
+  /// "auto" (io_uring where it works, else tcp). Both speak the same protocol, so ranks may differ. When
+  /// io_uring cannot be set up, weft uses tcp and says so once in the log. Empty: WEFT_TRANSPORT, else
+  /// "tcp". Any other value is an error naming the valid ones.
+  std::string transport;
 
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
-  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC.
+  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

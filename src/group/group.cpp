@@ -15,6 +15,10 @@
 #include "src/core/log.hpp"
 #include "src/group/bootstrap.hpp"
 #include "transports/tcp/tcp_transport.hpp"
+#include "weft_config.h"
+#if WEFT_HAVE_URING
+#include "transports/uring/uring_stream.hpp"
+#endif
 
 namespace weft {
 
@@ -182,6 +186,34 @@ struct AwaitAsio {
   }
 };
 
+// The framed protocol over Asio's reactor or over io_uring (Options::transport). io_uring that cannot be
+// set up falls back to Asio, said once per process.
+Transport* make_transport(Loop& loop, const Options& options, std::vector<asio::ip::tcp::socket> sockets) {
+#if WEFT_HAVE_URING
+  if (options.transport == "uring" || options.transport == "auto") {
+    std::string why;
+    if (auto ring = UringRing::create(loop, why)) {
+      return new TcpTransport(loop, options.rank, options.world_size, std::move(sockets), "uring",
+                              [ring](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+                                return std::make_shared<UringStream>(std::move(socket), ring, events, peer, std::move(alive));
+                              });
+    }
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      log().warn("rank {}: io_uring is not available ({}); using the tcp transport (Asio)", options.rank, why);
+    });
+  }
+#else
+  if (options.transport == "uring") {
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      log().warn("rank {}: this build has no io_uring (liburing was not found); using the tcp transport (Asio)", options.rank);
+    });
+  }
+#endif
+  return new TcpTransport(loop, options.rank, options.world_size, std::move(sockets));
+}
+
 Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
   co_await loop->schedule();
   BootstrapResult result;
@@ -200,8 +232,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   g->size = options.world_size;
   g->options = options;
   g->store_server = std::move(result.store_server);
-  g->transport = std::shared_ptr<Transport>(
-      new TcpTransport(*loop, options.rank, options.world_size, std::move(result.sockets)), detail::DeleteOnLoop{loop});
+  g->transport = std::shared_ptr<Transport>(make_transport(*loop, options, std::move(result.sockets)), detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->transport->open_context(g->context, g->members);
   log().info("rank {} of {}: group ready over {}", g->rank, g->size, g->transport->name());

@@ -107,6 +107,13 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (algorithms.empty()) {
     if (const char* v = env("WEFT_ALGO")) algorithms = v;
   }
+  if (transport.empty()) {
+    if (const char* v = env("WEFT_TRANSPORT")) transport = v;
+  }
+  if (transport.empty()) transport = "tcp";
+  if (transport != "tcp" && transport != "uring" && transport != "auto") {
+    bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto)", transport));
+  }
   if (const char* v = env("WEFT_PIPELINE_DEPTH")) {
     pipeline_depth = static_cast<int>(parse_int("WEFT_PIPELINE_DEPTH", v, 1, 1024));
   }

@@ -1,0 +1,241 @@
+#include "transports/uring/uring_stream.hpp"
+
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "src/core/log.hpp"
+
+namespace weft {
+
+// ---------------------------------------------------------------- the ring
+
+std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
+  if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
+    why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
+    return nullptr;
+  }
+  std::shared_ptr<UringRing> ring(new UringRing(loop));
+  if (const int rc = io_uring_queue_init(256, &ring->ring_, 0); rc < 0) {
+    why = fmt::format("io_uring_queue_init: {}", std::strerror(-rc));
+    return nullptr;
+  }
+  ring->ring_ready_ = true;
+  ring->event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (ring->event_fd_ < 0) {
+    why = fmt::format("eventfd: {}", std::strerror(errno));
+    return nullptr;
+  }
+  if (const int rc = io_uring_register_eventfd(&ring->ring_, ring->event_fd_); rc < 0) {
+    why = fmt::format("io_uring_register_eventfd: {}", std::strerror(-rc));
+    return nullptr;
+  }
+  // Completions wake the loop through the eventfd; the handler reaps every CQE there is.
+  ring->watch_ = loop.watch_readable(ring->event_fd_, [weak = std::weak_ptr<UringRing>(ring)] {
+    auto self = weak.lock();
+    if (!self) return;
+    std::uint64_t count = 0;
+    [[maybe_unused]] const auto n = ::read(self->event_fd_, &count, sizeof count);
+    self->reap();
+  });
+  return ring;
+}
+
+UringRing::~UringRing() {
+  if (watch_) loop_.unwatch(watch_);
+  if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
+  if (event_fd_ >= 0) ::close(event_fd_);
+}
+
+io_uring_sqe* UringRing::prepare(UringRequest* request) {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (!sqe) {  // the submission queue is full: hand it over now
+    flush();
+    sqe = io_uring_get_sqe(&ring_);
+  }
+  io_uring_sqe_set_data(sqe, request);
+  ++in_flight_;
+  if (!flush_posted_) {
+    // Everything prepared during this turn of the loop goes in one io_uring_enter, after the handlers
+    // already queued.
+    flush_posted_ = true;
+    loop_.post([weak = weak_from_this()] {
+      if (auto self = weak.lock()) self->flush();
+    });
+  }
+  return sqe;
+}
+
+void UringRing::flush() {
+  flush_posted_ = false;
+  if (const int rc = io_uring_submit(&ring_); rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
+}
+
+void UringRing::reap() {
+  io_uring_cqe* cqe = nullptr;
+  while (io_uring_peek_cqe(&ring_, &cqe) == 0) {
+    auto* request = static_cast<UringRequest*>(io_uring_cqe_get_data(cqe));
+    const int result = cqe->res;
+    const std::uint32_t flags = cqe->flags;
+    io_uring_cqe_seen(&ring_, cqe);
+    --in_flight_;
+    request->complete(result, flags);
+  }
+}
+
+// ---------------------------------------------------------------- a stream
+
+UringStream::UringStream(asio::ip::tcp::socket socket, std::shared_ptr<UringRing> ring, StreamEvents* events, int peer,
+                         std::weak_ptr<bool> alive)
+    : fd_(socket.release()), ring_(std::move(ring)), events_(events), peer_(peer), alive_(std::move(alive)) {
+  // Asio left the descriptor non-blocking; io_uring waits for readiness itself, and the goodbye at
+  // shutdown wants a blocking write.
+  const int flags = ::fcntl(fd_, F_GETFL);
+  if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
+  writer_.stream = this;
+  reader_.stream = this;
+}
+
+UringStream::~UringStream() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void UringStream::write(ConstBytes first, ConstBytes second) {
+  writer_.iov[0] = iovec{const_cast<void*>(first.data), first.size};
+  writer_.iov[1] = iovec{const_cast<void*>(second.data), second.size};
+  writer_.msg = msghdr{};
+  writer_.msg.msg_iov = writer_.iov;
+  writer_.msg.msg_iovlen = second.size ? 2 : 1;
+  writer_.left = first.size + second.size;
+  writer_.keep = shared_from_this();
+  writer_.submit();
+}
+
+// A closed stream still answers through the ring (a no-op), so that the event comes from the loop's
+// queue as a completion would, never inline.
+void UringStream::Writer::submit() {
+  io_uring_sqe* sqe = stream->ring_->prepare(this);
+  if (stream->closed_) {
+    io_uring_prep_nop(sqe);
+  } else {
+    io_uring_prep_sendmsg(sqe, stream->fd_, &msg, MSG_NOSIGNAL);
+  }
+}
+
+void UringStream::Writer::complete(int result, std::uint32_t) {
+  auto self = std::move(keep);  // released when this returns: the stream may go with it
+  if (stream->closed_) {
+    stream->report_written(asio::error::operation_aborted);
+    return;
+  }
+  if (result < 0) {
+    stream->report_written(std::error_code(-result, std::system_category()));
+    return;
+  }
+  auto sent = static_cast<std::size_t>(result);
+  left -= sent;
+  if (left == 0) {
+    stream->report_written({});
+    return;
+  }
+  // A short send: skip what went and send the rest.
+  while (sent > 0 && msg.msg_iovlen > 0) {
+    iovec& front = msg.msg_iov[0];
+    const std::size_t step = std::min(sent, front.iov_len);
+    front.iov_base = static_cast<std::byte*>(front.iov_base) + step;
+    front.iov_len -= step;
+    sent -= step;
+    if (front.iov_len == 0) {
+      ++msg.msg_iov;
+      --msg.msg_iovlen;
+    }
+  }
+  keep = std::move(self);
+  submit();
+}
+
+void UringStream::read(void* dst, std::size_t min, std::size_t cap) {
+  reader_.dst = static_cast<std::byte*>(dst);
+  reader_.got = 0;
+  reader_.min = min;
+  reader_.cap = cap;
+  reader_.keep = shared_from_this();
+  reader_.submit();
+}
+
+void UringStream::Reader::submit() {
+  io_uring_sqe* sqe = stream->ring_->prepare(this);
+  if (stream->closed_) {
+    io_uring_prep_nop(sqe);
+  } else {
+    io_uring_prep_recv(sqe, stream->fd_, dst + got, cap - got, 0);
+  }
+}
+
+void UringStream::Reader::complete(int result, std::uint32_t) {
+  auto self = std::move(keep);
+  if (stream->closed_) {
+    stream->report_read(asio::error::operation_aborted, got);
+    return;
+  }
+  if (result < 0) {
+    stream->report_read(std::error_code(-result, std::system_category()), got);
+    return;
+  }
+  if (result == 0) {
+    stream->report_read(asio::error::eof, got);
+    return;
+  }
+  got += static_cast<std::size_t>(result);
+  if (got >= min) {
+    stream->report_read({}, got);
+    return;
+  }
+  keep = std::move(self);
+  submit();
+}
+
+void UringStream::report_written(const std::error_code& ec) {
+  if (alive_.expired()) return;
+  events_->on_written(peer_, ec);
+}
+
+void UringStream::report_read(const std::error_code& ec, std::size_t n) {
+  if (alive_.expired()) return;
+  events_->on_read(peer_, ec, n);
+}
+
+void UringStream::write_blocking(const void* data, std::size_t size) {
+  const auto* p = static_cast<const std::byte*>(data);
+  while (size > 0 && !closed_) {
+    const ssize_t n = ::send(fd_, p, size, MSG_NOSIGNAL);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return;
+    }
+    p += n;
+    size -= static_cast<std::size_t>(n);
+  }
+}
+
+void UringStream::shutdown_send() {
+  if (!closed_) ::shutdown(fd_, SHUT_WR);
+}
+
+// Requests in the kernel hold the socket open; shutting it down makes them finish (a receive sees the
+// end, a send fails), and their completions report the close.
+void UringStream::close() {
+  if (closed_) return;
+  closed_ = true;
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+}  // namespace weft

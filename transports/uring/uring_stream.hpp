@@ -1,0 +1,104 @@
+#pragma once
+// The io_uring backend of Stream (liburing). One ring per transport; its completions reach the weft loop
+// through an eventfd the loop watches (Loop::watch_readable), so no thread of its own. Submissions are
+// batched: queued SQEs go to the kernel in one io_uring_enter per loop turn.
+#include <liburing.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <asio.hpp>
+
+#include "transports/tcp/stream.hpp"
+#include "weft/loop.hpp"
+
+namespace weft {
+
+class UringRing;
+
+/// One request in flight on a ring: `complete` runs on the loop thread with the CQE's result.
+struct UringRequest {
+  virtual void complete(int result, std::uint32_t flags) = 0;
+
+ protected:
+  ~UringRequest() = default;
+};
+
+class UringRing : public std::enable_shared_from_this<UringRing> {
+ public:
+  /// Sets up a ring and registers its eventfd with `loop`. Returns null and fills `why` when io_uring
+  /// cannot be used here (disabled by sysctl, blocked by seccomp, too old, or WEFT_URING_SETUP_FAIL=1,
+  /// the tests' way to force the fallback).
+  static std::shared_ptr<UringRing> create(Loop& loop, std::string& why);
+  ~UringRing();
+  UringRing(const UringRing&) = delete;
+  UringRing& operator=(const UringRing&) = delete;
+
+  /// An SQE to fill, with user_data set to `request`; it goes to the kernel at the end of this loop turn.
+  io_uring_sqe* prepare(UringRequest* request);
+  /// Submits what was prepared (one io_uring_enter).
+  void flush();
+  /// Runs the completions that arrived.
+  void reap();
+  int in_flight() const noexcept { return in_flight_; }
+
+ private:
+  explicit UringRing(Loop& loop) : loop_(loop) {}
+  Loop& loop_;
+  io_uring ring_{};
+  bool ring_ready_ = false;
+  int event_fd_ = -1;
+  std::uint64_t watch_ = 0;
+  bool flush_posted_ = false;
+  int in_flight_ = 0;
+};
+
+class UringStream final : public Stream, public std::enable_shared_from_this<UringStream> {
+ public:
+  /// Takes over `socket`'s descriptor.
+  UringStream(asio::ip::tcp::socket socket, std::shared_ptr<UringRing> ring, StreamEvents* events, int peer,
+              std::weak_ptr<bool> alive);
+  ~UringStream() override;
+
+  std::string_view backend() const noexcept override { return "uring"; }
+  void write(ConstBytes first, ConstBytes second) override;
+  void read(void* dst, std::size_t min, std::size_t cap) override;
+  void write_blocking(const void* data, std::size_t size) override;
+  void shutdown_send() override;
+  void close() override;
+
+ private:
+  struct Writer final : UringRequest {
+    UringStream* stream = nullptr;
+    iovec iov[2]{};
+    msghdr msg{};
+    std::size_t left = 0;
+    std::shared_ptr<UringStream> keep;  // the stream lives while its request is in the kernel
+    void complete(int result, std::uint32_t flags) override;
+    void submit();
+  };
+  struct Reader final : UringRequest {
+    UringStream* stream = nullptr;
+    std::byte* dst = nullptr;
+    std::size_t got = 0;
+    std::size_t min = 0;
+    std::size_t cap = 0;
+    std::shared_ptr<UringStream> keep;
+    void complete(int result, std::uint32_t flags) override;
+    void submit();
+  };
+  void report_written(const std::error_code& ec);
+  void report_read(const std::error_code& ec, std::size_t n);
+
+  int fd_ = -1;
+  bool closed_ = false;
+  std::shared_ptr<UringRing> ring_;
+  StreamEvents* events_;
+  int peer_;
+  std::weak_ptr<bool> alive_;
+  Writer writer_;
+  Reader reader_;
+};
+
+}  // namespace weft
