@@ -446,8 +446,8 @@ int main(int argc, char** argv) {
       fmt::print(json, "[\n");
     }
     if (leader) {
-      fmt::print("# weft-bench: {} on {} ranks, transport tcp, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
-                 info.name, p, to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
+      fmt::print("# weft-bench: {} on {} ranks, transport {}, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
+                 info.name, p, group.transport_name(), to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
                  args.warmup, args.iters, args.check ? ", check on" : "");
       fmt::print("#\n# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "", "", "",
                  "", "", "out-of-place", "", "", "", "in-place", "", "", "");

@@ -85,5 +85,26 @@ case $case_name in
     [ $victim -eq 137 ] || { echo "FAIL: the victim exited $victim, not by SIGKILL"; rc=1; }
     exit $rc
     ;;
+  mixed-transports)
+    # Even ranks on io_uring, odd ranks on Asio: one protocol, so every collective checks out.
+    for c in all_reduce all_gather broadcast all_to_all; do
+      out=$("$run" -n 4 --timeout 120 -- sh -c 'if [ $((WEFT_RANK % 2)) = 0 ]; then export WEFT_TRANSPORT=uring; else export WEFT_TRANSPORT=tcp; fi; exec "$0" "$@"' \
+        "$bench" -c "$c" -b 0 -e 1M -f 7 -w 1 -n 3 --check 2>&1) || { echo "$out"; echo "FAIL: $c"; exit 1; }
+      echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $c wrong values"; exit 1; }
+      echo "$out" | grep -q "transport uring" || { echo "$out"; echo "FAIL: rank 0 was not on uring"; exit 1; }
+      echo "ok: $c"
+    done
+    ;;
+  uring-fallback)
+    # io_uring that cannot be set up: weft runs on Asio and says so once per process.
+    out=$(WEFT_TRANSPORT=uring WEFT_URING_SETUP_FAIL=1 "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 64K -f 8 -w 1 -n 3 --check 2>&1) \
+      || { echo "$out"; echo "FAIL: the run failed"; exit 1; }
+    echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: wrong values"; exit 1; }
+    echo "$out" | grep -q "transport tcp" || { echo "$out"; echo "FAIL: not on tcp"; exit 1; }
+    said=$(echo "$out" | grep -c "io_uring is not available")
+    [ "$said" -eq 2 ] || { echo "$out"; echo "FAIL: expected one fallback line per rank, got $said"; exit 1; }
+    out=$(WEFT_TRANSPORT=carrier-pigeon "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_TRANSPORT was accepted"; exit 1; }
+    echo "$out" | grep -q "valid: tcp, uring, auto" || { echo "$out"; echo "FAIL: the error does not name the valid transports"; exit 1; }
+    ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac

@@ -55,6 +55,8 @@ class Group {
   bool valid() const noexcept { return static_cast<bool>(state_); }
   int rank() const noexcept;
   int size() const noexcept;
+  /// How this rank's bytes move: "tcp" (Asio) or "uring" (Options::transport, after any fallback).
+  std::string_view transport_name() const noexcept;
   Loop& loop() const noexcept;
 
   // ---- point to point ----

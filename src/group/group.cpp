@@ -631,6 +631,7 @@ std::string Group::algorithm_for(std::string_view collective, std::size_t bytes)
 
 int Group::rank() const noexcept { return state_->rank; }
 int Group::size() const noexcept { return state_->size; }
+std::string_view Group::transport_name() const noexcept { return state_->transport->name(); }
 Loop& Group::loop() const noexcept { return *state_->loop; }
 
 Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
@@ -62,6 +63,7 @@ io_uring_sqe* UringRing::prepare(UringRequest* request) {
     sqe = io_uring_get_sqe(&ring_);
   }
   io_uring_sqe_set_data(sqe, request);
+  request->in_kernel = true;
   ++in_flight_;
   if (!flush_posted_) {
     // Everything prepared during this turn of the loop goes in one io_uring_enter, after the handlers
@@ -79,15 +81,55 @@ void UringRing::flush() {
   if (const int rc = io_uring_submit(&ring_); rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
 }
 
+bool UringRing::see(io_uring_cqe* cqe) {
+  auto* request = static_cast<UringRequest*>(io_uring_cqe_get_data(cqe));
+  const int result = cqe->res;
+  const std::uint32_t flags = cqe->flags;
+  io_uring_cqe_seen(&ring_, cqe);
+  if (!request) return false;  // the answer to a cancellation
+  request->in_kernel = false;
+  --in_flight_;
+  deferred_.push_back(Seen{request, result, flags});
+  return true;
+}
+
 void UringRing::reap() {
   io_uring_cqe* cqe = nullptr;
-  while (io_uring_peek_cqe(&ring_, &cqe) == 0) {
-    auto* request = static_cast<UringRequest*>(io_uring_cqe_get_data(cqe));
-    const int result = cqe->res;
-    const std::uint32_t flags = cqe->flags;
-    io_uring_cqe_seen(&ring_, cqe);
-    --in_flight_;
-    request->complete(result, flags);
+  while (io_uring_peek_cqe(&ring_, &cqe) == 0) see(cqe);
+  // Completions may prepare new requests (and see more): take the batch first.
+  std::vector<Seen> batch;
+  batch.swap(deferred_);
+  for (const Seen& s : batch) s.request->complete(s.result, s.flags);
+}
+
+void UringRing::settle(UringRequest* a, UringRequest* b) {
+  auto busy = [&] { return (a && a->in_kernel) || (b && b->in_kernel); };
+  if (!busy()) return;
+  for (UringRequest* r : {a, b}) {
+    if (!r || !r->in_kernel) continue;
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (!sqe) {
+      flush();
+      sqe = io_uring_get_sqe(&ring_);
+    }
+    io_uring_prep_cancel(sqe, r, 0);
+    io_uring_sqe_set_data(sqe, nullptr);
+  }
+  flush();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (busy()) {
+    __kernel_timespec wait{0, 10'000'000};
+    io_uring_cqe* cqe = nullptr;
+    if (io_uring_wait_cqe_timeout(&ring_, &cqe, &wait) == 0) see(cqe);
+    if (std::chrono::steady_clock::now() > deadline) {
+      log().error("io_uring: a request did not finish within 1 s of its cancellation");
+      break;
+    }
+  }
+  if (!deferred_.empty()) {
+    loop_.post([weak = weak_from_this()] {
+      if (auto self = weak.lock()) self->reap();
+    });
   }
 }
 
@@ -176,7 +218,9 @@ void UringStream::Reader::submit() {
   if (stream->closed_) {
     io_uring_prep_nop(sqe);
   } else {
-    io_uring_prep_recv(sqe, stream->fd_, dst + got, cap - got, 0);
+    // An SQE's length is 32 bits (and the kernel refuses more than INT_MAX): large payloads take turns.
+    constexpr std::size_t most = std::size_t{1} << 30;
+    io_uring_prep_recv(sqe, stream->fd_, dst + got, std::min(cap - got, most), 0);
   }
 }
 
@@ -231,11 +275,13 @@ void UringStream::shutdown_send() {
 }
 
 // Requests in the kernel hold the socket open; shutting it down makes them finish (a receive sees the
-// end, a send fails), and their completions report the close.
+// end, a send fails), and settling them makes sure the kernel no longer writes into a receive buffer
+// that the caller may free as soon as this returns. Their completions report the close later.
 void UringStream::close() {
   if (closed_) return;
   closed_ = true;
   ::shutdown(fd_, SHUT_RDWR);
+  ring_->settle(&reader_, &writer_);
 }
 
 }  // namespace weft

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <asio.hpp>
 
@@ -20,6 +21,7 @@ class UringRing;
 /// One request in flight on a ring: `complete` runs on the loop thread with the CQE's result.
 struct UringRequest {
   virtual void complete(int result, std::uint32_t flags) = 0;
+  bool in_kernel = false;  // its SQE was prepared and its CQE not seen yet
 
  protected:
   ~UringRequest() = default;
@@ -41,6 +43,10 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   void flush();
   /// Runs the completions that arrived.
   void reap();
+  /// Returns once the kernel is done with `a` and `b` (either may be null): they are cancelled and their
+  /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
+  /// any others seen meanwhile, run at the next reap, from the loop's queue.
+  void settle(UringRequest* a, UringRequest* b);
   int in_flight() const noexcept { return in_flight_; }
 
  private:
@@ -52,6 +58,13 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
   int in_flight_ = 0;
+  struct Seen {
+    UringRequest* request;
+    int result;
+    std::uint32_t flags;
+  };
+  std::vector<Seen> deferred_;  // completions seen by settle(), run by the next reap()
+  bool see(io_uring_cqe* cqe);  // records a CQE as seen; false for our own cancellations
 };
 
 class UringStream final : public Stream, public std::enable_shared_from_this<UringStream> {
