@@ -600,3 +600,33 @@ TEST_CASE("with progress on the loop's own thread only, collectives behave the s
   });
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("a send buffer overwritten right after its send completes does not change what arrives", "[collectives][reuse]") {
+  // Zero-copy sends on every size from 64 KiB, loopback included (off there by default): the send may
+  // complete only once the kernel has let go of the pages (io_uring's notification), whatever the
+  // transport.
+  setenv("WEFT_URING_ZC_BYTES", "65536", 1);
+  struct Unset {
+    ~Unset() { unsetenv("WEFT_URING_ZC_BYTES"); }
+  } unset;
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    constexpr std::size_t n = 1 << 20;  // 4 MiB of u32
+    std::vector<std::uint32_t> buffer(n);
+    for (std::uint32_t round = 0; round < 12; ++round) {
+      if (g.rank() == 0) {
+        for (std::size_t i = 0; i < n; ++i) buffer[i] = round * 7919u + static_cast<std::uint32_t>(i);
+        g.send(ConstBufferView(buffer.data(), n, DType::u32), 1, round).get();
+        std::fill(buffer.begin(), buffer.end(), 0xdeadbeefu);  // reused at once
+      } else {
+        // Receive late, so that the message is still on its way when the sender reuses its buffer.
+        std::this_thread::sleep_for(std::chrono::milliseconds(3));
+        g.recv(BufferView(buffer.data(), n, DType::u32), 0, round).get();
+        std::size_t wrong = 0;
+        for (std::size_t i = 0; i < n; ++i) wrong += buffer[i] != round * 7919u + static_cast<std::uint32_t>(i);
+        check(wrong == 0, fmt::format("round {}: {} of {} elements changed after the send completed", round, wrong, n));
+      }
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}

@@ -30,6 +30,16 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
     return nullptr;
   }
   ring->ring_ready_ = true;
+  if (io_uring_probe* probe = io_uring_get_probe_ring(&ring->ring_)) {
+    if (io_uring_opcode_supported(probe, IORING_OP_SENDMSG_ZC)) {
+      ring->zero_copy_bytes_ = 64 << 10;
+      if (const char* v = std::getenv("WEFT_URING_ZC_BYTES"); v && *v) {
+        ring->zero_copy_bytes_ = std::strtoull(v, nullptr, 10);
+        ring->zero_copy_set_ = true;
+      }
+    }
+    io_uring_free_probe(probe);
+  }
   ring->event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (ring->event_fd_ < 0) {
     why = fmt::format("eventfd: {}", std::strerror(errno));
@@ -87,8 +97,10 @@ bool UringRing::see(io_uring_cqe* cqe) {
   const std::uint32_t flags = cqe->flags;
   io_uring_cqe_seen(&ring_, cqe);
   if (!request) return false;  // the answer to a cancellation
-  request->in_kernel = false;
-  --in_flight_;
+  if (!(flags & IORING_CQE_F_MORE)) {  // its last CQE (a zero-copy send has a notification to come)
+    request->in_kernel = false;
+    --in_flight_;
+  }
   deferred_.push_back(Seen{request, result, flags});
   return true;
 }
@@ -137,7 +149,11 @@ void UringRing::settle(UringRequest* a, UringRequest* b) {
 
 UringStream::UringStream(asio::ip::tcp::socket socket, std::shared_ptr<UringRing> ring, StreamEvents* events, int peer,
                          std::weak_ptr<bool> alive)
-    : fd_(socket.release()), ring_(std::move(ring)), events_(events), peer_(peer), alive_(std::move(alive)) {
+    : ring_(std::move(ring)), events_(events), peer_(peer), alive_(std::move(alive)) {
+  std::error_code ec;
+  const auto remote = socket.remote_endpoint(ec);
+  loopback_peer_ = !ec && remote.address().is_loopback();
+  fd_ = socket.release();
   // Asio left the descriptor non-blocking; io_uring waits for readiness itself, and the goodbye at
   // shutdown wants a blocking write.
   const int flags = ::fcntl(fd_, F_GETFL);
@@ -157,6 +173,11 @@ void UringStream::write(ConstBytes first, ConstBytes second) {
   writer_.msg.msg_iov = writer_.iov;
   writer_.msg.msg_iovlen = second.size ? 2 : 1;
   writer_.left = first.size + second.size;
+  const std::size_t zc = ring_->zero_copy_bytes(loopback_peer_);
+  writer_.zero_copy = zc > 0 && second.size >= zc;
+  writer_.notifications_due = 0;
+  writer_.sent_all = false;
+  writer_.failure = {};
   writer_.keep = shared_from_this();
   writer_.submit();
 }
@@ -167,25 +188,38 @@ void UringStream::Writer::submit() {
   io_uring_sqe* sqe = stream->ring_->prepare(this);
   if (stream->closed_) {
     io_uring_prep_nop(sqe);
+  } else if (zero_copy) {
+    io_uring_prep_sendmsg_zc(sqe, stream->fd_, &msg, MSG_NOSIGNAL);
   } else {
     io_uring_prep_sendmsg(sqe, stream->fd_, &msg, MSG_NOSIGNAL);
   }
 }
 
-void UringStream::Writer::complete(int result, std::uint32_t) {
-  auto self = std::move(keep);  // released when this returns: the stream may go with it
-  if (stream->closed_) {
-    stream->report_written(asio::error::operation_aborted);
+void UringStream::Writer::finish_if_done() {
+  if (!sent_all || notifications_due > 0) return;
+  auto self = std::move(keep);
+  stream->report_written(failure);
+}
+
+void UringStream::Writer::complete(int result, std::uint32_t flags) {
+  if (flags & IORING_CQE_F_NOTIF) {  // the kernel let go of the pages of an earlier zero-copy send
+    --notifications_due;
+    finish_if_done();
     return;
   }
-  if (result < 0) {
-    stream->report_written(std::error_code(-result, std::system_category()));
+  // A zero-copy send that reports F_MORE still holds the pages: its notification comes later.
+  if (flags & IORING_CQE_F_MORE) ++notifications_due;
+  if (stream->closed_ || result < 0) {
+    failure = stream->closed_ ? std::error_code(asio::error::operation_aborted) : std::error_code(-result, std::system_category());
+    sent_all = true;
+    finish_if_done();
     return;
   }
   auto sent = static_cast<std::size_t>(result);
   left -= sent;
   if (left == 0) {
-    stream->report_written({});
+    sent_all = true;
+    finish_if_done();
     return;
   }
   // A short send: skip what went and send the rest.
@@ -200,7 +234,6 @@ void UringStream::Writer::complete(int result, std::uint32_t) {
       --msg.msg_iovlen;
     }
   }
-  keep = std::move(self);
   submit();
 }
 

@@ -48,6 +48,14 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// any others seen meanwhile, run at the next reap, from the loop's queue.
   void settle(UringRequest* a, UringRequest* b);
   int in_flight() const noexcept { return in_flight_; }
+  /// Sends of at least this many bytes use SENDMSG_ZC (the kernel sends from the caller's pages and
+  /// says when it is done with them); 0: never (no SENDMSG_ZC in this kernel, or off). Default 64 KiB,
+  /// but off towards a loopback peer, where the kernel copies anyway and holds the notification until
+  /// the receiver has read (2 MiB all_reduce 10 ms instead of 0.8 ms, bench/RESULTS.md).
+  /// WEFT_URING_ZC_BYTES sets it for every peer (0 turns zero-copy off).
+  std::size_t zero_copy_bytes(bool loopback_peer) const noexcept {
+    return loopback_peer && !zero_copy_set_ ? 0 : zero_copy_bytes_;
+  }
 
  private:
   explicit UringRing(Loop& loop) : loop_(loop) {}
@@ -58,6 +66,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
   int in_flight_ = 0;
+  std::size_t zero_copy_bytes_ = 0;
+  bool zero_copy_set_ = false;  // by WEFT_URING_ZC_BYTES
   struct Seen {
     UringRequest* request;
     int result;
@@ -87,6 +97,13 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
     iovec iov[2]{};
     msghdr msg{};
     std::size_t left = 0;
+    // Zero-copy: every SENDMSG_ZC that reports bytes sent also reports, later, a notification when the
+    // kernel is done with the pages. The write is done (and its buffer reusable) only after both.
+    bool zero_copy = false;
+    int notifications_due = 0;
+    bool sent_all = false;
+    std::error_code failure;
+    void finish_if_done();
     std::shared_ptr<UringStream> keep;  // the stream lives while its request is in the kernel
     void complete(int result, std::uint32_t flags) override;
     void submit();
@@ -106,6 +123,7 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
 
   int fd_ = -1;
   bool closed_ = false;
+  bool loopback_peer_ = false;
   std::shared_ptr<UringRing> ring_;
   StreamEvents* events_;
   int peer_;
