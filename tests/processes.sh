@@ -105,6 +105,8 @@ case $case_name in
     [ "$said" -eq 2 ] || { echo "$out"; echo "FAIL: expected one fallback line per rank, got $said"; exit 1; }
     out=$(WEFT_TRANSPORT=carrier-pigeon "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_TRANSPORT was accepted"; exit 1; }
     echo "$out" | grep -q "valid: tcp, uring, auto" || { echo "$out"; echo "FAIL: the error does not name the valid transports"; exit 1; }
+    out=$(WEFT_TRANSPORT=uring WEFT_URING_ZC_BYTES=64K "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_ZC_BYTES was accepted"; exit 1; }
+    echo "$out" | grep -q "WEFT_URING_ZC_BYTES='64K' is not a byte count" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_ZC_BYTES"; exit 1; }
     ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac

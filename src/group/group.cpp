@@ -151,6 +151,20 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes) {
   if (bytes && dst != src) std::memmove(dst, src, bytes);
 }
 
+// Slot buffers of p blocks in rotated order (Bruck, binomial gather/scatter): slot i holds the block of
+// rank (first + i) mod p, or for all_to_all's way out, of rank (first - i) mod p.
+enum class Turn { up, down };
+void slots_from_blocks(std::byte* slots, const std::byte* blocks, std::size_t p, std::size_t first, std::size_t block_bytes) {
+  for (std::size_t i = 0; i < p; ++i) copy_bytes(slots + i * block_bytes, blocks + ((first + i) % p) * block_bytes, block_bytes);
+}
+void blocks_from_slots(std::byte* blocks, const std::byte* slots, std::size_t p, std::size_t first, std::size_t block_bytes,
+                       Turn turn = Turn::up) {
+  for (std::size_t i = 0; i < p; ++i) {
+    const std::size_t owner = turn == Turn::up ? (first + i) % p : (first + p - i) % p;
+    copy_bytes(blocks + owner * block_bytes, slots + i * block_bytes, block_bytes);
+  }
+}
+
 std::uint32_t derive_context(std::uint32_t parent, std::uint64_t seq, int color) {
   std::uint64_t h = 1469598103934665603ull;
   for (std::uint64_t v : {static_cast<std::uint64_t>(parent), seq, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color))}) {
@@ -374,10 +388,7 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     copy_bytes(rotated.get(), in.data, block_bytes);
     const auto plan = algo::bruck_all_gather(g->size, g->rank, in.count);
     co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum});
-    for (std::size_t i = 0; i < p; ++i) {
-      copy_bytes(out.bytes_ptr() + ((static_cast<std::size_t>(g->rank) + i) % p) * block_bytes, rotated.get() + i * block_bytes,
-                 block_bytes);
-    }
+    blocks_from_slots(out.bytes_ptr(), rotated.get(), p, static_cast<std::size_t>(g->rank), block_bytes);
     co_return;
   }
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
@@ -467,11 +478,7 @@ Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
     auto staging = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, slots * dtype_size(in.dtype)));
     copy_bytes(staging.get(), in.data, block_bytes);
     co_await g->run(plan, seq, "gather", algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum});
-    if (g->rank == root) {
-      for (std::size_t i = 0; i < p; ++i) {
-        copy_bytes(out.bytes_ptr() + ((static_cast<std::size_t>(root) + i) % p) * block_bytes, staging.get() + i * block_bytes, block_bytes);
-      }
-    }
+    if (g->rank == root) blocks_from_slots(out.bytes_ptr(), staging.get(), p, static_cast<std::size_t>(root), block_bytes);
     co_return;
   }
   if (g->rank == root) copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(root) * in.bytes(), in.data, in.bytes());
@@ -488,11 +495,7 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
     const auto plan = algo::binomial_scatter(g->size, g->rank, root, out.count);
     const std::size_t slots = std::max<std::size_t>(out.count, plan_extent(plan));
     auto staging = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, slots * dtype_size(out.dtype)));
-    if (g->rank == root) {
-      for (std::size_t i = 0; i < p; ++i) {
-        copy_bytes(staging.get() + i * block_bytes, in.bytes_ptr() + ((static_cast<std::size_t>(root) + i) % p) * block_bytes, block_bytes);
-      }
-    }
+    if (g->rank == root) slots_from_blocks(staging.get(), in.bytes_ptr(), p, static_cast<std::size_t>(root), block_bytes);
     co_await g->run(plan, seq, "scatter", algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum});
     copy_bytes(out.data, staging.get(), block_bytes);
     co_return;
@@ -512,10 +515,10 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     const auto p = static_cast<std::size_t>(g->size);
     const auto r = static_cast<std::size_t>(g->rank);
     auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
-    for (std::size_t i = 0; i < p; ++i) copy_bytes(slots.get() + i * block_bytes, in.bytes_ptr() + ((r + i) % p) * block_bytes, block_bytes);
+    slots_from_blocks(slots.get(), in.bytes_ptr(), p, r, block_bytes);
     const auto plan = algo::bruck_all_to_all(g->size, g->rank, block);
     co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum});
-    for (std::size_t i = 0; i < p; ++i) copy_bytes(out.bytes_ptr() + ((r + p - i) % p) * block_bytes, slots.get() + i * block_bytes, block_bytes);
+    blocks_from_slots(out.bytes_ptr(), slots.get(), p, r, block_bytes, Turn::down);
     co_return;
   }
   std::unique_ptr<std::byte[]> copy;

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "src/core/log.hpp"
+#include "weft/error.hpp"
 
 namespace weft {
 
@@ -34,6 +35,12 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
     if (io_uring_opcode_supported(probe, IORING_OP_SENDMSG_ZC)) {
       ring->zero_copy_bytes_ = 64 << 10;
       if (const char* v = std::getenv("WEFT_URING_ZC_BYTES"); v && *v) {
+        const std::string_view text(v);
+        if (text.find_first_not_of("0123456789") != std::string_view::npos || text.size() > 18) {
+          io_uring_free_probe(probe);
+          throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
+                      fmt::format("WEFT_URING_ZC_BYTES='{}' is not a byte count (digits; 0 turns zero-copy off)", text));
+        }
         ring->zero_copy_bytes_ = std::strtoull(v, nullptr, 10);
         ring->zero_copy_set_ = true;
       }
