@@ -42,7 +42,7 @@ void reductions(Group& g, DType t, std::size_t count) {
       std::vector<std::byte> in(static_cast<std::size_t>(p) * count * esize);
       for (int b = 0; b < p; ++b) {
         auto part = make_input(t, op, r, count, static_cast<std::size_t>(b) * 13);
-        std::memcpy(in.data() + static_cast<std::size_t>(b) * count * esize, part.data(), part.size());
+        std::copy(part.begin(), part.end(), in.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(b) * count * esize));
       }
       std::vector<std::byte> out(count * esize);
       g.reduce_scatter(ConstBufferView(in.data(), in.size() / esize, t), BufferView(out.data(), count, t), op).get();
