@@ -103,6 +103,23 @@ case $case_name in
     echo "$out" | grep -q "transport tcp" || { echo "$out"; echo "FAIL: not on tcp"; exit 1; }
     said=$(echo "$out" | grep -c "io_uring is not available")
     [ "$said" -eq 2 ] || { echo "$out"; echo "FAIL: expected one fallback line per rank, got $said"; exit 1; }
+    # The real thing where this machine lets us: io_uring disabled by sysctl (restored on exit).
+    knob=/proc/sys/kernel/io_uring_disabled
+    if [ -w "$knob" ]; then
+      saved=$(cat "$knob")
+      trap 'echo "$saved" > "$knob"' EXIT
+      echo 2 > "$knob"
+      out=$(WEFT_TRANSPORT=auto "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 64K -f 8 -w 1 -n 3 --check 2>&1) \
+        || { echo "$out"; echo "FAIL: the run with io_uring disabled failed"; exit 1; }
+      echo "$saved" > "$knob"
+      trap - EXIT
+      echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: wrong values (sysctl)"; exit 1; }
+      echo "$out" | grep -q "transport tcp" || { echo "$out"; echo "FAIL: not on tcp (sysctl)"; exit 1; }
+      echo "$out" | grep -q "io_uring is not available (io_uring_queue_init: " || { echo "$out"; echo "FAIL: no reason logged (sysctl)"; exit 1; }
+      echo "ok: io_uring disabled by sysctl"
+    else
+      echo "skipped the sysctl case: $knob is not writable here"
+    fi
     out=$(WEFT_TRANSPORT=carrier-pigeon "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_TRANSPORT was accepted"; exit 1; }
     echo "$out" | grep -q "valid: tcp, uring, auto" || { echo "$out"; echo "FAIL: the error does not name the valid transports"; exit 1; }
     out=$(WEFT_TRANSPORT=uring WEFT_URING_ZC_BYTES=64K "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_ZC_BYTES was accepted"; exit 1; }
