@@ -460,11 +460,12 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
   if (g->rank == root) finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-// Elements a plan touches in its buffers: the room a binomial gather or scatter needs on this rank.
-std::size_t plan_extent(const algo::Plan& plan) {
-  std::size_t end = 0;
+// Room for what a binomial gather or scatter plan touches on this rank (at least its own block of
+// `count` elements), in virtual-order slots.
+std::unique_ptr<std::byte[]> slots_for(const algo::Plan& plan, std::size_t count, DType dtype) {
+  std::size_t end = count;
   for (const algo::Step& step : plan) end = std::max({end, step.send.offset + step.send.count, step.recv.offset + step.recv.count});
-  return end;
+  return std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, end * dtype_size(dtype)));
 }
 
 Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
@@ -474,8 +475,7 @@ Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
   if (algorithm == "binomial" && g->size > 1) {
     // Blocks travel in virtual order (slot i: rank root + r' + i), own block first; the root rotates.
     const auto plan = algo::binomial_gather(g->size, g->rank, root, in.count);
-    const std::size_t slots = std::max<std::size_t>(in.count, plan_extent(plan));
-    auto staging = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, slots * dtype_size(in.dtype)));
+    auto staging = slots_for(plan, in.count, in.dtype);
     copy_bytes(staging.get(), in.data, block_bytes);
     co_await g->run(plan, seq, "gather", algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum});
     if (g->rank == root) blocks_from_slots(out.bytes_ptr(), staging.get(), p, static_cast<std::size_t>(root), block_bytes);
@@ -493,8 +493,7 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
   const auto p = static_cast<std::size_t>(g->size);
   if (algorithm == "binomial" && g->size > 1) {
     const auto plan = algo::binomial_scatter(g->size, g->rank, root, out.count);
-    const std::size_t slots = std::max<std::size_t>(out.count, plan_extent(plan));
-    auto staging = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, slots * dtype_size(out.dtype)));
+    auto staging = slots_for(plan, out.count, out.dtype);
     if (g->rank == root) slots_from_blocks(staging.get(), in.bytes_ptr(), p, static_cast<std::size_t>(root), block_bytes);
     co_await g->run(plan, seq, "scatter", algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum});
     copy_bytes(out.data, staging.get(), block_bytes);

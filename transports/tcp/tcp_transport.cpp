@@ -336,8 +336,7 @@ void TcpTransport::start_read_header(Connection& c) {
   if (have >= wire::header_size) {
     // A whole header is here already: handle it from the loop's queue, not by recursion (a run of small
     // frames would otherwise nest one call per frame).
-    std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
-    c.inbox_begin += wire::header_size;
+    take_from_inbox(c, c.recv_header.data(), wire::header_size);
     loop_.post([this, peer = c.peer, alive = std::weak_ptr<bool>(alive_)] {
       if (alive.expired()) return;
       Connection& conn = *connections_[static_cast<std::size_t>(peer)];
@@ -366,8 +365,7 @@ void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t byte
   switch (c.reading) {
     case Reading::header:
       c.inbox_end += bytes;
-      std::memcpy(c.recv_header.data(), c.inbox.get() + c.inbox_begin, wire::header_size);
-      c.inbox_begin += wire::header_size;
+      take_from_inbox(c, c.recv_header.data(), wire::header_size);
       on_header(c);
       return;
     case Reading::payload:
