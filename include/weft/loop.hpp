@@ -41,6 +41,8 @@ class Loop {
     /// Zero turns polling off (use it when ranks oversubscribe the cores). Default: WEFT_SPIN_US, else 0
     /// when the launcher's local rank count (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE,
     /// OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE) exceeds the cores, else 1000 us.
+    /// The bound adapts between spin/16 and spin: halved after a poll that found nothing, doubled after
+    /// an event that came late in it.
     std::chrono::microseconds spin{1000};
     /// Caller-driven progress: Future::wait borrows the loop and runs it on the waiting thread
     /// (drive_until), so a blocking call costs no wake-up hand-off between threads. On by default: on the
@@ -62,6 +64,10 @@ class Loop {
   bool owns_thread() const noexcept;
   /// True when the calling thread is the one running this loop right now.
   bool in_loop_thread() const noexcept;
+  /// True when every handler runs on one thread for the Loop's whole life: an owned loop that callers
+  /// do not drive (Options::caller_drives false). An io_uring ring can then be set up for a single
+  /// issuer (IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN).
+  bool single_thread() const noexcept;
 
   /// Caller-driven progress: when this loop owns a progress thread and the caller is another thread,
   /// parks the progress thread and runs the loop on the caller's thread until `done()` holds (polling
@@ -90,6 +96,13 @@ class Loop {
   /// and must stay open until unwatch(). Returns an id for unwatch(). Thread-safe.
   std::uint64_t watch_readable(int fd, std::function<void()> on_readable);
   void unwatch(std::uint64_t id);
+
+  /// The busy-poll hook: `poll()` runs on the loop at every polling turn (while operations are in flight,
+  /// within the adaptive spin bound), before the loop looks for ready handlers. A source whose events
+  /// need a system call to surface (an io_uring ring with deferred task work) makes that call here.
+  /// `poll` must be cheap and must not block. Returns an id for remove_poller(). Thread-safe.
+  std::uint64_t add_poller(std::function<void()> poll);
+  void remove_poller(std::uint64_t id);
 
   /// `co_await loop.schedule()` continues the coroutine on the loop's thread.
   auto schedule() noexcept {

@@ -11,6 +11,8 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include <asio.hpp>
 
@@ -31,6 +33,7 @@ struct Registry {
     std::function<void()> on_readable;
   };
   std::unordered_map<std::uint64_t, std::unique_ptr<Watch>> watches;
+  std::vector<std::pair<std::uint64_t, std::function<void()>>> pollers;  // see Loop::add_poller
 };
 
 // Polling pays only while every polling rank has a core: with more local ranks than cores, a poller
@@ -75,7 +78,8 @@ struct Loop::Impl {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> keep_running;
   std::thread progress_thread;
   std::atomic<bool> stopping{false};
-  std::chrono::microseconds spin{0};
+  std::chrono::microseconds spin{0};      // the polling bound's ceiling (Options::spin)
+  std::chrono::microseconds spin_now{0};  // the bound now: adapted by turn(), touched by the driving thread
   bool caller_drives = false;
   std::shared_ptr<Registry> registry = std::make_shared<Registry>();
   std::atomic<std::uint64_t> next_id{1};
@@ -115,15 +119,24 @@ struct Loop::Impl {
   }
 
   // One turn of the loop, split in reap and wait: when `polling`, reap ready handlers without sleeping
-  // (poll) until `spin` passes without an event; otherwise wait in the kernel for the next one (at most
-  // `max_wait`; zero: as long as it takes).
+  // (the pollers, then poll) until `spin_now` passes without an event; otherwise wait in the kernel for
+  // the next one (at most `max_wait`; zero: as long as it takes).
+  //
+  // The bound adapts: a poll that found nothing for the whole bound halves it (down to spin/16), since
+  // the peer is evidently busy elsewhere and polling only takes its core; an event that came late in the
+  // bound doubles it (up to spin). Back-to-back collectives keep it at `spin`; a rank waiting on a peer
+  // that computes between collectives polls for ever shorter stretches.
   void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait) {
     if (polling) {
+      for (auto& poller : registry->pollers) poller.second();
       if (io->poll() > 0) {
-        last_work = Clock::now();
+        const auto now = Clock::now();
+        if (now - last_work > spin_now / 2) spin_now = std::min(spin, spin_now * 2);
+        last_work = now;
         return;
       }
-      if (Clock::now() - last_work < spin) return;
+      if (Clock::now() - last_work < spin_now) return;
+      spin_now = std::max(spin / 16, spin_now / 2);
     }
     if (max_wait.count() > 0) {
       io->run_one_for(max_wait);
@@ -145,6 +158,17 @@ struct Loop::Impl {
       }
       turn(last_work, spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0, std::chrono::milliseconds(0));
     }
+    drain();
+  }
+
+  // Runs what was posted before the end (e.g. a transport whose last Group was released on the loop
+  // thread is deleted by a posted handler, and must still close its connections). The progress thread
+  // does it as its last act, so that handlers keep running on the loop's one thread (an io_uring ring
+  // set up for a single issuer refuses any other); the destructor repeats it for what came later.
+  void drain() {
+    io->restart();
+    for (int round = 0; round < 100 && io->poll() > 0; ++round) {
+    }
   }
 
   template <class Fn>
@@ -163,6 +187,7 @@ Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
   impl_->io = impl_->owned_io.get();
   impl_->spin = options.spin;
+  impl_->spin_now = options.spin;
   impl_->caller_drives = options.caller_drives;
   impl_->keep_running.emplace(impl_->io->get_executor());
   impl_->progress_thread = std::thread([impl = impl_.get()] { impl->run_progress(); });
@@ -179,12 +204,7 @@ Loop::~Loop() {
     impl_->driver_cv.notify_all();
     asio::post(*impl_->io, [] {});
     impl_->progress_thread.join();
-    // Run what was posted before the end, on this thread (the loop's thread is gone, so nothing runs
-    // concurrently): e.g. a transport whose last Group was released on the loop thread is deleted by
-    // a posted handler, and must still close its connections.
-    impl_->io->restart();
-    for (int round = 0; round < 100 && impl_->io->poll() > 0; ++round) {
-    }
+    impl_->drain();  // what was posted after the progress thread's own drain (nothing runs concurrently)
   }
   // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
   impl_->registry.reset();
@@ -194,6 +214,7 @@ Loop::~Loop() {
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
 bool Loop::in_loop_thread() const noexcept { return impl_->io->get_executor().running_in_this_thread(); }
+bool Loop::single_thread() const noexcept { return impl_->progress_thread.joinable() && !impl_->caller_drives; }
 
 bool Loop::drive_until(const std::function<bool()>& done) {
   Impl& im = *impl_;
@@ -290,6 +311,22 @@ std::uint64_t Loop::watch_readable(int fd, std::function<void()> on_readable) {
     arm_watch(*io, weak, id);
   });
   return id;
+}
+
+std::uint64_t Loop::add_poller(std::function<void()> poll) {
+  const std::uint64_t id = impl_->next_id.fetch_add(1);
+  std::weak_ptr<Registry> weak = impl_->registry;
+  impl_->on_loop([weak, id, fn = std::move(poll)]() mutable {
+    if (auto registry = weak.lock()) registry->pollers.emplace_back(id, std::move(fn));
+  });
+  return id;
+}
+
+void Loop::remove_poller(std::uint64_t id) {
+  std::weak_ptr<Registry> weak = impl_->registry;
+  impl_->on_loop([weak, id] {
+    if (auto registry = weak.lock()) std::erase_if(registry->pollers, [id](const auto& p) { return p.first == id; });
+  });
 }
 
 void Loop::unwatch(std::uint64_t id) {

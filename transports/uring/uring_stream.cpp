@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -20,17 +23,38 @@ namespace weft {
 
 // ---------------------------------------------------------------- the ring
 
+namespace {
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::string_view(v) == "0";
+}
+}  // namespace
+
 std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
     why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
     return nullptr;
   }
   std::shared_ptr<UringRing> ring(new UringRing(loop));
-  if (const int rc = io_uring_queue_init(256, &ring->ring_, 0); rc < 0) {
+  // A single-issuer ring with deferred task work needs every submission from one thread: only a loop
+  // that runs on one thread gives that. WEFT_URING_DEFER=0 turns it off; a kernel without it (before
+  // 6.1) refuses the flags and gets a plain ring.
+  unsigned flags = 0;
+  if (loop.single_thread() && !env_off("WEFT_URING_DEFER")) {
+    flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
+  }
+  int rc = io_uring_queue_init(256, &ring->ring_, flags);
+  if (rc == -EINVAL && flags != 0) {
+    flags = 0;
+    rc = io_uring_queue_init(256, &ring->ring_, flags);
+  }
+  if (rc < 0) {
     why = fmt::format("io_uring_queue_init: {}", std::strerror(-rc));
     return nullptr;
   }
   ring->ring_ready_ = true;
+  ring->defer_ = flags != 0;
+  ring->enabled_ = !ring->defer_;
   if (io_uring_probe* probe = io_uring_get_probe_ring(&ring->ring_)) {
     if (io_uring_opcode_supported(probe, IORING_OP_SENDMSG_ZC)) {
       ring->zero_copy_bytes_ = 64 << 10;
@@ -64,24 +88,74 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
     [[maybe_unused]] const auto n = ::read(self->event_fd_, &count, sizeof count);
     self->reap();
   });
+  if (!env_off("WEFT_URING_MULTISHOT")) ring->set_up_buffers();
   return ring;
+}
+
+// The provided buffers of the multishot receives. Without them (a kernel before 5.19, or
+// WEFT_URING_MULTISHOT=0) every read is a direct receive.
+void UringRing::set_up_buffers() {
+  const std::size_t ring_bytes = buffer_count * sizeof(io_uring_buf);
+  void* memory = ::mmap(nullptr, ring_bytes, PROT_READ | PROT_WRITE, MAP_ANONYMOUS | MAP_PRIVATE, -1, 0);
+  if (memory == MAP_FAILED) return;
+  io_uring_buf_reg registration{};
+  registration.ring_addr = reinterpret_cast<std::uintptr_t>(memory);
+  registration.ring_entries = buffer_count;
+  registration.bgid = buffer_group;
+  if (io_uring_register_buf_ring(&ring_, &registration, 0) < 0) {
+    ::munmap(memory, ring_bytes);
+    return;
+  }
+  buffer_ring_ = static_cast<io_uring_buf_ring*>(memory);
+  io_uring_buf_ring_init(buffer_ring_);
+  buffers_ = std::make_unique_for_overwrite<std::byte[]>(std::size_t{buffer_count} * buffer_bytes);
+  for (std::uint32_t id = 0; id < buffer_count; ++id) {
+    io_uring_buf_ring_add(buffer_ring_, buffers_.get() + std::size_t{id} * buffer_bytes, buffer_bytes,
+                          static_cast<unsigned short>(id), io_uring_buf_ring_mask(buffer_count), static_cast<int>(id));
+  }
+  io_uring_buf_ring_advance(buffer_ring_, static_cast<int>(buffer_count));
+}
+
+void UringRing::recycle(std::uint16_t id) {
+  io_uring_buf_ring_add(buffer_ring_, buffers_.get() + std::size_t{id} * buffer_bytes, buffer_bytes, id,
+                        io_uring_buf_ring_mask(buffer_count), 0);
+  io_uring_buf_ring_advance(buffer_ring_, 1);
+}
+
+void UringRing::multishot_unsupported() {
+  if (!buffer_ring_) return;
+  log().info("io_uring: multishot receive is not supported here; receiving directly");
+  // The registration stays (the kernel owns it until the ring goes); only new receives stop using it.
+  multishot_off_ = true;
 }
 
 UringRing::~UringRing() {
   if (watch_) loop_.unwatch(watch_);
   if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
   if (event_fd_ >= 0) ::close(event_fd_);
+  if (buffer_ring_) ::munmap(buffer_ring_, buffer_count * sizeof(io_uring_buf));
 }
 
 io_uring_sqe* UringRing::prepare(UringRequest* request) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_sqe_set_data(sqe, request);
+  request->in_kernel = true;
+  ++in_flight_;
+  return sqe;
+}
+
+void UringRing::cancel(UringRequest* request) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_prep_cancel(sqe, request, 0);
+  io_uring_sqe_set_data(sqe, nullptr);  // its own completion is ignored; the request's last one follows
+}
+
+io_uring_sqe* UringRing::next_sqe() {
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
   if (!sqe) {  // the submission queue is full: hand it over now
     flush();
     sqe = io_uring_get_sqe(&ring_);
   }
-  io_uring_sqe_set_data(sqe, request);
-  request->in_kernel = true;
-  ++in_flight_;
   if (!flush_posted_) {
     // Everything prepared during this turn of the loop goes in one io_uring_enter, after the handlers
     // already queued.
@@ -95,7 +169,27 @@ io_uring_sqe* UringRing::prepare(UringRequest* request) {
 
 void UringRing::flush() {
   flush_posted_ = false;
+  if (!enabled_) {
+    // The first submission, on the loop's thread: that thread becomes the ring's one issuer.
+    if (const long rc = ::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0); rc < 0) {
+      log().error("io_uring: enabling the ring: {}", std::strerror(errno));
+    }
+    enabled_ = true;
+    issuer_ = std::this_thread::get_id();
+  }
+  if (!issuer_thread()) {
+    log().error("io_uring: a submission from a thread other than the ring's issuer was dropped");
+    return;
+  }
   if (const int rc = io_uring_submit(&ring_); rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
+}
+
+// With deferred task work, completions wait in the kernel until the issuer asks for them; the kernel
+// flags the ring when some are waiting, so that asking costs a system call only then.
+void UringRing::run_deferred_work() {
+  if (defer_ && enabled_ && issuer_thread() && (IO_URING_READ_ONCE(*ring_.sq.kflags) & IORING_SQ_TASKRUN)) {
+    io_uring_get_events(&ring_);
+  }
 }
 
 bool UringRing::see(io_uring_cqe* cqe) {
@@ -113,6 +207,7 @@ bool UringRing::see(io_uring_cqe* cqe) {
 }
 
 void UringRing::reap() {
+  run_deferred_work();
   io_uring_cqe* cqe = nullptr;
   while (io_uring_peek_cqe(&ring_, &cqe) == 0) see(cqe);
   // Completions may prepare new requests (and see more): take the batch first.
@@ -121,10 +216,21 @@ void UringRing::reap() {
   for (const Seen& s : batch) s.request->complete(s.result, s.flags);
 }
 
-void UringRing::settle(UringRequest* a, UringRequest* b) {
-  auto busy = [&] { return (a && a->in_kernel) || (b && b->in_kernel); };
+void UringRing::settle(std::initializer_list<UringRequest*> requests) {
+  auto busy = [&] {
+    for (UringRequest* r : requests) {
+      if (r && r->in_kernel) return true;
+    }
+    return false;
+  };
   if (!busy()) return;
-  for (UringRequest* r : {a, b}) {
+  if (!issuer_thread()) {
+    // Only the issuer may cancel or wait; this happens only when the ring outlives its loop's thread
+    // (a Loop's last drain), where closing the ring cancels everything anyway.
+    log().debug("io_uring: requests not settled (not on the ring's thread); the ring's exit cancels them");
+    return;
+  }
+  for (UringRequest* r : requests) {
     if (!r || !r->in_kernel) continue;
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (!sqe) {
@@ -167,6 +273,7 @@ UringStream::UringStream(asio::ip::tcp::socket socket, std::shared_ptr<UringRing
   if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
   writer_.stream = this;
   reader_.stream = this;
+  multishot_.stream = this;
 }
 
 UringStream::~UringStream() {
@@ -245,14 +352,107 @@ void UringStream::Writer::complete(int result, std::uint32_t flags) {
 }
 
 void UringStream::read(void* dst, std::size_t min, std::size_t cap) {
+  reader_.wanted = true;
   reader_.dst = static_cast<std::byte*>(dst);
   reader_.got = 0;
   reader_.min = min;
   reader_.cap = cap;
+  serve();
+}
+
+// Moves the read along; runs when a read is asked for and whenever the multishot receive reports. Bytes
+// that landed come first; a small remainder waits for the multishot receive, a large one is received
+// directly once the multishot receive has stopped (both at once could take each other's bytes).
+void UringStream::serve() {
+  if (!reader_.wanted || reader_.receiving) return;  // a direct receive is under way
+  if (closed_) {
+    answer_read(asio::error::operation_aborted);
+    return;
+  }
+  take_landed();
+  if (reader_.got >= reader_.min) {
+    answer_read({});
+    return;
+  }
+  if (landed_.empty() && receive_end_) {
+    answer_read(receive_end_);
+    return;
+  }
+  const bool direct = !ring_->provided_buffers() || out_of_buffers_ || reader_.min - reader_.got >= direct_bytes;
+  if (!direct) {
+    if (!multishot_.armed) arm_multishot();
+    return;
+  }
+  if (multishot_.armed) {
+    if (!multishot_.cancelling) {
+      multishot_.cancelling = true;
+      ring_->cancel(&multishot_);
+    }
+    return;  // its last completion serves the read again
+  }
   reader_.keep = shared_from_this();
+  reader_.receiving = true;
   reader_.submit();
 }
 
+void UringStream::take_landed() {
+  while (!landed_.empty() && reader_.got < reader_.cap) {
+    Landed& l = landed_.front();
+    const std::size_t n = std::min<std::size_t>(l.size, reader_.cap - reader_.got);
+    std::memcpy(reader_.dst + reader_.got, ring_->buffer(l.buffer) + l.offset, n);
+    reader_.got += n;
+    l.offset += static_cast<std::uint32_t>(n);
+    l.size -= static_cast<std::uint32_t>(n);
+    if (l.size == 0) {
+      ring_->recycle(l.buffer);
+      landed_.pop_front();
+    }
+  }
+}
+
+void UringStream::arm_multishot() {
+  io_uring_sqe* sqe = ring_->prepare(&multishot_);
+  io_uring_prep_recv_multishot(sqe, fd_, nullptr, 0, 0);
+  sqe->flags |= IOSQE_BUFFER_SELECT;
+  sqe->buf_group = UringRing::buffer_group;
+  multishot_.cancelling = false;
+  multishot_.armed = true;
+  multishot_.keep = shared_from_this();
+}
+
+void UringStream::Multishot::complete(int result, std::uint32_t flags) {
+  UringStream& s = *stream;
+  if (result > 0) {
+    const auto id = static_cast<std::uint16_t>(flags >> IORING_CQE_BUFFER_SHIFT);
+    if (s.closed_) {
+      s.ring_->recycle(id);
+    } else {
+      s.landed_.push_back(Landed{id, 0, static_cast<std::uint32_t>(result)});
+      seen_data = true;
+    }
+  }
+  if (flags & IORING_CQE_F_MORE) {
+    s.serve();
+    return;
+  }
+  // Its last completion: the receive stopped (cancelled, out of buffers, end of stream, an error).
+  auto self = std::move(keep);
+  armed = false;
+  const bool was_cancelling = std::exchange(cancelling, false);
+  if (result == 0) {
+    s.receive_end_ = asio::error::eof;
+  } else if (result == -ENOBUFS) {
+    s.out_of_buffers_ = true;  // this read is received directly; the next one tries the buffers again
+  } else if (result == -EINVAL && !seen_data) {
+    s.ring_->multishot_unsupported();
+  } else if (result < 0 && !(result == -ECANCELED && was_cancelling) && !s.closed_) {
+    s.receive_end_ = std::error_code(-result, std::system_category());
+  }
+  s.serve();
+}
+
+// A closed stream still answers through the ring (a no-op), so that the event comes from the loop's
+// queue as a completion would, never inline.
 void UringStream::Reader::submit() {
   io_uring_sqe* sqe = stream->ring_->prepare(this);
   if (stream->closed_) {
@@ -266,25 +466,38 @@ void UringStream::Reader::submit() {
 
 void UringStream::Reader::complete(int result, std::uint32_t) {
   auto self = std::move(keep);
+  receiving = false;
   if (stream->closed_) {
-    stream->report_read(asio::error::operation_aborted, got);
-    return;
+    stream->finish_read(asio::error::operation_aborted);
+  } else if (result < 0) {
+    stream->finish_read(std::error_code(-result, std::system_category()));
+  } else if (result == 0) {
+    stream->finish_read(asio::error::eof);
+  } else {
+    got += static_cast<std::size_t>(result);
+    if (got >= min) {
+      stream->finish_read({});
+    } else {
+      keep = std::move(self);
+      receiving = true;
+      submit();
+    }
   }
-  if (result < 0) {
-    stream->report_read(std::error_code(-result, std::system_category()), got);
-    return;
-  }
-  if (result == 0) {
-    stream->report_read(asio::error::eof, got);
-    return;
-  }
-  got += static_cast<std::size_t>(result);
-  if (got >= min) {
-    stream->report_read({}, got);
-    return;
-  }
-  keep = std::move(self);
-  submit();
+}
+
+void UringStream::finish_read(const std::error_code& ec) {
+  reader_.wanted = false;
+  out_of_buffers_ = false;
+  report_read(ec, reader_.got);
+}
+
+// serve() may run inside read(): the answer goes through the loop's queue, as the Stream contract wants.
+void UringStream::answer_read(const std::error_code& ec) {
+  reader_.wanted = false;
+  out_of_buffers_ = false;
+  ring_->loop().post([weak = weak_from_this(), ec, n = reader_.got] {
+    if (auto self = weak.lock()) self->report_read(ec, n);
+  });
 }
 
 void UringStream::report_written(const std::error_code& ec) {
@@ -321,7 +534,10 @@ void UringStream::close() {
   if (closed_) return;
   closed_ = true;
   ::shutdown(fd_, SHUT_RDWR);
-  ring_->settle(&reader_, &writer_);
+  ring_->settle({&reader_, &writer_, &multishot_});
+  for (const Landed& l : landed_) ring_->recycle(l.buffer);  // the ring's buffers serve its other streams
+  landed_.clear();
+  serve();  // a read waiting on the multishot receive hears of the close
 }
 
 }  // namespace weft

@@ -1,11 +1,17 @@
 #pragma once
 // The io_uring backend of Stream (liburing). One ring per transport; its completions reach the weft loop
 // through an eventfd the loop watches (Loop::watch_readable), so no thread of its own. Submissions are
-// batched: queued SQEs go to the kernel in one io_uring_enter per loop turn.
+// batched: queued SQEs go to the kernel in one io_uring_enter per loop turn. Small frames arrive through
+// one multishot receive per connection into a ring of provided buffers; large payloads are received
+// straight into the caller's memory. Where the loop runs on one thread only, the ring is set up for a
+// single issuer with deferred task work, and the loop's busy-poll runs that work (docs/DESIGN.md).
 #include <liburing.h>
 
 #include <cstdint>
+#include <deque>
+#include <initializer_list>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -39,6 +45,10 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
 
   /// An SQE to fill, with user_data set to `request`; it goes to the kernel at the end of this loop turn.
   io_uring_sqe* prepare(UringRequest* request);
+  /// Asks the kernel to cancel `request` (at the end of this loop turn); the request's own completion
+  /// follows.
+  void cancel(UringRequest* request);
+  Loop& loop() noexcept { return loop_; }
   /// Submits what was prepared (one io_uring_enter).
   void flush();
   /// Runs the completions that arrived.
@@ -46,8 +56,21 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// Returns once the kernel is done with `a` and `b` (either may be null): they are cancelled and their
   /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
   /// any others seen meanwhile, run at the next reap, from the loop's queue.
-  void settle(UringRequest* a, UringRequest* b);
+  void settle(std::initializer_list<UringRequest*> requests);
   int in_flight() const noexcept { return in_flight_; }
+  /// Settings chosen at set-up, for the log and the tests.
+  bool deferred_task_work() const noexcept { return defer_; }
+  bool provided_buffers() const noexcept { return buffer_ring_ != nullptr && !multishot_off_; }
+
+  // The provided-buffer ring (buffer group 0) that multishot receives fill: `buffer_bytes` each.
+  static constexpr std::uint32_t buffer_count = 128;
+  static constexpr std::uint32_t buffer_bytes = 4096;
+  static constexpr std::uint16_t buffer_group = 0;
+  const std::byte* buffer(std::uint16_t id) const noexcept { return buffers_.get() + std::size_t{id} * buffer_bytes; }
+  /// Hands buffer `id` back to the kernel once its bytes were taken.
+  void recycle(std::uint16_t id);
+  /// Multishot receive turned out unsupported (its first completion said EINVAL): direct receives only.
+  void multishot_unsupported();
   /// Sends of at least this many bytes use SENDMSG_ZC (the kernel sends from the caller's pages and
   /// says when it is done with them); 0: never (no SENDMSG_ZC in this kernel, or off). Default 64 KiB,
   /// but off towards a loopback peer, where the kernel copies anyway and holds the notification until
@@ -59,9 +82,23 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
 
  private:
   explicit UringRing(Loop& loop) : loop_(loop) {}
+  void set_up_buffers();
+  void run_deferred_work();
+  io_uring_sqe* next_sqe();  // an SQE, with this turn's flush posted
+  bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }
   Loop& loop_;
   io_uring ring_{};
   bool ring_ready_ = false;
+  // IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN: completions need the loop's thread to enter the kernel
+  // (reap and the busy-poll do), and only that thread may submit. The ring starts disabled and the
+  // first flush, on the loop's thread, enables it and so makes that thread its issuer.
+  bool defer_ = false;
+  bool enabled_ = false;
+  std::thread::id issuer_{};
+  std::uint64_t poller_ = 0;
+  io_uring_buf_ring* buffer_ring_ = nullptr;
+  std::unique_ptr<std::byte[]> buffers_;
+  bool multishot_off_ = false;
   int event_fd_ = -1;
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
@@ -108,8 +145,13 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
     void complete(int result, std::uint32_t flags) override;
     void submit();
   };
+  // The read asked for (one at a time), served from landed bytes first, then by a direct receive.
   struct Reader final : UringRequest {
     UringStream* stream = nullptr;
+    bool wanted = false;     // a read is asked for and not answered yet
+    // A direct receive is under way, until its completion has run. (in_kernel says when the kernel is
+    // done, which is earlier: other completions of the same batch may run in between.)
+    bool receiving = false;
     std::byte* dst = nullptr;
     std::size_t got = 0;
     std::size_t min = 0;
@@ -118,6 +160,29 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
     void complete(int result, std::uint32_t flags) override;
     void submit();
   };
+  // The multishot receive: while armed, every arrival lands in a provided buffer of the ring.
+  struct Multishot final : UringRequest {
+    UringStream* stream = nullptr;
+    bool armed = false;  // until its last completion has run (see Reader::receiving)
+    bool cancelling = false;
+    bool seen_data = false;  // an EINVAL after data is an error, not a missing feature
+    std::shared_ptr<UringStream> keep;
+    void complete(int result, std::uint32_t flags) override;
+  };
+  struct Landed {  // received bytes not taken yet, in a provided buffer
+    std::uint16_t buffer;
+    std::uint32_t offset;
+    std::uint32_t size;
+  };
+  // A read whose remainder is at least this big is received directly into its destination (the
+  // multishot receive is stopped first, so that the bytes keep their order); smaller ones are served
+  // from the provided buffers.
+  static constexpr std::size_t direct_bytes = 16 << 10;
+  void serve();            // moves the read along: landed bytes, then the multishot or a direct receive
+  void take_landed();      // copies landed bytes into the read
+  void arm_multishot();
+  void answer_read(const std::error_code& ec);  // answers the read from the loop's queue
+  void finish_read(const std::error_code& ec);  // answers it now (from a completion)
   void report_written(const std::error_code& ec);
   void report_read(const std::error_code& ec, std::size_t n);
 
@@ -130,6 +195,10 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
   std::weak_ptr<bool> alive_;
   Writer writer_;
   Reader reader_;
+  Multishot multishot_;
+  std::deque<Landed> landed_;
+  std::error_code receive_end_;  // how the connection's receiving side ended (end of stream, an error)
+  bool out_of_buffers_ = false;  // the multishot receive ran out of buffers: this read goes direct
 };
 
 }  // namespace weft
