@@ -54,6 +54,7 @@ struct Args {
   int warmup = 5;
   int iters = 20;
   bool check = false;
+  bool awaited = false;  // --await: the timed loop is one coroutine on weft's loop, co_await-ing each call
   std::string json;
   std::string tune;  // --tune [FILE]: sweep every algorithm, write the winners as a tuning file
 };
@@ -62,7 +63,9 @@ struct Args {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--json FILE] [--tune [FILE]]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--json FILE] [--tune [FILE]]\n"
+             "  --await: run the iterations as one coroutine on weft's loop, co_await-ing each collective (the\n"
+             "           coroutine-native use); without it each call is waited on from the calling thread\n"
              "  --tune: time every algorithm of the collective at every size and write the fastest, as\n"
              "          WEFT_ALGO ranges, to FILE (default weft-tuning.txt); load it with WEFT_TUNING=FILE\n"
              "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
@@ -132,6 +135,8 @@ Args parse(int argc, char** argv) {
       if (a.iters < 1) usage("-n expects at least 1 iteration");
     } else if (flag == "--check") {
       a.check = true;
+    } else if (flag == "--await") {
+      a.awaited = true;
     } else if (flag == "--json") {
       a.json = value();
     } else if (flag == "--tune") {
@@ -330,14 +335,28 @@ T reduce_across(Group& g, T value, ReduceOp op) {
   return v[0];
 }
 
+Task<void> await_each(Case& c, bool in_place, int iterations) {
+  for (int i = 0; i < iterations; ++i) co_await c.start(in_place);
+}
+
+// Runs `iterations` calls one after the other: each waited on by this thread, or (--await) all from one
+// coroutine on the group's loop.
+void run_calls(Case& c, bool in_place, int iterations) {
+  if (c.args.awaited) {
+    sync_wait(c.group.loop(), await_each(c, in_place, iterations));
+    return;
+  }
+  for (int i = 0; i < iterations; ++i) c.start(in_place).get();
+}
+
 Measurement measure(Case& c, bool in_place, std::size_t bytes) {
   const Args& a = c.args;
   Measurement m;
   if (in_place) c.stage_in_place();
-  for (int i = 0; i < a.warmup; ++i) c.start(in_place).get();
+  run_calls(c, in_place, a.warmup);
   c.group.barrier().get();
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < a.iters; ++i) c.start(in_place).get();
+  run_calls(c, in_place, a.iters);
   const auto t1 = std::chrono::steady_clock::now();
   const double local_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / a.iters;
   m.time_us = reduce_across(c.group, local_us, ReduceOp::max);  // the slowest rank sets the pace
@@ -448,7 +467,7 @@ int main(int argc, char** argv) {
     if (leader) {
       fmt::print("# weft-bench: {} on {} ranks, transport {}, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
                  info.name, p, group.transport_name(), to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
-                 args.warmup, args.iters, args.check ? ", check on" : "");
+                 args.warmup, args.iters, std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : ""));
       fmt::print("#\n# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "", "", "",
                  "", "", "out-of-place", "", "", "", "in-place", "", "", "");
       fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}  {}\n", "size", "count",

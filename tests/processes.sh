@@ -125,5 +125,25 @@ case $case_name in
     out=$(WEFT_TRANSPORT=uring WEFT_URING_ZC_BYTES=64K "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_ZC_BYTES was accepted"; exit 1; }
     echo "$out" | grep -q "WEFT_URING_ZC_BYTES='64K' is not a byte count" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_ZC_BYTES"; exit 1; }
     ;;
+  uring-features)
+    # The ring takes the settings the environment asks for (said in the log), and the collectives are
+    # right with each: deferred task work comes with a loop on one thread (the default under
+    # WEFT_TRANSPORT=uring; WEFT_DRIVE=1 brings caller-driven progress and a plain ring back).
+    for spec in "WEFT_URING_MULTISHOT=1|deferred task work on, multishot receive on, registered staging on" \
+                "WEFT_DRIVE=1 WEFT_URING_MULTISHOT=1|deferred task work off, multishot receive on, registered staging on" \
+                "|deferred task work on, multishot receive off, registered staging on" \
+                "WEFT_DRIVE=1|deferred task work off, multishot receive off, registered staging on" \
+                "WEFT_URING_DEFER=0 WEFT_URING_REGISTERED=0|deferred task work off, multishot receive off, registered staging off"; do
+      settings=${spec%%|*}; expect=${spec#*|}
+      out=$(env WEFT_TRANSPORT=uring WEFT_LOG_LEVEL=info $settings "$run" -n 3 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 4M -f 8 -w 1 -n 3 --check 2>&1) \
+        || { echo "$out"; echo "FAIL: the run with '$settings' failed"; exit 1; }
+      echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: wrong values with '$settings'"; exit 1; }
+      said=$(echo "$out" | grep -c "io_uring ring: $expect")
+      [ "$said" -eq 3 ] || { echo "$out"; echo "FAIL: '$settings' should give '$expect' on every rank"; exit 1; }
+      echo "ok: '$settings' -> $expect"
+    done
+    out=$(WEFT_TRANSPORT=uring WEFT_URING_MULTISHOT=yes "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_MULTISHOT was accepted"; exit 1; }
+    echo "$out" | grep -q "WEFT_URING_MULTISHOT='yes' is not a switch (valid: 0, 1)" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_MULTISHOT"; exit 1; }
+    ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac

@@ -47,7 +47,9 @@ class Loop {
     /// Caller-driven progress: Future::wait borrows the loop and runs it on the waiting thread
     /// (drive_until), so a blocking call costs no wake-up hand-off between threads. On by default: on the
     /// 2-core VMs it took the 8-byte all_reduce from about 29 us to 16 us and was as fast or faster at
-    /// every size up to 8 MiB (bench/RESULTS.md). WEFT_DRIVE=0 turns it off.
+    /// every size up to 8 MiB (bench/RESULTS.md). WEFT_DRIVE=0 turns it off, WEFT_DRIVE=1 on; when
+    /// WEFT_DRIVE is unset and WEFT_TRANSPORT=uring, `Loop()` turns it off, so that the io_uring ring can
+    /// be single-issuer with deferred task work (faster there at every size, bench/RESULTS.md).
     bool caller_drives = true;
   };
 

@@ -48,9 +48,14 @@ std::chrono::microseconds default_spin() {
   return Loop::Options{}.spin;
 }
 
+// Caller-driven progress is on unless WEFT_DRIVE=0, and off by default under WEFT_TRANSPORT=uring: a
+// loop on one thread lets the ring take a single issuer with deferred task work, which measured faster
+// than caller-driven progress over a plain ring at every size, waited on or awaited (bench/RESULTS.md,
+// "io_uring features"). WEFT_DRIVE=1 turns it on regardless.
 bool default_caller_drives() {
-  const char* v = std::getenv("WEFT_DRIVE");
-  return !(v && std::string_view(v) == "0");
+  if (const char* v = std::getenv("WEFT_DRIVE"); v && *v) return std::string_view(v) != "0";
+  const char* transport = std::getenv("WEFT_TRANSPORT");
+  return !(transport && std::string_view(transport) == "uring");
 }
 
 void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::uint64_t id) {

@@ -207,6 +207,7 @@ Transport* make_transport(Loop& loop, const Options& options, std::vector<asio::
   if (options.transport == "uring" || options.transport == "auto") {
     std::string why;
     if (auto ring = UringRing::create(loop, why)) {
+      log().info("rank {}: io_uring ring: {}", options.rank, ring->settings());
       return new TcpTransport(loop, options.rank, options.world_size, std::move(sockets), "uring",
                               [ring](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
                                 return std::make_shared<UringStream>(std::move(socket), ring, events, peer, std::move(alive));

@@ -4,6 +4,7 @@
 // (transports/uring). The framing, matching and failure handling above them are the same, so ranks on
 // either backend talk to each other.
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string_view>
 #include <system_error>
@@ -36,6 +37,10 @@ class Stream {
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a
   /// time. End of stream before `min` bytes is an error (asio::error::eof).
   virtual void read(void* dst, std::size_t min, std::size_t cap) = 0;
+  /// Memory of `bytes` for the transport's read-ahead buffer, owned by the stream and valid for its
+  /// life, that this backend reads into more cheaply (io_uring: a registered buffer). Null: none, the
+  /// transport brings its own. Asked once, before the first read.
+  virtual std::byte* staging(std::size_t /*bytes*/) { return nullptr; }
   /// Writes `data` now, blocking (the goodbye frame at shutdown: 48 bytes fit any socket buffer).
   virtual void write_blocking(const void* data, std::size_t size) = 0;
   virtual void shutdown_send() = 0;

@@ -60,6 +60,11 @@ TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip:
     auto c = std::make_shared<Connection>();
     c->peer = peer;
     c->stream = make_stream(std::move(socket), this, peer, alive_);
+    c->inbox = c->stream->staging(Connection::inbox_size);
+    if (!c->inbox) {
+      c->own_inbox = std::make_unique_for_overwrite<std::byte[]>(Connection::inbox_size);
+      c->inbox = c->own_inbox.get();
+    }
     connections_[static_cast<std::size_t>(peer)] = std::move(c);
   }
   // Reading starts on the loop thread, where every handler of this transport runs.
@@ -345,12 +350,12 @@ void TcpTransport::start_read_header(Connection& c) {
     return;
   }
   if (c.inbox_begin > 0) {
-    std::memmove(c.inbox.get(), c.inbox.get() + c.inbox_begin, have);
+    std::memmove(c.inbox, c.inbox + c.inbox_begin, have);
     c.inbox_begin = 0;
     c.inbox_end = have;
   }
   c.reading = Reading::header;
-  c.stream->read(c.inbox.get() + c.inbox_end, wire::header_size - have, Connection::inbox_size - c.inbox_end);
+  c.stream->read(c.inbox + c.inbox_end, wire::header_size - have, Connection::inbox_size - c.inbox_end);
 }
 
 void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t bytes) {
@@ -383,7 +388,7 @@ void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t byte
 
 std::size_t TcpTransport::take_from_inbox(Connection& c, void* dst, std::size_t bytes) {
   const std::size_t n = std::min(bytes, c.inbox_end - c.inbox_begin);
-  if (n > 0 && dst) std::memcpy(dst, c.inbox.get() + c.inbox_begin, n);
+  if (n > 0 && dst) std::memcpy(dst, c.inbox + c.inbox_begin, n);
   c.inbox_begin += n;
   return n;
 }

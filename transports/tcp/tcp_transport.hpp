@@ -86,7 +86,8 @@ class TcpTransport final : public Transport, private StreamEvents {
     // header with its (small) payload, and often the frames after it; payloads beyond what it holds are
     // read straight into their destination.
     static constexpr std::size_t inbox_size = 4096;
-    std::unique_ptr<std::byte[]> inbox = std::make_unique_for_overwrite<std::byte[]>(inbox_size);
+    std::byte* inbox = nullptr;           // the stream's staging memory, or own_inbox
+    std::unique_ptr<std::byte[]> own_inbox;
     std::size_t inbox_begin = 0;
     std::size_t inbox_end = 0;
     Reading reading = Reading::header;  // what the read in flight is for

@@ -24,9 +24,14 @@ namespace weft {
 // ---------------------------------------------------------------- the ring
 
 namespace {
-bool env_off(const char* name) {
+// A 0/1 switch from the environment; unset or empty: `fallback`. Anything else is an error.
+bool env_switch(const char* name, bool fallback) {
   const char* v = std::getenv(name);
-  return v && std::string_view(v) == "0";
+  if (!v || !*v) return fallback;
+  const std::string_view text(v);
+  if (text == "0" || text == "1") return text == "1";
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
+              fmt::format("{}='{}' is not a switch (valid: 0, 1)", name, text));
 }
 }  // namespace
 
@@ -40,7 +45,7 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   // that runs on one thread gives that. WEFT_URING_DEFER=0 turns it off; a kernel without it (before
   // 6.1) refuses the flags and gets a plain ring.
   unsigned flags = 0;
-  if (loop.single_thread() && !env_off("WEFT_URING_DEFER")) {
+  if (loop.single_thread() && env_switch("WEFT_URING_DEFER", true)) {
     flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
   }
   int rc = io_uring_queue_init(256, &ring->ring_, flags);
@@ -88,12 +93,16 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
     [[maybe_unused]] const auto n = ::read(self->event_fd_, &count, sizeof count);
     self->reap();
   });
-  if (!env_off("WEFT_URING_MULTISHOT")) ring->set_up_buffers();
+  // Multishot receives are off unless asked for: in weft they measured no faster than direct receives
+  // for small frames, and slower with caller-driven progress, where the long-lived receive stays tied
+  // to the thread that armed it (bench/RESULTS.md, "io_uring features").
+  if (env_switch("WEFT_URING_MULTISHOT", false)) ring->set_up_buffers();
+  if (env_switch("WEFT_URING_REGISTERED", true)) ring->set_up_staging();
   return ring;
 }
 
-// The provided buffers of the multishot receives. Without them (a kernel before 5.19, or
-// WEFT_URING_MULTISHOT=0) every read is a direct receive.
+// The provided buffers of the multishot receives (WEFT_URING_MULTISHOT=1). Without them (the default,
+// or a kernel before 5.19) every read is a direct receive.
 void UringRing::set_up_buffers() {
   const std::size_t ring_bytes = buffer_count * sizeof(io_uring_buf);
   void* memory = ::mmap(nullptr, ring_bytes, PROT_READ | PROT_WRITE, MAP_ANONYMOUS | MAP_PRIVATE, -1, 0);
@@ -116,6 +125,45 @@ void UringRing::set_up_buffers() {
   io_uring_buf_ring_advance(buffer_ring_, static_cast<int>(buffer_count));
 }
 
+// Registered staging for the read-ahead buffers: the kernel maps a registered buffer once, where a plain
+// receive walks the destination's pages on every call.
+void UringRing::set_up_staging() {
+  const std::size_t bytes = staging_slots * staging_bytes;
+  void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_ANONYMOUS | MAP_PRIVATE, -1, 0);
+  if (memory == MAP_FAILED) return;
+  const iovec whole{memory, bytes};
+  if (const int rc = io_uring_register_buffers(&ring_, &whole, 1); rc < 0) {
+    log().info("io_uring: no registered staging ({})", std::strerror(-rc));
+    ::munmap(memory, bytes);
+    return;
+  }
+  staging_ = static_cast<std::byte*>(memory);
+  for (std::size_t i = staging_slots; i-- > 0;) free_staging_.push_back(staging_ + i * staging_bytes);
+}
+
+std::byte* UringRing::take_staging() {
+  if (free_staging_.empty()) return nullptr;
+  std::byte* slot = free_staging_.back();
+  free_staging_.pop_back();
+  return slot;
+}
+
+void UringRing::give_back_staging(std::byte* slot) { free_staging_.push_back(slot); }
+
+int UringRing::fixed_index(const void* data, std::size_t size) const noexcept {
+  const auto* p = static_cast<const std::byte*>(data);
+  if (!staging_ || p < staging_ || p + size > staging_ + staging_slots * staging_bytes) return -1;
+  return 0;
+}
+
+std::string UringRing::settings() const {
+  return fmt::format("deferred task work {}, multishot receive {}, registered staging {}, zero-copy sends {}",
+                     defer_ ? "on" : "off", provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
+                     zero_copy_bytes_ == 0 ? std::string("off")
+                     : zero_copy_set_      ? fmt::format("from {} bytes", zero_copy_bytes_)
+                                           : fmt::format("from {} bytes (not towards loopback peers)", zero_copy_bytes_));
+}
+
 void UringRing::recycle(std::uint16_t id) {
   io_uring_buf_ring_add(buffer_ring_, buffers_.get() + std::size_t{id} * buffer_bytes, buffer_bytes, id,
                         io_uring_buf_ring_mask(buffer_count), 0);
@@ -134,6 +182,7 @@ UringRing::~UringRing() {
   if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
   if (event_fd_ >= 0) ::close(event_fd_);
   if (buffer_ring_) ::munmap(buffer_ring_, buffer_count * sizeof(io_uring_buf));
+  if (staging_) ::munmap(staging_, staging_slots * staging_bytes);
 }
 
 io_uring_sqe* UringRing::prepare(UringRequest* request) {
@@ -278,6 +327,12 @@ UringStream::UringStream(asio::ip::tcp::socket socket, std::shared_ptr<UringRing
 
 UringStream::~UringStream() {
   if (fd_ >= 0) ::close(fd_);
+  if (staging_) ring_->give_back_staging(staging_);
+}
+
+std::byte* UringStream::staging(std::size_t bytes) {
+  if (!staging_ && bytes <= UringRing::staging_bytes) staging_ = ring_->take_staging();
+  return staging_;
 }
 
 void UringStream::write(ConstBytes first, ConstBytes second) {
@@ -357,28 +412,41 @@ void UringStream::read(void* dst, std::size_t min, std::size_t cap) {
   reader_.got = 0;
   reader_.min = min;
   reader_.cap = cap;
-  serve();
+  serve(false);
 }
 
 // Moves the read along; runs when a read is asked for and whenever the multishot receive reports. Bytes
 // that landed come first; a small remainder waits for the multishot receive, a large one is received
 // directly once the multishot receive has stopped (both at once could take each other's bytes).
-void UringStream::serve() {
+void UringStream::serve(bool from_completion) {
   if (!reader_.wanted || reader_.receiving) return;  // a direct receive is under way
+  auto answer = [&](const std::error_code& ec) {
+    if (from_completion) {
+      finish_read(ec);
+    } else {
+      answer_read(ec);
+    }
+  };
   if (closed_) {
-    answer_read(asio::error::operation_aborted);
+    answer(asio::error::operation_aborted);
     return;
   }
   take_landed();
   if (reader_.got >= reader_.min) {
-    answer_read({});
+    answer({});
     return;
   }
   if (landed_.empty() && receive_end_) {
-    answer_read(receive_end_);
+    answer(receive_end_);
     return;
   }
-  const bool direct = !ring_->provided_buffers() || out_of_buffers_ || reader_.min - reader_.got >= direct_bytes;
+  // After a large read the next few go direct too: a multishot receive armed for the next header would
+  // soak the following payloads up into the shared buffers (and stop, out of them) before the header is
+  // even seen, costing a copy of each and a cancellation (bench/RESULTS.md).
+  if (reader_.min - reader_.got >= direct_bytes) {
+    direct_reads_left_ = direct_after_large;
+  }
+  const bool direct = !ring_->provided_buffers() || out_of_buffers_ || direct_reads_left_ > 0;
   if (!direct) {
     if (!multishot_.armed) arm_multishot();
     return;
@@ -390,6 +458,7 @@ void UringStream::serve() {
     }
     return;  // its last completion serves the read again
   }
+  if (direct_reads_left_ > 0) --direct_reads_left_;
   reader_.keep = shared_from_this();
   reader_.receiving = true;
   reader_.submit();
@@ -432,7 +501,7 @@ void UringStream::Multishot::complete(int result, std::uint32_t flags) {
     }
   }
   if (flags & IORING_CQE_F_MORE) {
-    s.serve();
+    s.serve(true);
     return;
   }
   // Its last completion: the receive stopped (cancelled, out of buffers, end of stream, an error).
@@ -448,7 +517,7 @@ void UringStream::Multishot::complete(int result, std::uint32_t flags) {
   } else if (result < 0 && !(result == -ECANCELED && was_cancelling) && !s.closed_) {
     s.receive_end_ = std::error_code(-result, std::system_category());
   }
-  s.serve();
+  s.serve(true);
 }
 
 // A closed stream still answers through the ring (a no-op), so that the event comes from the loop's
@@ -460,7 +529,13 @@ void UringStream::Reader::submit() {
   } else {
     // An SQE's length is 32 bits (and the kernel refuses more than INT_MAX): large payloads take turns.
     constexpr std::size_t most = std::size_t{1} << 30;
-    io_uring_prep_recv(sqe, stream->fd_, dst + got, std::min(cap - got, most), 0);
+    const std::size_t size = std::min(cap - got, most);
+    if (const int index = stream->ring_->fixed_index(dst + got, size); index >= 0) {
+      // A socket reads like a receive without flags; its offset must be 0.
+      io_uring_prep_read_fixed(sqe, stream->fd_, dst + got, static_cast<unsigned>(size), 0, index);
+    } else {
+      io_uring_prep_recv(sqe, stream->fd_, dst + got, size, 0);
+    }
   }
 }
 
@@ -537,7 +612,7 @@ void UringStream::close() {
   ring_->settle({&reader_, &writer_, &multishot_});
   for (const Landed& l : landed_) ring_->recycle(l.buffer);  // the ring's buffers serve its other streams
   landed_.clear();
-  serve();  // a read waiting on the multishot receive hears of the close
+  serve(false);  // a read waiting on the multishot receive hears of the close
 }
 
 }  // namespace weft

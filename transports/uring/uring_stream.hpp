@@ -61,6 +61,18 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// Settings chosen at set-up, for the log and the tests.
   bool deferred_task_work() const noexcept { return defer_; }
   bool provided_buffers() const noexcept { return buffer_ring_ != nullptr && !multishot_off_; }
+  /// Registered staging: slots of `staging_bytes` in one buffer registered with the ring (fixed buffer
+  /// 0), for the transports' read-ahead buffers, read with READ_FIXED. Null when none is left or
+  /// registration failed (RLIMIT_MEMLOCK, WEFT_URING_REGISTERED=0).
+  static constexpr std::size_t staging_bytes = 4096;
+  static constexpr std::size_t staging_slots = 256;
+  std::byte* take_staging();
+  void give_back_staging(std::byte* slot);
+  /// The registered buffer's index when [data, data + size) lies inside it, else -1.
+  int fixed_index(const void* data, std::size_t size) const noexcept;
+  bool registered_staging() const noexcept { return staging_ != nullptr; }
+  /// The above in words, for the log.
+  std::string settings() const;
 
   // The provided-buffer ring (buffer group 0) that multishot receives fill: `buffer_bytes` each.
   static constexpr std::uint32_t buffer_count = 128;
@@ -83,6 +95,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
  private:
   explicit UringRing(Loop& loop) : loop_(loop) {}
   void set_up_buffers();
+  void set_up_staging();
   void run_deferred_work();
   io_uring_sqe* next_sqe();  // an SQE, with this turn's flush posted
   bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }
@@ -99,6 +112,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   io_uring_buf_ring* buffer_ring_ = nullptr;
   std::unique_ptr<std::byte[]> buffers_;
   bool multishot_off_ = false;
+  std::byte* staging_ = nullptr;  // staging_slots * staging_bytes, page-aligned, registered
+  std::vector<std::byte*> free_staging_;
   int event_fd_ = -1;
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
@@ -122,6 +137,7 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
   ~UringStream() override;
 
   std::string_view backend() const noexcept override { return "uring"; }
+  std::byte* staging(std::size_t bytes) override;
   void write(ConstBytes first, ConstBytes second) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   void write_blocking(const void* data, std::size_t size) override;
@@ -178,7 +194,11 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
   // multishot receive is stopped first, so that the bytes keep their order); smaller ones are served
   // from the provided buffers.
   static constexpr std::size_t direct_bytes = 16 << 10;
-  void serve();            // moves the read along: landed bytes, then the multishot or a direct receive
+  // Moves the read along: landed bytes, then the multishot or a direct receive. `from_completion`: may
+  // answer at once (else through the loop's queue: read() must not answer inline).
+  void serve(bool from_completion);
+  static constexpr int direct_after_large = 16;
+  int direct_reads_left_ = 0;
   void take_landed();      // copies landed bytes into the read
   void arm_multishot();
   void answer_read(const std::error_code& ec);  // answers the read from the loop's queue
@@ -197,6 +217,7 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
   Reader reader_;
   Multishot multishot_;
   std::deque<Landed> landed_;
+  std::byte* staging_ = nullptr;  // a slot of the ring's registered staging, while this stream has one
   std::error_code receive_end_;  // how the connection's receiving side ended (end of stream, an error)
   bool out_of_buffers_ = false;  // the multishot receive ran out of buffers: this read goes direct
 };
