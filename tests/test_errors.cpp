@@ -137,10 +137,81 @@ TEST_CASE("ranks that disagree on the size of a collective fail instead of hangi
       f.get();
       check(false, "a mismatched all_reduce succeeded");
     } catch (const Error& e) {
-      check(e.errc() == Errc::size_mismatch || e.errc() == Errc::aborted, std::string("unexpected error: ") + e.what());
+      // The counts differ, so the signatures do: named as a mismatch of calls (or relayed by a peer).
+      check(e.errc() == Errc::mismatch || e.errc() == Errc::aborted, std::string("unexpected error: ") + e.what());
+      const std::string what = e.what();
+      check(what.find("all_reduce #1 (f32 x 600, sum)") != std::string::npos && what.find("all_reduce #1 (f32 x 300, sum)") != std::string::npos,
+            "the error names both calls: " + what);
     }
   });
   REQUIRE(checks_made.load() > before);
+}
+
+namespace {
+
+// Runs `call(g)` on 2 ranks: it must fail within 15 s with Errc::mismatch (found here) or Errc::aborted
+// (relayed by the peer that found it), with a message that contains every one of `words`, and the group
+// is failed afterwards. `may_complete`: a call that receives nothing (both ranks a root that only sends)
+// can complete before the peer's frame shows the mismatch; then the next call must fail, naming both.
+void expect_mismatch(const std::function<Future<void>(Group&)>& call, std::initializer_list<std::string> words,
+                     bool may_complete = false) {
+  const long before = checks_made.load();
+  auto check_error = [&](const Error& e, std::initializer_list<Errc> codes) {
+    bool expected = false;
+    for (Errc c : codes) expected = expected || e.errc() == c;
+    check(expected, std::string("unexpected error: ") + e.what());
+    for (const auto& w : words) check(std::string(e.what()).find(w) != std::string::npos, fmt::format("'{}' not in: {}", w, e.what()));
+  };
+  run_ranks(2, [&](Group& g) {
+    Future<void> f = call(g);
+    check(f.wait_for(15s), "a mismatched collective hung");
+    try {
+      f.get();
+      check(may_complete, "a mismatched collective succeeded");
+      Future<void> next = g.barrier();
+      check(next.wait_for(15s), "the call after a mismatch hung");
+      try {
+        next.get();
+        check(false, "the call after a mismatch succeeded");
+      } catch (const Error& e) {
+        check_error(e, {Errc::mismatch, Errc::aborted, Errc::group_failed});
+      }
+      return;
+    } catch (const Error& e) {
+      check_error(e, {Errc::mismatch, Errc::aborted});
+    }
+    expect_error([&] { g.barrier().get(); }, Errc::group_failed, {"earlier operation failed"});
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+}  // namespace
+
+TEST_CASE("ranks that call different collectives as the same operation fail, naming both calls", "[errors][mismatch]") {
+  std::vector<float> a(1024, 1.0f), b(2048, 0.0f);
+  SECTION("all_reduce against all_gather") {
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(a) : g.all_gather(a, b); },
+                    {"rank 1 called all_gather #1 (f32 x 1024)", "rank 0 called all_reduce #1 (f32 x 1024, sum)"});
+  }
+}
+
+TEST_CASE("a collective called with a different dtype, op or root on one rank fails instead of mixing bytes", "[errors][mismatch]") {
+  SECTION("dtype: f32 against i32 of the same size") {
+    std::vector<float> f(8, 1.0f);
+    std::vector<std::int32_t> i(8, 1);
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(f) : g.all_reduce(i); },
+                    {"all_reduce #1 (f32 x 8, sum)", "all_reduce #1 (i32 x 8, sum)"});
+  }
+  SECTION("reduce op: sum against max") {
+    std::vector<float> f(8, 1.0f);
+    expect_mismatch([&](Group& g) { return g.all_reduce(f, g.rank() == 0 ? ReduceOp::sum : ReduceOp::max); },
+                    {"all_reduce #1 (f32 x 8, sum)", "all_reduce #1 (f32 x 8, max)"});
+  }
+  SECTION("root: 0 against 1") {
+    std::vector<float> f(8, 1.0f);
+    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank()); },
+                    {"broadcast #1 (f32 x 8, root 0)", "broadcast #1 (f32 x 8, root 1)"}, true);
+  }
 }
 
 TEST_CASE("a receive of the wrong size fails and nothing is truncated", "[errors][mismatch]") {

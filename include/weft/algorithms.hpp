@@ -139,6 +139,9 @@ struct Channel {
   std::span<const int> members;     ///< group rank -> transport rank
   const char* op_name = "collective";
   std::uint64_t first_tag = 0;      ///< tags start here: a second plan of the same operation uses its own
+  /// The operation's signature, carried by every frame and compared with the peers' (mismatch detection;
+  /// a call of 0 is not compared). Group fills it in from the collective's arguments.
+  OpSignature signature{};
 };
 
 struct ExecOptions {

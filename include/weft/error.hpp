@@ -18,6 +18,7 @@ enum class Errc : int {
   group_failed,          ///< the group failed earlier (see the message) and cannot be used
   aborted,               ///< a peer aborted the operation (its message is carried along)
   connection_failed,     ///< a connection could not be made
+  mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation
 };
 
 const std::error_category& error_category() noexcept;

@@ -29,6 +29,17 @@ struct MessageKey {
   friend bool operator==(const MessageKey&, const MessageKey&) = default;
 };
 
+/// What operation a message belongs to (docs/PROTOCOL.md, "Signatures"): `call` packs the collective,
+/// dtype, reduce op and root, `count` is the caller's element count. Every frame of a collective carries
+/// its operation's signature; a receive whose signature differs from the arriving message's (both calls
+/// non-zero) fails with Errc::mismatch, naming both calls, and the message's bytes are discarded. A call
+/// of 0 (point-to-point messages) is not compared.
+struct OpSignature {
+  std::uint32_t call = 0;
+  std::uint64_t count = 0;
+  friend bool operator==(const OpSignature&, const OpSignature&) = default;
+};
+
 /// One send or receive in flight. It lives in the frame of the coroutine that started it (no allocation
 /// per operation) and must stay alive, at the same address, until it completes.
 class TransportOp {
@@ -69,6 +80,8 @@ class TransportOp {
   const void* send_data = nullptr;
   void* recv_data = nullptr;
   std::size_t bytes = 0;
+  /// Set by the caller before start_send / start_recv (default: not compared).
+  OpSignature signature{};
 
  private:
   bool done_ = false;

@@ -97,6 +97,7 @@ class Executor {
   // the sender's k-th send to a peer is that peer's k-th receive from the sender.
   TransportOp& start_send(int to, const std::byte* data, std::size_t elems) {
     TransportOp& op = ops_.emplace_back();
+    op.signature = ch_.signature;
     const MessageKey key{ch_.context, ch_.seq, ch_.first_tag + sent_to_[static_cast<std::size_t>(to)]++};
     ch_.transport->start_send(transport_rank(to), key, data, elems * esize_, op);
     sends_.push_back(InflightSend{&op, data, data + elems * esize_});
@@ -104,6 +105,7 @@ class Executor {
   }
   TransportOp& start_recv(int from, std::byte* data, std::size_t elems) {
     TransportOp& op = ops_.emplace_back();
+    op.signature = ch_.signature;
     const MessageKey key{ch_.context, ch_.seq, ch_.first_tag + received_from_[static_cast<std::size_t>(from)]++};
     ch_.transport->start_recv(transport_rank(from), key, data, elems * esize_, op);
     return op;

@@ -19,6 +19,7 @@ class Category final : public std::error_category {
       case Errc::group_failed: return "group failed";
       case Errc::aborted: return "aborted by a peer";
       case Errc::connection_failed: return "connection failed";
+      case Errc::mismatch: return "mismatched collective";
     }
     return "unknown weft error";
   }

@@ -13,6 +13,7 @@
 #include "kernels/cpu/reduce.hpp"
 #include "src/algorithms/selection.hpp"
 #include "src/core/log.hpp"
+#include "src/core/signature.hpp"
 #include "src/group/bootstrap.hpp"
 #include "transports/tcp/tcp_transport.hpp"
 #include "weft_config.h"
@@ -79,17 +80,27 @@ struct GroupState {
     failure = what;
   }
 
-  algo::Channel channel(std::uint64_t seq, const char* op, std::uint64_t first_tag = 0) const {
-    return algo::Channel{loop, transport.get(), context, seq, rank, members, op, first_tag};
+  /// What the caller asked for, beyond the buffers: the element count every rank passes and the root.
+  /// With the name, dtype and reduce op it makes the operation's signature (mismatch detection).
+  struct Call {
+    std::uint64_t count = 0;
+    int root = -1;
+  };
+
+  algo::Channel channel(std::uint64_t seq, const char* op, const algo::PlanBuffers& buffers, Call call,
+                        std::uint64_t first_tag) const {
+    algo::Channel ch{loop, transport.get(), context, seq, rank, members, op, first_tag};
+    ch.signature = signature::of(op, buffers.dtype, buffers.op, call.count, call.root);
+    return ch;
   }
 
   algo::ExecOptions exec_options() const { return algo::ExecOptions{options.segment_bytes, options.pipeline_depth}; }
 
   /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
-  Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers,
+  Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers, Call call,
                  std::uint64_t first_tag = 0) {
     try {
-      co_await algo::execute(channel(seq, op, first_tag), plan, buffers, exec_options());
+      co_await algo::execute(channel(seq, op, buffers, call, first_tag), plan, buffers, exec_options());
     } catch (const Error& e) {
       mark_failed(e.what());
       throw;
@@ -318,13 +329,14 @@ void finish_reduction(ReduceOp op, void* data, std::size_t count, DType type, in
 // Deterministic reduction of block `mine` of every rank: an ordered exchange brings every rank's block
 // here (slot i from rank i), and the fold runs in rank order: ((x0 op x1) op x2) ...
 Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, const char* name, const std::byte* in,
-                          std::span<const algo::Range> blocks, std::byte* dst, DType type, ReduceOp op) {
+                          std::span<const algo::Range> blocks, std::byte* dst, DType type, ReduceOp op,
+                          GroupState::Call call) {
   const std::size_t esize = dtype_size(type);
   const algo::Range mine = blocks[static_cast<std::size_t>(g.rank)];
   auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, mine.count * esize * static_cast<std::size_t>(g.size)));
   copy_bytes(slots.get() + static_cast<std::size_t>(g.rank) * mine.count * esize, in + mine.offset * esize, mine.count * esize);
   const auto plan = algo::ordered_exchange(g.size, g.rank, blocks);
-  co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op});
+  co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op}, call);
   copy_bytes(dst, slots.get(), mine.count * esize);
   const auto reduce = kernels::find_reduce(type, op);
   for (int i = 1; i < g.size && mine.count; ++i) {
@@ -333,22 +345,22 @@ Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, const char* name, co
 }
 
 Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name,
-                                    ConstBufferView in, BufferView out, ReduceOp op) {
+                                    ConstBufferView in, BufferView out, ReduceOp op, GroupState::Call call) {
   const auto blocks = algo::blocks_of(out.count, g->size);
   const algo::Range mine = blocks[static_cast<std::size_t>(g->rank)];
   const std::size_t esize = dtype_size(out.dtype);
   // The fold lands after the exchange has ended, and the exchange never sends this rank's own block:
   // in place, it may write straight over the input.
-  co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, out.bytes_ptr() + mine.offset * esize, out.dtype, op);
+  co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, out.bytes_ptr() + mine.offset * esize, out.dtype, op, call);
   finish_reduction(op, out.bytes_ptr() + mine.offset * esize, mine.count, out.dtype, g->size);
   const auto gather = algo::ring_all_gather(g->size, g->rank, blocks, -1);
-  co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, std::uint64_t{1} << 32);
+  co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, call, std::uint64_t{1} << 32);
 }
 
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
                            std::string algorithm) {
   if (g->options.deterministic && g->size > 1) {
-    co_await deterministic_all_reduce(g, seq, "all_reduce", in, out, op);
+    co_await deterministic_all_reduce(g, seq, "all_reduce", in, out, op, {out.count});
     co_return;
   }
   algo::Plan plan;
@@ -367,7 +379,7 @@ Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     else if (algorithm == "rabenseifner") plan = algo::rabenseifner_all_reduce(g->size, g->rank, out.count);
     else if (algorithm == "tree") plan = algo::tree_all_reduce(g->size, g->rank, out.count);
   }
-  co_await g->run(plan, seq, "all_reduce", buffers);
+  co_await g->run(plan, seq, "all_reduce", buffers, {out.count});
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
@@ -378,7 +390,7 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   if (algorithm == "recursive_doubling" && power_of_two && g->size > 1) {
     copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
     const auto plan = algo::recursive_doubling_all_gather(g->size, g->rank, in.count);
-    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum});
+    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
     co_return;
   }
   // Bruck also serves recursive doubling on a non-power-of-two group (the same lg p rounds).
@@ -388,21 +400,21 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     auto rotated = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
     copy_bytes(rotated.get(), in.data, block_bytes);
     const auto plan = algo::bruck_all_gather(g->size, g->rank, in.count);
-    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum});
+    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum}, {in.count});
     blocks_from_slots(out.bytes_ptr(), rotated.get(), p, static_cast<std::size_t>(g->rank), block_bytes);
     co_return;
   }
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
   const auto blocks = algo::blocks_of(out.count, g->size);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum});
+  co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
 }
 
 Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
                                std::string algorithm) {
   if (g->options.deterministic && g->size > 1) {
     const auto blocks = algo::blocks_of(in.count, g->size);
-    co_await ordered_reduce(*g, seq, "reduce_scatter", in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op);
+    co_await ordered_reduce(*g, seq, "reduce_scatter", in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op, {out.count});
     finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
@@ -412,7 +424,7 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
     auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
     copy_bytes(work.get(), in.data, in.bytes());
     const auto plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, out.count);
-    co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op});
+    co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op}, {out.count});
     copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
     finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
@@ -424,7 +436,7 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
   const auto blocks = algo::blocks_of(in.count, g->size);
   const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()});
+  co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()}, {out.count});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
   finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
@@ -432,7 +444,8 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
 Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root, std::string algorithm) {
   const auto plan = algorithm == "scatter_all_gather" ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
                                                       : algo::binomial_broadcast(g->size, g->rank, root, data.count);
-  co_await g->run(plan, seq, "broadcast", algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum});
+  co_await g->run(plan, seq, "broadcast", algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum},
+                  {data.count, root});
 }
 
 Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op,
@@ -445,7 +458,7 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
       scratch = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
       result = BufferView(scratch.get(), in.count, in.dtype);
     }
-    co_await deterministic_all_reduce(g, seq, "reduce", in, result, op);
+    co_await deterministic_all_reduce(g, seq, "reduce", in, result, op, {in.count, root});
     co_return;
   }
   std::unique_ptr<std::byte[]> scratch;
@@ -457,7 +470,7 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
   copy_bytes(work, in.data, in.bytes());
   const auto plan = algorithm == "reduce_scatter_gather" ? algo::reduce_scatter_gather_reduce(g->size, g->rank, root, in.count)
                                                          : algo::binomial_reduce(g->size, g->rank, root, in.count);
-  co_await g->run(plan, seq, "reduce", algo::PlanBuffers{work, work, in.dtype, op});
+  co_await g->run(plan, seq, "reduce", algo::PlanBuffers{work, work, in.dtype, op}, {in.count, root});
   if (g->rank == root) finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
@@ -478,14 +491,15 @@ Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
     const auto plan = algo::binomial_gather(g->size, g->rank, root, in.count);
     auto staging = slots_for(plan, in.count, in.dtype);
     copy_bytes(staging.get(), in.data, block_bytes);
-    co_await g->run(plan, seq, "gather", algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum});
+    co_await g->run(plan, seq, "gather", algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum}, {in.count, root});
     if (g->rank == root) blocks_from_slots(out.bytes_ptr(), staging.get(), p, static_cast<std::size_t>(root), block_bytes);
     co_return;
   }
   if (g->rank == root) copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(root) * in.bytes(), in.data, in.bytes());
   const auto plan = algo::direct_gather(g->size, g->rank, root, in.count);
   co_await g->run(plan, seq, "gather",
-                  algo::PlanBuffers{in.bytes_ptr(), g->rank == root ? out.bytes_ptr() : nullptr, in.dtype, ReduceOp::sum});
+                  algo::PlanBuffers{in.bytes_ptr(), g->rank == root ? out.bytes_ptr() : nullptr, in.dtype, ReduceOp::sum},
+                  {in.count, root});
 }
 
 Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
@@ -496,14 +510,15 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
     const auto plan = algo::binomial_scatter(g->size, g->rank, root, out.count);
     auto staging = slots_for(plan, out.count, out.dtype);
     if (g->rank == root) slots_from_blocks(staging.get(), in.bytes_ptr(), p, static_cast<std::size_t>(root), block_bytes);
-    co_await g->run(plan, seq, "scatter", algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum});
+    co_await g->run(plan, seq, "scatter", algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum}, {out.count, root});
     copy_bytes(out.data, staging.get(), block_bytes);
     co_return;
   }
   if (g->rank == root) copy_bytes(out.data, in.bytes_ptr() + static_cast<std::size_t>(root) * out.bytes(), out.bytes());
   const auto plan = algo::direct_scatter(g->size, g->rank, root, out.count);
   co_await g->run(plan, seq, "scatter",
-                  algo::PlanBuffers{g->rank == root ? in.bytes_ptr() : nullptr, out.bytes_ptr(), out.dtype, ReduceOp::sum});
+                  algo::PlanBuffers{g->rank == root ? in.bytes_ptr() : nullptr, out.bytes_ptr(), out.dtype, ReduceOp::sum},
+                  {out.count, root});
 }
 
 Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
@@ -517,7 +532,7 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
     slots_from_blocks(slots.get(), in.bytes_ptr(), p, r, block_bytes);
     const auto plan = algo::bruck_all_to_all(g->size, g->rank, block);
-    co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum});
+    co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum}, {in.count});
     blocks_from_slots(out.bytes_ptr(), slots.get(), p, r, block_bytes, Turn::down);
     co_return;
   }
@@ -531,12 +546,12 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes,
              source + static_cast<std::size_t>(g->rank) * block_bytes, block_bytes);
   const auto plan = algo::pairwise_all_to_all(g->size, g->rank, block);
-  co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum});
+  co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
 Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq) {
   const auto plan = algo::dissemination_barrier(g->size, g->rank);
-  co_await g->run(plan, seq, "barrier", algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum});
+  co_await g->run(plan, seq, "barrier", algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
 }
 
 Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
@@ -568,7 +583,7 @@ Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
       plan.push_back(algo::Step{algo::StepKind::recv, -1, recv_from, {}, all});
     }
   }
-  co_await g->run(plan, seq, "permute", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum});
+  co_await g->run(plan, seq, "permute", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
 Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int color, int key) {
@@ -579,7 +594,7 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
   const auto blocks = algo::blocks_of(2 * static_cast<std::size_t>(g->size), g->size);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
   auto* bytes = reinterpret_cast<std::byte*>(all.data());
-  co_await g->run(plan, seq, "split", algo::PlanBuffers{bytes, bytes, DType::i32, ReduceOp::sum});
+  co_await g->run(plan, seq, "split", algo::PlanBuffers{bytes, bytes, DType::i32, ReduceOp::sum}, {});
   if (color < 0) co_return Group();
   std::vector<std::pair<std::pair<int, int>, int>> chosen;  // ((key, parent rank), parent rank)
   for (int r = 0; r < g->size; ++r) {
@@ -793,7 +808,7 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
 namespace {
 Task<void> plan_task(std::shared_ptr<GroupState> g, std::uint64_t seq, algo::Plan plan, algo::PlanBuffers buffers,
                      const char* name) {
-  co_await g->run(plan, seq, name, buffers);
+  co_await g->run(plan, seq, name, buffers, {});
 }
 }  // namespace
 

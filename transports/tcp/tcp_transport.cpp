@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "src/core/log.hpp"
+#include "src/core/signature.hpp"
 #include "transports/tcp/asio_stream.hpp"
 
 namespace weft {
@@ -195,6 +196,45 @@ void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::st
   complete_all(ops, context);
 }
 
+void TcpTransport::note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+  if (signature.call == 0) return;
+  auto it = contexts_.find(context);
+  if (it == contexts_.end() || it->second.failed) return;
+  ContextState& state = it->second;
+  if (!state.local.empty() && state.local.back().seq == seq) return;  // a later message of the same operation
+  state.local.push_back(ContextState::Seen{seq, signature, rank_});
+  if (state.local.size() > signatures_kept) state.local.pop_front();
+  for (const auto& seen : state.early) {
+    if (seen.seq == seq && seen.signature != signature) {
+      const int peer = seen.peer;
+      const OpSignature theirs = seen.signature;
+      abort_context(context, Errc::mismatch,
+                    fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(theirs, seq), rank_,
+                                signature::describe(signature, seq)));
+      return;
+    }
+  }
+}
+
+void TcpTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
+  if (signature.call == 0) return;
+  auto it = contexts_.find(context);
+  if (it == contexts_.end() || it->second.failed) return;
+  ContextState& state = it->second;
+  for (const auto& seen : state.local) {
+    if (seen.seq == seq && seen.signature != signature) {
+      const OpSignature mine = seen.signature;
+      abort_context(context, Errc::mismatch,
+                    fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(signature, seq), rank_,
+                                signature::describe(mine, seq)));
+      return;
+    }
+  }
+  if (!state.early.empty() && state.early.back().seq == seq && state.early.back().peer == peer) return;
+  state.early.push_back(ContextState::Seen{seq, signature, peer});
+  if (state.early.size() > signatures_kept) state.early.pop_front();
+}
+
 // ---------------------------------------------------------------- sending
 
 void TcpTransport::start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {
@@ -202,9 +242,10 @@ void TcpTransport::start_send(int peer, const MessageKey& key, const void* data,
   op.key = key;
   op.send_data = data;
   op.bytes = bytes;
+  note_local_signature(key.context, key.seq, op.signature);
   if (!context_usable(key.context, op)) return;
   if (peer == rank_) {
-    deliver_local(key, data, bytes);
+    deliver_local(key, data, bytes, op.signature);
     op.complete();
     return;
   }
@@ -236,6 +277,8 @@ void TcpTransport::start_write(Connection& c) {
     h.seq = op.key.seq;
     h.tag = op.key.tag;
     h.bytes = op.bytes;
+    h.call = op.signature.call;
+    h.count = op.signature.count;
     c.writing_control = false;
     wire::encode(h, c.send_header);
     second = ConstBytes{op.send_data, op.bytes};
@@ -274,13 +317,14 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
   op.key = key;
   op.recv_data = data;
   op.bytes = bytes;
+  note_local_signature(key.context, key.seq, op.signature);
   // A message that already arrived is delivered even when its sender or the context failed since.
   auto it = mailboxes_.find(MatchKey{peer, key});
   if (it != mailboxes_.end() && !it->second.unexpected.empty()) {
     Unexpected message = std::move(it->second.unexpected.front());
     it->second.unexpected.pop_front();
     if (it->second.unexpected.empty() && it->second.posted.empty()) mailboxes_.erase(it);
-    deliver(op, peer, message.data.get(), message.bytes);
+    deliver(op, peer, message.data.get(), message.bytes, message.signature);
     give_back(std::move(message));
     return;
   }
@@ -316,7 +360,17 @@ TransportOp* TcpTransport::take_posted(const MatchKey& key) {
   return op;
 }
 
-void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes) {
+std::optional<std::string> TcpTransport::mismatch(const TransportOp& op, int from, const OpSignature& theirs) const {
+  if (op.signature.call == 0 || theirs.call == 0 || op.signature == theirs) return std::nullopt;
+  return fmt::format("rank {} called {} while rank {} called {}", from, signature::describe(theirs, op.key.seq), rank_,
+                     signature::describe(op.signature, op.key.seq));
+}
+
+void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature) {
+  if (auto why = mismatch(op, from, signature)) {
+    op.complete(code_of(Errc::mismatch), -1, *why);
+    return;
+  }
   if (op.bytes != bytes) {
     op.complete(code_of(Errc::size_mismatch), -1,
                 fmt::format("rank {} sent {} bytes, this rank expected {}", from, bytes, op.bytes));
@@ -326,12 +380,13 @@ void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::siz
   op.complete();
 }
 
-void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes) {
+void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
   if (TransportOp* op = take_posted(MatchKey{rank_, key})) {
-    deliver(*op, rank_, data, bytes);
+    deliver(*op, rank_, data, bytes, signature);
     return;
   }
   Unexpected message = take_buffer(bytes);
+  message.signature = signature;
   if (bytes) std::memcpy(message.data.get(), data, bytes);
   mailboxes_[MatchKey{rank_, key}].unexpected.push_back(std::move(message));
 }
@@ -409,6 +464,13 @@ void TcpTransport::on_header(Connection& c) {
         return;
       }
       if (TransportOp* op = take_posted(MatchKey{c.peer, MessageKey{header->context, header->seq, header->tag}})) {
+        // The signature first: a different collective usually means a different size too, and naming
+        // both calls says more than naming both sizes.
+        if (auto why = mismatch(*op, c.peer, OpSignature{header->call, header->count})) {
+          read_payload_into(c, nullptr, header->bytes, true);
+          op->complete(code_of(Errc::mismatch), -1, *why);
+          return;
+        }
         if (op->bytes != header->bytes) {
           read_payload_into(c, nullptr, header->bytes, true);
           op->complete(code_of(Errc::size_mismatch), -1,
@@ -419,7 +481,13 @@ void TcpTransport::on_header(Connection& c) {
         read_payload_into(c, op->recv_data, header->bytes, false);
         return;
       }
+      note_early_signature(header->context, header->seq, OpSignature{header->call, header->count}, c.peer);
+      if (ctx != contexts_.end() && ctx->second.failed) {  // the signature disagreed with this rank's call
+        read_payload_into(c, nullptr, header->bytes, true);
+        return;
+      }
       c.incoming = take_buffer(header->bytes);
+      c.incoming.signature = OpSignature{header->call, header->count};
       read_payload_into(c, c.incoming.data.get(), header->bytes, false);
       return;
     }
@@ -504,7 +572,7 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
   start_read_header(c);
   const MatchKey key{c.peer, MessageKey{h.context, h.seq, h.tag}};
   if (TransportOp* op = take_posted(key)) {
-    deliver(*op, c.peer, message.data.get(), message.bytes);
+    deliver(*op, c.peer, message.data.get(), message.bytes, message.signature);
     give_back(std::move(message));
     return;
   }

@@ -3,6 +3,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -58,6 +59,7 @@ class TcpTransport final : public Transport, private StreamEvents {
     std::unique_ptr<std::byte[]> data;
     std::size_t bytes = 0;
     std::size_t capacity = 0;
+    OpSignature signature{};  // of the operation it belongs to
   };
   // Buffers for messages that arrive before their receive, reused: a pipelined collective produces many
   // of the same size, and fresh large allocations cost an mmap and page faults each.
@@ -105,7 +107,22 @@ class TcpTransport final : public Transport, private StreamEvents {
     std::error_code code;
     std::string reason;
     int failed_peer = -1;
+    // The signatures of the latest operations seen in this context: this rank's own (`local`) and those
+    // of messages that arrived before their receive (`early`). A mismatch that no receive would meet
+    // (two ranks that both think they are the root of a broadcast only send) is caught by comparing the
+    // two. Most recent last, at most `signatures_kept` each.
+    struct Seen {
+      std::uint64_t seq;
+      OpSignature signature;
+      int peer;
+    };
+    std::deque<Seen> local, early;
   };
+  static constexpr std::size_t signatures_kept = 64;
+  // Records a signature of `context` (this rank's own operation, or a message from `peer` that came
+  // early) and aborts the context with Errc::mismatch when the other side disagrees for the same seq.
+  void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
+  void note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer);
 
   void on_written(int peer, const std::error_code& ec) override;
   void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
@@ -117,12 +134,14 @@ class TcpTransport final : public Transport, private StreamEvents {
   void on_header(Connection& c);
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
   void on_payload(Connection& c, bool discard);
-  void deliver_local(const MessageKey& key, const void* data, std::size_t bytes);
+  void deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature);
   // The oldest receive posted for `key`, taken out of its mailbox (erased when empty); null if none.
   TransportOp* take_posted(const MatchKey& key);
   // Completes `op` with `bytes` bytes from rank `from`: copied when the sizes agree, else failed with
   // size_mismatch (nothing is truncated).
-  void deliver(TransportOp& op, int from, const void* data, std::size_t bytes);
+  void deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature);
+  // Why a message of `theirs` from `from` cannot complete `op` (a different call), or nothing.
+  std::optional<std::string> mismatch(const TransportOp& op, int from, const OpSignature& theirs) const;
   void fail_connection(Connection& c, const std::string& reason);
   void peer_departed(Connection& c);
   void close_connection(Connection& c, std::vector<TransportOp*>& ops);

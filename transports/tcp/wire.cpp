@@ -21,8 +21,8 @@ std::uint64_t get_u64(const std::byte* p) noexcept {
   return v;
 }
 
-// Layout: 0 magic u32 | 4 version u16 | 6 kind u8 | 7 flags u8 | 8 context u32 | 12 reserved u32 |
-//         16 seq u64 | 24 tag u64 | 32 bytes u64 | 40 fingerprint u64
+// Layout: 0 magic u32 | 4 version u16 | 6 kind u8 | 7 flags u8 | 8 context u32 | 12 call u32 |
+//         16 seq u64 | 24 tag u64 | 32 bytes u64 | 40 count u64
 void encode(const Header& h, HeaderBytes& out) noexcept {
   std::byte* p = out.data();
   put_u32(p + 0, magic);
@@ -31,11 +31,11 @@ void encode(const Header& h, HeaderBytes& out) noexcept {
   p[6] = static_cast<std::byte>(h.kind);
   p[7] = static_cast<std::byte>(h.flags);
   put_u32(p + 8, h.context);
-  put_u32(p + 12, 0);
+  put_u32(p + 12, h.call);
   put_u64(p + 16, h.seq);
   put_u64(p + 24, h.tag);
   put_u64(p + 32, h.bytes);
-  put_u64(p + 40, h.fingerprint);
+  put_u64(p + 40, h.count);
 }
 
 std::optional<Header> decode(const HeaderBytes& in, std::string& error) {
@@ -61,7 +61,8 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error) {
   h.seq = get_u64(p + 16);
   h.tag = get_u64(p + 24);
   h.bytes = get_u64(p + 32);
-  h.fingerprint = get_u64(p + 40);
+  h.call = get_u32(p + 12);
+  h.count = get_u64(p + 40);
   if (h.kind != FrameKind::data && h.bytes > max_control_payload) {
     error = fmt::format("control frame of {} bytes (limit {})", h.bytes, max_control_payload);
     return std::nullopt;

@@ -9,7 +9,7 @@
 namespace weft::wire {
 
 inline constexpr std::uint32_t magic = 0x54464557;  // "WEFT" read as little-endian bytes
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;  // 2: data frames carry the operation's signature
 inline constexpr std::size_t header_size = 48;
 /// Upper bound on the payload of control frames (hello, abort); a larger one is a protocol error.
 inline constexpr std::uint64_t max_control_payload = 64 * 1024;
@@ -29,8 +29,10 @@ struct Header {
   std::uint32_t context = 0;
   std::uint64_t seq = 0;
   std::uint64_t tag = 0;
-  std::uint64_t bytes = 0;        // payload length; may exceed 4 GiB
-  std::uint64_t fingerprint = 0;  // reserved: operation fingerprint for mismatch detection
+  std::uint64_t bytes = 0;  // payload length; may exceed 4 GiB
+  // The signature of the operation a data frame belongs to (OpSignature; 0 elsewhere).
+  std::uint32_t call = 0;
+  std::uint64_t count = 0;
 };
 
 using HeaderBytes = std::array<std::byte, header_size>;

@@ -1,0 +1,24 @@
+#pragma once
+// Operation signatures: what every data frame of a collective says about the call it belongs to, so that
+// ranks which called different collectives (or the same one with different arguments) at the same
+// sequence number fail with a message naming both calls instead of hanging or mixing up bytes
+// (docs/PROTOCOL.md, "Signatures"). The transport compares them; this file packs and describes them.
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "weft/dtype.hpp"
+#include "weft/reduce_op.hpp"
+#include "weft/transport.hpp"
+
+namespace weft::signature {
+
+/// Packs a collective call: `name` (all_reduce, ..., split; any other name is a user plan), its dtype,
+/// its reduce op (only for the reducing collectives and plans), its root (-1: none) and the caller's
+/// element count. call = kind (5 bits) | dtype + 1 (5) | op + 1 (4) | root + 1 (18), count as given.
+OpSignature of(std::string_view name, DType dtype, ReduceOp op, std::uint64_t count, int root);
+
+/// "all_gather #42 (f32 x 1024)", "broadcast #7 (u8 x 16, root 2)", "all_reduce #3 (f32 x 8, sum)".
+std::string describe(const OpSignature& signature, std::uint64_t seq);
+
+}  // namespace weft::signature
