@@ -2,7 +2,13 @@
 // that leaves mid-collective fails every other rank's future (nothing hangs); mismatched sizes fail.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+
+#include <future>
+
 #include "harness.hpp"
+#include "transports/tcp/tcp_transport.hpp"
+#include "transports/tcp/wire.hpp"
 
 using namespace weft;
 using namespace weft::test;
@@ -282,4 +288,59 @@ TEST_CASE("a cancelled collective fails on every rank, naming the rank that canc
     }
   });
   REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a forged length from a peer fails its connection, naming the sizes, and allocates nothing", "[errors][hostile]") {
+  // A transport of rank 0 whose "rank 1" is a raw socket played by the test.
+  Loop loop(Loop::Options{std::chrono::microseconds(0), false});
+  std::unique_ptr<TcpTransport> transport;
+  int raw = -1;
+  std::promise<void> ready;
+  loop.post([&] {
+    asio::ip::tcp::acceptor acceptor(loop.context(), {asio::ip::address_v4::loopback(), 0});
+    raw = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(acceptor.local_endpoint().port());
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    check(::connect(raw, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0, "connect");
+    std::vector<asio::ip::tcp::socket> sockets;
+    sockets.emplace_back(loop.context());
+    sockets.emplace_back(acceptor.accept());
+    transport = std::make_unique<TcpTransport>(loop, 0, 2, std::move(sockets));
+    transport->set_early_limit(std::size_t{1} << 20);
+    transport->open_context(1, {0, 1});
+    ready.set_value();
+  });
+  ready.get_future().wait();
+
+  // A data frame that claims 2^50 bytes, with no receive posted for it.
+  wire::Header forged;
+  forged.kind = wire::FrameKind::data;
+  forged.context = 1;
+  forged.seq = 7;
+  forged.bytes = std::uint64_t{1} << 50;
+  wire::HeaderBytes header;
+  wire::encode(forged, header);
+  REQUIRE(::send(raw, header.data(), header.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(header.size()));
+
+  std::vector<std::byte> buffer(8);
+  TransportOp op;
+  auto wait_for_failure = [&]() -> Task<void> {
+    transport->start_recv(1, MessageKey{1, 8, 0}, buffer.data(), buffer.size(), op);
+    co_await op.wait();
+  };
+  sync_wait(loop, wait_for_failure());
+  CHECK(op.error() == make_error_code(Errc::peer_failure));
+  CHECK(op.failed_peer() == 1);
+  CHECK_THAT(op.reason(), Catch::Contains("a message of 1125899906842624 bytes arrived before its receive") &&
+                              Catch::Contains("the limit is 1048576 bytes (WEFT_MAX_EARLY_BYTES)"));
+
+  std::promise<void> gone;
+  loop.post([&] {
+    transport.reset();
+    gone.set_value();
+  });
+  gone.get_future().wait();
+  ::close(raw);
 }

@@ -213,7 +213,7 @@ struct AwaitAsio {
 
 // The framed protocol over Asio's reactor or over io_uring (Options::transport). io_uring that cannot be
 // set up falls back to Asio, said once per process.
-Transport* make_transport(Loop& loop, const Options& options, std::vector<asio::ip::tcp::socket> sockets) {
+TcpTransport* make_transport(Loop& loop, const Options& options, std::vector<asio::ip::tcp::socket> sockets) {
 #if WEFT_HAVE_URING
   if (options.transport == "uring" || options.transport == "auto") {
     std::string why;
@@ -258,7 +258,9 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   g->size = options.world_size;
   g->options = options;
   g->store_server = std::move(result.store_server);
-  g->transport = std::shared_ptr<Transport>(make_transport(*loop, options, std::move(result.sockets)), detail::DeleteOnLoop{loop});
+  auto* transport = make_transport(*loop, options, std::move(result.sockets));
+  transport->set_early_limit(options.max_early_bytes);
+  g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->transport->open_context(g->context, g->members);
   log().info("rank {} of {}: group ready over {}", g->rank, g->size, g->transport->name());

@@ -114,6 +114,9 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (transport != "tcp" && transport != "uring" && transport != "auto") {
     bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto)", transport));
   }
+  if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {
+    max_early_bytes = static_cast<std::size_t>(parse_int("WEFT_MAX_EARLY_BYTES", v, 0, 1ll << 50));
+  }
   if (const char* v = env("WEFT_PIPELINE_DEPTH")) {
     pipeline_depth = static_cast<int>(parse_int("WEFT_PIPELINE_DEPTH", v, 1, 1024));
   }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include <fmt/format.h>
 
@@ -96,6 +97,7 @@ TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
 }
 
 void TcpTransport::give_back(Unexpected&& buffer) {
+  buffer.charge.release();
   if (buffer.capacity < 4096 || spare_bytes_ + buffer.capacity > spare_limit) return;
   spare_bytes_ += buffer.capacity;
   spare_buffers_.push_back(std::move(buffer));
@@ -486,7 +488,21 @@ void TcpTransport::on_header(Connection& c) {
         read_payload_into(c, nullptr, header->bytes, true);
         return;
       }
-      c.incoming = take_buffer(header->bytes);
+      // Bounded before anything is allocated: the length is the peer's word.
+      const std::size_t waiting = *early_bytes_;
+      if (header->bytes > early_limit_ || waiting > early_limit_ - header->bytes) {
+        fail_connection(c, fmt::format("protocol error from rank {}: a message of {} bytes arrived before its receive while "
+                                       "{} bytes of early messages wait; the limit is {} bytes (WEFT_MAX_EARLY_BYTES)",
+                                       c.peer, header->bytes, waiting, early_limit_));
+        return;
+      }
+      try {
+        c.incoming = take_buffer(header->bytes);
+      } catch (const std::bad_alloc&) {
+        fail_connection(c, fmt::format("out of memory for an early message of {} bytes from rank {}", header->bytes, c.peer));
+        return;
+      }
+      c.incoming.charge = Charge(early_bytes_, header->bytes);
       c.incoming.signature = OpSignature{header->call, header->count};
       read_payload_into(c, c.incoming.data.get(), header->bytes, false);
       return;

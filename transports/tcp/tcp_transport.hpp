@@ -43,6 +43,11 @@ class TcpTransport final : public Transport, private StreamEvents {
 
   void shutdown() override;
 
+  /// At most this many bytes of messages that arrive before their receive are kept, all peers together
+  /// (Options::max_early_bytes). A frame that would go beyond fails its connection with a protocol error
+  /// naming the sizes: a forged or runaway length must not drive an allocation. Default 4 GiB.
+  void set_early_limit(std::size_t bytes) noexcept { early_limit_ = bytes; }
+
   /// Socket options every weft connection gets (TCP_NODELAY, large buffers).
   static void tune_socket(asio::ip::tcp::socket& socket);
 
@@ -55,12 +60,37 @@ class TcpTransport final : public Transport, private StreamEvents {
   struct MatchKeyHash {
     std::size_t operator()(const MatchKey& k) const noexcept;
   };
+  // Bytes counted against the early-message limit while an Unexpected holds them.
+  class Charge {
+   public:
+    Charge() = default;
+    Charge(std::shared_ptr<std::size_t> total, std::size_t bytes) : total_(std::move(total)), bytes_(bytes) { *total_ += bytes_; }
+    Charge(Charge&& other) noexcept : total_(std::move(other.total_)), bytes_(other.bytes_) {}
+    Charge& operator=(Charge&& other) noexcept {
+      release();
+      total_ = std::move(other.total_);
+      bytes_ = other.bytes_;
+      return *this;
+    }
+    ~Charge() { release(); }
+    void release() noexcept {
+      if (total_) *total_ -= bytes_;
+      total_.reset();
+    }
+
+   private:
+    std::shared_ptr<std::size_t> total_;
+    std::size_t bytes_ = 0;
+  };
   struct Unexpected {
     std::unique_ptr<std::byte[]> data;
     std::size_t bytes = 0;
     std::size_t capacity = 0;
     OpSignature signature{};  // of the operation it belongs to
+    Charge charge;            // for messages from peers (early_bytes_)
   };
+  std::size_t early_limit_ = std::size_t{4} << 30;
+  std::shared_ptr<std::size_t> early_bytes_ = std::make_shared<std::size_t>(0);
   // Buffers for messages that arrive before their receive, reused: a pipelined collective produces many
   // of the same size, and fresh large allocations cost an mmap and page faults each.
   Unexpected take_buffer(std::size_t bytes);
