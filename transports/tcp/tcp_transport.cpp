@@ -81,6 +81,9 @@ TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip:
 TcpTransport::~TcpTransport() {
   shutdown();
   alive_.reset();
+  for (auto& c : connections_) {
+    if (c) c->incoming = Unexpected{};  // its charge points at early_bytes_
+  }
 }
 
 TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
@@ -123,6 +126,7 @@ void TcpTransport::open_context(std::uint32_t context, std::vector<int> members)
 
 void TcpTransport::close_context(std::uint32_t context) {
   contexts_.erase(context);
+  cached_state_ = nullptr;
   std::erase_if(mailboxes_, [&](const auto& entry) {
     return entry.first.key.context == context && entry.second.posted.empty();
   });
@@ -198,43 +202,47 @@ void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::st
   complete_all(ops, context);
 }
 
-void TcpTransport::note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
-  if (signature.call == 0) return;
+TcpTransport::ContextState* TcpTransport::find_context(std::uint32_t context) {
+  if (cached_state_ && cached_context_ == context) return cached_state_;
   auto it = contexts_.find(context);
-  if (it == contexts_.end() || it->second.failed) return;
-  ContextState& state = it->second;
-  if (!state.local.empty() && state.local.back().seq == seq) return;  // a later message of the same operation
-  state.local.push_back(ContextState::Seen{seq, signature, rank_});
-  if (state.local.size() > signatures_kept) state.local.pop_front();
-  for (const auto& seen : state.early) {
-    if (seen.seq == seq && seen.signature != signature) {
-      const int peer = seen.peer;
-      const OpSignature theirs = seen.signature;
-      abort_context(context, Errc::mismatch,
-                    fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(theirs, seq), rank_,
-                                signature::describe(signature, seq)));
-      return;
-    }
+  if (it == contexts_.end()) return nullptr;
+  cached_context_ = context;
+  cached_state_ = &it->second;
+  return cached_state_;
+}
+
+// The searches start at the latest entries and stop once past the seq sought (with a little slack for
+// arrivals from several peers interleaving): a check runs per message and must cost little (bench/
+// RESULTS.md, "Mismatch detection"). An older entry that is not reached can only hide a mismatch from
+// this early check; a receive still compares every frame it takes.
+void TcpTransport::note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+  ContextState* state = find_context(context);
+  if (!state || state->failed) return;
+  last_noted_ = MessageKey{context, seq, 0};
+  if (const auto* latest = state->local.latest(); latest && latest->seq == seq) return;
+  state->local.push(ContextState::Seen{seq, signature, rank_});
+  if (const auto* seen = state->early.disagreeing(seq, signature)) {
+    const int peer = seen->peer;
+    const OpSignature theirs = seen->signature;
+    abort_context(context, Errc::mismatch,
+                  fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(theirs, seq), rank_,
+                              signature::describe(signature, seq)));
   }
 }
 
 void TcpTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
   if (signature.call == 0) return;
-  auto it = contexts_.find(context);
-  if (it == contexts_.end() || it->second.failed) return;
-  ContextState& state = it->second;
-  for (const auto& seen : state.local) {
-    if (seen.seq == seq && seen.signature != signature) {
-      const OpSignature mine = seen.signature;
-      abort_context(context, Errc::mismatch,
-                    fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(signature, seq), rank_,
-                                signature::describe(mine, seq)));
-      return;
-    }
+  ContextState* state = find_context(context);
+  if (!state || state->failed) return;
+  if (const auto* seen = state->local.disagreeing(seq, signature)) {
+    const OpSignature mine = seen->signature;
+    abort_context(context, Errc::mismatch,
+                  fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(signature, seq), rank_,
+                              signature::describe(mine, seq)));
+    return;
   }
-  if (!state.early.empty() && state.early.back().seq == seq && state.early.back().peer == peer) return;
-  state.early.push_back(ContextState::Seen{seq, signature, peer});
-  if (state.early.size() > signatures_kept) state.early.pop_front();
+  if (const auto* latest = state->early.latest(); latest && latest->seq == seq && latest->peer == peer) return;
+  state->early.push(ContextState::Seen{seq, signature, peer});
 }
 
 // ---------------------------------------------------------------- sending
@@ -362,15 +370,14 @@ TransportOp* TcpTransport::take_posted(const MatchKey& key) {
   return op;
 }
 
-std::optional<std::string> TcpTransport::mismatch(const TransportOp& op, int from, const OpSignature& theirs) const {
-  if (op.signature.call == 0 || theirs.call == 0 || op.signature == theirs) return std::nullopt;
+std::string TcpTransport::mismatch_reason(const TransportOp& op, int from, const OpSignature& theirs) const {
   return fmt::format("rank {} called {} while rank {} called {}", from, signature::describe(theirs, op.key.seq), rank_,
                      signature::describe(op.signature, op.key.seq));
 }
 
 void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature) {
-  if (auto why = mismatch(op, from, signature)) {
-    op.complete(code_of(Errc::mismatch), -1, *why);
+  if (mismatched(op, signature)) {
+    op.complete(code_of(Errc::mismatch), -1, mismatch_reason(op, from, signature));
     return;
   }
   if (op.bytes != bytes) {
@@ -468,9 +475,9 @@ void TcpTransport::on_header(Connection& c) {
       if (TransportOp* op = take_posted(MatchKey{c.peer, MessageKey{header->context, header->seq, header->tag}})) {
         // The signature first: a different collective usually means a different size too, and naming
         // both calls says more than naming both sizes.
-        if (auto why = mismatch(*op, c.peer, OpSignature{header->call, header->count})) {
+        if (const OpSignature theirs{header->call, header->count}; mismatched(*op, theirs)) {
           read_payload_into(c, nullptr, header->bytes, true);
-          op->complete(code_of(Errc::mismatch), -1, *why);
+          op->complete(code_of(Errc::mismatch), -1, mismatch_reason(*op, c.peer, theirs));
           return;
         }
         if (op->bytes != header->bytes) {
@@ -489,7 +496,7 @@ void TcpTransport::on_header(Connection& c) {
         return;
       }
       // Bounded before anything is allocated: the length is the peer's word.
-      const std::size_t waiting = *early_bytes_;
+      const std::size_t waiting = early_bytes_;
       if (header->bytes > early_limit_ || waiting > early_limit_ - header->bytes) {
         fail_connection(c, fmt::format("protocol error from rank {}: a message of {} bytes arrived before its receive while "
                                        "{} bytes of early messages wait; the limit is {} bytes (WEFT_MAX_EARLY_BYTES)",
@@ -502,7 +509,7 @@ void TcpTransport::on_header(Connection& c) {
         fail_connection(c, fmt::format("out of memory for an early message of {} bytes from rank {}", header->bytes, c.peer));
         return;
       }
-      c.incoming.charge = Charge(early_bytes_, header->bytes);
+      c.incoming.charge = Charge(&early_bytes_, header->bytes);
       c.incoming.signature = OpSignature{header->call, header->count};
       read_payload_into(c, c.incoming.data.get(), header->bytes, false);
       return;

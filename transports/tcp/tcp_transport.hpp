@@ -1,10 +1,12 @@
 #pragma once
 // The TCP transport (Asio): one connection per peer pair, framed messages (wire.hpp), tag matching.
+#include <array>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <asio.hpp>
@@ -60,26 +62,29 @@ class TcpTransport final : public Transport, private StreamEvents {
   struct MatchKeyHash {
     std::size_t operator()(const MatchKey& k) const noexcept;
   };
-  // Bytes counted against the early-message limit while an Unexpected holds them.
+  // Bytes counted against the early-message limit while an Unexpected holds them. The counter is the
+  // transport's early_bytes_, declared before every container of Unexpecteds (so it outlives them); the
+  // destructor releases the charge of a connection's message in flight, as a Connection may outlive the
+  // transport in a pending Asio handler.
   class Charge {
    public:
     Charge() = default;
-    Charge(std::shared_ptr<std::size_t> total, std::size_t bytes) : total_(std::move(total)), bytes_(bytes) { *total_ += bytes_; }
-    Charge(Charge&& other) noexcept : total_(std::move(other.total_)), bytes_(other.bytes_) {}
+    Charge(std::size_t* total, std::size_t bytes) noexcept : total_(total), bytes_(bytes) { *total_ += bytes_; }
+    Charge(Charge&& other) noexcept : total_(std::exchange(other.total_, nullptr)), bytes_(other.bytes_) {}
     Charge& operator=(Charge&& other) noexcept {
       release();
-      total_ = std::move(other.total_);
+      total_ = std::exchange(other.total_, nullptr);
       bytes_ = other.bytes_;
       return *this;
     }
     ~Charge() { release(); }
     void release() noexcept {
       if (total_) *total_ -= bytes_;
-      total_.reset();
+      total_ = nullptr;
     }
 
    private:
-    std::shared_ptr<std::size_t> total_;
+    std::size_t* total_ = nullptr;
     std::size_t bytes_ = 0;
   };
   struct Unexpected {
@@ -90,7 +95,7 @@ class TcpTransport final : public Transport, private StreamEvents {
     Charge charge;            // for messages from peers (early_bytes_)
   };
   std::size_t early_limit_ = std::size_t{4} << 30;
-  std::shared_ptr<std::size_t> early_bytes_ = std::make_shared<std::size_t>(0);
+  std::size_t early_bytes_ = 0;
   // Buffers for messages that arrive before their receive, reused: a pipelined collective produces many
   // of the same size, and fresh large allocations cost an mmap and page faults each.
   Unexpected take_buffer(std::size_t bytes);
@@ -131,6 +136,7 @@ class TcpTransport final : public Transport, private StreamEvents {
     std::size_t scratch_size = 0;
     Unexpected incoming;                   // an unexpected message being read
   };
+  static constexpr std::uint64_t interleaving = 2;  // how far behind the seq sought a signature search looks
   struct ContextState {
     std::vector<int> members;
     bool failed = false;
@@ -140,18 +146,43 @@ class TcpTransport final : public Transport, private StreamEvents {
     // The signatures of the latest operations seen in this context: this rank's own (`local`) and those
     // of messages that arrived before their receive (`early`). A mismatch that no receive would meet
     // (two ranks that both think they are the root of a broadcast only send) is caught by comparing the
-    // two. Most recent last, at most `signatures_kept` each.
+    // two. Fixed rings of the latest `signatures_kept`: a check runs per message and must cost little.
     struct Seen {
-      std::uint64_t seq;
-      OpSignature signature;
-      int peer;
+      std::uint64_t seq = 0;
+      OpSignature signature{};
+      int peer = -1;
     };
-    std::deque<Seen> local, early;
+    struct Recent {
+      std::array<Seen, 64> ring{};
+      std::size_t pushed = 0;  // ring[(pushed - 1) % size] is the latest
+      void push(const Seen& seen) noexcept { ring[pushed++ % ring.size()] = seen; }
+      const Seen* latest() const noexcept { return pushed ? &ring[(pushed - 1) % ring.size()] : nullptr; }
+      // The entry for `seq` whose signature differs from `signature`, searching from the latest back while
+      // entries are at most `interleaving` behind `seq`.
+      const Seen* disagreeing(std::uint64_t seq, const OpSignature& signature) const noexcept {
+        const std::size_t kept = pushed < ring.size() ? pushed : ring.size();
+        for (std::size_t back = 1; back <= kept; ++back) {
+          const Seen& seen = ring[(pushed - back) % ring.size()];
+          if (seen.seq + interleaving < seq) break;
+          if (seen.seq == seq && !(seen.signature == signature)) return &seen;
+        }
+        return nullptr;
+      }
+    };
+    Recent local, early;
   };
-  static constexpr std::size_t signatures_kept = 64;
+  MessageKey last_noted_{};                        // the (context, seq) note_local_signature saw last
+  ContextState* find_context(std::uint32_t context);  // contexts_.find, remembering the last one
+  std::uint32_t cached_context_ = 0;
+  ContextState* cached_state_ = nullptr;
   // Records a signature of `context` (this rank's own operation, or a message from `peer` that came
   // early) and aborts the context with Errc::mismatch when the other side disagrees for the same seq.
-  void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
+  void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+    // Once per operation: its later messages return here.
+    if (signature.call == 0 || (context == last_noted_.context && seq == last_noted_.seq)) return;
+    note_new_local_signature(context, seq, signature);
+  }
+  void note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
   void note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer);
 
   void on_written(int peer, const std::error_code& ec) override;
@@ -170,8 +201,12 @@ class TcpTransport final : public Transport, private StreamEvents {
   // Completes `op` with `bytes` bytes from rank `from`: copied when the sizes agree, else failed with
   // size_mismatch (nothing is truncated).
   void deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature);
-  // Why a message of `theirs` from `from` cannot complete `op` (a different call), or nothing.
-  std::optional<std::string> mismatch(const TransportOp& op, int from, const OpSignature& theirs) const;
+  // Whether a message of `theirs` cannot complete `op` (both calls known, and different).
+  static bool mismatched(const TransportOp& op, const OpSignature& theirs) noexcept {
+    return op.signature.call != 0 && theirs.call != 0 && !(op.signature == theirs);
+  }
+  // The error text: both calls, named.
+  std::string mismatch_reason(const TransportOp& op, int from, const OpSignature& theirs) const;
   void fail_connection(Connection& c, const std::string& reason);
   void peer_departed(Connection& c);
   void close_connection(Connection& c, std::vector<TransportOp*>& ops);
