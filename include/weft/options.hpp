@@ -40,16 +40,22 @@ struct Options {
   /// io_uring cannot be set up, weft uses tcp and says so once in the log. Empty: WEFT_TRANSPORT, else
   /// "tcp". Any other value is an error naming the valid ones.
   std::string transport;
+  /// Every collective's deadline (WEFT_TIMEOUT: "500ms", "30s", "2m", "1h"; a bare number is seconds;
+  /// 0: none). When it passes, the operation fails on this rank with Errc::timeout and a report of the
+  /// ranks it was still waiting for, and on every other rank of the group (an abort frame carries the
+  /// report); the group is failed afterwards. Default 30 minutes.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// At most this many bytes of messages that arrive before their receive is posted are kept, all peers
   /// together (WEFT_MAX_EARLY_BYTES). A message beyond it fails the sender's connection with an error
-  /// naming the sizes, so a forged or runaway length cannot exhaust memory. Default 4 GiB.
-  std::size_t max_early_bytes = std::size_t{4} << 30;
+  /// naming the sizes, so a forged or runaway length cannot exhaust memory. 0 (the default): half of the
+  /// machine's physical memory.
+  std::size_t max_early_bytes = 0;
 
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
   /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT,
-  /// WEFT_MAX_EARLY_BYTES.
+  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

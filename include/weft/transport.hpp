@@ -119,6 +119,10 @@ class Transport {
   /// True, with the failure, when `context` can no longer be used.
   virtual bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const = 0;
 
+  /// The transport ranks that operation (context, seq) here still waits on: the sources of its posted
+  /// receives and the destinations of its sends not written yet. For deadline reports.
+  virtual std::vector<int> waiting_on(std::uint32_t context, std::uint64_t seq) const = 0;
+
   /// Closes every connection; pending operations fail.
   virtual void shutdown() = 0;
 };

@@ -1,5 +1,7 @@
 #include "weft/group.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -9,6 +11,7 @@
 
 #include <asio.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kernels/cpu/reduce.hpp"
 #include "src/algorithms/selection.hpp"
@@ -46,7 +49,7 @@ struct DeleteOnLoop {
   }
 };
 
-struct GroupState {
+struct GroupState : std::enable_shared_from_this<GroupState> {
   Loop* loop = nullptr;
   std::shared_ptr<Transport> transport;            // shared with the groups split from this one
   std::shared_ptr<store::Server> store_server;     // rank 0 of the world group only
@@ -99,12 +102,74 @@ struct GroupState {
   /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
   Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers, Call call,
                  std::uint64_t first_tag = 0) {
+    if (options.timeout.count() > 0) watch(seq, op);
     try {
       co_await algo::execute(channel(seq, op, buffers, call, first_tag), plan, buffers, exec_options());
     } catch (const Error& e) {
+      unwatch(seq);
       mark_failed(e.what());
       throw;
     }
+    unwatch(seq);
+  }
+
+  // Deadlines. A timer per operation cost 2600 instructions per 1 KiB all_reduce (+19%, bench/RESULTS.md);
+  // instead the running operations are listed with their start, and one watchdog timer per group, armed
+  // while any runs, looks every min(timeout / 4, 250 ms). Loop thread only.
+  struct Watched {
+    std::uint64_t seq;
+    const char* op;
+    std::chrono::steady_clock::time_point started;
+  };
+  std::vector<Watched> watched;
+  bool watchdog_armed = false;
+
+  void watch(std::uint64_t seq, const char* op) {
+    watched.push_back(Watched{seq, op, std::chrono::steady_clock::now()});
+    if (!watchdog_armed) arm_watchdog();
+  }
+
+  void arm_watchdog() {
+    watchdog_armed = true;
+    const auto period = std::min<std::chrono::milliseconds>(options.timeout / 4, std::chrono::milliseconds(250));
+    loop->call_after(std::max(period, std::chrono::milliseconds(1)), [weak = weak_from_this()](bool) {
+      if (auto self = weak.lock()) self->on_watchdog();
+    });
+  }
+
+  void unwatch(std::uint64_t seq) {
+    for (auto it = watched.rbegin(); it != watched.rend(); ++it) {
+      if (it->seq == seq) {
+        watched.erase(std::next(it).base());
+        return;
+      }
+    }
+  }
+
+  void on_watchdog() {
+    watchdog_armed = false;
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<Watched> late;
+    for (const Watched& w : watched) {
+      if (now - w.started >= options.timeout) late.push_back(w);
+    }
+    // Aborting completes operations, whose coroutines then unwatch: work on the copy.
+    for (const Watched& w : late) time_out(w.seq, w.op);
+    if (!watched.empty() && !watchdog_armed) arm_watchdog();
+  }
+
+  void time_out(std::uint64_t seq, const char* op) {
+    std::vector<std::string> names;
+    for (int peer : transport->waiting_on(context, seq)) {
+      const auto it = std::find(members.begin(), members.end(), peer);
+      if (it != members.end()) names.push_back(std::to_string(it - members.begin()));
+    }
+    const auto ms = options.timeout.count();
+    const std::string after = ms % 1000 == 0 ? fmt::format("{} s", ms / 1000) : fmt::format("{} ms", ms);
+    const std::string whom = names.empty() ? std::string("no peer (the operation had not reached the network)")
+                                           : fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "));
+    transport->abort_context(context, Errc::timeout,
+                             fmt::format("{} #{} passed its deadline ({}) on rank {}, still waiting for {}", op, seq, after, rank, whom));
   }
 };
 
@@ -240,6 +305,15 @@ TcpTransport* make_transport(Loop& loop, const Options& options, std::vector<asi
   return new TcpTransport(loop, options.rank, options.world_size, std::move(sockets));
 }
 
+// The default bound on early messages: generous (a legitimate program may send a message of several GiB
+// before its receive is posted; a test sends one over 4 GiB), yet below what would exhaust the machine.
+std::size_t half_the_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::size_t{4} << 30;
+  return std::max(std::size_t{1} << 30, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 2);
+}
+
 Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
   co_await loop->schedule();
   BootstrapResult result;
@@ -259,7 +333,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   g->options = options;
   g->store_server = std::move(result.store_server);
   auto* transport = make_transport(*loop, options, std::move(result.sockets));
-  transport->set_early_limit(options.max_early_bytes);
+  transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : half_the_memory());
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->transport->open_context(g->context, g->members);

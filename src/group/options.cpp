@@ -24,6 +24,23 @@ long long parse_int(const char* name, const char* text, long long lo, long long 
   return value;
 }
 
+// A duration: a number with a unit (ms, s, m, h; none: seconds), e.g. "500ms", "30s", "2m", "45".
+std::chrono::milliseconds parse_duration(const char* name, const char* text) {
+  const std::string_view t(text);
+  std::size_t digits = 0;
+  while (digits < t.size() && t[digits] >= '0' && t[digits] <= '9') ++digits;
+  const std::string_view unit = t.substr(digits);
+  long long scale = 0;
+  if (unit.empty() || unit == "s") scale = 1000;
+  else if (unit == "ms") scale = 1;
+  else if (unit == "m") scale = 60'000;
+  else if (unit == "h") scale = 3'600'000;
+  if (digits == 0 || digits > 12 || scale == 0) {
+    bad(fmt::format("{}='{}' is not a duration (a whole number with ms, s, m or h; no unit: seconds; 0: none)", name, text));
+  }
+  return std::chrono::milliseconds(std::stoll(std::string(t.substr(0, digits))) * scale);
+}
+
 struct Convention {
   const char* rank;
   const char* size;
@@ -114,6 +131,7 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (transport != "tcp" && transport != "uring" && transport != "auto") {
     bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto)", transport));
   }
+  if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {
     max_early_bytes = static_cast<std::size_t>(parse_int("WEFT_MAX_EARLY_BYTES", v, 0, 1ll << 50));
   }

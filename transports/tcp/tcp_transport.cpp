@@ -245,6 +245,25 @@ void TcpTransport::note_early_signature(std::uint32_t context, std::uint64_t seq
   state->early.push(ContextState::Seen{seq, signature, peer});
 }
 
+std::vector<int> TcpTransport::waiting_on(std::uint32_t context, std::uint64_t seq) const {
+  std::vector<int> peers;
+  for (const auto& [key, mailbox] : mailboxes_) {
+    if (key.key.context == context && key.key.seq == seq && !mailbox.posted.empty()) peers.push_back(key.peer);
+  }
+  for (const auto& c : connections_) {
+    if (!c) continue;
+    for (const TransportOp* op : c->send_queue) {
+      if (op->key.context == context && op->key.seq == seq) {
+        peers.push_back(c->peer);
+        break;
+      }
+    }
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  return peers;
+}
+
 // ---------------------------------------------------------------- sending
 
 void TcpTransport::start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {

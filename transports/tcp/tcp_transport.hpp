@@ -42,12 +42,14 @@ class TcpTransport final : public Transport, private StreamEvents {
   void close_context(std::uint32_t context) override;
   void abort_context(std::uint32_t context, Errc code, const std::string& reason) override;
   bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const override;
+  std::vector<int> waiting_on(std::uint32_t context, std::uint64_t seq) const override;
 
   void shutdown() override;
 
   /// At most this many bytes of messages that arrive before their receive are kept, all peers together
   /// (Options::max_early_bytes). A frame that would go beyond fails its connection with a protocol error
-  /// naming the sizes: a forged or runaway length must not drive an allocation. Default 4 GiB.
+  /// naming the sizes: a forged or runaway length must not drive an allocation. Default 4 GiB here; Group
+  /// sets Options::max_early_bytes (default half the physical memory).
   void set_early_limit(std::size_t bytes) noexcept { early_limit_ = bytes; }
 
   /// Socket options every weft connection gets (TCP_NODELAY, large buffers).
