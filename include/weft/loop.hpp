@@ -99,13 +99,6 @@ class Loop {
   std::uint64_t watch_readable(int fd, std::function<void()> on_readable);
   void unwatch(std::uint64_t id);
 
-  /// The busy-poll hook: `poll()` runs on the loop at every polling turn (while operations are in flight,
-  /// within the adaptive spin bound), before the loop looks for ready handlers. A source whose events
-  /// need a system call to surface (an io_uring ring with deferred task work) makes that call here.
-  /// `poll` must be cheap and must not block. Returns an id for remove_poller(). Thread-safe.
-  std::uint64_t add_poller(std::function<void()> poll);
-  void remove_poller(std::uint64_t id);
-
   /// `co_await loop.schedule()` continues the coroutine on the loop's thread.
   auto schedule() noexcept {
     struct Awaiter {

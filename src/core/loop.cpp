@@ -11,8 +11,6 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
-#include <utility>
-#include <vector>
 
 #include <asio.hpp>
 
@@ -33,7 +31,6 @@ struct Registry {
     std::function<void()> on_readable;
   };
   std::unordered_map<std::uint64_t, std::unique_ptr<Watch>> watches;
-  std::vector<std::pair<std::uint64_t, std::function<void()>>> pollers;  // see Loop::add_poller
 };
 
 // Polling pays only while every polling rank has a core: with more local ranks than cores, a poller
@@ -124,7 +121,7 @@ struct Loop::Impl {
   }
 
   // One turn of the loop, split in reap and wait: when `polling`, reap ready handlers without sleeping
-  // (the pollers, then poll) until `spin_now` passes without an event; otherwise wait in the kernel for
+  // (poll) until `spin_now` passes without an event; otherwise wait in the kernel for
   // the next one (at most `max_wait`; zero: as long as it takes).
   //
   // The bound adapts: a poll that found nothing for the whole bound halves it (down to spin/16), since
@@ -133,7 +130,6 @@ struct Loop::Impl {
   // that computes between collectives polls for ever shorter stretches.
   void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait) {
     if (polling) {
-      for (auto& poller : registry->pollers) poller.second();
       if (io->poll() > 0) {
         const auto now = Clock::now();
         if (now - last_work > spin_now / 2) spin_now = std::min(spin, spin_now * 2);
@@ -316,22 +312,6 @@ std::uint64_t Loop::watch_readable(int fd, std::function<void()> on_readable) {
     arm_watch(*io, weak, id);
   });
   return id;
-}
-
-std::uint64_t Loop::add_poller(std::function<void()> poll) {
-  const std::uint64_t id = impl_->next_id.fetch_add(1);
-  std::weak_ptr<Registry> weak = impl_->registry;
-  impl_->on_loop([weak, id, fn = std::move(poll)]() mutable {
-    if (auto registry = weak.lock()) registry->pollers.emplace_back(id, std::move(fn));
-  });
-  return id;
-}
-
-void Loop::remove_poller(std::uint64_t id) {
-  std::weak_ptr<Registry> weak = impl_->registry;
-  impl_->on_loop([weak, id] {
-    if (auto registry = weak.lock()) std::erase_if(registry->pollers, [id](const auto& p) { return p.first == id; });
-  });
 }
 
 void Loop::unwatch(std::uint64_t id) {

@@ -96,7 +96,7 @@ TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
       return found;
     }
   }
-  return Unexpected{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes, bytes};
+  return Unexpected{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes, bytes, {}, {}};
 }
 
 void TcpTransport::give_back(Unexpected&& buffer) {
