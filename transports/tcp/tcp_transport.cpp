@@ -222,11 +222,8 @@ void TcpTransport::note_new_local_signature(std::uint32_t context, std::uint64_t
   if (const auto* latest = state->local.latest(); latest && latest->seq == seq) return;
   state->local.push(ContextState::Seen{seq, signature, rank_});
   if (const auto* seen = state->early.disagreeing(seq, signature)) {
-    const int peer = seen->peer;
-    const OpSignature theirs = seen->signature;
-    abort_context(context, Errc::mismatch,
-                  fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(theirs, seq), rank_,
-                              signature::describe(signature, seq)));
+    const std::string reason = mismatch_reason(seq, seen->peer, seen->signature, signature);
+    abort_context(context, Errc::mismatch, reason);
   }
 }
 
@@ -235,10 +232,7 @@ void TcpTransport::note_early_signature(std::uint32_t context, std::uint64_t seq
   ContextState* state = find_context(context);
   if (!state || state->failed) return;
   if (const auto* seen = state->local.disagreeing(seq, signature)) {
-    const OpSignature mine = seen->signature;
-    abort_context(context, Errc::mismatch,
-                  fmt::format("rank {} called {} while rank {} called {}", peer, signature::describe(signature, seq), rank_,
-                              signature::describe(mine, seq)));
+    abort_context(context, Errc::mismatch, mismatch_reason(seq, peer, signature, seen->signature));
     return;
   }
   if (const auto* latest = state->early.latest(); latest && latest->seq == seq && latest->peer == peer) return;
@@ -389,14 +383,14 @@ TransportOp* TcpTransport::take_posted(const MatchKey& key) {
   return op;
 }
 
-std::string TcpTransport::mismatch_reason(const TransportOp& op, int from, const OpSignature& theirs) const {
-  return fmt::format("rank {} called {} while rank {} called {}", from, signature::describe(theirs, op.key.seq), rank_,
-                     signature::describe(op.signature, op.key.seq));
+std::string TcpTransport::mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const {
+  return fmt::format("rank {} called {} while rank {} called {}", from, signature::describe(theirs, seq), rank_,
+                     signature::describe(mine, seq));
 }
 
 void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature) {
   if (mismatched(op, signature)) {
-    op.complete(code_of(Errc::mismatch), -1, mismatch_reason(op, from, signature));
+    op.complete(code_of(Errc::mismatch), -1, mismatch_reason(op.key.seq, from, signature, op.signature));
     return;
   }
   if (op.bytes != bytes) {
@@ -496,7 +490,7 @@ void TcpTransport::on_header(Connection& c) {
         // both calls says more than naming both sizes.
         if (const OpSignature theirs{header->call, header->count}; mismatched(*op, theirs)) {
           read_payload_into(c, nullptr, header->bytes, true);
-          op->complete(code_of(Errc::mismatch), -1, mismatch_reason(*op, c.peer, theirs));
+          op->complete(code_of(Errc::mismatch), -1, mismatch_reason(op->key.seq, c.peer, theirs, op->signature));
           return;
         }
         if (op->bytes != header->bytes) {

@@ -207,8 +207,8 @@ class TcpTransport final : public Transport, private StreamEvents {
   static bool mismatched(const TransportOp& op, const OpSignature& theirs) noexcept {
     return op.signature.call != 0 && theirs.call != 0 && !(op.signature == theirs);
   }
-  // The error text: both calls, named.
-  std::string mismatch_reason(const TransportOp& op, int from, const OpSignature& theirs) const;
+  // The error text: both calls of operation `seq`, named (`from` called `theirs`, this rank `mine`).
+  std::string mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const;
   void fail_connection(Connection& c, const std::string& reason);
   void peer_departed(Connection& c);
   void close_connection(Connection& c, std::vector<TransportOp*>& ops);
