@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 
+#include <array>
 #include <future>
 
 #include "harness.hpp"
@@ -290,59 +291,149 @@ TEST_CASE("a cancelled collective fails on every rank, naming the rank that canc
   REQUIRE(checks_made.load() > before);
 }
 
+namespace {
+
+// A transport of rank 0 whose "rank 1" is a raw socket played by the test: what rank 1 writes, the
+// transport reads as its peer's stream. `expect_lost(words)` posts a receive from rank 1 and checks that
+// it fails with PeerFailure and a reason containing every one of `words`.
+class RawPeer {
+ public:
+  explicit RawPeer(std::size_t early_limit = std::size_t{1} << 20) {
+    std::promise<void> ready;
+    loop_.post([&] {
+      asio::ip::tcp::acceptor acceptor(loop_.context(), {asio::ip::address_v4::loopback(), 0});
+      raw_ = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in to{};
+      to.sin_family = AF_INET;
+      to.sin_port = htons(acceptor.local_endpoint().port());
+      to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      check(::connect(raw_, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0, "connect");
+      std::vector<asio::ip::tcp::socket> sockets;
+      sockets.emplace_back(loop_.context());
+      sockets.emplace_back(acceptor.accept());
+      transport_ = std::make_unique<TcpTransport>(loop_, 0, 2, std::move(sockets));
+      transport_->set_early_limit(early_limit);
+      transport_->open_context(1, {0, 1});
+      ready.set_value();
+    });
+    ready.get_future().wait();
+  }
+  ~RawPeer() {
+    std::promise<void> gone;
+    loop_.post([&] {
+      transport_.reset();
+      gone.set_value();
+    });
+    gone.get_future().wait();
+    if (raw_ >= 0) ::close(raw_);
+  }
+
+  void write(const void* data, std::size_t size) {
+    REQUIRE(::send(raw_, data, size, MSG_NOSIGNAL) == static_cast<ssize_t>(size));
+  }
+  void write(const wire::Header& h, std::uint16_t version = wire::version) {
+    wire::HeaderBytes bytes;
+    wire::encode(h, bytes);
+    bytes[4] = static_cast<std::byte>(version & 0xff);
+    bytes[5] = static_cast<std::byte>(version >> 8);
+    write(bytes.data(), bytes.size());
+  }
+  void hang_up() {
+    ::close(raw_);
+    raw_ = -1;
+  }
+
+  void expect_lost(std::initializer_list<std::string> words) {
+    std::vector<std::byte> buffer(8);
+    TransportOp op;
+    auto wait_for_failure = [&]() -> Task<void> {
+      transport_->start_recv(1, MessageKey{1, 8, 0}, buffer.data(), buffer.size(), op);
+      co_await op.wait();
+    };
+    sync_wait(loop_, wait_for_failure());
+    CHECK(op.error() == make_error_code(Errc::peer_failure));
+    CHECK(op.failed_peer() == 1);
+    for (const auto& w : words) CHECK_THAT(op.reason(), Catch::Contains(w));
+  }
+
+ private:
+  Loop loop_{Loop::Options{std::chrono::microseconds(0), false}};
+  std::unique_ptr<TcpTransport> transport_;
+  int raw_ = -1;
+};
+
+wire::Header data_frame(std::uint64_t bytes) {
+  wire::Header h;
+  h.kind = wire::FrameKind::data;
+  h.context = 1;
+  h.seq = 7;
+  h.bytes = bytes;
+  return h;
+}
+
+}  // namespace
+
 TEST_CASE("a forged length from a peer fails its connection, naming the sizes, and allocates nothing", "[errors][hostile]") {
-  // A transport of rank 0 whose "rank 1" is a raw socket played by the test.
-  Loop loop(Loop::Options{std::chrono::microseconds(0), false});
-  std::unique_ptr<TcpTransport> transport;
-  int raw = -1;
-  std::promise<void> ready;
-  loop.post([&] {
-    asio::ip::tcp::acceptor acceptor(loop.context(), {asio::ip::address_v4::loopback(), 0});
-    raw = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in to{};
-    to.sin_family = AF_INET;
-    to.sin_port = htons(acceptor.local_endpoint().port());
-    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    check(::connect(raw, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0, "connect");
-    std::vector<asio::ip::tcp::socket> sockets;
-    sockets.emplace_back(loop.context());
-    sockets.emplace_back(acceptor.accept());
-    transport = std::make_unique<TcpTransport>(loop, 0, 2, std::move(sockets));
-    transport->set_early_limit(std::size_t{1} << 20);
-    transport->open_context(1, {0, 1});
-    ready.set_value();
-  });
-  ready.get_future().wait();
+  RawPeer peer;
+  peer.write(data_frame(std::uint64_t{1} << 50));  // 2^50 bytes claimed, no receive posted for it
+  peer.expect_lost({"a message of 1125899906842624 bytes arrived before its receive",
+                    "the limit is 1048576 bytes (WEFT_MAX_EARLY_BYTES)"});
+}
 
-  // A data frame that claims 2^50 bytes, with no receive posted for it.
-  wire::Header forged;
-  forged.kind = wire::FrameKind::data;
-  forged.context = 1;
-  forged.seq = 7;
-  forged.bytes = std::uint64_t{1} << 50;
-  wire::HeaderBytes header;
-  wire::encode(forged, header);
-  REQUIRE(::send(raw, header.data(), header.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(header.size()));
-
-  std::vector<std::byte> buffer(8);
-  TransportOp op;
-  auto wait_for_failure = [&]() -> Task<void> {
-    transport->start_recv(1, MessageKey{1, 8, 0}, buffer.data(), buffer.size(), op);
-    co_await op.wait();
-  };
-  sync_wait(loop, wait_for_failure());
-  CHECK(op.error() == make_error_code(Errc::peer_failure));
-  CHECK(op.failed_peer() == 1);
-  CHECK_THAT(op.reason(), Catch::Contains("a message of 1125899906842624 bytes arrived before its receive") &&
-                              Catch::Contains("the limit is 1048576 bytes (WEFT_MAX_EARLY_BYTES)"));
-
-  std::promise<void> gone;
-  loop.post([&] {
-    transport.reset();
-    gone.set_value();
-  });
-  gone.get_future().wait();
-  ::close(raw);
+TEST_CASE("a peer that breaks the protocol loses its connection with the reason logged, and nothing hangs", "[errors][hostile]") {
+  SECTION("wrong magic") {
+    RawPeer peer;
+    std::array<std::byte, wire::header_size> bytes{};
+    bytes.fill(std::byte{0x41});
+    peer.write(bytes.data(), bytes.size());
+    peer.expect_lost({"protocol error from rank 1", "bad magic 0x41414141 (expected 0x54464557)"});
+  }
+  SECTION("wrong version") {
+    RawPeer peer;
+    peer.write(data_frame(0), 1);
+    peer.expect_lost({"protocol error from rank 1", "protocol version 1 (this build speaks 2)"});
+  }
+  SECTION("unknown frame kind") {
+    RawPeer peer;
+    wire::Header h = data_frame(0);
+    h.kind = static_cast<wire::FrameKind>(9);
+    peer.write(h);
+    peer.expect_lost({"protocol error from rank 1", "unknown frame kind 9"});
+  }
+  SECTION("a control frame over 64 KiB") {
+    RawPeer peer;
+    wire::Header h = data_frame(1 << 20);
+    h.kind = wire::FrameKind::abort;
+    peer.write(h);
+    peer.expect_lost({"protocol error from rank 1", "control frame of 1048576 bytes (limit 65536)"});
+  }
+  SECTION("random bytes") {
+    RawPeer peer;
+    std::vector<std::byte> noise(4096);
+    std::uint32_t x = 12345;
+    for (auto& b : noise) {
+      x = x * 1664525u + 1013904223u;
+      b = static_cast<std::byte>(x >> 24);
+    }
+    peer.write(noise.data(), noise.size());
+    peer.expect_lost({"protocol error from rank 1", "bad magic"});
+  }
+  SECTION("half a header, then the peer hangs up") {
+    RawPeer peer;
+    wire::HeaderBytes bytes;
+    wire::encode(data_frame(16), bytes);
+    peer.write(bytes.data(), 20);
+    peer.hang_up();
+    peer.expect_lost({"connection to rank 1 lost", "the peer closed the connection in the middle of a frame"});
+  }
+  SECTION("a header and half its payload, then the peer hangs up") {
+    RawPeer peer;
+    peer.write(data_frame(4096));
+    std::vector<std::byte> half(2048);
+    peer.write(half.data(), half.size());
+    peer.hang_up();
+    peer.expect_lost({"connection to rank 1 lost", "the peer closed the connection in the middle of a frame"});
+  }
 }
 
 TEST_CASE("a collective past its deadline fails on every rank, naming whom it waited for", "[errors][timeout]") {

@@ -439,9 +439,16 @@ void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t byte
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
   if (!c.alive) return;
   if (ec) {
+    // Bytes that came before the end still count: a peer that hangs up after half a header has not
+    // closed cleanly between frames.
+    if (c.reading == Reading::header) c.inbox_end += bytes;
     const bool between_frames = c.reading == Reading::header && c.inbox_begin == c.inbox_end;
-    fail_connection(c, ec == asio::error::eof && between_frames ? std::string("the peer closed the connection")
-                                                                : fmt::format("read failed: {}", ec.message()));
+    if (ec == asio::error::eof) {
+      fail_connection(c, between_frames ? std::string("the peer closed the connection")
+                                        : std::string("the peer closed the connection in the middle of a frame"));
+    } else {
+      fail_connection(c, fmt::format("read failed: {}", ec.message()));
+    }
     return;
   }
   switch (c.reading) {
