@@ -118,11 +118,7 @@ void UringRing::set_up_buffers() {
   buffer_ring_ = static_cast<io_uring_buf_ring*>(memory);
   io_uring_buf_ring_init(buffer_ring_);
   buffers_ = std::make_unique_for_overwrite<std::byte[]>(std::size_t{buffer_count} * buffer_bytes);
-  for (std::uint32_t id = 0; id < buffer_count; ++id) {
-    io_uring_buf_ring_add(buffer_ring_, buffers_.get() + std::size_t{id} * buffer_bytes, buffer_bytes,
-                          static_cast<unsigned short>(id), io_uring_buf_ring_mask(buffer_count), static_cast<int>(id));
-  }
-  io_uring_buf_ring_advance(buffer_ring_, static_cast<int>(buffer_count));
+  for (std::uint32_t id = 0; id < buffer_count; ++id) recycle(static_cast<std::uint16_t>(id));  // all to the kernel
 }
 
 // Registered staging for the read-ahead buffers: the kernel maps a registered buffer once, where a plain
@@ -280,14 +276,7 @@ void UringRing::settle(std::initializer_list<UringRequest*> requests) {
     return;
   }
   for (UringRequest* r : requests) {
-    if (!r || !r->in_kernel) continue;
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (!sqe) {
-      flush();
-      sqe = io_uring_get_sqe(&ring_);
-    }
-    io_uring_prep_cancel(sqe, r, 0);
-    io_uring_sqe_set_data(sqe, nullptr);
+    if (r && r->in_kernel) cancel(r);
   }
   flush();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
