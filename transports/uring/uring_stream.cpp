@@ -185,7 +185,6 @@ io_uring_sqe* UringRing::prepare(UringRequest* request) {
   io_uring_sqe* sqe = next_sqe();
   io_uring_sqe_set_data(sqe, request);
   request->in_kernel = true;
-  ++in_flight_;
   return sqe;
 }
 
@@ -243,10 +242,8 @@ bool UringRing::see(io_uring_cqe* cqe) {
   const std::uint32_t flags = cqe->flags;
   io_uring_cqe_seen(&ring_, cqe);
   if (!request) return false;  // the answer to a cancellation
-  if (!(flags & IORING_CQE_F_MORE)) {  // its last CQE (a zero-copy send has a notification to come)
-    request->in_kernel = false;
-    --in_flight_;
-  }
+  // Its last CQE (a zero-copy send has a notification to come) hands the request back.
+  if (!(flags & IORING_CQE_F_MORE)) request->in_kernel = false;
   deferred_.push_back(Seen{request, result, flags});
   return true;
 }

@@ -57,9 +57,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
   /// any others seen meanwhile, run at the next reap, from the loop's queue.
   void settle(std::initializer_list<UringRequest*> requests);
-  int in_flight() const noexcept { return in_flight_; }
-  /// Settings chosen at set-up, for the log and the tests.
-  bool deferred_task_work() const noexcept { return defer_; }
+  /// Whether multishot receives fill provided buffers (set up, and supported by the kernel).
   bool provided_buffers() const noexcept { return buffer_ring_ != nullptr && !multishot_off_; }
   /// Registered staging: slots of `staging_bytes` in one buffer registered with the ring (fixed buffer
   /// 0), for the transports' read-ahead buffers, read with READ_FIXED. Null when none is left or
@@ -70,8 +68,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   void give_back_staging(std::byte* slot);
   /// The registered buffer's index when [data, data + size) lies inside it, else -1.
   int fixed_index(const void* data, std::size_t size) const noexcept;
-  bool registered_staging() const noexcept { return staging_ != nullptr; }
-  /// The above in words, for the log.
+  /// The ring's settings in words, for the log (a test reads them there).
   std::string settings() const;
 
   // The provided-buffer ring (buffer group 0) that multishot receives fill: `buffer_bytes` each.
@@ -117,7 +114,6 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   int event_fd_ = -1;
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
-  int in_flight_ = 0;
   std::size_t zero_copy_bytes_ = 0;
   bool zero_copy_set_ = false;  // by WEFT_URING_ZC_BYTES
   struct Seen {
