@@ -19,6 +19,7 @@ enum class Errc : int {
   aborted,               ///< a peer aborted the operation (its message is carried along)
   connection_failed,     ///< a connection could not be made
   mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation
+  refused,               ///< the store or a rank refused this rank (wrong secret, another job, a duplicate rank, a world-size disagreement)
 };
 
 const std::error_category& error_category() noexcept;

@@ -50,12 +50,22 @@ struct Options {
   /// naming the sizes, so a forged or runaway length cannot exhaust memory. 0 (the default): half of the
   /// machine's physical memory.
   std::size_t max_early_bytes = 0;
+  /// A shared secret (WEFT_SECRET, or the contents of the file WEFT_SECRET_FILE names, without a final
+  /// newline). When set, every connection (to the store and between ranks) runs a mutual HMAC-SHA256
+  /// challenge-response before anything else, and a process without the same secret is refused and
+  /// logged with its address. Empty: connections are unauthenticated (said once in the log). Every rank
+  /// of a job must agree. The secret is never logged nor sent.
+  std::string secret;
+  /// Keeps two jobs apart that could reach each other's store or ranks (WEFT_JOB_ID, else SLURM_JOB_ID,
+  /// else TORCHELASTIC_RUN_ID; weft-run makes one per launch). A connection of another job is refused,
+  /// naming both ids. At most 255 bytes. Empty: no job id (only processes without one match).
+  std::string job_id;
 
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
   /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT,
-  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT.
+  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT, WEFT_SECRET / WEFT_SECRET_FILE, WEFT_JOB_ID.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

@@ -20,6 +20,7 @@ class Category final : public std::error_category {
       case Errc::aborted: return "aborted by a peer";
       case Errc::connection_failed: return "connection failed";
       case Errc::mismatch: return "mismatched collective";
+      case Errc::refused: return "refused";
     }
     return "unknown weft error";
   }

@@ -4,7 +4,10 @@
 #include <net/if.h>
 #include <netinet/in.h>
 
+#include <atomic>
 #include <cstring>
+#include <functional>
+#include <set>
 
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/awaitable_operators.hpp>
@@ -12,8 +15,8 @@
 #include <fmt/ranges.h>
 
 #include "src/core/log.hpp"
-#include "transports/tcp/tcp_transport.hpp"
-#include "transports/tcp/wire.hpp"
+#include "src/group/deadline.hpp"
+#include "src/group/greeting.hpp"
 #include "weft/error.hpp"
 
 namespace weft {
@@ -25,7 +28,9 @@ using asio::ip::tcp;
 using namespace asio::experimental::awaitable_operators;
 using Clock = std::chrono::steady_clock;
 constexpr auto no_throw = asio::experimental::as_tuple(asio::use_awaitable);
-constexpr auto handshake_timeout = std::chrono::seconds(10);
+// A connection must finish its greeting within this; at most this many greet at once (docs/PROTOCOL.md).
+constexpr auto greeting_timeout = std::chrono::seconds(10);
+constexpr int max_pending_greetings = 64;
 
 [[noreturn]] void fail(Errc code, int rank, const std::string& detail) {
   throw_error(code, ErrorContext{.rank = rank, .op = "bootstrap"}, detail);
@@ -70,104 +75,93 @@ awaitable<tcp::socket> connect_retrying(const std::string& host, unsigned short 
   }
 }
 
-// Races `op` against a deadline. Returns nullopt when the deadline won.
-template <class T>
-awaitable<std::optional<T>> with_deadline(awaitable<T> op, Clock::time_point deadline) {
-  asio::steady_timer timer(co_await asio::this_coro::executor, deadline);
-  auto result = co_await (std::move(op) || timer.async_wait(use_awaitable));
-  if (result.index() == 0) co_return std::optional<T>(std::move(std::get<0>(result)));
-  co_return std::nullopt;
-}
+// What the accepting side of the bootstrap shares with the greetings it runs. Greetings are spawned
+// (so that a silent stranger delays nobody) and may outlive the bootstrap's frame: they hold this.
+struct Admissions {
+  Options options;
+  std::vector<bool> connected;  // ranks connected (or being admitted), both directions
+  std::vector<std::optional<tcp::socket>> admitted;
+  std::set<tcp::socket*> greeting;  // connections still greeting
+  int waiting = 0;                  // ranks above this one not admitted yet
+  bool finished = false;
+  asio::steady_timer changed;  // cancelled when a greeting ends
+};
 
-awaitable<wire::Header> read_frame_header(tcp::socket& socket) {
-  wire::HeaderBytes bytes{};
-  co_await asio::async_read(socket, asio::buffer(bytes), use_awaitable);
-  std::string error;
-  auto header = wire::decode(bytes, error);
-  if (!header) throw std::runtime_error(error);
-  co_return *header;
-}
-
-awaitable<void> write_frame(tcp::socket& socket, wire::FrameKind kind, const void* payload, std::size_t bytes) {
-  wire::Header h;
-  h.kind = kind;
-  h.bytes = bytes;
-  wire::HeaderBytes header{};
-  wire::encode(h, header);
-  std::array<asio::const_buffer, 2> buffers{asio::buffer(header), asio::buffer(payload, bytes)};
-  co_await asio::async_write(socket, buffers, use_awaitable);
-}
-
-awaitable<void> send_ack(tcp::socket& socket, std::uint32_t status, const std::string& reason) {
-  std::string payload(4, '\0');
-  wire::put_u32(reinterpret_cast<std::byte*>(payload.data()), status);
-  payload += reason;
-  co_await write_frame(socket, wire::FrameKind::hello_ack, payload.data(), payload.size());
-}
-
-std::string endpoint_text(const tcp::socket& socket) {
-  std::error_code ec;
-  auto ep = socket.remote_endpoint(ec);
-  if (ec) return "?";
-  return ep.address().is_v6() ? fmt::format("[{}]:{}", ep.address().to_string(), ep.port())
-                              : fmt::format("{}:{}", ep.address().to_string(), ep.port());
-}
-
-// The acceptor's side of the handshake. Returns the peer's rank, or -1 (logged) for a connection that is
-// not a rank of this job.
-awaitable<int> accept_handshake(tcp::socket& socket, const Options& options, const std::vector<bool>& connected) {
-  const std::string who = endpoint_text(socket);
+// The accepting side of one connection: the greeting (rank, world size, job, secret). The connection is
+// admitted as its rank, or refused and logged with its address.
+awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket) {
+  const auto& options = state->options;
+  const std::string who = greeting::remote_address(socket);
+  const greeting::Local local{greeting::Role::rank, options.rank, options.world_size, options.job_id, options.secret};
+  int claim = -1;
+  const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
+    if (static_cast<int>(g.world_size) != options.world_size) {
+      return fmt::format("rank {} says the world has {} ranks; this rank says {}", g.rank, g.world_size, options.world_size);
+    }
+    if (g.rank <= options.rank || g.rank >= options.world_size) {
+      return fmt::format("rank {} should not connect to rank {}", g.rank, options.rank);
+    }
+    if (state->connected[static_cast<std::size_t>(g.rank)]) {
+      return fmt::format("rank {} is already connected (duplicate rank)", g.rank);
+    }
+    claim = g.rank;
+    state->connected[static_cast<std::size_t>(g.rank)] = true;
+    return {};
+  };
+  state->greeting.insert(&socket);
+  std::string refusal;
   try {
-    auto header = co_await with_deadline(read_frame_header(socket), Clock::now() + handshake_timeout);
-    if (!header) {
-      log().warn("rank {}: bootstrap: dropped a connection from {}: no hello within {} s", options.rank, who,
-                 handshake_timeout.count());
-      co_return -1;
+    if (!co_await with_deadline(greeting::accept(socket, local, check), Clock::now() + greeting_timeout)) {
+      refusal = fmt::format("no greeting within {} s", greeting_timeout.count());
     }
-    if (header->kind != wire::FrameKind::hello || header->bytes != wire::hello_size) {
-      log().warn("rank {}: bootstrap: dropped a connection from {}: expected a hello frame", options.rank, who);
-      co_return -1;
-    }
-    std::array<std::byte, wire::hello_size> payload{};
-    co_await asio::async_read(socket, asio::buffer(payload), use_awaitable);
-    const auto hello = wire::decode_hello(payload.data());
-    std::string refusal;
-    if (static_cast<int>(hello.world_size) != options.world_size) {
-      refusal = fmt::format("world size {} disagrees with this rank's {}", hello.world_size, options.world_size);
-    } else if (static_cast<int>(hello.rank) <= options.rank || static_cast<int>(hello.rank) >= options.world_size) {
-      refusal = fmt::format("rank {} should not connect to rank {}", hello.rank, options.rank);
-    } else if (connected[hello.rank]) {
-      refusal = fmt::format("rank {} is already connected (duplicate rank)", hello.rank);
-    }
-    if (!refusal.empty()) {
-      log().warn("rank {}: bootstrap: refused {}: {}", options.rank, who, refusal);
-      co_await send_ack(socket, 1, refusal);
-      co_return -1;
-    }
-    co_await send_ack(socket, 0, {});
-    co_return static_cast<int>(hello.rank);
-  } catch (const std::exception& e) {
-    log().warn("rank {}: bootstrap: dropped a connection from {}: {}", options.rank, who, e.what());
+  } catch (const greeting::Refused& e) {
+    refusal = e.what();
+  } catch (const std::system_error& e) {
+    refusal = fmt::format("the connection failed during the greeting: {}", e.code().message());
   }
-  co_return -1;
+  state->greeting.erase(&socket);
+  if (state->finished) co_return;
+  if (refusal.empty()) {
+    state->admitted[static_cast<std::size_t>(claim)] = std::move(socket);
+    --state->waiting;
+  } else {
+    if (claim >= 0) state->connected[static_cast<std::size_t>(claim)] = false;
+    log().warn("rank {}: bootstrap: refused a connection from {}: {}", options.rank, who, refusal);
+  }
+  state->changed.cancel();
 }
 
-awaitable<void> accept_peers(tcp::acceptor& acceptor, const Options& options, BootstrapResult& out,
-                             std::vector<bool>& connected) {
-  int waiting = options.world_size - 1 - options.rank;
-  while (waiting > 0) {
-    tcp::socket socket = co_await acceptor.async_accept(use_awaitable);
-    const int peer = co_await accept_handshake(socket, options, connected);
-    if (peer < 0) continue;
-    connected[static_cast<std::size_t>(peer)] = true;
-    out.sockets[static_cast<std::size_t>(peer)] = std::move(socket);
-    --waiting;
+// Accepts until every rank above this one is admitted. At most max_pending_greetings connections greet
+// at once; more are closed on arrival (and logged).
+awaitable<void> accept_peers(tcp::acceptor& acceptor, std::shared_ptr<Admissions> state) {
+  struct Finish {  // however this ends (done, failed, cancelled by the deadline): stop the greetings
+    Admissions& state;
+    ~Finish() {
+      state.finished = true;
+      std::error_code ignored;
+      for (auto* socket : state.greeting) socket->close(ignored);
+    }
+  } finish{*state};
+  state->changed.expires_at(Clock::time_point::max());
+  while (state->waiting > 0) {
+    auto next = co_await (acceptor.async_accept(no_throw) || state->changed.async_wait(no_throw));
+    if (next.index() == 1) continue;  // a greeting ended: see whether anybody is still waited for
+    auto [ec, socket] = std::move(std::get<0>(next));
+    if (ec) throw std::system_error(ec, "accept");
+    if (static_cast<int>(state->greeting.size()) >= max_pending_greetings) {
+      log().warn("rank {}: bootstrap: refused a connection from {}: {} connections are still greeting (limit {})",
+                 state->options.rank, greeting::remote_address(socket), state->greeting.size(), max_pending_greetings);
+      continue;  // the socket closes here
+    }
+    asio::co_spawn(acceptor.get_executor(), admit_peer(state, std::move(socket)), asio::detached);
   }
 }
 
+// The connecting side: rank i connects to every rank below it, then greets it.
 awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned short>>& addresses,
                               const Options& options, BootstrapResult& out, std::vector<bool>& connected,
                               Clock::time_point deadline) {
+  const greeting::Local local{greeting::Role::peer, options.rank, options.world_size, options.job_id, options.secret};
   for (int peer = 0; peer < options.rank; ++peer) {
     const auto& [host, port] = addresses[static_cast<std::size_t>(peer)];
     std::string last_error;
@@ -176,18 +170,18 @@ awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned 
       fail(Errc::connection_failed, options.rank,
            fmt::format("could not connect to rank {} at {}:{}: {}", peer, host, port, last_error));
     }
-    const auto hello = wire::encode_hello(wire::Hello{static_cast<std::uint32_t>(options.rank),
-                                                      static_cast<std::uint32_t>(options.world_size), 0});
-    co_await write_frame(socket, wire::FrameKind::hello, hello.data(), hello.size());
-    auto header = co_await read_frame_header(socket);
-    if (header.kind != wire::FrameKind::hello_ack || header.bytes < 4) {
-      fail(Errc::protocol_error, options.rank, fmt::format("rank {} answered the hello with something else", peer));
-    }
-    std::string payload(header.bytes, '\0');
-    co_await asio::async_read(socket, asio::buffer(payload), use_awaitable);
-    const auto status = wire::get_u32(reinterpret_cast<const std::byte*>(payload.data()));
-    if (status != 0) {
-      fail(Errc::connection_failed, options.rank, fmt::format("rank {} refused the connection: {}", peer, payload.substr(4)));
+    const auto remote = fmt::format("rank {} at {}", peer, greeting::remote_address(socket));
+    try {
+      const auto theirs = co_await with_deadline(greeting::connect(socket, local, remote), Clock::now() + greeting_timeout);
+      if (!theirs) fail(Errc::timeout, options.rank, fmt::format("{} did not answer the greeting within {} s", remote, greeting_timeout.count()));
+      if (theirs->rank != peer) {
+        fail(Errc::refused, options.rank, fmt::format("{} greets as rank {} (the store's address is stale, or a stranger holds it)", remote, theirs->rank));
+      }
+    } catch (const greeting::Refused& e) {
+      fail(Errc::refused, options.rank, e.what());
+    } catch (const std::system_error& e) {
+      if (dynamic_cast<const Error*>(&e)) throw;
+      fail(Errc::connection_failed, options.rank, fmt::format("{}: the connection failed during the greeting: {}", remote, e.code().message()));
     }
     connected[static_cast<std::size_t>(peer)] = true;
     out.sockets[static_cast<std::size_t>(peer)] = std::move(socket);
@@ -242,12 +236,24 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   out.sockets.clear();
   for (int i = 0; i < size; ++i) out.sockets.emplace_back(io);
   if (size == 1) co_return;
+  if (options.secret.empty()) {
+    // Said once per process, as a warning where the store is served (one line per job, not per rank).
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      const auto text = "connections are unauthenticated: any process that reaches the store or a rank's port can "
+                        "take part (set WEFT_SECRET or WEFT_SECRET_FILE on every rank to require a shared secret)";
+      if (rank == 0) log().warn("rank {}: {}", rank, text);
+      else log().info("rank {}: {}", rank, text);
+    }
+  }
 
   if (rank == 0) {
     auto endpoints = co_await resolve(store_at.host, store_at.port);
     if (endpoints.empty()) fail(Errc::connection_failed, rank, fmt::format("cannot resolve the store host '{}'", store_at.host));
     try {
-      out.store_server = std::make_unique<store::Server>(io, endpoints.front());
+      out.store_server = std::make_unique<store::Server>(
+          io, endpoints.front(),
+          store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout)});
     } catch (const std::system_error& e) {
       fail(Errc::connection_failed, rank, fmt::format("cannot serve the store on {}: {}", options.store, e.code().message()));
     }
@@ -261,6 +267,18 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
                      std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count(), last_error));
   }
   store_socket.set_option(tcp::no_delay(true));
+  const auto store_remote = fmt::format("the store at {}", options.store);
+  try {
+    const greeting::Local local{greeting::Role::store_client, rank, size, options.job_id, options.secret};
+    if (!co_await with_deadline(greeting::connect(store_socket, local, store_remote), Clock::now() + greeting_timeout)) {
+      fail(Errc::timeout, rank, fmt::format("{} did not answer the greeting within {} s", store_remote, greeting_timeout.count()));
+    }
+  } catch (const greeting::Refused& e) {
+    fail(Errc::refused, rank, e.what());
+  } catch (const std::system_error& e) {
+    if (dynamic_cast<const Error*>(&e)) throw;
+    fail(Errc::connection_failed, rank, fmt::format("{}: the connection failed during the greeting: {}", store_remote, e.code().message()));
+  }
   store::Client store(std::move(store_socket));
 
   // Listen where told, else on the address that reaches the store.
@@ -297,16 +315,23 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     addresses.emplace_back(value->substr(0, space), static_cast<unsigned short>(std::stoi(value->substr(space + 1))));
   }
 
-  std::vector<bool> connected(static_cast<std::size_t>(size), false);
+  auto admissions = std::make_shared<Admissions>(Admissions{options, std::vector<bool>(static_cast<std::size_t>(size), false),
+                                                             std::vector<std::optional<tcp::socket>>(static_cast<std::size_t>(size)),
+                                                             {}, size - 1 - rank, false, asio::steady_timer(io)});
+  std::vector<bool> connected_below(static_cast<std::size_t>(size), false);
   asio::steady_timer timer(io, deadline);
-  auto result = co_await ((accept_peers(acceptor, options, out, connected) &&
-                           connect_peers(addresses, options, out, connected, deadline)) ||
+  auto result = co_await ((accept_peers(acceptor, admissions) &&
+                           connect_peers(addresses, options, out, connected_below, deadline)) ||
                           timer.async_wait(use_awaitable));
+  for (int i = 0; i < size; ++i) {
+    if (connected_below[static_cast<std::size_t>(i)]) admissions->connected[static_cast<std::size_t>(i)] = true;
+  }
   if (result.index() == 1) {
     fail(Errc::timeout, rank,
-         fmt::format("ranks [{}] never connected within {} s", missing_ranks(connected, rank),
+         fmt::format("ranks [{}] never connected within {} s", missing_ranks(admissions->connected, rank),
                      std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count()));
   }
+  for (int i = rank + 1; i < size; ++i) out.sockets[static_cast<std::size_t>(i)] = std::move(*admissions->admitted[static_cast<std::size_t>(i)]);
   // Every peer is connected: no more connections are expected, so nothing listens any longer.
   acceptor.close();
 }

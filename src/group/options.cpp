@@ -1,5 +1,7 @@
 #include <charconv>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -39,6 +41,18 @@ std::chrono::milliseconds parse_duration(const char* name, const char* text) {
     bad(fmt::format("{}='{}' is not a duration (a whole number with ms, s, m or h; no unit: seconds; 0: none)", name, text));
   }
   return std::chrono::milliseconds(std::stoll(std::string(t.substr(0, digits))) * scale);
+}
+
+// The secret in `path`, without a final newline. An unreadable or empty file is an error naming it.
+std::string read_secret_file(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) bad(fmt::format("WEFT_SECRET_FILE='{}' cannot be read", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string secret = text.str();
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+  if (secret.empty()) bad(fmt::format("WEFT_SECRET_FILE='{}' is empty", path));
+  return secret;
 }
 
 struct Convention {
@@ -138,6 +152,24 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (const char* v = env("WEFT_PIPELINE_DEPTH")) {
     pipeline_depth = static_cast<int>(parse_int("WEFT_PIPELINE_DEPTH", v, 1, 1024));
   }
+  if (secret.empty()) {
+    const char* text = env("WEFT_SECRET");
+    const char* file = env("WEFT_SECRET_FILE");
+    if (text && file) bad("WEFT_SECRET and WEFT_SECRET_FILE are both set: set one");
+    if (text) secret = text;
+    if (file) secret = read_secret_file(file);
+  }
+  if (job_id.empty()) {
+    if (const char* v = env("WEFT_JOB_ID")) {
+      job_id = v;
+    } else if (const char* slurm = env("SLURM_JOB_ID")) {
+      job_id = std::string("slurm-") + slurm;
+      if (const char* step = env("SLURM_STEP_ID")) job_id += std::string(".") + step;
+    } else if (const char* torch = env("TORCHELASTIC_RUN_ID")) {
+      job_id = std::string("torchelastic-") + torch;
+    }
+  }
+  if (job_id.size() > 255) bad(fmt::format("the job id (WEFT_JOB_ID) has {} bytes; the limit is 255", job_id.size()));
   return *this;
 }
 

@@ -1,5 +1,6 @@
 #include "src/group/store.hpp"
 
+#include <functional>
 #include <set>
 #include <unordered_map>
 
@@ -7,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "src/core/log.hpp"
+#include "src/group/deadline.hpp"
 #include "transports/tcp/wire.hpp"
 
 namespace weft::store {
@@ -26,6 +28,25 @@ std::string join(const std::vector<std::string>& keys) {
   return out;
 }
 
+}  // namespace
+
+std::optional<Request> parse_request(const std::byte* header, std::string& error) {
+  const auto m = wire::get_u32(header);
+  const auto command = static_cast<unsigned>(header[4]);
+  Request r{static_cast<Command>(command), wire::get_u32(header + 8), wire::get_u64(header + 12)};
+  if (m != magic) {
+    error = fmt::format("bad magic 0x{:08x}", m);
+  } else if (command < 1 || command > 4) {
+    error = fmt::format("unknown command {}", command);
+  } else if (r.key_bytes > max_key_bytes || r.value_bytes > max_value_bytes) {
+    error = fmt::format("a key of {} or a value of {} bytes is over the limit ({} and {})", r.key_bytes, r.value_bytes,
+                        max_key_bytes, max_value_bytes);
+  } else {
+    return r;
+  }
+  return std::nullopt;
+}
+
 std::vector<std::string> split_lines(const std::string& text) {
   std::vector<std::string> out;
   std::size_t start = 0;
@@ -38,10 +59,10 @@ std::vector<std::string> split_lines(const std::string& text) {
   return out;
 }
 
-}  // namespace
 
 struct Server::Impl : std::enable_shared_from_this<Impl> {
-  explicit Impl(asio::io_context& io, const tcp::endpoint& endpoint) : acceptor(io) {
+  explicit Impl(asio::io_context& io, const tcp::endpoint& endpoint, Admission admission)
+      : acceptor(io), admission(std::move(admission)) {
     acceptor.open(endpoint.protocol());
     acceptor.set_option(tcp::acceptor::reuse_address(true));
     if (endpoint.address().is_v6()) acceptor.set_option(asio::ip::v6_only(true));
@@ -50,6 +71,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   }
 
   tcp::acceptor acceptor;
+  Admission admission;
+  std::unordered_map<int, std::string> claimed;  // rank -> the address it greeted from
+  int pending = 0;                               // connections still greeting
   std::unordered_map<std::string, std::string> data;
   std::set<asio::steady_timer*> waiters;  // WAIT requests asleep until the next change
   std::set<tcp::socket*> clients;
@@ -67,7 +91,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         if (closed || ec == asio::error::operation_aborted) co_return;
         continue;
       }
+      if (pending >= admission.max_pending) {
+        log().warn("store: refused a connection from {}: {} connections are still greeting (limit {})",
+                   greeting::remote_address(socket), pending, admission.max_pending);
+        continue;  // the socket closes here
+      }
       socket.set_option(tcp::no_delay(true));
+      ++pending;
       asio::co_spawn(acceptor.get_executor(), serve(std::move(socket)), asio::detached);
     }
   }
@@ -80,29 +110,64 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     co_await asio::async_write(socket, buffers, use_awaitable);
   }
 
+  // The greeting: who connects (greeting.hpp). Returns false (logged, with the address) for a connection
+  // that may not use the store.
+  awaitable<bool> admit(tcp::socket& socket, const std::string& peer) {
+    const greeting::Local local{greeting::Role::store, -1, admission.world_size, admission.job, admission.secret};
+    int claim = -1;
+    const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
+      if (static_cast<int>(g.world_size) != admission.world_size) {
+        return fmt::format("rank {} says the world has {} ranks; the store (rank 0) says {}", g.rank, g.world_size,
+                           admission.world_size);
+      }
+      if (g.rank < 0 || g.rank >= admission.world_size) {
+        return fmt::format("rank {} is not below the world size {}", g.rank, admission.world_size);
+      }
+      if (auto it = claimed.find(g.rank); it != claimed.end()) {
+        return fmt::format("rank {} already arrived from {} (duplicate rank)", g.rank, it->second);
+      }
+      claim = g.rank;
+      claimed.emplace(g.rank, peer);
+      return {};
+    };
+    std::string refusal;
+    try {
+      const auto deadline = std::chrono::steady_clock::now() + admission.greeting_timeout;
+      if (co_await with_deadline(greeting::accept(socket, local, check), deadline)) co_return true;
+      refusal = fmt::format("no greeting within {} ms", admission.greeting_timeout.count());
+    } catch (const greeting::Refused& e) {
+      refusal = e.what();
+    } catch (const std::system_error& e) {
+      refusal = fmt::format("the connection failed during the greeting: {}", e.code().message());
+    }
+    if (claim >= 0) claimed.erase(claim);
+    log().warn("store: refused a connection from {}: {}", peer, refusal);
+    co_return false;
+  }
+
   awaitable<void> serve(tcp::socket socket) {
     auto self = shared_from_this();
     clients.insert(&socket);
-    std::string peer;
-    {
-      std::error_code ec;
-      auto ep = socket.remote_endpoint(ec);
-      peer = ec ? std::string("?") : fmt::format("{}:{}", ep.address().to_string(), ep.port());
+    const std::string peer = greeting::remote_address(socket);
+    const bool admitted = co_await admit(socket, peer);
+    --pending;
+    if (!admitted || closed) {
+      clients.erase(&socket);
+      co_return;
     }
     try {
       for (;;) {
         std::array<std::byte, request_header_size> header{};
         co_await asio::async_read(socket, asio::buffer(header), use_awaitable);
-        const auto m = wire::get_u32(header.data());
-        const auto command = static_cast<Command>(header[4]);
-        const auto key_len = wire::get_u32(header.data() + 8);
-        const auto value_len = wire::get_u64(header.data() + 12);
-        if (m != magic || key_len > max_key_bytes || value_len > max_value_bytes) {
-          log().warn("store: rejected a connection from {}: {}", peer,
-                     m != magic ? fmt::format("bad magic 0x{:08x}", m)
-                                : fmt::format("key of {} or value of {} bytes is over the limit", key_len, value_len));
+        std::string error;
+        const auto request = parse_request(header.data(), error);
+        if (!request) {
+          log().warn("store: rejected a connection from {}: {}", peer, error);
           break;
         }
+        const auto command = request->command;
+        const auto key_len = request->key_bytes;
+        const auto value_len = request->value_bytes;
         std::string key(key_len, '\0');
         std::string value(value_len, '\0');
         std::array<asio::mutable_buffer, 2> body{asio::buffer(key), asio::buffer(value)};
@@ -167,11 +232,6 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
             }
             break;
           }
-          default:
-            log().warn("store: rejected a connection from {}: unknown command {}", peer, static_cast<int>(command));
-            co_await reply(socket, Status::bad_request, "unknown command");
-            clients.erase(&socket);
-            co_return;
         }
       }
     } catch (const std::system_error&) {
@@ -181,7 +241,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   }
 };
 
-Server::Server(asio::io_context& io, const tcp::endpoint& endpoint) : impl_(std::make_shared<Impl>(io, endpoint)) {
+Server::Server(asio::io_context& io, const tcp::endpoint& endpoint, Admission admission)
+    : impl_(std::make_shared<Impl>(io, endpoint, std::move(admission))) {
   asio::co_spawn(io, impl_->accept_loop(), asio::detached);
 }
 

@@ -10,6 +10,8 @@
 
 #include <asio.hpp>
 
+#include "src/group/greeting.hpp"
+
 namespace weft::store {
 
 inline constexpr std::uint32_t magic = 0x54535746;  // "FWST" as little-endian bytes
@@ -21,10 +23,34 @@ inline constexpr std::uint64_t max_value_bytes = 16 << 20;
 enum class Command : std::uint8_t { set = 1, get = 2, add = 3, wait = 4 };
 enum class Status : std::uint8_t { ok = 0, missing = 1, bad_request = 2 };
 
+/// A request's header, checked: the magic, a known command, key and value within their limits.
+struct Request {
+  Command command;
+  std::uint32_t key_bytes;
+  std::uint64_t value_bytes;
+};
+/// Parses the request_header_size bytes at `header`, or returns nullopt with `error` saying what is wrong.
+std::optional<Request> parse_request(const std::byte* header, std::string& error);
+/// The keys of a WAIT request (separated by '\n').
+std::vector<std::string> split_lines(const std::string& text);
+
+/// Who may use the store: every connection greets first (greeting.hpp) and is refused, with its address
+/// and the reason logged, unless it belongs to `job`, proves `secret` (when set), agrees with
+/// `world_size` and claims a rank that no other connection claimed before.
+struct Admission {
+  std::string job;
+  std::string secret;
+  int world_size = 0;
+  /// A connection that has not finished its greeting within this is dropped.
+  std::chrono::milliseconds greeting_timeout{std::chrono::seconds(10)};
+  /// At most this many connections may be greeting at once; more are closed at once (and logged).
+  int max_pending = 64;
+};
+
 class Server {
  public:
   /// Binds `endpoint` and starts serving on `io`. Throws std::system_error when it cannot bind.
-  Server(asio::io_context& io, const asio::ip::tcp::endpoint& endpoint);
+  Server(asio::io_context& io, const asio::ip::tcp::endpoint& endpoint, Admission admission);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

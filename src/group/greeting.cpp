@@ -1,0 +1,294 @@
+#include "src/group/greeting.hpp"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <fmt/format.h>
+
+#include "transports/tcp/wire.hpp"
+
+namespace weft::greeting {
+namespace {
+
+using asio::awaitable;
+using asio::use_awaitable;
+using asio::ip::tcp;
+
+// Layout of the fixed part: 0 magic u32 | 4 version u16 | 6 role u8 | 7 flags u8 (bit 0: has a secret) |
+// 8 rank i32 | 12 world_size u32 | 16 job length u16 | 18 zero u16 | 20 zero u32 | 24 nonce [32]
+constexpr std::uint8_t flag_secret = 1;
+
+// Labels keep the two directions' proofs apart, so that one side's proof cannot be replayed as the other's.
+constexpr const char* acceptor_label = "weft greeting v1: accepting side";
+constexpr const char* connector_label = "weft greeting v1: connecting side";
+
+bool pairs(Role mine, Role theirs) {
+  return (mine == Role::store_client && theirs == Role::store) || (mine == Role::peer && theirs == Role::rank) ||
+         (mine == Role::store && theirs == Role::store_client) || (mine == Role::rank && theirs == Role::peer);
+}
+
+const char* role_name(Role role) {
+  switch (role) {
+    case Role::store_client: return "a rank connecting to the store";
+    case Role::peer: return "a rank connecting to a rank";
+    case Role::store: return "the store";
+    case Role::rank: return "a rank";
+  }
+  return "?";
+}
+
+std::string job_text(const std::string& job) { return job.empty() ? std::string("(none)") : "'" + job + "'"; }
+
+std::array<std::byte, nonce_size> fresh_nonce() {
+  std::array<std::byte, nonce_size> nonce{};
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), static_cast<int>(nonce.size())) != 1) {
+    throw std::runtime_error("RAND_bytes failed: no randomness for the greeting's nonce");
+  }
+  return nonce;
+}
+
+awaitable<std::vector<std::byte>> read_greeting(tcp::socket& socket, Greeting& out) {
+  std::vector<std::byte> bytes(fixed_size);
+  co_await asio::async_read(socket, asio::buffer(bytes), use_awaitable);
+  std::string error;
+  const auto job = job_length(bytes.data(), error);
+  if (!job) throw Refused(error);
+  bytes.resize(fixed_size + *job);
+  co_await asio::async_read(socket, asio::buffer(bytes.data() + fixed_size, *job), use_awaitable);
+  auto decoded = decode(bytes.data(), bytes.size(), error);
+  if (!decoded) throw Refused(error);
+  out = std::move(*decoded);
+  co_return bytes;
+}
+
+awaitable<Verdict> read_verdict(tcp::socket& socket) {
+  std::array<std::byte, verdict_header_size> header{};
+  co_await asio::async_read(socket, asio::buffer(header), use_awaitable);
+  std::string error;
+  const auto length = reason_length(header.data(), error);
+  if (!length) throw Refused(error);
+  Verdict verdict{wire::get_u32(header.data()), std::string(*length, '\0')};
+  co_await asio::async_read(socket, asio::buffer(verdict.reason), use_awaitable);
+  co_return verdict;
+}
+
+awaitable<std::array<std::byte, proof_size>> read_proof(tcp::socket& socket) {
+  std::array<std::byte, proof_size> proof{};
+  co_await asio::async_read(socket, asio::buffer(proof), use_awaitable);
+  co_return proof;
+}
+
+awaitable<void> write_all(tcp::socket& socket, const std::vector<std::byte>& bytes) {
+  co_await asio::async_write(socket, asio::buffer(bytes), use_awaitable);
+}
+
+std::vector<std::byte> concat(std::vector<std::byte> a, const std::vector<std::byte>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<std::byte> proof_bytes(const std::array<std::byte, proof_size>& p) { return {p.begin(), p.end()}; }
+
+// What the greeting of the other side must agree with, whatever its role: the job and whether there is a
+// secret. Returns a refusal reason or "".
+std::string disagreement(const Local& local, const Greeting& theirs) {
+  if (!pairs(local.role, theirs.role)) {
+    return fmt::format("it greets as {}, not as {}", role_name(theirs.role),
+                       role_name(local.role == Role::store ? Role::store_client
+                                 : local.role == Role::rank ? Role::peer
+                                 : local.role == Role::store_client ? Role::store
+                                                                    : Role::rank));
+  }
+  if (theirs.job != local.job) {
+    return fmt::format("it belongs to job {}, not to this job {} (WEFT_JOB_ID)", job_text(theirs.job), job_text(local.job));
+  }
+  if (theirs.has_secret != !local.secret.empty()) {
+    return theirs.has_secret ? "it has a shared secret and this side has none (set WEFT_SECRET or WEFT_SECRET_FILE on every rank)"
+                             : "it has no shared secret and this side requires one (WEFT_SECRET or WEFT_SECRET_FILE)";
+  }
+  return {};
+}
+
+}  // namespace
+
+std::vector<std::byte> encode(const Greeting& g) {
+  std::vector<std::byte> out(fixed_size + g.job.size());
+  std::byte* p = out.data();
+  wire::put_u32(p, magic);
+  p[4] = static_cast<std::byte>(version & 0xff);
+  p[5] = static_cast<std::byte>(version >> 8);
+  p[6] = static_cast<std::byte>(g.role);
+  p[7] = static_cast<std::byte>(g.has_secret ? flag_secret : 0);
+  wire::put_u32(p + 8, static_cast<std::uint32_t>(g.rank));
+  wire::put_u32(p + 12, g.world_size);
+  p[16] = static_cast<std::byte>(g.job.size() & 0xff);
+  p[17] = static_cast<std::byte>(g.job.size() >> 8);
+  std::copy(g.nonce.begin(), g.nonce.end(), p + 24);
+  std::copy(reinterpret_cast<const std::byte*>(g.job.data()), reinterpret_cast<const std::byte*>(g.job.data()) + g.job.size(),
+            p + fixed_size);
+  return out;
+}
+
+std::optional<std::size_t> job_length(const std::byte* p, std::string& error) {
+  if (wire::get_u32(p) != magic) {
+    error = fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", wire::get_u32(p), magic);
+    return std::nullopt;
+  }
+  const unsigned v = static_cast<unsigned>(p[4]) | (static_cast<unsigned>(p[5]) << 8);
+  if (v != version) {
+    error = fmt::format("greeting version {} (this build speaks {})", v, version);
+    return std::nullopt;
+  }
+  const auto role = static_cast<unsigned>(p[6]);
+  if (role < 1 || role > 4) {
+    error = fmt::format("unknown role {} in the greeting", role);
+    return std::nullopt;
+  }
+  if ((static_cast<unsigned>(p[7]) & ~unsigned{flag_secret}) != 0) {
+    error = fmt::format("unknown greeting flags 0x{:02x}", static_cast<unsigned>(p[7]));
+    return std::nullopt;
+  }
+  const std::size_t job = static_cast<unsigned>(p[16]) | (static_cast<unsigned>(p[17]) << 8);
+  if (job > max_job_bytes) {
+    error = fmt::format("a job id of {} bytes in the greeting (limit {})", job, max_job_bytes);
+    return std::nullopt;
+  }
+  return job;
+}
+
+std::optional<Greeting> decode(const std::byte* p, std::size_t size, std::string& error) {
+  if (size < fixed_size) {
+    error = fmt::format("a greeting of {} bytes (at least {})", size, fixed_size);
+    return std::nullopt;
+  }
+  const auto job = job_length(p, error);
+  if (!job) return std::nullopt;
+  if (size != fixed_size + *job) {
+    error = fmt::format("a greeting of {} bytes with a job id of {}", size, *job);
+    return std::nullopt;
+  }
+  Greeting g;
+  g.role = static_cast<Role>(p[6]);
+  g.has_secret = (static_cast<unsigned>(p[7]) & flag_secret) != 0;
+  g.rank = static_cast<std::int32_t>(wire::get_u32(p + 8));
+  g.world_size = wire::get_u32(p + 12);
+  std::copy(p + 24, p + 24 + nonce_size, g.nonce.begin());
+  g.job.assign(reinterpret_cast<const char*>(p + fixed_size), *job);
+  return g;
+}
+
+std::vector<std::byte> encode(const Verdict& v) {
+  const auto reason = v.reason.substr(0, max_reason_bytes);
+  std::vector<std::byte> out(verdict_header_size + reason.size());
+  wire::put_u32(out.data(), v.status);
+  wire::put_u32(out.data() + 4, static_cast<std::uint32_t>(reason.size()));
+  std::copy(reinterpret_cast<const std::byte*>(reason.data()), reinterpret_cast<const std::byte*>(reason.data()) + reason.size(),
+            out.data() + verdict_header_size);
+  return out;
+}
+
+std::optional<std::size_t> reason_length(const std::byte* header, std::string& error) {
+  const auto length = wire::get_u32(header + 4);
+  if (length > max_reason_bytes) {
+    error = fmt::format("a verdict with a reason of {} bytes (limit {})", length, max_reason_bytes);
+    return std::nullopt;
+  }
+  return length;
+}
+
+std::array<std::byte, proof_size> proof(const std::string& secret, const char* label, const std::vector<std::byte>& a,
+                                        const std::vector<std::byte>& b) {
+  std::vector<unsigned char> message(label, label + std::char_traits<char>::length(label));
+  message.push_back(0);
+  const auto* ua = reinterpret_cast<const unsigned char*>(a.data());
+  const auto* ub = reinterpret_cast<const unsigned char*>(b.data());
+  message.insert(message.end(), ua, ua + a.size());
+  message.insert(message.end(), ub, ub + b.size());
+  std::array<std::byte, proof_size> out{};
+  unsigned int length = 0;
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), message.data(), message.size(),
+            reinterpret_cast<unsigned char*>(out.data()), &length) ||
+      length != proof_size) {
+    throw std::runtime_error("HMAC-SHA256 failed (OpenSSL)");
+  }
+  return out;
+}
+
+bool proofs_equal(const std::array<std::byte, proof_size>& a, const std::array<std::byte, proof_size>& b) {
+  return CRYPTO_memcmp(a.data(), b.data(), proof_size) == 0;
+}
+
+std::string remote_address(const tcp::socket& socket) {
+  std::error_code ec;
+  auto ep = socket.remote_endpoint(ec);
+  if (ec) return "?";
+  return ep.address().is_v6() ? fmt::format("[{}]:{}", ep.address().to_string(), ep.port())
+                              : fmt::format("{}:{}", ep.address().to_string(), ep.port());
+}
+
+// The exchange (C connects, A accepts; docs/PROTOCOL.md):
+//   C -> A  greeting C
+//   A -> C  greeting A, verdict A (A's checks of C's greeting), proof A = HMAC(secret, acceptor || gC || gA)
+//   C -> A  verdict C (C's checks of A's greeting and of proof A), proof C = HMAC(secret, connector || gC || gA)
+//   A -> C  verdict (A's check of proof C)
+// Proofs travel only when there is a secret (both sides have one, or the greeting is refused). Each side
+// refuses with a reason the other side is told, so both ends can say what went wrong.
+awaitable<Greeting> connect(tcp::socket& socket, const Local& local, const std::string& remote) {
+  const Greeting mine{local.role, !local.secret.empty(), local.rank, static_cast<std::uint32_t>(local.world_size),
+                      fresh_nonce(), local.job};
+  const auto my_bytes = encode(mine);
+  co_await write_all(socket, my_bytes);
+
+  Greeting theirs;
+  const auto their_bytes = co_await read_greeting(socket, theirs);
+  const auto verdict = co_await read_verdict(socket);
+  if (verdict.status != 0) throw Refused(fmt::format("{} refused this rank: {}", remote, verdict.reason));
+  std::string refusal = disagreement(local, theirs);
+  if (refusal.empty() && !local.secret.empty()) {
+    const auto their_proof = co_await read_proof(socket);
+    if (!proofs_equal(their_proof, proof(local.secret, acceptor_label, my_bytes, their_bytes))) {
+      refusal = "its proof of the shared secret does not match this rank's secret (a different WEFT_SECRET?)";
+    }
+  }
+  // Named, not temporaries inside co_await: GCC 12 frees such temporaries twice.
+  auto answer = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
+  if (refusal.empty() && !local.secret.empty()) answer = concat(std::move(answer), proof_bytes(proof(local.secret, connector_label, my_bytes, their_bytes)));
+  co_await write_all(socket, answer);
+  if (!refusal.empty()) throw Refused(fmt::format("{}: {}", remote, refusal));
+  const auto last = co_await read_verdict(socket);
+  if (last.status != 0) throw Refused(fmt::format("{} refused this rank: {}", remote, last.reason));
+  co_return theirs;
+}
+
+awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::function<std::string(const Greeting&)>& check) {
+  Greeting theirs;
+  const auto their_bytes = co_await read_greeting(socket, theirs);
+  const Greeting mine{local.role, !local.secret.empty(), local.rank, static_cast<std::uint32_t>(local.world_size),
+                      fresh_nonce(), local.job};
+  const auto my_bytes = encode(mine);
+  std::string refusal = disagreement(local, theirs);
+  if (refusal.empty()) refusal = check(theirs);
+  auto reply = concat(my_bytes, encode(Verdict{refusal.empty() ? 0u : 1u, refusal}));
+  if (refusal.empty() && !local.secret.empty()) {
+    reply = concat(std::move(reply), proof_bytes(proof(local.secret, acceptor_label, their_bytes, my_bytes)));
+  }
+  co_await write_all(socket, reply);
+  if (!refusal.empty()) throw Refused(refusal);
+
+  const auto verdict = co_await read_verdict(socket);
+  if (verdict.status != 0) throw Refused(fmt::format("it refused this side: {}", verdict.reason));
+  if (!local.secret.empty()) {
+    const auto their_proof = co_await read_proof(socket);
+    if (!proofs_equal(their_proof, proof(local.secret, connector_label, their_bytes, my_bytes))) {
+      refusal = "wrong shared secret (its proof does not match)";
+    }
+  }
+  const auto last = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
+  co_await write_all(socket, last);
+  if (!refusal.empty()) throw Refused(refusal);
+  co_return theirs;
+}
+
+}  // namespace weft::greeting
