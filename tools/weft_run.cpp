@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,11 +30,31 @@ volatile sig_atomic_t interrupted = 0;
 
 void on_signal(int sig) { interrupted = sig; }
 
+// `bytes` random bytes as hex (getrandom: the kernel's CSPRNG).
+std::string random_hex(std::size_t bytes) {
+  std::vector<unsigned char> raw(bytes);
+  std::size_t got = 0;
+  while (got < bytes) {
+    const auto n = getrandom(raw.data() + got, bytes - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fmt::print(stderr, "weft-run: getrandom: {}\n", std::strerror(errno));
+      std::exit(2);
+    }
+    got += static_cast<std::size_t>(n);
+  }
+  std::string out;
+  for (unsigned char c : raw) out += fmt::format("{:02x}", c);
+  return out;
+}
+
 [[noreturn]] void usage(const std::string& problem) {
   if (!problem.empty()) fmt::print(stderr, "weft-run: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--bind core|none] [--] PROGRAM [ARGS...]\n"
-             "  Starts N ranks of PROGRAM with WEFT_RANK, WEFT_WORLD_SIZE, WEFT_LOCAL_RANK and WEFT_STORE set.\n"
+             "  Starts N ranks of PROGRAM with WEFT_RANK, WEFT_WORLD_SIZE, WEFT_LOCAL_RANK and WEFT_STORE set, and, unless\n"
+             "  already set, a fresh WEFT_JOB_ID and a fresh random WEFT_SECRET for this launch (so its ranks\n"
+             "  authenticate each other and no other process can join them).\n"
              "  --host ADDR      address of the store rank 0 serves (default 127.0.0.1)\n"
              "  --port P         its port (default: a free one)\n"
              "  --timeout S      end every rank and fail after S seconds (default: none)\n"
@@ -145,6 +166,9 @@ int main(int argc, char** argv) {
   if (n < 1) usage("-n N (N >= 1) is required");
   if (i >= argc) usage("no program to run");
   if (port < 0) port = free_port(host);
+  // One job id and one secret per launch, unless the caller chose them.
+  const std::string job_id = std::getenv("WEFT_JOB_ID") ? std::string() : "weft-run-" + random_hex(8);
+  const std::string secret = std::getenv("WEFT_SECRET") || std::getenv("WEFT_SECRET_FILE") ? std::string() : random_hex(32);
   const std::string store = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
 
   struct sigaction sa{};
@@ -193,6 +217,8 @@ int main(int argc, char** argv) {
       setenv("WEFT_LOCAL_RANK", std::to_string(r).c_str(), 1);
       setenv("WEFT_LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       setenv("WEFT_STORE", store.c_str(), 1);
+      if (!job_id.empty()) setenv("WEFT_JOB_ID", job_id.c_str(), 1);
+      if (!secret.empty()) setenv("WEFT_SECRET", secret.c_str(), 1);
       execvp(argv[i], argv + i);
       fmt::print(stderr, "weft-run: cannot run {}: {}\n", argv[i], std::strerror(errno));
       _exit(127);

@@ -172,8 +172,8 @@ awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned 
     }
     const auto remote = fmt::format("rank {} at {}", peer, greeting::remote_address(socket));
     try {
-      const auto theirs = co_await with_deadline(greeting::connect(socket, local, remote), Clock::now() + greeting_timeout);
-      if (!theirs) fail(Errc::timeout, options.rank, fmt::format("{} did not answer the greeting within {} s", remote, greeting_timeout.count()));
+      const auto theirs = co_await with_deadline(greeting::connect(socket, local, remote), std::min(deadline, Clock::now() + greeting_timeout));
+      if (!theirs) fail(Errc::timeout, options.rank, fmt::format("{} did not answer the greeting in time (limit {} s, or the bootstrap deadline)", remote, greeting_timeout.count()));
       if (theirs->rank != peer) {
         fail(Errc::refused, options.rank, fmt::format("{} greets as rank {} (the store's address is stale, or a stranger holds it)", remote, theirs->rank));
       }
@@ -270,8 +270,8 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   const auto store_remote = fmt::format("the store at {}", options.store);
   try {
     const greeting::Local local{greeting::Role::store_client, rank, size, options.job_id, options.secret};
-    if (!co_await with_deadline(greeting::connect(store_socket, local, store_remote), Clock::now() + greeting_timeout)) {
-      fail(Errc::timeout, rank, fmt::format("{} did not answer the greeting within {} s", store_remote, greeting_timeout.count()));
+    if (!co_await with_deadline(greeting::connect(store_socket, local, store_remote), std::min(deadline, Clock::now() + greeting_timeout))) {
+      fail(Errc::timeout, rank, fmt::format("{} did not answer the greeting in time (limit {} s, or the bootstrap deadline)", store_remote, greeting_timeout.count()));
     }
   } catch (const greeting::Refused& e) {
     fail(Errc::refused, rank, e.what());

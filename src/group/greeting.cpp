@@ -29,12 +29,13 @@ bool pairs(Role mine, Role theirs) {
          (mine == Role::store && theirs == Role::store_client) || (mine == Role::rank && theirs == Role::peer);
 }
 
+// How a role is named in a refusal, so that the text reads the same on both sides of the connection.
 const char* role_name(Role role) {
   switch (role) {
-    case Role::store_client: return "a rank connecting to the store";
-    case Role::peer: return "a rank connecting to a rank";
+    case Role::store_client: return "the connecting rank";
+    case Role::peer: return "the connecting rank";
     case Role::store: return "the store";
-    case Role::rank: return "a rank";
+    case Role::rank: return "the accepting rank";
   }
   return "?";
 }
@@ -50,8 +51,14 @@ std::array<std::byte, nonce_size> fresh_nonce() {
 }
 
 awaitable<std::vector<std::byte>> read_greeting(tcp::socket& socket, Greeting& out) {
+  // The magic first: a stranger that sends a few bytes of something else is refused at once rather
+  // than waited for until the greeting's time is up.
   std::vector<std::byte> bytes(fixed_size);
-  co_await asio::async_read(socket, asio::buffer(bytes), use_awaitable);
+  co_await asio::async_read(socket, asio::buffer(bytes.data(), 4), use_awaitable);
+  if (wire::get_u32(bytes.data()) != magic) {
+    throw Refused(fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", wire::get_u32(bytes.data()), magic));
+  }
+  co_await asio::async_read(socket, asio::buffer(bytes.data() + 4, fixed_size - 4), use_awaitable);
   std::string error;
   const auto job = job_length(bytes.data(), error);
   if (!job) throw Refused(error);
@@ -94,19 +101,18 @@ std::vector<std::byte> proof_bytes(const std::array<std::byte, proof_size>& p) {
 // What the greeting of the other side must agree with, whatever its role: the job and whether there is a
 // secret. Returns a refusal reason or "".
 std::string disagreement(const Local& local, const Greeting& theirs) {
+  const char* me = role_name(local.role);
+  const char* them = role_name(theirs.role);
   if (!pairs(local.role, theirs.role)) {
-    return fmt::format("it greets as {}, not as {}", role_name(theirs.role),
-                       role_name(local.role == Role::store ? Role::store_client
-                                 : local.role == Role::rank ? Role::peer
-                                 : local.role == Role::store_client ? Role::store
-                                                                    : Role::rank));
+    return fmt::format("{} was greeted by a process that calls itself {}", me, them);
   }
   if (theirs.job != local.job) {
-    return fmt::format("it belongs to job {}, not to this job {} (WEFT_JOB_ID)", job_text(theirs.job), job_text(local.job));
+    return fmt::format("{} belongs to job {} and {} to job {} (WEFT_JOB_ID)", them, job_text(theirs.job), me, job_text(local.job));
   }
   if (theirs.has_secret != !local.secret.empty()) {
-    return theirs.has_secret ? "it has a shared secret and this side has none (set WEFT_SECRET or WEFT_SECRET_FILE on every rank)"
-                             : "it has no shared secret and this side requires one (WEFT_SECRET or WEFT_SECRET_FILE)";
+    const char* with = theirs.has_secret ? them : me;
+    const char* without = theirs.has_secret ? me : them;
+    return fmt::format("{} has a shared secret and {} has none (set WEFT_SECRET or WEFT_SECRET_FILE on every rank)", with, without);
   }
   return {};
 }
@@ -249,7 +255,8 @@ awaitable<Greeting> connect(tcp::socket& socket, const Local& local, const std::
   if (refusal.empty() && !local.secret.empty()) {
     const auto their_proof = co_await read_proof(socket);
     if (!proofs_equal(their_proof, proof(local.secret, acceptor_label, my_bytes, their_bytes))) {
-      refusal = "its proof of the shared secret does not match this rank's secret (a different WEFT_SECRET?)";
+      refusal = fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
+                            role_name(theirs.role), role_name(local.role));
     }
   }
   // Named, not temporaries inside co_await: GCC 12 frees such temporaries twice.
@@ -278,11 +285,12 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
   if (!refusal.empty()) throw Refused(refusal);
 
   const auto verdict = co_await read_verdict(socket);
-  if (verdict.status != 0) throw Refused(fmt::format("it refused this side: {}", verdict.reason));
+  if (verdict.status != 0) throw Refused(verdict.reason);
   if (!local.secret.empty()) {
     const auto their_proof = co_await read_proof(socket);
     if (!proofs_equal(their_proof, proof(local.secret, connector_label, their_bytes, my_bytes))) {
-      refusal = "wrong shared secret (its proof does not match)";
+      refusal = fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
+                            role_name(theirs.role), role_name(local.role));
     }
   }
   const auto last = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});

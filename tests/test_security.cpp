@@ -1,0 +1,332 @@
+// Who may join a job: shared-secret authentication, job ids, duplicate ranks, world-size disagreements,
+// and strangers on the store's port. Each refusal must be an error on the refused side and a log line
+// naming the remote address on the refusing side, and must not disturb the job's own ranks.
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <mutex>
+#include <random>
+
+#include <spdlog/sinks/ringbuffer_sink.h>
+
+#include "harness.hpp"
+#include "src/core/log.hpp"
+#include "src/group/greeting.hpp"
+#include "src/group/store.hpp"
+#include "transports/tcp/wire.hpp"
+
+using namespace weft;
+using namespace weft::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Collects what weft logs while it lives.
+class LogCapture {
+ public:
+  LogCapture() : sink_(std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(4096)) { weft::log().sinks().push_back(sink_); }
+  ~LogCapture() {
+    auto& sinks = weft::log().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+  }
+  /// How many logged lines contain every one of `words`.
+  int count(std::initializer_list<std::string> words) const {
+    int n = 0;
+    for (const auto& line : sink_->last_formatted()) {
+      bool all = true;
+      for (const auto& w : words) all = all && line.find(w) != std::string::npos;
+      n += all ? 1 : 0;
+    }
+    return n;
+  }
+  std::string text() const {
+    std::string out;
+    for (const auto& line : sink_->last_formatted()) out += line;
+    return out;
+  }
+
+ private:
+  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> sink_;
+};
+
+struct Outcome {
+  bool ok = false;
+  Errc code{};
+  std::string text;
+};
+
+// Bootstraps `n` processes-as-threads, each with the options `adjust(index, options)` makes (rank and
+// world size default to index and n), then runs an all_reduce of ones on the groups that formed.
+// Returns each one's outcome.
+std::vector<Outcome> bootstrap_each(int n, const std::function<void(int, Options&)>& adjust,
+                                    std::chrono::seconds timeout = 3s) {
+  Options base;
+  base.store = "127.0.0.1:" + std::to_string(free_port());
+  base.bootstrap_timeout = timeout;
+  std::vector<Outcome> out(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      auto& o = out[static_cast<std::size_t>(i)];
+      try {
+        Loop loop(Loop::Options{0us});
+        Options options = base;
+        options.rank = i;
+        options.world_size = n;
+        adjust(i, options);
+        Group g = Group::create(loop, options).get();
+        std::vector<float> x(10, 1.0f);
+        g.all_reduce(x).get();
+        if (x[0] != static_cast<float>(g.size())) throw std::runtime_error(fmt::format("all_reduce gave {}", x[0]));
+        o.ok = true;
+      } catch (const Error& e) {
+        o.code = e.errc();
+        o.text = e.what();
+      } catch (const std::exception& e) {
+        o.code = Errc::invalid_argument;
+        o.text = std::string("not a weft::Error: ") + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+int connect_raw(unsigned short port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Waits up to `limit` for the other end to close `fd` (EOF or reset). Returns how long it took, or -1.
+long closed_within(int fd, std::chrono::milliseconds limit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  pollfd p{fd, POLLIN, 0};
+  while (::poll(&p, 1, static_cast<int>(limit.count())) == 1) {
+    char buffer[256];
+    const auto got = ::recv(fd, buffer, sizeof buffer, 0);
+    if (got <= 0) {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("ranks that share a secret meet; one without it, or with another, is refused and both sides say why", "[security][auth]") {
+  LogCapture log;
+  SECTION("the same secret everywhere") {
+    auto out = bootstrap_each(3, [](int, Options& o) { o.secret = "correct horse battery staple"; });
+    for (const auto& o : out) CHECK((o.ok ? std::string("ok") : o.text) == "ok");
+    CHECK(log.count({"unauthenticated"}) == 0);
+  }
+  SECTION("a wrong secret") {
+    auto out = bootstrap_each(3, [](int i, Options& o) { o.secret = i == 2 ? "tr0ub4dor" : "correct horse battery staple"; });
+    CHECK(out[0].code == Errc::timeout);
+    CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived"));
+    CHECK(out[2].code == Errc::refused);
+    CHECK_THAT(out[2].text, Catch::Contains("rank 2") && Catch::Contains("bootstrap") && Catch::Contains("the store at 127.0.0.1:") &&
+                                Catch::Contains("the proof of the shared secret from the store does not match the secret of the connecting rank"));
+    CHECK(log.count({"store: refused a connection from 127.0.0.1:", "the proof of the shared secret from the store does not match the secret of the connecting rank"}) == 1);
+  }
+  SECTION("a secret on some ranks only") {
+    auto out = bootstrap_each(2, [](int i, Options& o) { o.secret = i == 0 ? "s3cret" : ""; });
+    CHECK(out[1].code == Errc::refused);
+    CHECK_THAT(out[1].text, Catch::Contains("the store has a shared secret and the connecting rank has none"));
+    CHECK(log.count({"store: refused a connection from 127.0.0.1:", "the store has a shared secret and the connecting rank has none"}) == 1);
+  }
+  SECTION("the secret from a file, the same as the variable") {
+    const std::string path = "/tmp/weft-test-secret-" + std::to_string(::getpid());
+    std::ofstream(path) << "from a file\n";
+    auto env = [&](const char* name) -> const char* {
+      const std::string n(name);
+      if (n == "WEFT_RANK") return "0";
+      if (n == "WEFT_WORLD_SIZE") return "1";
+      if (n == "WEFT_SECRET_FILE") return path.c_str();
+      return nullptr;
+    };
+    CHECK(Options{}.from_environment(env).secret == "from a file");
+    auto out = bootstrap_each(2, [&](int i, Options& o) {
+      if (i == 0) o.secret = "from a file";
+      else o.from_environment([&](const char* name) -> const char* { return std::string(name) == "WEFT_SECRET_FILE" ? path.c_str() : nullptr; });
+    });
+    CHECK(out[0].ok);
+    CHECK(out[1].ok);
+    std::remove(path.c_str());
+    CHECK_THROWS_WITH(Options{}.from_environment([](const char* name) -> const char* {
+      const std::string n(name);
+      return n == "WEFT_RANK" ? "0" : n == "WEFT_WORLD_SIZE" ? "1" : n == "WEFT_SECRET_FILE" ? "/nonexistent/secret" : nullptr;
+    }), Catch::Contains("WEFT_SECRET_FILE='/nonexistent/secret' cannot be read"));
+  }
+}
+
+TEST_CASE("a process of another job is refused, naming both job ids", "[security][job]") {
+  LogCapture log;
+  auto out = bootstrap_each(2, [](int i, Options& o) { o.job_id = i == 0 ? "train-7" : "eval-3"; });
+  CHECK(out[1].code == Errc::refused);
+  CHECK_THAT(out[1].text, Catch::Contains("the store at 127.0.0.1:") &&
+                              Catch::Contains("the connecting rank belongs to job 'eval-3' and the store to job 'train-7'"));
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "the connecting rank belongs to job 'eval-3' and the store to job 'train-7'"}) == 1);
+  // The same id on both sides meets.
+  auto same = bootstrap_each(2, [](int, Options& o) { o.job_id = "train-7"; });
+  CHECK(same[0].ok);
+  CHECK(same[1].ok);
+}
+
+TEST_CASE("a duplicate rank is refused and the job goes on with the first", "[security][duplicate]") {
+  LogCapture log;
+  // Four processes for a world of three: two claim rank 1.
+  auto out = bootstrap_each(4, [](int i, Options& o) {
+    o.world_size = 3;
+    o.rank = i == 3 ? 1 : i;
+  }, 5s);
+  int refused = 0;
+  int ok = 0;
+  for (const auto& o : out) {
+    if (o.ok) ++ok;
+    if (o.code == Errc::refused) {
+      ++refused;
+      CHECK_THAT(o.text, Catch::Contains("rank 1 already arrived from 127.0.0.1:") && Catch::Contains("(duplicate rank)"));
+    }
+  }
+  CHECK(ok == 3);
+  CHECK(refused == 1);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "(duplicate rank)"}) == 1);
+}
+
+TEST_CASE("a rank that disagrees on the world size is refused, naming both sizes", "[security][world-size]") {
+  LogCapture log;
+  auto out = bootstrap_each(3, [](int i, Options& o) { o.world_size = i == 2 ? 4 : 3; });
+  CHECK(out[2].code == Errc::refused);
+  CHECK_THAT(out[2].text, Catch::Contains("rank 2 says the world has 4 ranks; the store (rank 0) says 3"));
+  CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived"));
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "the world has 4 ranks"}) == 1);
+}
+
+TEST_CASE("strangers on the store's port are refused and logged; the job's ranks do not notice", "[security][strangers]") {
+  LogCapture log;
+  const auto port = free_port();
+  Options base;
+  base.store = "127.0.0.1:" + std::to_string(port);
+  base.bootstrap_timeout = 10s;
+  std::vector<std::string> errors(3);
+  auto rank = [&](int r) {
+    try {
+      Loop loop(Loop::Options{0us});
+      Options o = base;
+      o.rank = r;
+      o.world_size = 3;
+      Group g = Group::create(loop, o).get();
+      std::vector<float> x(1000, 1.0f);
+      g.all_reduce(x).get();
+      if (x[999] != 3.0f) errors[static_cast<std::size_t>(r)] = "wrong sum";
+    } catch (const std::exception& e) {
+      errors[static_cast<std::size_t>(r)] = e.what();
+    }
+  };
+  std::thread rank0(rank, 0);
+  int probe = -1;
+  for (int i = 0; i < 200 && probe < 0; ++i) {
+    probe = connect_raw(port);
+    if (probe < 0) std::this_thread::sleep_for(10ms);
+  }
+  REQUIRE(probe >= 0);
+  ::close(probe);  // a stranger that connects and leaves
+  std::vector<int> strangers;
+  strangers.push_back(connect_raw(port));  // says nothing
+  strangers.push_back(connect_raw(port));  // random bytes
+  strangers.push_back(connect_raw(port));  // a store request without a greeting
+  std::mt19937 random(7);
+  std::vector<unsigned char> noise(4096);
+  for (auto& b : noise) b = static_cast<unsigned char>(random());
+  CHECK(::send(strangers[1], noise.data(), noise.size(), MSG_NOSIGNAL) > 0);
+  std::array<std::byte, store::request_header_size> request{};
+  wire::put_u32(request.data(), store::magic);
+  request[4] = std::byte{1};
+  CHECK(::send(strangers[2], request.data(), request.size(), MSG_NOSIGNAL) > 0);
+  std::thread rank1(rank, 1);
+  std::thread rank2(rank, 2);
+  rank0.join();
+  rank1.join();
+  rank2.join();
+  for (const auto& e : errors) CHECK(e == "");
+  CHECK(closed_within(strangers[1], 5s) >= 0);
+  CHECK(closed_within(strangers[2], 5s) >= 0);
+  for (int fd : strangers) ::close(fd);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "not a weft greeting"}) == 2);
+}
+
+TEST_CASE("the store closes connections that do not greet in time, and bounds how many may be greeting", "[security][strangers]") {
+  LogCapture log;
+  Loop loop(Loop::Options{0us, false});
+  std::unique_ptr<store::Server> server;
+  std::promise<unsigned short> bound;
+  loop.post([&] {
+    server = std::make_unique<store::Server>(loop.context(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
+                                             store::Admission{"", "", 2, 300ms, 2});
+    bound.set_value(server->port());
+  });
+  const auto port = bound.get_future().get();
+  const int first = connect_raw(port);
+  const int second = connect_raw(port);
+  std::this_thread::sleep_for(50ms);  // both are greeting now
+  const int third = connect_raw(port);
+  const long third_closed = closed_within(third, 2s);
+  CHECK(third_closed >= 0);
+  CHECK(third_closed < 250);  // at once, not after the greeting timeout
+  const long first_closed = closed_within(first, 3s);
+  CHECK(first_closed >= 0);
+  CHECK(closed_within(second, 3s) >= 0);
+  for (int fd : {first, second, third}) ::close(fd);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "2 connections are still greeting (limit 2)"}) == 1);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "no greeting within 300 ms"}) == 2);
+  std::promise<void> gone;
+  loop.post([&] {
+    server.reset();
+    gone.set_value();
+  });
+  gone.get_future().wait();
+}
+
+TEST_CASE("greetings and verdicts decode only what is well formed", "[security][greeting]") {
+  greeting::Greeting g;
+  g.role = greeting::Role::peer;
+  g.has_secret = true;
+  g.rank = 5;
+  g.world_size = 9;
+  g.nonce[3] = std::byte{42};
+  g.job = "job-1";
+  auto bytes = greeting::encode(g);
+  std::string error;
+  auto back = greeting::decode(bytes.data(), bytes.size(), error);
+  REQUIRE(back);
+  CHECK(back->rank == 5);
+  CHECK(back->world_size == 9);
+  CHECK(back->has_secret);
+  CHECK(back->job == "job-1");
+  CHECK(back->nonce[3] == std::byte{42});
+  CHECK_FALSE(greeting::decode(bytes.data(), bytes.size() - 1, error));
+  bytes[0] = std::byte{0};
+  CHECK_FALSE(greeting::decode(bytes.data(), bytes.size(), error));
+  CHECK_THAT(error, Catch::Contains("not a weft greeting"));
+  // Different secrets give different proofs; the same inputs the same proof.
+  const std::vector<std::byte> a(10, std::byte{1});
+  const std::vector<std::byte> b(12, std::byte{2});
+  CHECK(greeting::proofs_equal(greeting::proof("k", "l", a, b), greeting::proof("k", "l", a, b)));
+  CHECK_FALSE(greeting::proofs_equal(greeting::proof("k", "l", a, b), greeting::proof("K", "l", a, b)));
+  CHECK_FALSE(greeting::proofs_equal(greeting::proof("k", "l", a, b), greeting::proof("k", "m", a, b)));
+}
