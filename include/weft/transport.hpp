@@ -7,7 +7,9 @@
 ///
 /// Threading: every call and every completion happens on the transport's Loop thread. A TransportOp is
 /// awaited from a coroutine that runs on that loop.
+#include <chrono>
 #include <coroutine>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -122,6 +124,18 @@ class Transport {
   /// The transport ranks that operation (context, seq) here still waits on: the sources of its posted
   /// receives and the destinations of its sends not written yet. For deadline reports.
   virtual std::vector<int> waiting_on(std::uint32_t context, std::uint64_t seq) const = 0;
+
+  /// How far another member is in a context, as it answered a progress query.
+  struct Progress {
+    int rank = -1;              ///< transport rank
+    bool answered = false;      ///< false: no answer in time (stopped, hung, or its connection is gone)
+    std::uint64_t started = 0;  ///< the latest operation (seq) it had started in the context; 0: none
+  };
+  /// Asks every other member of `context` how far it is (a query frame, answered by the member's
+  /// transport from its loop whatever its program does). `done` runs on the loop thread once every
+  /// member answered or `patience` passed, with one entry per other member. For deadline reports.
+  virtual void ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
+                            std::function<void(std::vector<Progress>)> done) = 0;
 
   /// Closes every connection; pending operations fail.
   virtual void shutdown() = 0;

@@ -158,18 +158,52 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     if (!watched.empty() && !watchdog_armed) arm_watchdog();
   }
 
+  // A deadline passed: before failing, ask every member how far it is (a progress query, answered by
+  // its transport's loop), so that the report names the ranks that had not joined the operation, not only
+  // the neighbours this rank waits on (in a ring, most ranks wait on a rank that waits on the late one).
+  std::vector<std::uint64_t> reporting;  // operations whose query is out
+
   void time_out(std::uint64_t seq, const char* op) {
+    if (std::find(reporting.begin(), reporting.end(), seq) != reporting.end()) return;
+    reporting.push_back(seq);
     std::vector<std::string> names;
-    for (int peer : transport->waiting_on(context, seq)) {
-      const auto it = std::find(members.begin(), members.end(), peer);
-      if (it != members.end()) names.push_back(std::to_string(it - members.begin()));
-    }
+    for (int peer : transport->waiting_on(context, seq)) names.push_back(std::to_string(group_rank(peer)));
     const auto ms = options.timeout.count();
     const std::string after = ms % 1000 == 0 ? fmt::format("{} s", ms / 1000) : fmt::format("{} ms", ms);
     const std::string whom = names.empty() ? std::string("no peer (the operation had not reached the network)")
                                            : fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "));
-    transport->abort_context(context, Errc::timeout,
-                             fmt::format("{} #{} passed its deadline ({}) on rank {}, still waiting for {}", op, seq, after, rank, whom));
+    const auto patience = std::clamp<std::chrono::milliseconds>(options.timeout / 4, std::chrono::milliseconds(50),
+                                                                std::chrono::milliseconds(500));
+    const std::string head = fmt::format("{} #{} passed its deadline ({}) on rank {}, still waiting for {}", op, seq, after, rank, whom);
+    transport->ask_progress(context, seq, patience, [weak = weak_from_this(), seq, head, patience](std::vector<Transport::Progress> answers) {
+      auto self = weak.lock();
+      if (!self) return;
+      std::erase(self->reporting, seq);
+      const bool still_running = std::any_of(self->watched.begin(), self->watched.end(), [&](const Watched& w) { return w.seq == seq; });
+      if (!still_running) return;  // it completed while the members were asked
+      self->transport->abort_context(self->context, Errc::timeout, head + "; " + self->stragglers(seq, answers, patience));
+    });
+  }
+
+  int group_rank(int transport_rank) const {
+    const auto it = std::find(members.begin(), members.end(), transport_rank);
+    return it == members.end() ? -1 : static_cast<int>(it - members.begin());
+  }
+
+  // "not joined: rank 3 (no answer within 125 ms: stopped, hung, or busy outside weft), rank 2 (latest #4)".
+  std::string stragglers(std::uint64_t seq, const std::vector<Transport::Progress>& answers, std::chrono::milliseconds patience) const {
+    std::vector<std::string> late;
+    for (const auto& a : answers) {
+      const int who = group_rank(a.rank);
+      if (!a.answered) {
+        late.push_back(fmt::format("rank {} (no answer within {} ms: stopped, hung, or busy outside weft)", who, patience.count()));
+      } else if (a.started < seq) {
+        late.push_back(a.started == 0 ? fmt::format("rank {} (it had started no collective)", who)
+                                      : fmt::format("rank {} (its latest is #{})", who, a.started));
+      }
+    }
+    if (late.empty()) return "every rank had joined it";
+    return fmt::format("not joined: {}", fmt::join(late, ", "));
   }
 };
 

@@ -217,6 +217,7 @@ TcpTransport::ContextState* TcpTransport::find_context(std::uint32_t context) {
 // this early check; a receive still compares every frame it takes.
 void TcpTransport::note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
   ContextState* state = find_context(context);
+  if (state) state->started = std::max(state->started, seq);
   if (!state || state->failed) return;
   last_noted_ = MessageKey{context, seq, 0};
   if (const auto* latest = state->local.latest(); latest && latest->seq == seq) return;
@@ -545,6 +546,29 @@ void TcpTransport::on_header(Connection& c) {
     case wire::FrameKind::goodbye:
       peer_departed(c);
       return;
+    case wire::FrameKind::query:
+    case wire::FrameKind::progress: {
+      if (header->bytes != 0) {
+        fail_connection(c, fmt::format("protocol error from rank {}: a {} frame with a payload of {} bytes", c.peer,
+                                       header->kind == wire::FrameKind::query ? "query" : "progress", header->bytes));
+        return;
+      }
+      const wire::Header h = *header;
+      const int peer = c.peer;
+      start_read_header(c);
+      if (h.kind == wire::FrameKind::progress) {
+        on_progress(peer, h);
+        return;
+      }
+      wire::Header answer;
+      answer.kind = wire::FrameKind::progress;
+      answer.context = h.context;
+      answer.seq = h.seq;
+      const ContextState* state = find_context(h.context);
+      answer.tag = state ? state->started : 0;
+      if (c.alive) send_control(c, answer);
+      return;
+    }
     case wire::FrameKind::hello:
     case wire::FrameKind::hello_ack:
       fail_connection(c, fmt::format("protocol error from rank {}: handshake frame on an established connection",
@@ -693,6 +717,11 @@ void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& op
   }
 }
 
+void TcpTransport::send_control(Connection& c, const wire::Header& h, std::string payload) {
+  c.control_queue.emplace_back(h, std::move(payload));
+  if (!c.writing) start_write(c);
+}
+
 void TcpTransport::send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason) {
   wire::Header h;
   h.kind = wire::FrameKind::abort;
@@ -703,9 +732,56 @@ void TcpTransport::send_abort(std::uint32_t context, const std::vector<int>& mem
     if (m == rank_) continue;
     auto& c = connections_[static_cast<std::size_t>(m)];
     if (!c || !c->alive) continue;
-    c->control_queue.emplace_back(h, payload);
-    if (!c->writing) start_write(*c);
+    send_control(*c, h, payload);
   }
+}
+
+void TcpTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
+                                std::function<void(std::vector<Progress>)> done) {
+  auto query = std::make_shared<Query>();
+  query->context = context;
+  query->seq = seq;
+  query->done = std::move(done);
+  wire::Header ask;
+  ask.kind = wire::FrameKind::query;
+  ask.context = context;
+  ask.seq = seq;
+  const ContextState* state = find_context(context);
+  for (int m : state ? state->members : std::vector<int>{}) {
+    if (m == rank_) continue;
+    query->answers.push_back(Progress{m, false, 0});
+    auto& c = connections_[static_cast<std::size_t>(m)];
+    if (!c || !c->alive) continue;  // a lost connection cannot answer
+    ++query->awaiting;
+    send_control(*c, ask);
+  }
+  queries_.push_back(query);
+  // Answered or not, the asker hears back within `patience`; a query nobody can answer ends at once
+  // (posted, so that `done` never runs inside the caller).
+  const auto wait = query->awaiting == 0 ? std::chrono::milliseconds(0) : patience;
+  loop_.call_after(wait, [this, alive = std::weak_ptr<bool>(alive_), query](bool) {
+    if (alive.lock()) finish_query(query);
+  });
+}
+
+void TcpTransport::on_progress(int peer, const wire::Header& h) {
+  for (const auto& query : queries_) {
+    if (query->context != h.context || query->seq != h.seq) continue;
+    for (auto& answer : query->answers) {
+      if (answer.rank != peer || answer.answered) continue;
+      answer.answered = true;
+      answer.started = h.tag;
+      if (--query->awaiting == 0) finish_query(query);
+      return;
+    }
+  }
+}
+
+void TcpTransport::finish_query(const std::shared_ptr<Query>& query) {
+  auto it = std::find(queries_.begin(), queries_.end(), query);
+  if (it == queries_.end()) return;  // finished already
+  queries_.erase(it);
+  query->done(query->answers);
 }
 
 void TcpTransport::shutdown() {

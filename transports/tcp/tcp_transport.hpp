@@ -42,6 +42,8 @@ class TcpTransport final : public Transport, private StreamEvents {
   void abort_context(std::uint32_t context, Errc code, const std::string& reason) override;
   bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const override;
   std::vector<int> waiting_on(std::uint32_t context, std::uint64_t seq) const override;
+  void ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
+                    std::function<void(std::vector<Progress>)> done) override;
 
   void shutdown() override;
 
@@ -171,7 +173,20 @@ class TcpTransport final : public Transport, private StreamEvents {
       }
     };
     Recent local, early;
+    std::uint64_t started = 0;  // the latest operation this rank started here (answers progress queries)
   };
+  // Progress queries this rank asked and waits on (ask_progress).
+  struct Query {
+    std::uint32_t context = 0;
+    std::uint64_t seq = 0;
+    std::vector<Progress> answers;
+    int awaiting = 0;
+    std::function<void(std::vector<Progress>)> done;
+  };
+  std::vector<std::shared_ptr<Query>> queries_;
+  void on_progress(int peer, const wire::Header& h);
+  void finish_query(const std::shared_ptr<Query>& query);
+  void send_control(Connection& c, const wire::Header& h, std::string payload = {});
   MessageKey last_noted_{};                        // the (context, seq) note_local_signature saw last
   ContextState* find_context(std::uint32_t context);  // contexts_.find, remembering the last one
   std::uint32_t cached_context_ = 0;

@@ -21,6 +21,8 @@ enum class FrameKind : std::uint8_t {
   hello_ack = 3,  // answer to hello: payload is u32 status + reason
   heartbeat = 4,  // reserved for failure detection
   goodbye = 5,    // the sender is leaving normally: nothing more follows on this connection
+  query = 6,      // how far are you in `context`? (seq: the operation asked about; no payload)
+  progress = 7,   // the answer: `seq` as asked, `tag` the latest operation the sender started there
 };
 
 struct Header {
