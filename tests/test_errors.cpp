@@ -496,3 +496,73 @@ TEST_CASE("WEFT_TIMEOUT takes a duration and refuses anything else", "[errors][t
     expect_error([&] { Options{}.from_environment(env_with(bad)); }, Errc::invalid_argument, {"WEFT_TIMEOUT", "is not a duration"});
   }
 }
+
+TEST_CASE("abort() fails everything in flight on every rank at once; shrink() then makes a working group", "[errors][abort]") {
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    std::vector<float> x(1000, 1.0f);
+    Future<void> f;
+    if (g.rank() != 2) f = g.all_reduce(x);  // rank 2 never joins: the collective cannot finish
+    if (g.rank() == 0) {
+      std::this_thread::sleep_for(100ms);
+      g.abort("giving up");
+    }
+    if (g.rank() != 2) {
+      check(f.wait_for(10s), "the aborted all_reduce hung");
+      expect_error([&] { f.get(); }, Errc::aborted, {"rank 0 called abort(): giving up"});
+    }
+    if (g.rank() == 2) {
+      // Rank 2 learns of the abort through the frame: its next collective fails with rank 0's reason.
+      std::this_thread::sleep_for(500ms);
+      expect_error([&] { g.all_reduce(x).get(); }, Errc::aborted, {"rank 0 called abort(): giving up"});
+    }
+    expect_error([&] { (void)g.all_reduce(x); }, Errc::group_failed, {"rank 0 called abort(): giving up"});
+    Group fresh = g.shrink().get();
+    check(fresh.size() == 3 && fresh.rank() == g.rank(), "every member is still there");
+    std::vector<float> y(1001, static_cast<float>(g.rank()));
+    fresh.all_reduce(y).get();
+    check(y[1000] == 3.0f, "all_reduce on the shrunk group");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("the survivors shrink past a member that stopped answering, and their collectives are correct", "[errors][shrink]") {
+  const long before = checks_made.load();
+  Options options;
+  options.timeout = 500ms;
+  for (const bool progress_threads : {false, true}) {
+    harness_caller_drives = !progress_threads;
+    run_ranks(4, [](Group& g) {
+      std::vector<float> x(1000, 1.0f);
+      g.all_reduce(x).get();
+      if (g.rank() == 2) {
+        std::this_thread::sleep_for(3s);  // stopped, as far as the others can tell
+        expect_error([&] { g.all_reduce(x).get(); }, {Errc::aborted, Errc::timeout, Errc::peer_failure, Errc::group_failed}, {});
+        Group alone = g.shrink().get();
+        check(alone.size() == 1 && alone.rank() == 0, fmt::format("the left-out rank got a group of {}", alone.size()));
+        alone.all_reduce(x).get();
+        return;
+      }
+      Future<void> f = g.all_reduce(x);
+      check(f.wait_for(10s), "the all_reduce with a silent member hung");
+      expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted}, {"not joined: rank 2"});
+      Group s = g.shrink().get();
+      check(s.size() == 3, fmt::format("shrunk to {} ranks", s.size()));
+      check(s.rank() == (g.rank() < 2 ? g.rank() : g.rank() - 1), "ranks keep their order");
+      for (int round = 0; round < 5; ++round) {
+        std::vector<std::int64_t> v(777 + static_cast<std::size_t>(round), s.rank() + 1);
+        s.all_reduce(v).get();
+        check(v.front() == 6 && v.back() == 6, "all_reduce after shrink");
+        std::vector<std::int32_t> mine(5, s.rank());
+        std::vector<std::int32_t> all(15);
+        s.all_gather(mine, all).get();
+        check(all[0] == 0 && all[5] == 1 && all[14] == 2, "all_gather after shrink");
+        std::vector<double> b(33, s.rank() == 1 ? 2.5 : 0.0);
+        s.broadcast(b, 1).get();
+        check(b[32] == 2.5, "broadcast after shrink");
+      }
+    }, options);
+  }
+  harness_caller_drives = true;
+  REQUIRE(checks_made.load() > before);
+}

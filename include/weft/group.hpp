@@ -95,6 +95,22 @@ class Group {
   /// A negative color leaves the rank out (its Future yields an invalid Group).
   Future<Group> split(int color, int key);
 
+  /// Fails every operation in flight on this group at once, here and on every other member (an abort
+  /// frame): their Futures fail with Errc::aborted and a message naming this rank and `reason`. The group
+  /// is failed afterwards (later calls throw Errc::group_failed); shrink() makes a new group of the
+  /// members still reachable. Thread-safe; returns at once.
+  void abort(const std::string& reason = {});
+
+  /// After a failure (or at any time): the members this rank still reaches agree on who they are and
+  /// form a new group of them, in this group's order. Every surviving member must call it, as many times
+  /// as the others; it works on a failed group. A member that neither answers nor fails within
+  /// clamp(Options::timeout, 100 ms, 30 s) per round is left out and its connection closed.
+  /// Returns: the new Group (its rank() and size() may differ). A rank every other member left out gets
+  /// a group of one. Errors: none of its own; the new group's collectives report failures as usual.
+  /// Limits: members that fail *during* the shrink may leave the survivors with different groups; the
+  /// next collective then fails (at its deadline at worst) and shrinking again converges.
+  Future<Group> shrink();
+
   /// Runs a plan (algorithms.hpp: a public builder's or your own) as one collective of this group: it
   /// takes the next sequence number, so every rank must call it in the same order as the other
   /// collectives, each with its own rank's plan. This is how new collectives are built from public

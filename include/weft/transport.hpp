@@ -137,6 +137,12 @@ class Transport {
   virtual void ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                             std::function<void(std::vector<Progress>)> done) = 0;
 
+  /// Whether the connection to `peer` (a transport rank) is up. Always true for this rank.
+  virtual bool connected(int peer) const = 0;
+  /// Closes the connection to `peer` as failed with `reason` (its pending operations and contexts fail
+  /// as for a lost connection). For ranks left out by shrink.
+  virtual void disconnect(int peer, const std::string& reason) = 0;
+
   /// Closes every connection; pending operations fail.
   virtual void shutdown() = 0;
 };

@@ -61,6 +61,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   algo::Selection selection;                       // which algorithm runs what; read by callers
   std::atomic<std::uint64_t> next_seq{1};          // written by callers, in program order
   std::atomic<bool> failed{false};                 // set on the loop thread, read by callers
+  std::atomic<std::uint64_t> shrinks{0};           // shrink() calls so far: each gets its own exchange
   std::mutex failure_mutex;
   std::string failure;                             // guarded by failure_mutex
 
@@ -726,6 +727,99 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
   co_return Group(std::move(child));
 }
 
+// ---------------------------------------------------------------- shrink
+
+// The survivors agree on who they are, in rounds: each rank sends the set of members it still reaches
+// (its view) to every member of that view and receives theirs; a member that fails, does not answer within
+// `patience` (its connection is then closed) or leaves this rank out is dropped, and the view becomes the
+// intersection of the views received. When a round changes nothing for anybody, every rank of the view
+// holds the same view (failures during the shrink itself aside: docs/RELIABILITY.md), and it becomes the
+// new group, ordered as in this one, with a context derived from the view.
+Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
+  const int p = g->size;
+  const auto me = static_cast<std::size_t>(g->rank);
+  const std::uint32_t exchange = derive_context(g->context, (std::uint64_t{1} << 62) | index, -2);
+  const auto patience = std::clamp<std::chrono::milliseconds>(
+      g->options.timeout.count() > 0 ? g->options.timeout : std::chrono::milliseconds(30'000), std::chrono::milliseconds(100),
+      std::chrono::milliseconds(30'000));
+  std::vector<std::uint8_t> view(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) view[static_cast<std::size_t>(r)] = g->transport->connected(g->members[static_cast<std::size_t>(r)]) ? 1 : 0;
+
+  struct Peer {
+    int rank = -1;
+    TransportOp send;
+    TransportOp recv;
+    std::vector<std::uint8_t> theirs;
+  };
+  struct Round {
+    std::deque<Peer> peers;  // a deque: the TransportOps must not move
+    std::vector<std::uint8_t> view;
+  };
+  for (std::uint64_t round = 0;; ++round) {
+    auto state = std::make_shared<Round>();
+    state->view = view;
+    for (int r = 0; r < p; ++r) {
+      if (r == g->rank || !view[static_cast<std::size_t>(r)]) continue;
+      Peer& x = state->peers.emplace_back();
+      x.rank = r;
+      x.theirs.assign(static_cast<std::size_t>(p), 0);
+      const MessageKey key{exchange, 0, round};
+      const int peer = g->members[static_cast<std::size_t>(r)];
+      g->transport->start_send(peer, key, state->view.data(), state->view.size(), x.send);
+      g->transport->start_recv(peer, key, x.theirs.data(), x.theirs.size(), x.recv);
+    }
+    const auto timer = g->loop->call_after(patience, [g, state, patience](bool fired) {
+      if (!fired) return;
+      for (Peer& x : state->peers) {
+        if (x.recv.done()) continue;
+        g->transport->disconnect(g->members[static_cast<std::size_t>(x.rank)],
+                                 fmt::format("left out by shrink on rank {}: no answer within {} ms", g->rank, patience.count()));
+      }
+    });
+    for (Peer& x : state->peers) {
+      co_await x.recv.wait();
+      co_await x.send.wait();
+    }
+    g->loop->cancel_timer(timer);
+
+    std::vector<std::uint8_t> next = view;
+    bool everybody_agrees = true;
+    for (Peer& x : state->peers) {
+      const auto r = static_cast<std::size_t>(x.rank);
+      if (x.recv.error() || x.send.error() || !x.theirs[me]) {
+        next[r] = 0;
+        everybody_agrees = false;
+      }
+    }
+    for (Peer& x : state->peers) {
+      if (!next[static_cast<std::size_t>(x.rank)]) continue;
+      everybody_agrees = everybody_agrees && x.theirs == view;
+      for (std::size_t i = 0; i < next.size(); ++i) next[i] = next[i] && x.theirs[i];
+    }
+    next[me] = 1;
+    if (everybody_agrees && next == view) break;
+    view = std::move(next);
+  }
+
+  auto child = std::make_shared<GroupState>();
+  child->loop = g->loop;
+  child->transport = g->transport;
+  child->options = g->options;
+  child->selection = g->selection;
+  std::uint64_t fingerprint = 0;
+  for (int r = 0; r < p; ++r) {
+    if (!view[static_cast<std::size_t>(r)]) continue;
+    if (r == g->rank) child->rank = static_cast<int>(child->members.size());
+    child->members.push_back(g->members[static_cast<std::size_t>(r)]);
+    fingerprint = fingerprint * 1099511628211ull + static_cast<std::uint64_t>(r) + 1;
+  }
+  child->size = static_cast<int>(child->members.size());
+  child->context = derive_context(exchange, fingerprint, child->size);
+  child->transport->open_context(child->context, child->members);
+  log().info("rank {}: shrink: a group of {} from {} (this rank is {} there)", g->rank, child->size, p, child->rank);
+  co_return Group(std::move(child));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Group
@@ -935,6 +1029,19 @@ Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buff
     if (reduces) check_op(g, name, buffers.dtype, buffers.op);
   }
   return spawn(*g.loop, plan_task(state_, take_seq(g), std::move(plan), buffers, name));
+}
+
+Future<Group> Group::shrink() {
+  auto& g = *state_;
+  return spawn(*g.loop, shrink_task(state_, g.shrinks.fetch_add(1)));
+}
+
+void Group::abort(const std::string& reason) {
+  auto& g = *state_;
+  const std::string text = reason.empty() ? fmt::format("rank {} called abort()", g.rank)
+                                          : fmt::format("rank {} called abort(): {}", g.rank, reason);
+  g.mark_failed(text);
+  g.loop->post([state = state_, text] { state->transport->abort_context(state->context, Errc::aborted, text); });
 }
 
 Future<Group> Group::split(int color, int key) {

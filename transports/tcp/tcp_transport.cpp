@@ -717,6 +717,18 @@ void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& op
   }
 }
 
+bool TcpTransport::connected(int peer) const {
+  if (peer == rank_) return true;
+  const auto& c = connections_[static_cast<std::size_t>(peer)];
+  return c && c->alive;
+}
+
+void TcpTransport::disconnect(int peer, const std::string& reason) {
+  if (peer == rank_) return;
+  auto& c = connections_[static_cast<std::size_t>(peer)];
+  if (c && c->alive) fail_connection(*c, reason);
+}
+
 void TcpTransport::send_control(Connection& c, const wire::Header& h, std::string payload) {
   c.control_queue.emplace_back(h, std::move(payload));
   if (!c.writing) start_write(c);

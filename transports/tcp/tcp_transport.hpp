@@ -42,6 +42,8 @@ class TcpTransport final : public Transport, private StreamEvents {
   void abort_context(std::uint32_t context, Errc code, const std::string& reason) override;
   bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const override;
   std::vector<int> waiting_on(std::uint32_t context, std::uint64_t seq) const override;
+  bool connected(int peer) const override;
+  void disconnect(int peer, const std::string& reason) override;
   void ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                     std::function<void(std::vector<Progress>)> done) override;
 
