@@ -566,3 +566,27 @@ TEST_CASE("the survivors shrink past a member that stopped answering, and their 
   harness_caller_drives = true;
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("one operation's deadline: with_timeout on a collective and on a receive", "[errors][deadline]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    // The group's deadline stays the default (30 minutes); single operations get their own.
+    std::vector<float> x(100, 1.0f);
+    if (g.rank() == 1) {
+      const auto t0 = std::chrono::steady_clock::now();
+      Future<void> r = g.with_timeout(300ms).recv(x, 0, 5);  // rank 0 never sends tag 5
+      check(r.wait_for(5s), "a receive past its deadline hung");
+      const auto took = std::chrono::steady_clock::now() - t0;
+      check(took < 1300ms, "the receive's deadline took too long");
+      expect_error([&] { r.get(); }, Errc::timeout, {"rank 1", "recv", "the receive from rank 0 [tag 5] passed its deadline (300 ms)",
+                                                    "withdrawn", "stays usable"});
+    }
+    g.all_reduce(x).get();  // the group still works
+    check(x[0] == 2.0f, "all_reduce after a receive's deadline");
+    if (g.rank() == 1) std::this_thread::sleep_for(1500ms);
+    Future<void> f = g.with_timeout(400ms).all_reduce(x);
+    check(f.wait_for(10s), "an all_reduce past its own deadline hung");
+    expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted}, {"all_reduce #2 passed its deadline (400 ms)", "not joined: rank 1"});
+  });
+  REQUIRE(checks_made.load() > before);
+}

@@ -22,6 +22,7 @@
 ///
 /// Lifetime: buffers must stay valid until the operation's Future completes. The Group must be destroyed
 /// before its Loop; destroying it shuts its connections down (peers see this rank leave).
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -95,6 +96,14 @@ class Group {
   /// A negative color leaves the rank out (its Future yields an invalid Group).
   Future<Group> split(int color, int key);
 
+  /// A view of this group whose operations have `timeout` as their deadline instead of Options::timeout
+  /// (0: none); everything else is shared: `co_await group.with_timeout(5s).all_reduce(x)`.
+  /// A collective past its deadline fails as described at Options::timeout (every member, with a report
+  /// of the ranks that had not joined it). A receive past its deadline that has not matched is withdrawn
+  /// and fails with Errc::timeout; the group stays usable. A send past its deadline (the receiver did not
+  /// take it) aborts the group, as cancelling it would.
+  Group with_timeout(std::chrono::milliseconds timeout) const;
+
   /// Fails every operation in flight on this group at once, here and on every other member (an abort
   /// frame): their Futures fail with Errc::aborted and a message naming this rank and `reason`. The group
   /// is failed afterwards (later calls throw Errc::group_failed); shrink() makes a new group of the
@@ -134,6 +143,7 @@ class Group {
 
  private:
   std::shared_ptr<detail::GroupState> state_;
+  std::chrono::milliseconds timeout_{-1};  // with_timeout(); negative: the group's Options::timeout
 };
 
 }  // namespace weft

@@ -103,7 +103,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
   Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers, Call call,
                  std::uint64_t first_tag = 0) {
-    if (options.timeout.count() > 0) watch(seq, op);
+    watch(seq, op);
     try {
       co_await algo::execute(channel(seq, op, buffers, call, first_tag), plan, buffers, exec_options());
     } catch (const Error& e) {
@@ -118,29 +118,62 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // instead the running operations are listed with their start, and one watchdog timer per group, armed
   // while any runs, looks every min(timeout / 4, 250 ms). Loop thread only.
   struct Watched {
-    std::uint64_t seq;
-    const char* op;
+    std::uint64_t id;  // the operation's seq; point-to-point operations get ids from p2p_ids
     std::chrono::steady_clock::time_point started;
+    std::chrono::milliseconds timeout;
+    std::function<void()> expire;  // small captures only: no allocation per operation
   };
   std::vector<Watched> watched;
   bool watchdog_armed = false;
+  std::uint64_t p2p_ids = std::uint64_t{1} << 63;
+
+  // Deadlines of single operations (Group::with_timeout), by seq: written by callers, read on the loop.
+  // A fixed ring of the latest: a deadline is looked up when its operation starts, soon after the call.
+  std::atomic<bool> any_deadline_set{false};
+  std::mutex deadlines_mutex;
+  std::array<std::pair<std::uint64_t, std::chrono::milliseconds>, 64> deadlines{};
+  std::size_t deadlines_pushed = 0;
+
+  void set_deadline(std::uint64_t seq, std::chrono::milliseconds timeout) {
+    std::lock_guard lock(deadlines_mutex);
+    deadlines[deadlines_pushed++ % deadlines.size()] = {seq, timeout};
+    any_deadline_set.store(true, std::memory_order_release);
+  }
+
+  std::chrono::milliseconds deadline_of(std::uint64_t seq) {
+    if (any_deadline_set.load(std::memory_order_acquire)) {
+      std::lock_guard lock(deadlines_mutex);
+      for (const auto& [s, t] : deadlines) {
+        if (s == seq) return t;
+      }
+    }
+    return options.timeout;
+  }
 
   void watch(std::uint64_t seq, const char* op) {
-    watched.push_back(Watched{seq, op, std::chrono::steady_clock::now()});
+    const auto timeout = deadline_of(seq);
+    if (timeout.count() <= 0) return;
+    watch(Watched{seq, std::chrono::steady_clock::now(), timeout, [this, seq, op, timeout] { time_out(seq, op, timeout); }});
+  }
+
+  void watch(Watched w) {
+    watched.push_back(std::move(w));
     if (!watchdog_armed) arm_watchdog();
   }
 
   void arm_watchdog() {
     watchdog_armed = true;
-    const auto period = std::min<std::chrono::milliseconds>(options.timeout / 4, std::chrono::milliseconds(250));
+    auto shortest = options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(1000);
+    for (const Watched& w : watched) shortest = std::min(shortest, w.timeout);
+    const auto period = std::min<std::chrono::milliseconds>(shortest / 4, std::chrono::milliseconds(250));
     loop->call_after(std::max(period, std::chrono::milliseconds(1)), [weak = weak_from_this()](bool) {
       if (auto self = weak.lock()) self->on_watchdog();
     });
   }
 
-  void unwatch(std::uint64_t seq) {
+  void unwatch(std::uint64_t id) {
     for (auto it = watched.rbegin(); it != watched.rend(); ++it) {
-      if (it->seq == seq) {
+      if (it->id == id) {
         watched.erase(std::next(it).base());
         return;
       }
@@ -150,13 +183,18 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   void on_watchdog() {
     watchdog_armed = false;
     const auto now = std::chrono::steady_clock::now();
-    std::vector<Watched> late;
+    std::vector<std::function<void()>> late;
     for (const Watched& w : watched) {
-      if (now - w.started >= options.timeout) late.push_back(w);
+      if (now - w.started >= w.timeout) late.push_back(w.expire);
     }
-    // Aborting completes operations, whose coroutines then unwatch: work on the copy.
-    for (const Watched& w : late) time_out(w.seq, w.op);
+    // Expiring completes operations, whose coroutines then unwatch: work on the copy.
+    for (const auto& expire : late) expire();
     if (!watched.empty() && !watchdog_armed) arm_watchdog();
+  }
+
+  static std::string duration_text(std::chrono::milliseconds t) {
+    const auto ms = t.count();
+    return ms % 1000 == 0 ? fmt::format("{} s", ms / 1000) : fmt::format("{} ms", ms);
   }
 
   // A deadline passed: before failing, ask every member how far it is (a progress query, answered by
@@ -164,23 +202,22 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // the neighbours this rank waits on (in a ring, most ranks wait on a rank that waits on the late one).
   std::vector<std::uint64_t> reporting;  // operations whose query is out
 
-  void time_out(std::uint64_t seq, const char* op) {
+  void time_out(std::uint64_t seq, const char* op, std::chrono::milliseconds timeout) {
     if (std::find(reporting.begin(), reporting.end(), seq) != reporting.end()) return;
     reporting.push_back(seq);
     std::vector<std::string> names;
     for (int peer : transport->waiting_on(context, seq)) names.push_back(std::to_string(group_rank(peer)));
-    const auto ms = options.timeout.count();
-    const std::string after = ms % 1000 == 0 ? fmt::format("{} s", ms / 1000) : fmt::format("{} ms", ms);
+    const std::string after = duration_text(timeout);
     const std::string whom = names.empty() ? std::string("no peer (the operation had not reached the network)")
                                            : fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "));
-    const auto patience = std::clamp<std::chrono::milliseconds>(options.timeout / 4, std::chrono::milliseconds(50),
+    const auto patience = std::clamp<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(50),
                                                                 std::chrono::milliseconds(500));
     const std::string head = fmt::format("{} #{} passed its deadline ({}) on rank {}, still waiting for {}", op, seq, after, rank, whom);
     transport->ask_progress(context, seq, patience, [weak = weak_from_this(), seq, head, patience](std::vector<Transport::Progress> answers) {
       auto self = weak.lock();
       if (!self) return;
       std::erase(self->reporting, seq);
-      const bool still_running = std::any_of(self->watched.begin(), self->watched.end(), [&](const Watched& w) { return w.seq == seq; });
+      const bool still_running = std::any_of(self->watched.begin(), self->watched.end(), [&](const Watched& w) { return w.id == seq; });
       if (!still_running) return;  // it completed while the members were asked
       self->transport->abort_context(self->context, Errc::timeout, head + "; " + self->stragglers(seq, answers, patience));
     });
@@ -256,7 +293,12 @@ void check_rank(const GroupState& g, const char* op, const char* what, int r) {
   if (r < 0 || r >= g.size) invalid(g, op, fmt::format("{} {} is not a rank of this group of {}", what, r, g.size), r);
 }
 
-std::uint64_t take_seq(GroupState& g) { return g.next_seq.fetch_add(1); }
+// The operation's sequence number; a view made by with_timeout() records its deadline for it.
+std::uint64_t take_seq(GroupState& g, std::chrono::milliseconds timeout) {
+  const std::uint64_t seq = g.next_seq.fetch_add(1);
+  if (timeout.count() >= 0) g.set_deadline(seq, timeout);
+  return seq;
+}
 
 void copy_bytes(void* dst, const void* src, std::size_t bytes) {
   if (bytes && dst != src) std::memmove(dst, src, bytes);
@@ -379,12 +421,43 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
 // ---------------------------------------------------------------- operations
 
 struct OpHook {
-  bool finished = false;  // loop thread only
+  bool finished = false;   // loop thread only
+  bool timed_out = false;  // its deadline passed (the watchdog withdrew or aborted it)
+  GroupState* g = nullptr;
+  TransportOp* op = nullptr;
 };
 
-Task<void> send_task(std::shared_ptr<GroupState> g, ConstBufferView data, int dst, std::uint32_t tag, std::uint64_t op_seq) {
+// A point-to-point operation's deadline: a receive still unmatched is withdrawn (the group stays usable);
+// a send not written yet cannot be taken back from the receiver's view, so the group is aborted.
+std::uint64_t watch_p2p(GroupState& g, const std::shared_ptr<OpHook>& hook, std::chrono::milliseconds timeout, bool is_send) {
+  if (timeout.count() <= 0) return 0;
+  const std::uint64_t id = g.p2p_ids++;
+  std::function<void()> expire;
+  if (is_send) {
+    expire = [hook] {
+      if (hook->finished) return;
+      hook->timed_out = true;
+      auto& g = *hook->g;
+      g.transport->abort_context(g.context, Errc::timeout,
+                                 fmt::format("a send from rank {} to rank {} [tag {}] passed its deadline: the receiver did not take it "
+                                             "(a send cannot be withdrawn once started)",
+                                             g.rank, g.group_rank(hook->op->peer), hook->op->key.tag));
+    };
+  } else {
+    expire = [hook] {
+      if (hook->finished) return;
+      hook->timed_out = true;  // before: a withdrawn receive resumes its coroutine inside cancel_recv
+      if (!hook->g->transport->cancel_recv(*hook->op)) hook->timed_out = false;  // it matched: let it finish
+    };
+  }
+  g.watch(GroupState::Watched{id, std::chrono::steady_clock::now(), timeout, std::move(expire)});
+  return id;
+}
+
+Task<void> send_task(std::shared_ptr<GroupState> g, ConstBufferView data, int dst, std::uint32_t tag, std::uint64_t op_seq,
+                     std::chrono::milliseconds timeout) {
   TransportOp op;
-  auto hook = std::make_shared<OpHook>();
+  auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
   const std::stop_token token = co_await this_stop_token();
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
   // A send on the wire cannot be taken back from the receiver's view: cancelling it aborts the group.
@@ -397,18 +470,21 @@ Task<void> send_task(std::shared_ptr<GroupState> g, ConstBufferView data, int ds
       });
     }));
   }
+  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, true);
   g->transport->start_send(g->members[static_cast<std::size_t>(dst)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
   co_await op.wait();
   hook->finished = true;
+  if (watch_id) g->unwatch(watch_id);
   on_stop.reset();
   if (op.error()) {
     throw_error(static_cast<Errc>(op.error().value()), g->where("send", static_cast<std::int64_t>(op_seq), dst, tag), op.reason());
   }
 }
 
-Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, std::uint32_t tag, std::uint64_t op_seq) {
+Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, std::uint32_t tag, std::uint64_t op_seq,
+                     std::chrono::milliseconds timeout) {
   TransportOp op;
-  auto hook = std::make_shared<OpHook>();
+  auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
   const std::stop_token token = co_await this_stop_token();
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
   if (token.stop_possible()) {
@@ -418,10 +494,17 @@ Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, st
       });
     }));
   }
+  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, false);
   g->transport->start_recv(g->members[static_cast<std::size_t>(src)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
   co_await op.wait();
   hook->finished = true;
+  if (watch_id) g->unwatch(watch_id);
   on_stop.reset();
+  if (hook->timed_out) {
+    throw_error(Errc::timeout, g->where("recv", static_cast<std::int64_t>(op_seq), src, tag),
+                fmt::format("the receive from rank {} [tag {}] passed its deadline ({}) on rank {}; it was withdrawn and the "
+                            "group stays usable", src, tag, GroupState::duration_text(timeout), g->rank));
+  }
   if (op.error()) {
     throw_error(static_cast<Errc>(op.error().value()), g->where("recv", static_cast<std::int64_t>(op_seq), src, tag), op.reason());
   }
@@ -861,7 +944,7 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   check_usable(g, "send");
   check_rank(g, "send", "destination", dst);
   check_buffer(g, "send", "data", data.data, data.count, data.device);
-  return spawn(*g.loop, send_task(state_, data, dst, tag, 0));
+  return spawn(*g.loop, send_task(state_, data, dst, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
@@ -869,7 +952,7 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   check_usable(g, "recv");
   check_rank(g, "recv", "source", src);
   check_buffer(g, "recv", "data", data.data, data.count, data.device);
-  return spawn(*g.loop, recv_task(state_, data, src, tag, 0));
+  return spawn(*g.loop, recv_task(state_, data, src, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
 
 Future<void> Group::all_reduce(BufferView data, ReduceOp op) { return all_reduce(ConstBufferView(data), data, op); }
@@ -885,7 +968,7 @@ Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) 
   check_op(g, name, in.dtype, op);
   // Chosen on the caller's thread, where override_algorithms changes the table.
   std::string algorithm(g.selection.choose("all_reduce", out.bytes(), g.size));
-  return spawn(*g.loop, all_reduce_task(state_, take_seq(g), in, out, op, std::move(algorithm)));
+  return spawn(*g.loop, all_reduce_task(state_, take_seq(g, timeout_), in, out, op, std::move(algorithm)));
 }
 
 Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
@@ -897,7 +980,7 @@ Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
   std::string algorithm(g.selection.choose("all_gather", out.bytes(), g.size));
-  return spawn(*g.loop, all_gather_task(state_, take_seq(g), in, out, std::move(algorithm)));
+  return spawn(*g.loop, all_gather_task(state_, take_seq(g, timeout_), in, out, std::move(algorithm)));
 }
 
 Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op) {
@@ -910,7 +993,7 @@ Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp 
   check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
   check_op(g, name, in.dtype, op);
   std::string algorithm(g.selection.choose("reduce_scatter", in.bytes(), g.size));
-  return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g), in, out, op, std::move(algorithm)));
+  return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g, timeout_), in, out, op, std::move(algorithm)));
 }
 
 Future<void> Group::broadcast(BufferView data, int root) {
@@ -920,7 +1003,7 @@ Future<void> Group::broadcast(BufferView data, int root) {
   check_rank(g, name, "root", root);
   check_buffer(g, name, "data", data.data, data.count, data.device);
   std::string algorithm(g.selection.choose("broadcast", data.bytes(), g.size));
-  return spawn(*g.loop, broadcast_task(state_, take_seq(g), data, root, std::move(algorithm)));
+  return spawn(*g.loop, broadcast_task(state_, take_seq(g, timeout_), data, root, std::move(algorithm)));
 }
 
 Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceOp op) {
@@ -936,7 +1019,7 @@ Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceO
     check_count(g, name, "output", out.count, in.count);
   }
   std::string algorithm(g.selection.choose("reduce", in.bytes(), g.size));
-  return spawn(*g.loop, reduce_task(state_, take_seq(g), in, out, root, op, std::move(algorithm)));
+  return spawn(*g.loop, reduce_task(state_, take_seq(g, timeout_), in, out, root, op, std::move(algorithm)));
 }
 
 Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
@@ -951,7 +1034,7 @@ Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
     check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
   }
   std::string algorithm(g.selection.choose("gather", in.bytes() * static_cast<std::size_t>(g.size), g.size));
-  return spawn(*g.loop, gather_task(state_, take_seq(g), in, out, root, std::move(algorithm)));
+  return spawn(*g.loop, gather_task(state_, take_seq(g, timeout_), in, out, root, std::move(algorithm)));
 }
 
 Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
@@ -966,7 +1049,7 @@ Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
     check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
   }
   std::string algorithm(g.selection.choose("scatter", out.bytes() * static_cast<std::size_t>(g.size), g.size));
-  return spawn(*g.loop, scatter_task(state_, take_seq(g), in, out, root, std::move(algorithm)));
+  return spawn(*g.loop, scatter_task(state_, take_seq(g, timeout_), in, out, root, std::move(algorithm)));
 }
 
 Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
@@ -981,13 +1064,13 @@ Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
     invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", in.count, g.size));
   }
   std::string algorithm(g.selection.choose("all_to_all", in.bytes(), g.size));
-  return spawn(*g.loop, all_to_all_task(state_, take_seq(g), in, out, std::move(algorithm)));
+  return spawn(*g.loop, all_to_all_task(state_, take_seq(g, timeout_), in, out, std::move(algorithm)));
 }
 
 Future<void> Group::barrier() {
   auto& g = *state_;
   check_usable(g, "barrier");
-  return spawn(*g.loop, barrier_task(state_, take_seq(g)));
+  return spawn(*g.loop, barrier_task(state_, take_seq(g, timeout_)));
 }
 
 Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs) {
@@ -1006,7 +1089,7 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
     if (++sends[static_cast<std::size_t>(src)] > 1) invalid(g, name, fmt::format("rank {} sends more than once", src), src);
     if (++recvs[static_cast<std::size_t>(dst)] > 1) invalid(g, name, fmt::format("rank {} receives more than once", dst), dst);
   }
-  return spawn(*g.loop, permute_task(state_, take_seq(g), in, out, std::move(pairs)));
+  return spawn(*g.loop, permute_task(state_, take_seq(g, timeout_), in, out, std::move(pairs)));
 }
 
 namespace {
@@ -1028,7 +1111,13 @@ Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buff
                          step.kind == algo::StepKind::send_recv_reduce;
     if (reduces) check_op(g, name, buffers.dtype, buffers.op);
   }
-  return spawn(*g.loop, plan_task(state_, take_seq(g), std::move(plan), buffers, name));
+  return spawn(*g.loop, plan_task(state_, take_seq(g, timeout_), std::move(plan), buffers, name));
+}
+
+Group Group::with_timeout(std::chrono::milliseconds timeout) const {
+  Group view(state_);
+  view.timeout_ = std::max(timeout, std::chrono::milliseconds(0));
+  return view;
 }
 
 Future<Group> Group::shrink() {
@@ -1047,7 +1136,7 @@ void Group::abort(const std::string& reason) {
 Future<Group> Group::split(int color, int key) {
   auto& g = *state_;
   check_usable(g, "split");
-  return spawn(*g.loop, split_task(state_, take_seq(g), color, key));
+  return spawn(*g.loop, split_task(state_, take_seq(g, timeout_), color, key));
 }
 
 }  // namespace weft
