@@ -3,16 +3,129 @@
 //   worker kill-peer VICTIM   every rank runs all_reduces; VICTIM kills itself (SIGKILL) in the middle of
 //                             one. The others must fail with an error naming VICTIM, and not hang.
 //   worker sum                one all_reduce, checked (used for launcher conventions: torchrun, mpirun).
+//   worker loop COLL N COUNT  N checked runs of collective COLL on COUNT elements; on an error prints
+//                             "rank R: failed at <epoch ms>: <error>" and, with WEFT_FAULT_SHRINK=1,
+//                             shrinks and runs 20 checked all_reduces on the survivors (tests/faults).
+//   worker soak N             N random collectives (every kind, sizes 0 to 64 Ki elements), each checked;
+//                             prints resident memory after the first 1000 and at the end.
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include <weft/weft.hpp>
+
+namespace {
+
+using weft::Group;
+
+long long epoch_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+long resident_kb() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+const char* const collectives[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                                   "gather",     "scatter",    "all_to_all",     "barrier"};
+
+// Runs collective `name` once on `count` elements per block with values that depend on the rank and
+// `it`, and checks the result exactly. Returns "" or what was wrong. Errors of weft propagate.
+std::string run_checked(Group& g, const std::string& name, std::size_t count, long it) {
+  using V = std::int64_t;
+  const int p = g.size();
+  const int r = g.rank();
+  const auto n = count;
+  auto bad = [&](std::size_t i, V got, V want) { return fmt::format("{} #{} element {}: {} instead of {}", name, it, i, got, want); };
+  if (name == "all_reduce") {
+    std::vector<V> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = r + static_cast<V>(i) + it;
+    g.all_reduce(v).get();
+    for (std::size_t i = 0; i < n; ++i) {
+      const V want = static_cast<V>(p) * (p - 1) / 2 + p * (static_cast<V>(i) + it);
+      if (v[i] != want) return bad(i, v[i], want);
+    }
+  } else if (name == "all_gather") {
+    std::vector<V> in(n), out(n * p);
+    for (std::size_t i = 0; i < n; ++i) in[i] = r * 1000 + static_cast<V>(i) + it;
+    g.all_gather(in, out).get();
+    for (std::size_t k = 0; k < out.size(); ++k) {
+      const V want = static_cast<V>(k / n) * 1000 + static_cast<V>(k % n) + it;
+      if (out[k] != want) return bad(k, out[k], want);
+    }
+  } else if (name == "reduce_scatter") {
+    std::vector<V> in(n * p), out(n);
+    for (std::size_t j = 0; j < in.size(); ++j) in[j] = r + static_cast<V>(j) + it;
+    g.reduce_scatter(in, out).get();
+    for (std::size_t i = 0; i < n; ++i) {
+      const V want = static_cast<V>(p) * (p - 1) / 2 + p * (static_cast<V>(r * n + i) + it);
+      if (out[i] != want) return bad(i, out[i], want);
+    }
+  } else if (name == "broadcast") {
+    const int root = static_cast<int>(it % p);
+    std::vector<V> v(n, -1);
+    if (r == root) for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<V>(i) + it;
+    g.broadcast(v, root).get();
+    for (std::size_t i = 0; i < n; ++i) if (v[i] != static_cast<V>(i) + it) return bad(i, v[i], static_cast<V>(i) + it);
+  } else if (name == "reduce") {
+    const int root = static_cast<int>(it % p);
+    std::vector<V> in(n), out(r == root ? n : 0);
+    for (std::size_t i = 0; i < n; ++i) in[i] = r + static_cast<V>(i);
+    g.reduce(in, out, root).get();
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      const V want = static_cast<V>(p) * (p - 1) / 2 + p * static_cast<V>(i);
+      if (out[i] != want) return bad(i, out[i], want);
+    }
+  } else if (name == "gather") {
+    const int root = static_cast<int>(it % p);
+    std::vector<V> in(n), out(r == root ? n * p : 0);
+    for (std::size_t i = 0; i < n; ++i) in[i] = r * 1000 + static_cast<V>(i);
+    g.gather(in, out, root).get();
+    for (std::size_t k = 0; k < out.size(); ++k) {
+      const V want = static_cast<V>(k / n) * 1000 + static_cast<V>(k % n);
+      if (out[k] != want) return bad(k, out[k], want);
+    }
+  } else if (name == "scatter") {
+    const int root = static_cast<int>(it % p);
+    std::vector<V> in(r == root ? n * p : 0), out(n);
+    for (std::size_t k = 0; k < in.size(); ++k) in[k] = static_cast<V>(k / n) * 1000 + static_cast<V>(k % n) + it;
+    g.scatter(in, out, root).get();
+    for (std::size_t i = 0; i < n; ++i) {
+      const V want = r * 1000 + static_cast<V>(i) + it;
+      if (out[i] != want) return bad(i, out[i], want);
+    }
+  } else if (name == "all_to_all") {
+    std::vector<V> in(n * p), out(n * p);
+    for (std::size_t k = 0; k < in.size(); ++k) in[k] = r * 1000 + static_cast<V>(k / n) * 10 + static_cast<V>(k % n % 10);
+    g.all_to_all(in, out).get();
+    for (std::size_t k = 0; k < out.size(); ++k) {
+      const V want = static_cast<V>(k / n) * 1000 + r * 10 + static_cast<V>(k % n % 10);
+      if (out[k] != want) return bad(k, out[k], want);
+    }
+  } else if (name == "barrier") {
+    g.barrier().get();
+  } else {
+    return "unknown collective " + name;
+  }
+  return {};
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace std::chrono_literals;
@@ -57,6 +170,74 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(500ms);  // survivors live on (as they would to shrink and continue)
       return names ? 0 : 5;
     }
+  }
+  if (mode == "loop") {
+    const std::string name = argc > 2 ? argv[2] : "all_reduce";
+    const long iterations = argc > 3 ? std::atol(argv[3]) : 1000;
+    const std::size_t count = argc > 4 ? static_cast<std::size_t>(std::atol(argv[4])) : 65536;
+    const long long start = epoch_ms();
+    std::printf("rank %d: started at %lld\n", group.rank(), start);
+    std::fflush(stdout);
+    try {
+      for (long it = 0; it < iterations; ++it) {
+        const auto wrong = run_checked(group, name, count, it);
+        if (!wrong.empty()) {
+          std::printf("rank %d: WRONG %s\n", group.rank(), wrong.c_str());
+          return 6;
+        }
+      }
+      std::printf("rank %d: completed %ld\n", group.rank(), iterations);
+      return 0;
+    } catch (const weft::Error& e) {
+      std::printf("rank %d: failed at %lld: %s\n", group.rank(), epoch_ms(), e.what());
+      std::fflush(stdout);
+    }
+    if (const char* v = std::getenv("WEFT_FAULT_SHRINK"); v && std::string(v) == "1") {
+      try {
+        weft::Group survivors = group.shrink().get();
+        for (long it = 0; it < 20; ++it) {
+          for (const char* c : {"all_reduce", "all_gather", "broadcast"}) {
+            const auto wrong = run_checked(survivors, c, 1001, it);
+            if (!wrong.empty()) {
+              std::printf("rank %d: WRONG after shrink: %s\n", group.rank(), wrong.c_str());
+              return 6;
+            }
+          }
+        }
+        std::printf("rank %d: shrunk to %d, ok\n", group.rank(), survivors.size());
+      } catch (const weft::Error& e) {
+        std::printf("rank %d: shrink failed: %s\n", group.rank(), e.what());
+        return 7;
+      }
+    }
+    std::fflush(stdout);
+    return 0;
+  }
+  if (mode == "soak") {
+    const long total = argc > 2 ? std::atol(argv[2]) : 100000;
+    std::mt19937_64 random(12345);  // the same sequence on every rank
+    const std::size_t sizes[] = {0, 1, 3, 7, 64, 100, 1000, 4097, 16384, 65536};
+    long warm_rss = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (long it = 0; it < total; ++it) {
+      const std::string name = collectives[random() % std::size(collectives)];
+      const std::size_t count = sizes[random() % std::size(sizes)];
+      std::string wrong;
+      try {
+        wrong = run_checked(group, name, count, it);
+      } catch (const weft::Error& e) {
+        wrong = e.what();
+      }
+      if (!wrong.empty()) {
+        std::printf("rank %d: soak error at %ld: %s\n", group.rank(), it, wrong.c_str());
+        return 6;
+      }
+      if (it == 999) warm_rss = resident_kb();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("rank %d: soak %ld collectives, 0 errors, %.1f s, resident %ld KiB after 1000, %ld KiB at the end\n",
+                group.rank(), total, seconds, warm_rss, resident_kb());
+    return 0;
   }
   std::fprintf(stderr, "worker: unknown mode %s\n", mode.c_str());
   return 2;

@@ -50,6 +50,12 @@ struct Options {
   /// naming the sizes, so a forged or runaway length cannot exhaust memory. 0 (the default): half of the
   /// machine's physical memory.
   std::size_t max_early_bytes = 0;
+  /// Heartbeats on idle connections (WEFT_HEARTBEAT, a duration; 0: off): after this much silence the
+  /// peer's host is probed, every interval, and the connection fails after 3 unanswered probes or when
+  /// sent data stays unacknowledged for 4 intervals, failing every pending operation with PeerFailure
+  /// ("... the peer did not acknowledge heartbeats ..."). This catches a host that went down or a cut
+  /// network, which no error reports otherwise; a live but stopped rank is the deadline's to catch.
+  std::chrono::milliseconds heartbeat{std::chrono::seconds(5)};
   /// A shared secret (WEFT_SECRET, or the contents of the file WEFT_SECRET_FILE names, without a final
   /// newline). When set, every connection (to the store and between ranks) runs a mutual HMAC-SHA256
   /// challenge-response before anything else, and a process without the same secret is refused and
@@ -65,7 +71,7 @@ struct Options {
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
   /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT,
-  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT, WEFT_SECRET / WEFT_SECRET_FILE, WEFT_JOB_ID.
+  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT, WEFT_SECRET / WEFT_SECRET_FILE, WEFT_JOB_ID, WEFT_HEARTBEAT.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

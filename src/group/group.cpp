@@ -409,6 +409,9 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   g->size = options.world_size;
   g->options = options;
   g->store_server = std::move(result.store_server);
+  for (auto& socket : result.sockets) {
+    if (socket.is_open()) TcpTransport::set_heartbeat(socket, options.heartbeat);
+  }
   auto* transport = make_transport(*loop, options, std::move(result.sockets));
   transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : half_the_memory());
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});

@@ -146,6 +146,7 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
     bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto)", transport));
   }
   if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
+  if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = parse_duration("WEFT_HEARTBEAT", v);
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {
     max_early_bytes = static_cast<std::size_t>(parse_int("WEFT_MAX_EARLY_BYTES", v, 0, 1ll << 50));
   }

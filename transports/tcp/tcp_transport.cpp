@@ -36,6 +36,32 @@ std::size_t TcpTransport::MatchKeyHash::operator()(const MatchKey& k) const noex
   return static_cast<std::size_t>(h);
 }
 
+namespace {
+// A socket error, said so that the reader knows what to look at: a timeout here is the heartbeat's.
+std::string describe_error(const std::error_code& ec) {
+  if (ec == std::errc::timed_out || ec == asio::error::timed_out) {
+    return ec.message() + " (the peer did not acknowledge heartbeats or data in time: its host is down or the network is cut; WEFT_HEARTBEAT)";
+  }
+  return ec.message();
+}
+}  // namespace
+
+void TcpTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::milliseconds interval) {
+  if (interval.count() <= 0) return;
+  const int fd = socket.native_handle();
+  const int on = 1;
+  const int seconds = static_cast<int>(std::max<long long>(1, std::chrono::duration_cast<std::chrono::seconds>(interval).count()));
+  const int probes = heartbeat_probes;
+  // Unacknowledged data for as long as the probes would take fails the connection too (TCP_USER_TIMEOUT),
+  // so that a peer lost mid-transfer is caught as fast as an idle one.
+  const unsigned user_timeout = static_cast<unsigned>(seconds * (probes + 1) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &seconds, sizeof seconds);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &seconds, sizeof seconds);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
+}
+
 void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
   std::error_code ignored;
   socket.set_option(asio::ip::tcp::no_delay(true), ignored);
@@ -326,7 +352,7 @@ void TcpTransport::on_write_done(Connection& c, const std::error_code& ec) {
     c.send_queue.pop_front();
   }
   if (ec || !c.alive) {
-    if (c.alive) fail_connection(c, fmt::format("write failed: {}", ec.message()));
+    if (c.alive) fail_connection(c, fmt::format("write failed: {}", describe_error(ec)));
     if (done) done->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
     return;
   }
@@ -448,7 +474,7 @@ void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t byte
       fail_connection(c, between_frames ? std::string("the peer closed the connection")
                                         : std::string("the peer closed the connection in the middle of a frame"));
     } else {
-      fail_connection(c, fmt::format("read failed: {}", ec.message()));
+      fail_connection(c, fmt::format("read failed: {}", describe_error(ec)));
     }
     return;
   }

@@ -57,6 +57,13 @@ class TcpTransport final : public Transport, private StreamEvents {
 
   /// Socket options every weft connection gets (TCP_NODELAY, large buffers).
   static void tune_socket(asio::ip::tcp::socket& socket);
+  /// Heartbeats on an idle connection (Options::heartbeat): the kernel probes the peer after `interval`
+  /// of silence, every `interval`, and fails the connection after heartbeat_probes unanswered probes, or
+  /// when sent data stays unacknowledged that long. The kernel answers probes, so a rank busy outside weft
+  /// (or stopped) still answers: its lateness is the deadlines' to catch; these catch a host that is down
+  /// or a network that is cut. 0: off.
+  static constexpr int heartbeat_probes = 3;
+  static void set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::milliseconds interval);
 
  private:
   struct MatchKey {
