@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 
 #include <array>
+#include <filesystem>
 #include <future>
 
 #include "harness.hpp"
@@ -588,5 +589,84 @@ TEST_CASE("one operation's deadline: with_timeout on a collective and on a recei
     check(f.wait_for(10s), "an all_reduce past its own deadline hung");
     expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted}, {"all_reduce #2 passed its deadline (400 ms)", "not joined: rank 1"});
   });
+  REQUIRE(checks_made.load() > before);
+}
+
+namespace {
+
+// The connections between ranks of this process: pairs of loopback TCP sockets connected to each other,
+// found through /proc/self/fd. `skip_port` (the store's) is left out.
+std::vector<std::pair<int, int>> rank_connections(unsigned short skip_port) {
+  struct End {
+    int fd;
+    unsigned short local, peer;
+  };
+  std::vector<End> ends;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::atoi(entry.path().filename().c_str());
+    sockaddr_in local{}, peer{};
+    socklen_t a = sizeof local, b = sizeof peer;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &a) != 0 || local.sin_family != AF_INET) continue;
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &b) != 0) continue;
+    if (ntohs(local.sin_port) == skip_port || ntohs(peer.sin_port) == skip_port) continue;
+    ends.push_back(End{fd, ntohs(local.sin_port), ntohs(peer.sin_port)});
+  }
+  std::vector<std::pair<int, int>> pairs;
+  for (const End& x : ends) {
+    for (const End& y : ends) {
+      if (x.fd < y.fd && x.local == y.peer && x.peer == y.local) pairs.emplace_back(x.fd, y.fd);
+    }
+  }
+  return pairs;
+}
+
+}  // namespace
+
+TEST_CASE("bytes injected into a live connection between two ranks, or a socket closed mid-frame, fail it; nothing hangs", "[errors][hostile]") {
+  const long before = checks_made.load();
+  const auto port = free_port();
+  Options options;
+  options.store = "127.0.0.1:" + std::to_string(port);
+  std::atomic<int> protocol_errors{0};
+  for (const bool mid_frame : {false, true}) {
+    protocol_errors = 0;
+    run_ranks(2, [&](Group& g) {
+      std::vector<float> x(mid_frame ? (16 << 20) : 100, 1.0f);
+      g.all_reduce(x).get();
+      g.barrier().get();
+      if (g.rank() == 0 && !mid_frame) {
+        const auto pairs = rank_connections(port);
+        check(pairs.size() == 1, fmt::format("found {} connections between the ranks", pairs.size()));
+        std::array<unsigned char, 64> noise{};
+        for (std::size_t i = 0; i < noise.size(); ++i) noise[i] = static_cast<unsigned char>(i * 37 + 11);
+        check(::send(pairs[0].first, noise.data(), noise.size(), MSG_NOSIGNAL) == 64, "inject");
+      }
+      // The garbage may land behind a frame that completes this operation: the connection fails at the
+      // latest when the next header is read.
+      bool failed = false;
+      for (int attempt = 0; attempt < 3 && !failed; ++attempt) {
+        Future<void> f = g.all_reduce(x);
+        if (g.rank() == 0 && mid_frame && attempt == 0) {
+          std::this_thread::sleep_for(5ms);  // 64 MiB each way: still in flight
+          const auto pairs = rank_connections(port);
+          check(pairs.size() == 1, fmt::format("found {} connections between the ranks", pairs.size()));
+          ::shutdown(pairs[0].first, SHUT_RDWR);
+        }
+        check(f.wait_for(10s), "the collective hung");
+        try {
+          f.get();
+        } catch (const Error& e) {
+          failed = true;
+          check(e.errc() == Errc::peer_failure || e.errc() == Errc::aborted || e.errc() == Errc::group_failed, e.what());
+          if (std::string(e.what()).find("protocol error from rank") != std::string::npos) ++protocol_errors;
+        }
+      }
+      check(failed, "three all_reduces succeeded over a broken connection");
+      // Each rank is alone now: shrink makes a group of one that works.
+      Group alone = g.shrink().get();
+      check(alone.size() == 1, fmt::format("a group of {} after the connection failed", alone.size()));
+    }, options);
+    if (!mid_frame) CHECK(protocol_errors.load() >= 1);
+  }
   REQUIRE(checks_made.load() > before);
 }

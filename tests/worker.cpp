@@ -8,6 +8,7 @@
 //                             shrinks and runs 20 checked all_reduces on the survivors (tests/faults).
 //   worker soak N             N random collectives (every kind, sizes 0 to 64 Ki elements), each checked;
 //                             prints resident memory after the first 1000 and at the end.
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -131,7 +132,13 @@ int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   const std::string mode = argc > 1 ? argv[1] : "sum";
   weft::Loop loop;
-  weft::Group group = weft::Group::create(loop).get();
+  weft::Group group;
+  try {
+    group = weft::Group::create(loop).get();
+  } catch (const weft::Error& e) {
+    std::printf("%s\n", e.what());
+    return 1;
+  }
   const int p = group.size();
   if (mode == "sum") {
     std::vector<std::int64_t> v(4099, group.rank() + 1);
@@ -185,6 +192,9 @@ int main(int argc, char** argv) {
           std::printf("rank %d: WRONG %s\n", group.rank(), wrong.c_str());
           return 6;
         }
+        if ((it + 1) % 10000 == 0 && std::getenv("WEFT_SOAK_TRACE")) {
+          std::printf("rank %d: after %ld: resident %ld KiB\n", group.rank(), it + 1, resident_kb());
+        }
       }
       std::printf("rank %d: completed %ld\n", group.rank(), iterations);
       return 0;
@@ -233,8 +243,16 @@ int main(int argc, char** argv) {
         return 6;
       }
       if (it == 999) warm_rss = resident_kb();
+      if ((it + 1) % (total / 10 > 0 ? total / 10 : 1) == 0 && std::getenv("WEFT_SOAK_TRACE")) {
+        std::printf("rank %d: after %ld: resident %ld KiB\n", group.rank(), it + 1, resident_kb());
+      }
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (std::getenv("WEFT_SOAK_TRACE")) {
+      const auto mi = mallinfo2();
+      std::printf("rank %d: heap in use %zu KiB, free in heap %zu KiB, mmapped %zu KiB\n", group.rank(), mi.uordblks / 1024,
+                  mi.fordblks / 1024, mi.hblkhd / 1024);
+    }
     std::printf("rank %d: soak %ld collectives, 0 errors, %.1f s, resident %ld KiB after 1000, %ld KiB at the end\n",
                 group.rank(), total, seconds, warm_rss, resident_kb());
     return 0;

@@ -36,14 +36,22 @@ class ScratchPool {
     }
     return Buffer{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
   }
+  // When the pool is full the oldest buffers go first: sizes in use now stay, sizes of operations long
+  // past leave. (Refusing new ones instead kept whatever sizes came first, and a mix of sizes then
+  // allocated afresh every time while the pool held the limit: the soak's memory grew by 64 MiB.)
   static void give(Buffer&& buffer) {
-    if (!buffer.data || pool().kept + buffer.capacity > limit) return;
-    pool().kept += buffer.capacity;
-    pool().spare.push_back(std::move(buffer));
+    if (!buffer.data || buffer.capacity > limit) return;
+    auto& p = pool();
+    while (p.kept + buffer.capacity > limit && !p.spare.empty()) {
+      p.kept -= p.spare.front().capacity;
+      p.spare.erase(p.spare.begin());
+    }
+    p.kept += buffer.capacity;
+    p.spare.push_back(std::move(buffer));
   }
 
  private:
-  static constexpr std::size_t limit = 64 << 20;
+  static constexpr std::size_t limit = 16 << 20;
   struct State {
     std::vector<Buffer> spare;
     std::size_t kept = 0;

@@ -17,7 +17,9 @@ namespace weft {
 namespace {
 
 constexpr std::size_t discard_chunk = 1 << 20;
-constexpr std::size_t spare_limit = 64 << 20;  // bytes of unexpected-message buffers kept for reuse
+// Bytes of unexpected-message buffers kept for reuse. When full, the oldest go first: sizes in use now
+// stay, sizes of operations long past leave (the 100 000-collective soak's memory settles under it).
+constexpr std::size_t spare_limit = 32 << 20;
 constexpr int socket_buffer_bytes = 4 << 20;
 
 std::error_code code_of(Errc e) { return make_error_code(e); }
@@ -127,7 +129,11 @@ TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
 
 void TcpTransport::give_back(Unexpected&& buffer) {
   buffer.charge.release();
-  if (buffer.capacity < 4096 || spare_bytes_ + buffer.capacity > spare_limit) return;
+  if (buffer.capacity < 4096 || buffer.capacity > spare_limit) return;
+  while (spare_bytes_ + buffer.capacity > spare_limit && !spare_buffers_.empty()) {
+    spare_bytes_ -= spare_buffers_.front().capacity;
+    spare_buffers_.erase(spare_buffers_.begin());
+  }
   spare_bytes_ += buffer.capacity;
   spare_buffers_.push_back(std::move(buffer));
 }
@@ -845,7 +851,18 @@ void TcpTransport::shutdown() {
     c->send_queue.clear();
     if (c->current_op) ops.push_back(std::exchange(c->current_op, nullptr));
   }
-  for (auto& [key, box] : mailboxes_) ops.insert(ops.end(), box.posted.begin(), box.posted.end());
+  std::size_t stranded = 0;
+  std::size_t stranded_bytes = 0;
+  for (auto& [key, box] : mailboxes_) {
+    ops.insert(ops.end(), box.posted.begin(), box.posted.end());
+    for (const auto& message : box.unexpected) {
+      ++stranded;
+      stranded_bytes += message.bytes;
+      log().debug("rank {}: a message from rank {} (context {}, #{}, tag {}, {} bytes) was never received", rank_, key.peer,
+                  key.key.context, key.key.seq, key.key.tag, message.bytes);
+    }
+  }
+  if (stranded) log().info("rank {}: {} messages ({} bytes) arrived that no receive took", rank_, stranded, stranded_bytes);
   mailboxes_.clear();
   for (TransportOp* op : ops) {
     if (!op->done()) op->complete(code_of(Errc::group_failed), -1, "the transport was shut down");

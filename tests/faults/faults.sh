@@ -1,0 +1,244 @@
+#!/usr/bin/env bash
+# Fault tests with ranks as processes (docs/RELIABILITY.md quotes what they print).
+# usage: faults.sh BUILD_DIR CASE [TRANSPORT]
+#   kill TRANSPORT       for every collective: kill -9 one random rank of 4 at a random point; every survivor
+#                        must fail naming it within the deadline + 1 s, shrink, and run checked collectives
+#   stop TRANSPORT       SIGSTOP one random rank of 4 during a collective: every survivor's error must name
+#                        it (the deadline's straggler report) within the deadline + 1 s; then shrink
+#   strangers            strangers connect to the store and to every rank's listening port during the
+#                        bootstrap (garbage, silence, a hang-up); the job must not notice, the ranks log them
+#   secret               a rank with another WEFT_SECRET is refused; the others name it
+#   heartbeat            two ranks on two network namespaces; the link of one is cut: the other must fail
+#                        with the heartbeat's error, long before its deadline
+#   soak N               N random checked collectives on 4 ranks; resident memory must stay flat
+set -u
+build=$(cd "$1" && pwd)
+case_name=$2
+transport=${3:-tcp}
+worker=$build/tests/weft-test-worker
+run=$build/tools/weft-run
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+now_ms() { date +%s%3N; }
+fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done; exit 1; }
+
+# start_ranks N PORT ENV... : starts ranks 0..N-1 of `worker ARGS` (ARGS in $worker_args), logs in $tmp/R.log
+start_ranks() {
+  local n=$1 port=$2
+  shift 2
+  pids=()
+  for r in $(seq 0 $((n - 1))); do
+    env WEFT_RANK=$r WEFT_WORLD_SIZE=$n WEFT_STORE=127.0.0.1:$port WEFT_TRANSPORT=$transport "$@" \
+      "$worker" $worker_args > "$tmp/$r.log" 2>&1 &
+    pids+=($!)
+  done
+}
+
+# wait_started N: until every rank printed "started" (the group is up), at most 30 s
+wait_started() {
+  for try in $(seq 1 300); do
+    local up=0
+    for r in $(seq 0 $(($1 - 1))); do grep -q "started at" "$tmp/$r.log" 2>/dev/null && up=$((up + 1)); done
+    [ $up -eq "$1" ] && return 0
+    sleep 0.1
+  done
+  fail "the ranks did not start"
+}
+
+# wait_ranks SECONDS PIDS...: waits for them; fails if any is still running after SECONDS
+wait_ranks() {
+  local limit=$1
+  shift
+  local deadline=$(( $(date +%s) + limit ))
+  for p in "$@"; do
+    while kill -0 "$p" 2>/dev/null; do
+      [ "$(date +%s)" -lt $deadline ] || fail "rank process $p hung"
+      sleep 0.05
+    done
+    wait "$p" 2>/dev/null
+  done
+}
+
+# check_survivors VICTIM T0 LIMIT_MS WORDS: every rank but VICTIM failed at most LIMIT_MS after T0 with an
+# error containing WORDS, then shrank to 3. Prints the times.
+check_survivors() {
+  local victim=$1 t0=$2 limit=$3 words=$4 times=""
+  for r in 0 1 2 3; do
+    [ $r -eq "$victim" ] && continue
+    local line at
+    line=$(grep "failed at" "$tmp/$r.log") || fail "rank $r did not fail"
+    echo "$line" | grep -qF -- "$words" || fail "rank $r's error does not say '$words': $line"
+    at=$(echo "$line" | sed -E 's/.*failed at ([0-9]+):.*/\1/')
+    [ $((at - t0)) -le "$limit" ] || fail "rank $r failed $((at - t0)) ms after the fault (limit $limit)"
+    times="$times $((at - t0))"
+    grep -q "shrunk to 3, ok" "$tmp/$r.log" || fail "rank $r did not shrink and go on"
+  done
+  echo "$times"
+}
+
+case $case_name in
+  kill)
+    for c in all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier; do
+      port=$(free_port)
+      worker_args="loop $c 1000000 65536"
+      start_ranks 4 "$port" WEFT_TIMEOUT=5s WEFT_FAULT_SHRINK=1
+      wait_started 4
+      sleep "0.$(( RANDOM % 8 + 2 ))"
+      victim=$(( RANDOM % 4 ))
+      t0=$(now_ms)
+      kill -9 "${pids[$victim]}"
+      wait "${pids[$victim]}" 2>/dev/null
+      survivors=()
+      for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
+      wait_ranks 40 "${survivors[@]}"
+      times=$(check_survivors $victim "$t0" 6000 "connection to rank $victim lost")
+      echo "ok: kill -9 of rank $victim during $c ($transport): survivors failed after [$times ] ms, shrank to 3 and went on"
+      rm -f "$tmp"/*.log
+    done
+    ;;
+  stop)
+    for c in all_reduce all_gather broadcast all_to_all; do
+      port=$(free_port)
+      worker_args="loop $c 1000000 65536"
+      start_ranks 4 "$port" WEFT_TIMEOUT=2s WEFT_FAULT_SHRINK=1
+      wait_started 4
+      sleep "0.$(( RANDOM % 8 + 2 ))"
+      victim=$(( RANDOM % 4 ))
+      t0=$(now_ms)
+      kill -STOP "${pids[$victim]}"
+      survivors=()
+      for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
+      wait_ranks 40 "${survivors[@]}"
+      times=$(check_survivors $victim "$t0" 3000 "not joined: rank $victim (no answer")
+      kill -9 "${pids[$victim]}" 2>/dev/null
+      kill -CONT "${pids[$victim]}" 2>/dev/null
+      wait "${pids[$victim]}" 2>/dev/null
+      echo "ok: SIGSTOP of rank $victim during $c ($transport, WEFT_TIMEOUT=2s): survivors failed after [$times ] ms naming it, shrank to 3 and went on"
+      rm -f "$tmp"/*.log
+    done
+    ;;
+  strangers)
+    port=$(free_port)
+    worker_args="loop all_reduce 20 1001"
+    pids=()
+    for r in 0 1 2; do
+      env WEFT_RANK=$r WEFT_WORLD_SIZE=4 WEFT_STORE=127.0.0.1:$port WEFT_LOG_LEVEL=debug WEFT_BOOTSTRAP_TIMEOUT=60 \
+        "$worker" $worker_args > "$tmp/$r.log" 2>&1 &
+      pids+=($!)
+    done
+    # Every port that listens now: the store's and ranks 0-2's (rank 3 has not come yet).
+    ports="$port"
+    for try in $(seq 1 100); do
+      n=$(grep -h "listening on" "$tmp"/*.log 2>/dev/null | wc -l)
+      [ "$n" -ge 3 ] && break
+      sleep 0.1
+    done
+    ports="$ports $(grep -h "listening on" "$tmp"/*.log | sed -E 's/.* port ([0-9]+)$/\1/' | tr '\n' ' ')"
+    python3 - $ports <<'PY' || fail "the strangers could not connect"
+import os, socket, sys
+for port in map(int, sys.argv[1:]):
+    s = socket.create_connection(("127.0.0.1", port)); s.sendall(os.urandom(4096))                 # garbage
+    s2 = socket.create_connection(("127.0.0.1", port))                                              # silence
+    s3 = socket.create_connection(("127.0.0.1", port)); s3.close()                                  # a hang-up
+    s4 = socket.create_connection(("127.0.0.1", port)); s4.sendall(b"GET / HTTP/1.0\r\n\r\n")      # another protocol
+    # keep the silent ones open while the job runs; the process exits when the test does
+    globals().setdefault("keep", []).extend([s, s2, s4])
+import time; time.sleep(0.5)
+PY
+    env WEFT_RANK=3 WEFT_WORLD_SIZE=4 WEFT_STORE=127.0.0.1:$port WEFT_LOG_LEVEL=debug "$worker" $worker_args > "$tmp/3.log" 2>&1 &
+    pids+=($!)
+    wait_ranks 60 "${pids[@]}"
+    for r in 0 1 2 3; do grep -q "completed 20" "$tmp/$r.log" || fail "rank $r did not complete"; done
+    refused=$(grep -h "refused a connection from 127.0.0.1" "$tmp"/*.log | wc -l)
+    [ "$refused" -ge 8 ] || fail "only $refused strangers were logged"
+    grep -h "refused a connection from" "$tmp"/*.log | sed -E 's/^\[[^]]*\] \[weft\] \[[a-z]+\] //' | sort | uniq -c | sed -E 's/127.0.0.1:[0-9]+/127.0.0.1:PORT/' | head -8
+    echo "ok: strangers on $(echo $ports | wc -w) ports ($refused refusals logged); the job completed"
+    ;;
+  secret)
+    port=$(free_port)
+    worker_args="loop all_reduce 5 100"
+    pids=()
+    for r in 0 1 2; do
+      s=right; [ $r -eq 2 ] && s=wrong
+      env WEFT_RANK=$r WEFT_WORLD_SIZE=3 WEFT_STORE=127.0.0.1:$port WEFT_SECRET=$s WEFT_BOOTSTRAP_TIMEOUT=3 \
+        "$worker" $worker_args > "$tmp/$r.log" 2>&1 &
+      pids+=($!)
+    done
+    wait_ranks 30 "${pids[@]}"
+    grep -q "the store at 127.0.0.1:$port: the proof of the shared secret from the store does not match" "$tmp/2.log" || fail "rank 2 not told"
+    grep -q "ranks \[2\] never arrived" "$tmp/0.log" || fail "rank 0 does not name rank 2"
+    grep -q "store: refused a connection from 127.0.0.1:.*shared secret" "$tmp/0.log" || fail "the store did not log it"
+    grep -h "bootstrap" "$tmp/2.log" "$tmp/0.log" | head -3
+    echo "ok: a wrong secret is refused and named on both sides"
+    ;;
+  heartbeat)
+    tag=wf$$
+    subnet=10.232.$(( $$ % 200 )).
+    sw=${tag}sw
+    cleanup_ns() {
+      for r in 0 1; do ip netns del "${tag}h$r" 2>/dev/null; done
+      ip netns del "$sw" 2>/dev/null
+    }
+    trap 'cleanup; cleanup_ns' EXIT
+    ip netns add "$sw" 2>/dev/null || { echo "SKIPPED: cannot create network namespaces here"; exit 77; }
+    ip -n "$sw" link add br0 type bridge || { echo "SKIPPED: no bridge support"; exit 77; }
+    ip -n "$sw" link set br0 up
+    for r in 0 1; do
+      h=${tag}h$r
+      ip netns add "$h"
+      ip link add "v$tag$r" type veth peer name "p$tag$r"
+      ip link set "v$tag$r" netns "$h"
+      ip link set "p$tag$r" netns "$sw"
+      ip -n "$sw" link set "p$tag$r" master br0
+      ip -n "$sw" link set "p$tag$r" up
+      ip -n "$h" link set lo up
+      ip -n "$h" link set "v$tag$r" name eth0
+      ip -n "$h" addr add "${subnet}$((r + 1))/24" dev eth0
+      ip -n "$h" link set eth0 up
+    done
+    for try in $(seq 1 50); do ip netns exec "${tag}h1" ping -c1 -W1 "${subnet}1" >/dev/null 2>&1 && break; sleep 0.2; done
+    pids=()
+    for r in 0 1; do
+      ip netns exec "${tag}h$r" env WEFT_RANK=$r WEFT_WORLD_SIZE=2 WEFT_STORE="${subnet}1:29577" WEFT_TRANSPORT=$transport \
+        WEFT_HEARTBEAT=1s WEFT_TIMEOUT=60s "$worker" loop all_reduce 100000000 16 > "$tmp/$r.log" 2>&1 &
+      pids+=($!)
+    done
+    wait_started 2
+    sleep 0.5
+    t0=$(now_ms)
+    ip -n "${tag}h1" link set eth0 down  # the cable is cut: no FIN, no RST, nothing
+    wait_ranks 30 "${pids[0]}"
+    line=$(grep "failed at" "$tmp/0.log") || fail "rank 0 did not fail"
+    echo "$line" | grep -q "did not acknowledge heartbeats or data in time" || fail "not the heartbeat's error: $line"
+    at=$(echo "$line" | sed -E 's/.*failed at ([0-9]+):.*/\1/')
+    took=$((at - t0))
+    [ $took -le 8000 ] || fail "the heartbeat took $took ms"
+    echo "$line" | sed -E 's/failed at [0-9]+/failed/'
+    echo "ok: a cut link is caught by heartbeats (WEFT_HEARTBEAT=1s) after $took ms, the deadline being 60 s ($transport)"
+    ;;
+  soak)
+    total=${3:-20000}
+    transport=tcp
+    out=$("$run" -n 4 --timeout 600 -- "$worker" soak "$total" 2>&1) || { echo "$out"; fail "soak"; }
+    echo "$out"
+    # Resident memory flat: at the end at most 64 MiB above what it was after the first 1000.
+    echo "$out" | python3 -c '
+import re, sys
+ok = True
+for line in sys.stdin:
+    m = re.search(r"resident (\d+) KiB after 1000, (\d+) KiB at the end", line)
+    if m and int(m.group(2)) - int(m.group(1)) > 64 * 1024: ok = False
+sys.exit(0 if ok else 1)' || fail "resident memory grew"
+    [ "$(echo "$out" | grep -c ", 0 errors,")" -eq 4 ] || fail "not every rank reported"
+    ;;
+  *)
+    echo "usage: faults.sh BUILD_DIR kill|stop|strangers|secret|heartbeat|soak [TRANSPORT|N]" >&2
+    exit 2
+    ;;
+esac
