@@ -62,7 +62,13 @@ TEST_CASE("a Task's exception reaches its awaiter", "[core][task]") {
 
 TEST_CASE("symmetric transfer keeps a deep chain of Tasks off the stack", "[core][task]") {
   Loop loop;
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The sanitizers' instrumentation keeps symmetric transfer from being a tail call: what this tests
+  // does not exist in such a build. A shallow chain still checks that the chain completes.
+  CHECK(sync_wait(loop, depth(2000)) == 2000);
+#else
   CHECK(sync_wait(loop, depth(200000)) == 200000);
+#endif
 }
 
 TEST_CASE("a Future completed on the loop thread is waited on from another thread", "[core][future]") {

@@ -7,7 +7,7 @@ set -euo pipefail
 mode=${1:-bench}
 cd "$(dirname "$0")/.."
 
-packages="g++ meson ninja-build pkg-config libasio-dev liburing-dev libfmt-dev libspdlog-dev libssl-dev catch2 iproute2 iputils-ping python3 openmpi-bin"
+packages="g++ meson ninja-build pkg-config libasio-dev liburing-dev libfmt-dev libspdlog-dev libssl-dev catch2 iproute2 iputils-ping python3 openmpi-bin clang libclang-rt-dev"
 missing=""
 for p in $packages; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -47,6 +47,40 @@ std::optional<Request> parse_request(const std::byte* header, std::string& error
   return std::nullopt;
 }
 
+Reply apply(Table& data, Command command, const std::string& key, std::string value) {
+  switch (command) {
+    case Command::set:
+      data[key] = std::move(value);
+      return Reply{Status::ok, {}, true};
+    case Command::get: {
+      auto it = data.find(key);
+      if (it == data.end()) return Reply{Status::missing, {}, false};
+      return Reply{Status::ok, it->second, false};
+    }
+    case Command::add: {
+      if (value.size() != 8) return Reply{Status::bad_request, "add takes an 8-byte integer", false};
+      std::uint64_t current = 0;  // unsigned: wraps like two's complement, never overflows
+      if (auto it = data.find(key); it != data.end() && it->second.size() == 8) {
+        current = wire::get_u64(reinterpret_cast<const std::byte*>(it->second.data()));
+      }
+      current += wire::get_u64(reinterpret_cast<const std::byte*>(value.data()));
+      std::string stored(8, '\0');
+      wire::put_u64(reinterpret_cast<std::byte*>(stored.data()), current);
+      data[key] = stored;
+      return Reply{Status::ok, stored, true};
+    }
+    case Command::wait: break;
+  }
+  return Reply{Status::bad_request, "not a command apply() runs", false};
+}
+
+std::optional<std::chrono::milliseconds> wait_timeout(const std::string& value) {
+  if (value.size() != 8) return std::nullopt;
+  // Clamped: a client's u64 must not overflow the deadline's arithmetic.
+  const auto ms = std::min<std::uint64_t>(wire::get_u64(reinterpret_cast<const std::byte*>(value.data())), 86'400'000);
+  return std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+}
+
 std::vector<std::string> split_lines(const std::string& text) {
   std::vector<std::string> out;
   std::size_t start = 0;
@@ -74,7 +108,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   Admission admission;
   std::unordered_map<int, std::string> claimed;  // rank -> the address it greeted from
   int pending = 0;                               // connections still greeting
-  std::unordered_map<std::string, std::string> data;
+  Table data;
   std::set<asio::steady_timer*> waiters;  // WAIT requests asleep until the next change
   std::set<tcp::socket*> clients;
   bool closed = false;
@@ -174,43 +208,20 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         co_await asio::async_read(socket, body, use_awaitable);
         switch (command) {
           case Command::set:
-            data[key] = std::move(value);
-            changed();
-            co_await reply(socket, Status::ok, {});
-            break;
-          case Command::get: {
-            auto it = data.find(key);
-            if (it == data.end()) {
-              co_await reply(socket, Status::missing, {});
-            } else {
-              co_await reply(socket, Status::ok, it->second);
-            }
-            break;
-          }
+          case Command::get:
           case Command::add: {
-            if (value.size() != 8) {
-              co_await reply(socket, Status::bad_request, "add takes an 8-byte integer");
-              break;
-            }
-            std::int64_t current = 0;
-            if (auto it = data.find(key); it != data.end() && it->second.size() == 8) {
-              current = static_cast<std::int64_t>(wire::get_u64(reinterpret_cast<const std::byte*>(it->second.data())));
-            }
-            current += static_cast<std::int64_t>(wire::get_u64(reinterpret_cast<const std::byte*>(value.data())));
-            std::string stored(8, '\0');
-            wire::put_u64(reinterpret_cast<std::byte*>(stored.data()), static_cast<std::uint64_t>(current));
-            data[key] = stored;
-            changed();
-            co_await reply(socket, Status::ok, stored);
+            auto answer = apply(data, command, key, std::move(value));
+            if (answer.changed) changed();
+            co_await reply(socket, answer.status, answer.payload);
             break;
           }
           case Command::wait: {
-            if (value.size() != 8) {
+            const auto timeout = wait_timeout(value);
+            if (!timeout) {
               co_await reply(socket, Status::bad_request, "wait takes an 8-byte timeout");
               break;
             }
-            const auto timeout = std::chrono::milliseconds(wire::get_u64(reinterpret_cast<const std::byte*>(value.data())));
-            const auto deadline = std::chrono::steady_clock::now() + timeout;
+            const auto deadline = std::chrono::steady_clock::now() + *timeout;
             const auto keys = split_lines(key);
             for (;;) {
               std::vector<std::string> missing;

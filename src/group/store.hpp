@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <asio.hpp>
@@ -31,6 +32,18 @@ struct Request {
 };
 /// Parses the request_header_size bytes at `header`, or returns nullopt with `error` saying what is wrong.
 std::optional<Request> parse_request(const std::byte* header, std::string& error);
+/// The store's contents.
+using Table = std::unordered_map<std::string, std::string>;
+/// A reply, and whether the request changed the table (WAITs then look again).
+struct Reply {
+  Status status;
+  std::string payload;
+  bool changed = false;
+};
+/// Runs SET, GET or ADD on `data` (WAIT is the server's own: it sleeps). ADD's 8-byte integers wrap.
+Reply apply(Table& data, Command command, const std::string& key, std::string value);
+/// WAIT's timeout from its 8-byte value (at most a day), or nullopt when the value is not 8 bytes.
+std::optional<std::chrono::milliseconds> wait_timeout(const std::string& value);
 /// The keys of a WAIT request (separated by '\n').
 std::vector<std::string> split_lines(const std::string& text);
 

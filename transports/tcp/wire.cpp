@@ -70,16 +70,4 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error) {
   return h;
 }
 
-std::array<std::byte, hello_size> encode_hello(const Hello& hello) noexcept {
-  std::array<std::byte, hello_size> out{};
-  put_u32(out.data(), hello.rank);
-  put_u32(out.data() + 4, hello.world_size);
-  put_u64(out.data() + 8, hello.job);
-  return out;
-}
-
-Hello decode_hello(const std::byte* data) noexcept {
-  return Hello{get_u32(data), get_u32(data + 4), get_u64(data + 8)};
-}
-
 }  // namespace weft::wire

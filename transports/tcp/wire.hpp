@@ -11,14 +11,14 @@ namespace weft::wire {
 inline constexpr std::uint32_t magic = 0x54464557;  // "WEFT" read as little-endian bytes
 inline constexpr std::uint16_t version = 2;  // 2: data frames carry the operation's signature
 inline constexpr std::size_t header_size = 48;
-/// Upper bound on the payload of control frames (hello, abort); a larger one is a protocol error.
+/// Upper bound on the payload of control frames (every kind but data); a larger one is a protocol error.
 inline constexpr std::uint64_t max_control_payload = 64 * 1024;
 
 enum class FrameKind : std::uint8_t {
   data = 0,       // a message: payload is the user's bytes
   abort = 1,      // a context is aborted: payload is the reason (UTF-8)
-  hello = 2,      // first frame of a connection: payload is Hello
-  hello_ack = 3,  // answer to hello: payload is u32 status + reason
+  hello = 2,      // retired (the greeting, src/group/greeting.hpp, opens connections now): refused
+  hello_ack = 3,  // retired, as hello
   heartbeat = 4,  // reserved for failure detection
   goodbye = 5,    // the sender is leaving normally: nothing more follows on this connection
   query = 6,      // how far are you in `context`? (seq: the operation asked about; no payload)
@@ -43,15 +43,6 @@ void encode(const Header& header, HeaderBytes& out) noexcept;
 /// Returns the header, or nullopt with `error` set when magic or version are wrong.
 std::optional<Header> decode(const HeaderBytes& in, std::string& error);
 
-/// The hello payload: who connects, to which job layout.
-struct Hello {
-  std::uint32_t rank = 0;
-  std::uint32_t world_size = 0;
-  std::uint64_t job = 0;  // hash of the job id; 0 when none is set
-};
-inline constexpr std::size_t hello_size = 16;
-std::array<std::byte, hello_size> encode_hello(const Hello& hello) noexcept;
-Hello decode_hello(const std::byte* data) noexcept;
 
 void put_u32(std::byte* p, std::uint32_t v) noexcept;
 void put_u64(std::byte* p, std::uint64_t v) noexcept;

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The test suite built with ASan + UBSan (g++), in BUILD_DIR: the suites that exercise failure paths,
+# hostile input and concurrency. `all` runs every test of the suite there instead (docs/RELIABILITY.md).
+# usage: sanitize.sh SOURCE_DIR BUILD_DIR [all]
+set -u
+src=$(cd "$1" && pwd)
+out=$2
+scope=${3:-ci}
+if [ ! -f "$out/build.ninja" ]; then
+  meson setup "$out" "$src" -Db_sanitize=address,undefined --buildtype=debugoptimized -Dcuda=disabled -Dpeers=disabled \
+    >/dev/null || exit 1
+fi
+# Asio's thread_info_base frees an aligned_alloc block with operator delete (not weft's code).
+export ASAN_OPTIONS=alloc_dealloc_mismatch=0:detect_leaks=1:abort_on_error=0
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+if [ "$scope" = all ]; then
+  ninja -C "$out" -j2 >/dev/null || exit 1
+  meson test -C "$out" --num-processes 1 --timeout-multiplier 4 --print-errorlogs
+  exit $?
+fi
+ninja -C "$out" -j2 tests/test_core tests/test_errors tests/test_security tests/test_collectives tests/test_plans \
+  tests/weft-test-worker tools/weft-run >/dev/null || exit 1
+rc=0
+run() {
+  local name=$1
+  shift
+  local start=$SECONDS
+  if out_text=$("$@" 2>&1); then
+    echo "ok: $name ($((SECONDS - start)) s)"
+  else
+    echo "$out_text" | tail -60
+    echo "FAIL: $name"
+    rc=1
+  fi
+}
+t=$out/tests
+run "core" "$t/test_core"
+run "plans" "$t/test_plans"
+for transport in tcp uring; do
+  run "errors ($transport)" env WEFT_TRANSPORT=$transport "$t/test_errors"
+  run "collectives p3, inflight, property, reuse ($transport)" env WEFT_TRANSPORT=$transport "$t/test_collectives" "[p3],[inflight],[property],[reuse]"
+done
+run "security" "$t/test_security"
+run "4 ranks, kill -9 of one, shrink (processes)" bash "$src/tests/processes.sh" "$out" kill-peer
+run "soak 2000 (processes)" env WEFT_RANK= "$out/tools/weft-run" -n 4 --timeout 300 -- "$t/weft-test-worker" soak 2000
+exit $rc
