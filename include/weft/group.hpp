@@ -16,10 +16,12 @@
 ///  - After a collective fails the group is failed: later calls throw Errc::group_failed.
 ///
 /// Cancellation: Future::cancel() (or the stop token of an awaiting Task). A cancelled receive that has not
-/// matched is withdrawn and the group stays usable. A cancelled collective (or send) cannot be withdrawn
-/// from the other ranks' view: the group is aborted on every member (their pending operations fail with
-/// Errc::aborted naming this rank) and this rank's Future fails with weft::CancelledError.
-///
+/// matched is withdrawn. A cancelled collective is cancelled on every member (a cancel frame): its
+/// Future fails with weft::CancelledError here and on the ranks in it ("rank 0 cancelled all_reduce #5"),
+/// a rank that calls it later fails at once the same way, its messages are dropped, and the group goes on
+/// with the next operation. A cancelled send cannot be withdrawn from the receiver's view: the group is
+/// aborted on every member (their pending operations fail with Errc::aborted naming this rank) and later
+/// calls say so (Errc::group_failed).
 /// Lifetime: buffers must stay valid until the operation's Future completes. The Group must be destroyed
 /// before its Loop; destroying it shuts its connections down (peers see this rank leave).
 #include <chrono>

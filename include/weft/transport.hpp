@@ -118,6 +118,11 @@ class Transport {
   /// Fails every pending and later operation of `context` here with `code` and `reason`, and tells the
   /// other members (an abort frame), whose operations then fail with Errc::aborted.
   virtual void abort_context(std::uint32_t context, Errc code, const std::string& reason) = 0;
+  /// Cancels one operation, (context, seq), here and on every other member (a cancel frame): its pending
+  /// and later sends and receives fail with Errc::cancelled and `reason`, and its messages that arrive
+  /// are dropped. The context stays usable for every other operation. A receive whose payload is being
+  /// read, or a send being written, completes normally.
+  virtual void cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) = 0;
   /// True, with the failure, when `context` can no longer be used.
   virtual bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const = 0;
 

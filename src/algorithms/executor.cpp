@@ -128,8 +128,12 @@ class Executor {
       error_code_ = static_cast<Errc>(op.error().value());
       error_reason_ = op.reason();
       error_peer_ = op.failed_peer() >= 0 ? op.failed_peer() : op.peer;
-      ch_.transport->abort_context(ch_.context, error_code_,
-                                   fmt::format("rank {} failed {} #{}: {}", ch_.rank, ch_.op_name, ch_.seq, op.reason()));
+      // A cancellation already failed every operation of this seq, here and on the other members, and
+      // leaves the context usable; any other failure aborts the context.
+      if (error_code_ != Errc::cancelled) {
+        ch_.transport->abort_context(ch_.context, error_code_,
+                                     fmt::format("rank {} failed {} #{}: {}", ch_.rank, ch_.op_name, ch_.seq, op.reason()));
+      }
     }
     return false;
   }
@@ -195,8 +199,7 @@ Task<void> Executor::run(const Plan& plan) {
       hook->channel.loop->post([hook] {
         if (hook->finished) return;
         const Channel& c = hook->channel;
-        c.transport->abort_context(c.context, Errc::cancelled,
-                                   fmt::format("rank {} cancelled {} #{}", c.rank, c.op_name, c.seq));
+        c.transport->cancel_operation(c.context, c.seq, fmt::format("rank {} cancelled {} #{}", c.rank, c.op_name, c.seq));
       });
     }));
   }

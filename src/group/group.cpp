@@ -108,7 +108,8 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
       co_await algo::execute(channel(seq, op, buffers, call, first_tag), plan, buffers, exec_options());
     } catch (const Error& e) {
       unwatch(seq);
-      mark_failed(e.what());
+      // A cancelled operation was cancelled on every member (a cancel frame): the group goes on.
+      if (e.errc() != Errc::cancelled) mark_failed(e.what());
       throw;
     }
     unwatch(seq);

@@ -300,6 +300,10 @@ void TcpTransport::start_send(int peer, const MessageKey& key, const void* data,
   op.bytes = bytes;
   note_local_signature(key.context, key.seq, op.signature);
   if (!context_usable(key.context, op)) return;
+  if (const std::string* why = cancellation_of(key)) {
+    op.complete(code_of(Errc::cancelled), -1, *why);
+    return;
+  }
   if (peer == rank_) {
     deliver_local(key, data, bytes, op.signature);
     op.complete();
@@ -385,6 +389,10 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
     return;
   }
   if (!context_usable(key.context, op)) return;
+  if (const std::string* why = cancellation_of(key)) {
+    op.complete(code_of(Errc::cancelled), -1, *why);
+    return;
+  }
   if (peer != rank_) {
     auto& c = *connections_[static_cast<std::size_t>(peer)];
     if (!c.alive) {
@@ -521,7 +529,8 @@ void TcpTransport::on_header(Connection& c) {
   switch (header->kind) {
     case wire::FrameKind::data: {
       auto ctx = contexts_.find(header->context);
-      if (ctx != contexts_.end() && ctx->second.failed) {
+      if (ctx != contexts_.end() && (ctx->second.failed ||
+                                     (!ctx->second.cancelled.empty() && ctx->second.cancellation(header->seq)))) {
         read_payload_into(c, nullptr, header->bytes, true);
         return;
       }
@@ -568,6 +577,7 @@ void TcpTransport::on_header(Connection& c) {
       return;
     }
     case wire::FrameKind::abort:
+    case wire::FrameKind::cancel:
       c.scratch = std::make_unique_for_overwrite<std::byte[]>(header->bytes);
       c.scratch_size = header->bytes;
       read_payload_into(c, c.scratch.get(), header->bytes, false);
@@ -638,6 +648,14 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
   if (discard) {
     c.current_op = nullptr;
     start_read_header(c);
+    return;
+  }
+  if (h.kind == wire::FrameKind::cancel) {
+    std::string reason(reinterpret_cast<const char*>(c.scratch.get()), c.scratch_size);
+    c.scratch.reset();
+    c.scratch_size = 0;
+    start_read_header(c);
+    cancel_locally(h.context, h.seq, reason);
     return;
   }
   if (h.kind == wire::FrameKind::abort) {
@@ -747,6 +765,61 @@ void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& op
       ++it;
     }
   }
+}
+
+const std::string* TcpTransport::cancellation_of(const MessageKey& key) {
+  if (key.seq == 0) return nullptr;  // point-to-point messages: cancelled one by one, not by seq
+  const ContextState* state = find_context(key.context);
+  if (!state || state->cancelled.empty()) return nullptr;
+  return state->cancellation(key.seq);
+}
+
+void TcpTransport::cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
+  ContextState* state = find_context(context);
+  if (!state || state->failed || state->cancellation(seq)) return;
+  wire::Header h;
+  h.kind = wire::FrameKind::cancel;
+  h.context = context;
+  h.seq = seq;
+  const std::string payload = reason.substr(0, wire::max_control_payload);
+  h.bytes = payload.size();
+  for (int m : state->members) {
+    if (m == rank_) continue;
+    auto& c = connections_[static_cast<std::size_t>(m)];
+    if (c && c->alive) send_control(*c, h, payload);
+  }
+  cancel_locally(context, seq, reason);
+}
+
+void TcpTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
+  ContextState* state = find_context(context);
+  if (!state || state->failed || state->cancellation(seq)) return;
+  state->cancelled.emplace_back(seq, reason);
+  if (state->cancelled.size() > 64) state->cancelled.pop_front();
+  std::vector<TransportOp*> ops;
+  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
+    if (it->first.key.context != context || it->first.key.seq != seq) {
+      ++it;
+      continue;
+    }
+    ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
+    for (auto& message : it->second.unexpected) give_back(std::move(message));
+    it = mailboxes_.erase(it);
+  }
+  for (auto& c : connections_) {
+    if (!c) continue;
+    // The send being written completes from its write handler (the receiver drops it).
+    auto first = c->send_queue.begin() + (c->writing && !c->writing_control && !c->send_queue.empty() ? 1 : 0);
+    for (auto it = first; it != c->send_queue.end();) {
+      if ((*it)->key.context == context && (*it)->key.seq == seq) {
+        ops.push_back(*it);
+        it = c->send_queue.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (TransportOp* op : ops) op->complete(code_of(Errc::cancelled), -1, reason);
 }
 
 bool TcpTransport::connected(int peer) const {

@@ -40,6 +40,7 @@ class TcpTransport final : public Transport, private StreamEvents {
   void open_context(std::uint32_t context, std::vector<int> members) override;
   void close_context(std::uint32_t context) override;
   void abort_context(std::uint32_t context, Errc code, const std::string& reason) override;
+  void cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) override;
   bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const override;
   std::vector<int> waiting_on(std::uint32_t context, std::uint64_t seq) const override;
   bool connected(int peer) const override;
@@ -183,7 +184,20 @@ class TcpTransport final : public Transport, private StreamEvents {
     };
     Recent local, early;
     std::uint64_t started = 0;  // the latest operation this rank started here (answers progress queries)
+    // Operations cancelled here (the latest 64), with the reason: their later operations fail and their
+    // arriving messages are dropped.
+    std::deque<std::pair<std::uint64_t, std::string>> cancelled;
+    const std::string* cancellation(std::uint64_t seq) const noexcept {
+      for (const auto& [s, reason] : cancelled) {
+        if (s == seq) return &reason;
+      }
+      return nullptr;
+    }
   };
+  // Fails operation (context, seq) here: its posted receives, queued sends and kept early messages.
+  void cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason);
+  // The cancellation of the operation `key` belongs to, if any (cheap when nothing was cancelled).
+  const std::string* cancellation_of(const MessageKey& key);
   // Progress queries this rank asked and waits on (ask_progress).
   struct Query {
     std::uint32_t context = 0;

@@ -50,7 +50,7 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error) {
     return std::nullopt;
   }
   const auto kind = static_cast<std::uint8_t>(p[6]);
-  if (kind > static_cast<std::uint8_t>(FrameKind::progress)) {
+  if (kind > static_cast<std::uint8_t>(FrameKind::cancel)) {
     error = fmt::format("unknown frame kind {}", kind);
     return std::nullopt;
   }

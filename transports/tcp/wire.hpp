@@ -23,6 +23,7 @@ enum class FrameKind : std::uint8_t {
   goodbye = 5,    // the sender is leaving normally: nothing more follows on this connection
   query = 6,      // how far are you in `context`? (seq: the operation asked about; no payload)
   progress = 7,   // the answer: `seq` as asked, `tag` the latest operation the sender started there
+  cancel = 8,     // operation (context, seq) is cancelled: payload is the reason (UTF-8)
 };
 
 struct Header {
