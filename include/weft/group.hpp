@@ -12,8 +12,10 @@
 ///  - Failures while running complete the Future with a weft::Error naming this rank, the operation, its
 ///    sequence number and the peer: weft::PeerFailure when a member's connection is lost (every pending
 ///    operation of the group on every surviving rank then fails), Errc::size_mismatch when a peer sent a
-///    different size, Errc::aborted when another rank's operation failed.
-///  - After a collective fails the group is failed: later calls throw Errc::group_failed.
+///    different size, Errc::aborted when another rank's operation failed, Errc::timeout past a deadline
+///    (Options::timeout, with_timeout), Errc::cancelled when a rank cancelled it.
+///  - After a collective fails (other than by cancellation) the group is failed: later calls throw
+///    Errc::group_failed; shrink() makes a new group of the members still reachable.
 ///
 /// Cancellation: Future::cancel() (or the stop token of an awaiting Task). A cancelled receive that has not
 /// matched is withdrawn. A cancelled collective is cancelled on every member (a cancel frame): its
