@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <latch>
+#include <optional>
 #include <mutex>
 #include <random>
 
@@ -71,19 +73,24 @@ std::vector<Outcome> bootstrap_each(int n, const std::function<void(int, Options
   base.bootstrap_timeout = timeout;
   std::vector<Outcome> out(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
+  // Groups live until every process has its outcome: a slow process must still find the store (rank 0's)
+  // and the others there, as it would in a real job.
+  std::latch everybody_done(n);
   for (int i = 0; i < n; ++i) {
     threads.emplace_back([&, i] {
       auto& o = out[static_cast<std::size_t>(i)];
+      std::optional<Loop> loop_kept;
+      Group group_kept;
       try {
-        Loop loop(Loop::Options{0us});
+        auto& loop = loop_kept.emplace(Loop::Options{0us});
         Options options = base;
         options.rank = i;
         options.world_size = n;
         adjust(i, options);
-        Group g = Group::create(loop, options).get();
+        group_kept = Group::create(loop, options).get();
         std::vector<float> x(10, 1.0f);
-        g.all_reduce(x).get();
-        if (x[0] != static_cast<float>(g.size())) throw std::runtime_error(fmt::format("all_reduce gave {}", x[0]));
+        group_kept.all_reduce(x).get();
+        if (x[0] != static_cast<float>(group_kept.size())) throw std::runtime_error(fmt::format("all_reduce gave {}", x[0]));
         o.ok = true;
       } catch (const Error& e) {
         o.code = e.errc();
@@ -92,6 +99,8 @@ std::vector<Outcome> bootstrap_each(int n, const std::function<void(int, Options
         o.code = Errc::invalid_argument;
         o.text = std::string("not a weft::Error: ") + e.what();
       }
+      everybody_done.arrive_and_wait();
+      group_kept = Group();  // before its loop
     });
   }
   for (auto& t : threads) t.join();
