@@ -8,38 +8,10 @@ build=$(cd "$1" && pwd)
 n=3
 tag=wt$$
 subnet=10.231.$(( $$ % 200 )).
-sw=${tag}sw
 
-cleanup() {
-  for r in $(seq 0 $((n - 1))); do ip netns del "${tag}h$r" 2>/dev/null; done
-  ip netns del "$sw" 2>/dev/null
-}
-trap cleanup EXIT
-
-if ! ip netns add "$sw" 2>/dev/null; then
-  echo "SKIPPED: cannot create network namespaces here (need root and iproute2)"
-  exit 77
-fi
-ip -n "$sw" link add br0 type bridge || { echo "SKIPPED: no bridge support"; exit 77; }
-ip -n "$sw" link set br0 up
-for r in $(seq 0 $((n - 1))); do
-  h=${tag}h$r
-  ip netns add "$h"
-  ip link add "v$tag$r" type veth peer name "p$tag$r"
-  ip link set "v$tag$r" netns "$h"
-  ip link set "p$tag$r" netns "$sw"
-  ip -n "$sw" link set "p$tag$r" master br0
-  ip -n "$sw" link set "p$tag$r" up
-  ip -n "$h" link set lo up
-  ip -n "$h" link set "v$tag$r" name eth0
-  ip -n "$h" addr add "${subnet}$((r + 1))/24" dev eth0
-  ip -n "$h" link set eth0 up
-done
-# Wait until the hosts reach each other (bridge ports take a moment to forward).
-for try in $(seq 1 50); do
-  ip netns exec "${tag}h1" ping -c1 -W1 "${subnet}1" >/dev/null 2>&1 && break
-  sleep 0.2
-done
+source "$(dirname "$0")/hosts.sh"
+trap 'remove_hosts "$tag" $n' EXIT
+make_hosts "$tag" "$subnet" $n
 
 port=29555
 run_ranks() {  # run_ranks EXTRA_ENV... -- PROGRAM ARGS

@@ -82,45 +82,43 @@ check_survivors() {
   echo "$times"
 }
 
+# strike SIGNAL DEADLINE COLLECTIVE LIMIT_MS WORDS: 4 ranks loop COLLECTIVE (deadline DEADLINE); at a random
+# point one random rank gets SIGNAL; the survivors must fail within LIMIT_MS saying WORDS (%d: the victim),
+# shrink to 3 and go on. Sets $victim and $times.
+strike() {
+  local signal=$1 deadline=$2 collective=$3 limit=$4 words=$5
+  local port
+  port=$(free_port)
+  worker_args="loop $collective 1000000 65536"
+  start_ranks 4 "$port" WEFT_TIMEOUT="$deadline" WEFT_FAULT_SHRINK=1
+  wait_started 4
+  sleep "0.$(( RANDOM % 8 + 2 ))"
+  victim=$(( RANDOM % 4 ))
+  local t0
+  t0=$(now_ms)
+  kill -"$signal" "${pids[$victim]}"
+  local survivors=()
+  for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
+  wait_ranks 40 "${survivors[@]}"
+  # shellcheck disable=SC2059
+  times=$(check_survivors $victim "$t0" "$limit" "$(printf "$words" $victim)")
+  kill -9 "${pids[$victim]}" 2>/dev/null
+  kill -CONT "${pids[$victim]}" 2>/dev/null
+  wait "${pids[$victim]}" 2>/dev/null
+  rm -f "$tmp"/*.log
+}
+
 case $case_name in
   kill)
     for c in all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier; do
-      port=$(free_port)
-      worker_args="loop $c 1000000 65536"
-      start_ranks 4 "$port" WEFT_TIMEOUT=5s WEFT_FAULT_SHRINK=1
-      wait_started 4
-      sleep "0.$(( RANDOM % 8 + 2 ))"
-      victim=$(( RANDOM % 4 ))
-      t0=$(now_ms)
-      kill -9 "${pids[$victim]}"
-      wait "${pids[$victim]}" 2>/dev/null
-      survivors=()
-      for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
-      wait_ranks 40 "${survivors[@]}"
-      times=$(check_survivors $victim "$t0" 6000 "connection to rank $victim lost")
+      strike KILL 5s "$c" 6000 "connection to rank %d lost"
       echo "ok: kill -9 of rank $victim during $c ($transport): survivors failed after [$times ] ms, shrank to 3 and went on"
-      rm -f "$tmp"/*.log
     done
     ;;
   stop)
     for c in all_reduce all_gather broadcast all_to_all; do
-      port=$(free_port)
-      worker_args="loop $c 1000000 65536"
-      start_ranks 4 "$port" WEFT_TIMEOUT=2s WEFT_FAULT_SHRINK=1
-      wait_started 4
-      sleep "0.$(( RANDOM % 8 + 2 ))"
-      victim=$(( RANDOM % 4 ))
-      t0=$(now_ms)
-      kill -STOP "${pids[$victim]}"
-      survivors=()
-      for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
-      wait_ranks 40 "${survivors[@]}"
-      times=$(check_survivors $victim "$t0" 3000 "not joined: rank $victim (no answer")
-      kill -9 "${pids[$victim]}" 2>/dev/null
-      kill -CONT "${pids[$victim]}" 2>/dev/null
-      wait "${pids[$victim]}" 2>/dev/null
+      strike STOP 2s "$c" 3000 "not joined: rank %d (no answer"
       echo "ok: SIGSTOP of rank $victim during $c ($transport, WEFT_TIMEOUT=2s): survivors failed after [$times ] ms naming it, shrank to 3 and went on"
-      rm -f "$tmp"/*.log
     done
     ;;
   strangers)
@@ -180,29 +178,9 @@ PY
   heartbeat)
     tag=wf$$
     subnet=10.232.$(( $$ % 200 )).
-    sw=${tag}sw
-    cleanup_ns() {
-      for r in 0 1; do ip netns del "${tag}h$r" 2>/dev/null; done
-      ip netns del "$sw" 2>/dev/null
-    }
-    trap 'cleanup; cleanup_ns' EXIT
-    ip netns add "$sw" 2>/dev/null || { echo "SKIPPED: cannot create network namespaces here"; exit 77; }
-    ip -n "$sw" link add br0 type bridge || { echo "SKIPPED: no bridge support"; exit 77; }
-    ip -n "$sw" link set br0 up
-    for r in 0 1; do
-      h=${tag}h$r
-      ip netns add "$h"
-      ip link add "v$tag$r" type veth peer name "p$tag$r"
-      ip link set "v$tag$r" netns "$h"
-      ip link set "p$tag$r" netns "$sw"
-      ip -n "$sw" link set "p$tag$r" master br0
-      ip -n "$sw" link set "p$tag$r" up
-      ip -n "$h" link set lo up
-      ip -n "$h" link set "v$tag$r" name eth0
-      ip -n "$h" addr add "${subnet}$((r + 1))/24" dev eth0
-      ip -n "$h" link set eth0 up
-    done
-    for try in $(seq 1 50); do ip netns exec "${tag}h1" ping -c1 -W1 "${subnet}1" >/dev/null 2>&1 && break; sleep 0.2; done
+    source "$(dirname "$0")/../hosts.sh"
+    trap 'cleanup; remove_hosts "$tag" 2' EXIT
+    make_hosts "$tag" "$subnet" 2
     pids=()
     for r in 0 1; do
       ip netns exec "${tag}h$r" env WEFT_RANK=$r WEFT_WORLD_SIZE=2 WEFT_STORE="${subnet}1:29577" WEFT_TRANSPORT=$transport \
