@@ -24,11 +24,13 @@ rc=0
 for h in frames greeting store options; do
   work=$(mktemp -d)
   # The corpus in the repo is read, not written: new inputs go to a scratch directory.
+  corpus=$src/tests/fuzz/corpus/$h
+  [ -d "$corpus" ] || corpus=
   log=$("$out/tests/fuzz/fuzz_$h" $limit -print_final_stats=1 -rss_limit_mb=2048 -artifact_prefix="$work/" \
-        "$work" "$src/tests/fuzz/corpus/$h" 2>&1)
+        "$work" $corpus 2>&1)
   status=$?
   runs=$(echo "$log" | sed -n 's/^stat::number_of_executed_units: *//p')
-  echo "fuzz_$h: $runs executions, corpus $(ls "$src/tests/fuzz/corpus/$h" | wc -l) files, exit $status"
+  echo "fuzz_$h: $runs executions from a corpus of $(ls $corpus 2>/dev/null | wc -l) files, exit $status"
   if [ $status -ne 0 ]; then
     echo "$log" | tail -40
     ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* 2>/dev/null
