@@ -15,7 +15,7 @@ export ASAN_OPTIONS=alloc_dealloc_mismatch=0:detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 if [ "$scope" = all ]; then
   ninja -C "$out" -j2 >/dev/null || exit 1
-  meson test -C "$out" --num-processes 1 --timeout-multiplier 4 --print-errorlogs
+  meson test -C "$out" --num-processes 1 --timeout-multiplier 4 --print-errorlogs --no-suite fuzz --no-suite sanitize
   exit $?
 fi
 # CI's share (the whole suite under ASan: docs/RELIABILITY.md): the suites of failures and hostile input, and every
