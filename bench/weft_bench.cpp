@@ -20,6 +20,11 @@
 
 namespace {
 
+// memcpy that takes empty buffers (a zero-length size's vectors have null data: memcpy must not see them).
+void copy_bytes(void* dst, const void* src, std::size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+
 using namespace weft;
 
 enum class Kind { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, barrier };
@@ -233,7 +238,7 @@ struct Case {
         if (in_place) return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.op);
         return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(out, count, t), args.op);
       case Kind::broadcast:
-        if (!in_place && at_root()) std::memcpy(out, input.data(), b);
+        if (!in_place && at_root()) copy_bytes(out, input.data(), b);
         return group.broadcast(BufferView(out, count, t), args.root);
       case Kind::reduce:
         if (in_place) return group.reduce(ConstBufferView(out, count, t), BufferView(out, count, t), args.root, args.op);
@@ -258,17 +263,17 @@ struct Case {
     switch (args.collective->kind) {
       case Kind::all_reduce:
       case Kind::reduce:
-        std::memcpy(output.data(), input.data(), b);
+        copy_bytes(output.data(), input.data(), b);
         break;
       case Kind::all_gather:
       case Kind::gather:
-        std::memcpy(output.data() + static_cast<std::size_t>(r()) * b, input.data(), b);
+        copy_bytes(output.data() + static_cast<std::size_t>(r()) * b, input.data(), b);
         break;
       case Kind::all_to_all:
-        std::memcpy(output.data(), input.data(), input.size());
+        copy_bytes(output.data(), input.data(), input.size());
         break;
       case Kind::broadcast:
-        if (at_root()) std::memcpy(output.data(), input.data(), b);
+        if (at_root()) copy_bytes(output.data(), input.data(), b);
         break;
       default: break;
     }
