@@ -109,16 +109,7 @@ awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket
     return {};
   };
   state->greeting.insert(&socket);
-  std::string refusal;
-  try {
-    if (!co_await with_deadline(greeting::accept(socket, local, check), Clock::now() + greeting_timeout)) {
-      refusal = fmt::format("no greeting within {} s", greeting_timeout.count());
-    }
-  } catch (const greeting::Refused& e) {
-    refusal = e.what();
-  } catch (const std::system_error& e) {
-    refusal = fmt::format("the connection failed during the greeting: {}", e.code().message());
-  }
+  const std::string refusal = co_await greeting::admit(socket, local, check, greeting_timeout);
   state->greeting.erase(&socket);
   if (state->finished) co_return;
   if (refusal.empty()) {
@@ -157,6 +148,25 @@ awaitable<void> accept_peers(tcp::acceptor& acceptor, std::shared_ptr<Admissions
   }
 }
 
+// The connecting side of a greeting (to the store or to a rank), within greeting_timeout and the
+// bootstrap's deadline. Returns the other side's greeting; fails as this rank's bootstrap otherwise.
+awaitable<greeting::Greeting> greet(tcp::socket& socket, const greeting::Local& local, const std::string& remote,
+                                    Clock::time_point deadline) {
+  try {
+    auto theirs = co_await with_deadline(greeting::connect(socket, local, remote), std::min(deadline, Clock::now() + greeting_timeout));
+    if (!theirs) {
+      fail(Errc::timeout, local.rank,
+           fmt::format("{} did not answer the greeting in time (limit {} s, or the bootstrap deadline)", remote, greeting_timeout.count()));
+    }
+    co_return std::move(*theirs);
+  } catch (const greeting::Refused& e) {
+    fail(Errc::refused, local.rank, e.what());
+  } catch (const std::system_error& e) {
+    if (dynamic_cast<const Error*>(&e)) throw;
+    fail(Errc::connection_failed, local.rank, fmt::format("{}: the connection failed during the greeting: {}", remote, e.code().message()));
+  }
+}
+
 // The connecting side: rank i connects to every rank below it, then greets it.
 awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned short>>& addresses,
                               const Options& options, BootstrapResult& out, std::vector<bool>& connected,
@@ -171,17 +181,9 @@ awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned 
            fmt::format("could not connect to rank {} at {}:{}: {}", peer, host, port, last_error));
     }
     const auto remote = fmt::format("rank {} at {}", peer, greeting::remote_address(socket));
-    try {
-      const auto theirs = co_await with_deadline(greeting::connect(socket, local, remote), std::min(deadline, Clock::now() + greeting_timeout));
-      if (!theirs) fail(Errc::timeout, options.rank, fmt::format("{} did not answer the greeting in time (limit {} s, or the bootstrap deadline)", remote, greeting_timeout.count()));
-      if (theirs->rank != peer) {
-        fail(Errc::refused, options.rank, fmt::format("{} greets as rank {} (the store's address is stale, or a stranger holds it)", remote, theirs->rank));
-      }
-    } catch (const greeting::Refused& e) {
-      fail(Errc::refused, options.rank, e.what());
-    } catch (const std::system_error& e) {
-      if (dynamic_cast<const Error*>(&e)) throw;
-      fail(Errc::connection_failed, options.rank, fmt::format("{}: the connection failed during the greeting: {}", remote, e.code().message()));
+    const auto theirs = co_await greet(socket, local, remote, deadline);
+    if (theirs.rank != peer) {
+      fail(Errc::refused, options.rank, fmt::format("{} greets as rank {} (the store's address is stale, or a stranger holds it)", remote, theirs.rank));
     }
     connected[static_cast<std::size_t>(peer)] = true;
     out.sockets[static_cast<std::size_t>(peer)] = std::move(socket);
@@ -268,17 +270,8 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   }
   store_socket.set_option(tcp::no_delay(true));
   const auto store_remote = fmt::format("the store at {}", options.store);
-  try {
-    const greeting::Local local{greeting::Role::store_client, rank, size, options.job_id, options.secret};
-    if (!co_await with_deadline(greeting::connect(store_socket, local, store_remote), std::min(deadline, Clock::now() + greeting_timeout))) {
-      fail(Errc::timeout, rank, fmt::format("{} did not answer the greeting in time (limit {} s, or the bootstrap deadline)", store_remote, greeting_timeout.count()));
-    }
-  } catch (const greeting::Refused& e) {
-    fail(Errc::refused, rank, e.what());
-  } catch (const std::system_error& e) {
-    if (dynamic_cast<const Error*>(&e)) throw;
-    fail(Errc::connection_failed, rank, fmt::format("{}: the connection failed during the greeting: {}", store_remote, e.code().message()));
-  }
+  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret};
+  co_await greet(store_socket, as_client, store_remote, deadline);
   store::Client store(std::move(store_socket));
 
   // Listen where told, else on the address that reaches the store.

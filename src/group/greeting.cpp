@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "src/group/deadline.hpp"
 #include "transports/tcp/wire.hpp"
 
 namespace weft::greeting {
@@ -297,6 +298,19 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
   co_await write_all(socket, last);
   if (!refusal.empty()) throw Refused(refusal);
   co_return theirs;
+}
+
+awaitable<std::string> admit(tcp::socket& socket, const Local& local, const std::function<std::string(const Greeting&)>& check,
+                              std::chrono::milliseconds timeout) {
+  try {
+    if (co_await with_deadline(accept(socket, local, check), std::chrono::steady_clock::now() + timeout)) co_return std::string();
+    co_return timeout.count() % 1000 == 0 ? fmt::format("no greeting within {} s", timeout.count() / 1000)
+                                          : fmt::format("no greeting within {} ms", timeout.count());
+  } catch (const Refused& e) {
+    co_return std::string(e.what());
+  } catch (const std::system_error& e) {
+    co_return fmt::format("the connection failed during the greeting: {}", e.code().message());
+  }
 }
 
 }  // namespace weft::greeting

@@ -86,6 +86,13 @@ asio::awaitable<Greeting> connect(asio::ip::tcp::socket& socket, const Local& lo
 asio::awaitable<Greeting> accept(asio::ip::tcp::socket& socket, const Local& local,
                                  const std::function<std::string(const Greeting&)>& check);
 
+/// accept() within `timeout`, for a listener: returns "" when the connection is admitted, else why not
+/// (refused by `check` or by the greeting, refused by the other side, silent past `timeout`, or failed),
+/// for the caller to log with the address.
+asio::awaitable<std::string> admit(asio::ip::tcp::socket& socket, const Local& local,
+                                   const std::function<std::string(const Greeting&)>& check,
+                                   std::chrono::milliseconds timeout);
+
 /// "host:port" of the socket's remote end ("[v6]:port"), or "?".
 std::string remote_address(const asio::ip::tcp::socket& socket);
 

@@ -8,7 +8,6 @@
 #include <fmt/format.h>
 
 #include "src/core/log.hpp"
-#include "src/group/deadline.hpp"
 #include "transports/tcp/wire.hpp"
 
 namespace weft::store {
@@ -164,16 +163,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       claimed.emplace(g.rank, peer);
       return {};
     };
-    std::string refusal;
-    try {
-      const auto deadline = std::chrono::steady_clock::now() + admission.greeting_timeout;
-      if (co_await with_deadline(greeting::accept(socket, local, check), deadline)) co_return true;
-      refusal = fmt::format("no greeting within {} ms", admission.greeting_timeout.count());
-    } catch (const greeting::Refused& e) {
-      refusal = e.what();
-    } catch (const std::system_error& e) {
-      refusal = fmt::format("the connection failed during the greeting: {}", e.code().message());
-    }
+    const std::string refusal = co_await greeting::admit(socket, local, check, admission.greeting_timeout);
+    if (refusal.empty()) co_return true;
     if (claim >= 0) claimed.erase(claim);
     log().warn("store: refused a connection from {}: {}", peer, refusal);
     co_return false;
