@@ -55,7 +55,11 @@ class Group {
   /// Bootstraps a group: every rank calls it with the same store and world size (Options::from_environment
   /// fills what is unset). Rank 0 serves the store. Returns when every pair of ranks is connected.
   /// Errors: weft::Error; a weft::TimeoutError names the ranks that never arrived.
-  static Future<Group> create(Loop& loop, Options options = {});
+  /// The one-argument form takes every option from the environment. (Two overloads rather than a
+  /// defaulted `Options options = {}`: g++ 12 frees such a default argument twice inside a co_await
+  /// expression, so `co_await Group::create(loop)` crashed with "free(): invalid pointer".)
+  static Future<Group> create(Loop& loop);
+  static Future<Group> create(Loop& loop, const Options& options);
 
   bool valid() const noexcept { return static_cast<bool>(state_); }
   int rank() const noexcept;

@@ -911,7 +911,10 @@ Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
 
 // ---------------------------------------------------------------- Group
 
-Future<Group> Group::create(Loop& loop, Options options) {
+Future<Group> Group::create(Loop& loop) { return create(loop, Options{}); }
+
+Future<Group> Group::create(Loop& loop, const Options& given) {
+  Options options = given;
   options.from_environment();
   // Algorithm choices: the built-in table, then a tuning file, then WEFT_ALGO. Malformed ones fail here.
   algo::Selection selection;
