@@ -218,6 +218,30 @@ TEST_CASE("split forms sub-groups whose collectives stay apart", "[collectives][
   });
 }
 
+TEST_CASE("split and shrink keep the parent's algorithm selection", "[collectives][split]") {
+  // Before the fix, split() gave the sub-group the built-in table (recursive doubling for 8 bytes)
+  // while shrink() kept the parent's: both now derive the child the same way (child_of).
+  Options base;
+  base.algorithms = "all_reduce:ring;all_gather:bruck";
+  run_ranks(4, [](Group& g) {
+    g.override_algorithms("broadcast:scatter_all_gather");
+    const auto same_choices = [&](const Group& child, const char* how) {
+      check(child.algorithm_for("all_reduce", 8) == "ring",
+            fmt::format("{}: all_reduce of 8 bytes runs {}, not the parent's ring", how, child.algorithm_for("all_reduce", 8)));
+      check(child.algorithm_for("all_gather", 64) == "bruck", fmt::format("{}: all_gather runs {}", how, child.algorithm_for("all_gather", 64)));
+      check(child.algorithm_for("broadcast", 64) == "scatter_all_gather",
+            fmt::format("{}: broadcast runs {}, not the override", how, child.algorithm_for("broadcast", 64)));
+    };
+    Group sub = g.split(g.rank() % 2, g.rank()).get();
+    same_choices(sub, "split");
+    std::vector<float> x{static_cast<float>(g.rank())};
+    sub.all_reduce(x).get();
+    check(x[0] == (g.rank() % 2 == 0 ? 2.0f : 4.0f), fmt::format("split group's ring all_reduce gave {}", x[0]));
+    Group shrunk = g.shrink().get();
+    same_choices(shrunk, "shrink");
+  }, base);
+}
+
 TEST_CASE("a message over 4 GiB arrives whole", "[collectives][large]") {
   const std::size_t bytes = (std::size_t{1} << 32) + 16;
   const std::size_t marks[] = {0, (std::size_t{1} << 31) + 3, (std::size_t{1} << 32) - 1, std::size_t{1} << 32, bytes - 1};

@@ -20,6 +20,7 @@ enum class Errc : int {
   connection_failed,     ///< a connection could not be made
   mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation
   refused,               ///< the store or a rank refused this rank (wrong secret, another job, a duplicate rank, a world-size disagreement)
+  would_deadlock,        ///< a blocking wait on the thread that runs the operation's loop (it would wait for itself)
 };
 
 const std::error_category& error_category() noexcept;

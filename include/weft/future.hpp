@@ -40,6 +40,10 @@ namespace detail {
 /// How long Future::wait polls before it sleeps (WEFT_WAIT_SPIN_US, default 0; read once).
 std::chrono::microseconds wait_spin() noexcept;
 
+/// Throws weft::Error (Errc::would_deadlock) explaining that `what` (wait, wait_for, get) was called on
+/// the thread that runs the operation's loop, which would then wait for itself forever.
+[[noreturn]] void throw_wait_on_loop_thread(const char* what);
+
 class FutureStateBase {
  public:
   bool ready() const noexcept { return ready_.load(std::memory_order_acquire); }
@@ -50,6 +54,7 @@ class FutureStateBase {
   /// to spare.
   void wait() {
     if (ready()) return;
+    if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait");
     // Drive the loop on this thread while waiting, if it can be borrowed: no hand-off on completion.
     if (loop_ && loop_->drive_until([this] { return ready(); })) return;
     const auto spin = wait_spin();
@@ -67,6 +72,7 @@ class FutureStateBase {
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> timeout) {
     if (ready()) return true;
+    if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait_for");
     std::unique_lock lock(mutex_);
     return done_cv_.wait_for(lock, timeout, [&] { return ready(); });
   }
@@ -152,10 +158,12 @@ class [[nodiscard]] Future {
   bool valid() const noexcept { return static_cast<bool>(state_); }
   /// True once the operation completed (successfully or not). Never blocks.
   bool ready() const noexcept { return state_->ready(); }
-  /// Blocks the calling thread until the operation completes. Must not be called on the loop's own
-  /// thread (it would wait for itself).
+  /// Blocks the calling thread until the operation completes.
+  /// Errors: on the thread that runs the operation's loop (inside a Task, or the thread running a
+  /// borrowed io_context) an operation that is not complete yet throws weft::Error (Errc::would_deadlock)
+  /// at once instead of waiting for itself forever: `co_await` it there. A complete one returns.
   void wait() const { state_->wait(); }
-  /// Waits at most `timeout`; returns ready().
+  /// Waits at most `timeout`; returns ready(). On the loop's thread: as wait().
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> timeout) const {
     return state_->wait_for(timeout);
@@ -247,7 +255,7 @@ inline Future<void> make_ready_future() {
 }
 
 /// Runs `task` on `loop` and blocks the calling thread until it finishes; returns its result or throws.
-/// Must not be called from the loop's own thread.
+/// On the loop's own thread it throws weft::Error (Errc::would_deadlock) unless the task finished inline.
 template <class T>
 T sync_wait(Loop& loop, Task<T> task) {
   return spawn(loop, std::move(task)).get();

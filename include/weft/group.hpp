@@ -112,6 +112,12 @@ class Group {
   /// take it) aborts the group, as cancelling it would.
   Group with_timeout(std::chrono::milliseconds timeout) const;
 
+  /// A view whose operations have no deadline (`with_timeout(0ms)`), for long-lived waits such as a
+  /// server's command channel: a rank waiting in `broadcast` or `recv` for the next request, however long
+  /// it comes, while every other call keeps Options::timeout. Such a wait still ends on a lost peer
+  /// (PeerFailure), an abort() or a cancel(): `co_await group.without_deadline().broadcast(command, 0)`.
+  Group without_deadline() const { return with_timeout(std::chrono::milliseconds(0)); }
+
   /// Fails every operation in flight on this group at once, here and on every other member (an abort
   /// frame): their Futures fail with Errc::aborted and a message naming this rank and `reason`. The group
   /// is failed afterwards (later calls throw Errc::group_failed); shrink() makes a new group of the

@@ -66,6 +66,10 @@ class Loop {
   bool owns_thread() const noexcept;
   /// True when the calling thread is the one running this loop right now.
   bool in_loop_thread() const noexcept;
+  /// The Loop whose thread is the calling thread right now (its progress thread, a thread driving it
+  /// through a blocking wait, or the thread running a borrowed io_context), or nullptr. weft::offload
+  /// uses it to come back to the loop it left.
+  static Loop* current() noexcept;
   /// True when every handler runs on one thread for the Loop's whole life: an owned loop that callers
   /// do not drive (Options::caller_drives false). An io_uring ring can then be set up for a single
   /// issuer (IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN).

@@ -7,6 +7,7 @@
 #include "weft/future.hpp"
 #include "weft/group.hpp"
 #include "weft/loop.hpp"
+#include "weft/offload.hpp"
 #include "weft/options.hpp"
 #include "weft/reduce_op.hpp"
 #include "weft/task.hpp"

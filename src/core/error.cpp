@@ -21,6 +21,7 @@ class Category final : public std::error_category {
       case Errc::connection_failed: return "connection failed";
       case Errc::mismatch: return "mismatched collective";
       case Errc::refused: return "refused";
+      case Errc::would_deadlock: return "would deadlock";
     }
     return "unknown weft error";
   }

@@ -11,6 +11,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include <asio.hpp>
 
@@ -70,6 +71,21 @@ void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::u
                                       found->second->on_readable();
                                       arm_watch(io, weak, id);
                                     });
+}
+
+// Every live Loop, for Loop::current(): few per process, and looked up only by offload.
+std::mutex loops_mutex;
+std::vector<Loop*>& live_loops() {
+  static std::vector<Loop*> loops;
+  return loops;
+}
+void register_loop(Loop* loop) {
+  std::lock_guard lock(loops_mutex);
+  live_loops().push_back(loop);
+}
+void unregister_loop(Loop* loop) {
+  std::lock_guard lock(loops_mutex);
+  std::erase(live_loops(), loop);
 }
 
 }  // namespace
@@ -192,11 +208,16 @@ Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->caller_drives = options.caller_drives;
   impl_->keep_running.emplace(impl_->io->get_executor());
   impl_->progress_thread = std::thread([impl = impl_.get()] { impl->run_progress(); });
+  register_loop(this);
 }
 
-Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()) { impl_->io = &io; }
+Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()) {
+  impl_->io = &io;
+  register_loop(this);
+}
 
 Loop::~Loop() {
+  unregister_loop(this);
   if (impl_->progress_thread.joinable()) {
     {
       std::lock_guard lock(impl_->driver_mutex);
@@ -215,6 +236,14 @@ Loop::~Loop() {
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
 bool Loop::in_loop_thread() const noexcept { return impl_->io->get_executor().running_in_this_thread(); }
+Loop* Loop::current() noexcept {
+  std::lock_guard lock(loops_mutex);
+  for (Loop* loop : live_loops()) {
+    if (loop->in_loop_thread()) return loop;
+  }
+  return nullptr;
+}
+
 bool Loop::single_thread() const noexcept { return impl_->progress_thread.joinable() && !impl_->caller_drives; }
 
 bool Loop::drive_until(const std::function<bool()>& done) {
@@ -329,6 +358,14 @@ std::chrono::microseconds detail::wait_spin() noexcept {
     return std::chrono::microseconds(0);
   }();
   return value;
+}
+
+void detail::throw_wait_on_loop_thread(const char* what) {
+  throw Error(Errc::would_deadlock, ErrorContext{.op = std::string("Future::") + what},
+              "called on the thread that runs the operation's Loop (inside a Task, or the thread running a "
+              "borrowed io_context), where the operation can only progress once this thread returns: it would "
+              "wait for itself forever. co_await the Future there (or weft::async_wait from an asio coroutine), "
+              "or wait from another thread");
 }
 
 // ---- sleep_for ----

@@ -784,6 +784,18 @@ Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
   co_await g->run(plan, seq, "permute", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
+// A group made from `parent` (split, shrink) inherits everything but its members and context: the loop,
+// the transport and its connections, the options, and the algorithm selection (the built-in table with
+// WEFT_TUNING, WEFT_ALGO, Options::algorithms and override_algorithms applied).
+std::shared_ptr<GroupState> child_of(const GroupState& parent) {
+  auto child = std::make_shared<GroupState>();
+  child->loop = parent.loop;
+  child->transport = parent.transport;
+  child->options = parent.options;
+  child->selection = parent.selection;
+  return child;
+}
+
 Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int color, int key) {
   // Everybody learns everybody's (color, key) through an all-gather on this group.
   std::vector<std::int32_t> mine{color, key};
@@ -799,10 +811,7 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
     if (all[static_cast<std::size_t>(2 * r)] == color) chosen.push_back({{all[static_cast<std::size_t>(2 * r + 1)], r}, r});
   }
   std::sort(chosen.begin(), chosen.end());
-  auto child = std::make_shared<GroupState>();
-  child->loop = g->loop;
-  child->transport = g->transport;
-  child->options = g->options;
+  auto child = child_of(*g);
   child->context = derive_context(g->context, seq, color);
   child->size = static_cast<int>(chosen.size());
   for (int i = 0; i < child->size; ++i) {
@@ -888,11 +897,7 @@ Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
     view = std::move(next);
   }
 
-  auto child = std::make_shared<GroupState>();
-  child->loop = g->loop;
-  child->transport = g->transport;
-  child->options = g->options;
-  child->selection = g->selection;
+  auto child = child_of(*g);
   std::uint64_t fingerprint = 0;
   for (int r = 0; r < p; ++r) {
     if (!view[static_cast<std::size_t>(r)]) continue;
