@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstring>
 
+#include <weft/asio.hpp>
 #include <weft/weft.hpp>
 
 #include "kernels/cpu/reduce.hpp"
+#include "harness.hpp"
 
 using namespace weft;
 using namespace std::chrono_literals;
@@ -282,4 +284,145 @@ TEST_CASE("with_timeout cancels an operation that misses its deadline", "[core][
   CHECK(std::chrono::steady_clock::now() - start < 5s);
   auto in_time = [](Loop& l) -> Task<int> { co_return co_await with_timeout(l, spawn(l, sleepy(l, 1ms, 8)), 10s); };
   CHECK(sync_wait(loop, in_time(loop)) == 8);
+}
+
+// ---- the API a coroutine and an Asio user need
+
+TEST_CASE("a blocking wait on the loop's own thread throws instead of hanging", "[core][loop][deadlock]") {
+  // Owned loop: a Task (on the loop's thread) that waits with get() on an unfinished Future.
+  Loop loop;
+  auto waits_inside = [](Loop& l) -> Task<int> {
+    Future<int> f = spawn(l, sleepy(l, 50ms, 3));
+    bool threw = false;
+    try {
+      (void)f.get();
+    } catch (const Error& e) {
+      threw = e.errc() == Errc::would_deadlock;
+      CHECK(std::string(e.what()).find("Future::wait") != std::string::npos);
+      CHECK(std::string(e.what()).find("co_await") != std::string::npos);
+    }
+    CHECK(threw);
+    CHECK_THROWS_AS(f.wait_for(1ms), Error);
+    co_return co_await std::move(f);  // the right way, still works
+  };
+  CHECK(sync_wait(loop, waits_inside(loop)) == 3);
+  // Borrowed loop: a handler on the thread that runs the caller's io_context.
+  asio::io_context io;
+  Loop borrowed(io);
+  Future<int> f = spawn(borrowed, sleepy(borrowed, 20ms, 4));
+  bool threw = false;
+  asio::post(io, [&] {
+    try {
+      f.wait();
+    } catch (const Error& e) {
+      threw = e.errc() == Errc::would_deadlock;
+    }
+  });
+  while (!f.ready()) io.run_one();
+  CHECK(threw);
+  CHECK(f.get() == 4);  // from the same thread, outside the loop's handlers: complete, returns
+  // A complete Future may be read anywhere, the loop's thread included.
+  auto reads_ready = [](Loop& l) -> Task<int> { co_return make_ready_future(5).get() + (l.in_loop_thread() ? 1 : 0); };
+  CHECK(sync_wait(loop, reads_ready(loop)) == 6);
+}
+
+TEST_CASE("offload runs compute off the loop and resumes on the loop it left", "[core][offload]") {
+  Loop loop;
+  // While the offloaded compute runs (80 ms), the loop keeps running its timers: 8 ticks of 5 ms fire.
+  auto body = [](Loop& l) -> Task<int> {
+    std::atomic<int> ticks{0};
+    auto ticker = [](Loop& l, std::atomic<int>& ticks) -> Task<void> {
+      for (int i = 0; i < 8; ++i) {
+        co_await sleep_for(l, 5ms);
+        ++ticks;
+      }
+    };
+    Future<void> ticking = spawn(l, ticker(l, ticks));
+    const auto loop_thread = std::this_thread::get_id();
+    std::thread::id compute_thread;
+    int ticks_during = -1;
+    const int result = co_await offload([&] {
+      compute_thread = std::this_thread::get_id();
+      std::this_thread::sleep_for(80ms);  // "compute": blocks its thread, not the loop's
+      ticks_during = ticks.load();
+      return 42;
+    });
+    CHECK(compute_thread != loop_thread);
+    CHECK(l.in_loop_thread());  // came back to the loop
+    CHECK(ticks_during == 8);
+    co_await std::move(ticking);
+    // An exception thrown by the offloaded function reaches the coroutine.
+    bool caught = false;
+    try {
+      co_await offload([] { throw std::runtime_error("compute failed"); });
+    } catch (const std::runtime_error& e) {
+      caught = std::string(e.what()) == "compute failed";
+    }
+    CHECK(caught);
+    co_return result;
+  };
+  CHECK(sync_wait(loop, body(loop)) == 42);
+  // A pool of one's own works the same; this thread is no loop's.
+  ComputePool pool(2);
+  CHECK(pool.size() == 2);
+  auto own_pool = [](ComputePool& p, Loop& l) -> Task<bool> {
+    const auto away = co_await offload(p, [&] { return l.in_loop_thread(); });
+    co_return !away && l.in_loop_thread();
+  };
+  CHECK(sync_wait(loop, own_pool(pool, loop)));
+  CHECK(Loop::current() == nullptr);
+}
+
+TEST_CASE("weft::async_wait makes a Future awaitable from an asio::awaitable coroutine", "[core][asio]") {
+  asio::io_context io;
+  Loop loop(io);  // one io_context for the server's coroutines and weft
+  int value = 0;
+  bool failed_with_weft_error = false;
+  bool cancelled = false;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    value = co_await async_wait(spawn(loop, sleepy(loop, 5ms, 7)), asio::use_awaitable);
+    co_await async_wait(spawn(loop, sleepy(loop, 1ms, 0)), asio::use_awaitable);  // a Future<int> ignored
+    try {
+      co_await async_wait(spawn(loop, fail_with("bad")), asio::use_awaitable);
+    } catch (const std::runtime_error& e) {
+      failed_with_weft_error = std::string(e.what()) == "bad";
+    }
+  }, asio::detached);
+  // Cancellation through a cancellation slot reaches the Future.
+  asio::cancellation_signal signal;
+  Future<int> long_sleep = spawn(loop, sleepy(loop, 30s, 1));
+  async_wait(std::move(long_sleep), asio::bind_cancellation_slot(signal.slot(), [&](std::exception_ptr e, int) {
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const CancelledError&) {
+      cancelled = true;
+    }
+  }));
+  asio::post(io, [&] { signal.emit(asio::cancellation_type::terminal); });
+  const auto start = std::chrono::steady_clock::now();
+  io.run();  // returns once every handler ran: the adapters keep the context busy while they wait
+  CHECK(value == 7);
+  CHECK(failed_with_weft_error);
+  CHECK(cancelled);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
+TEST_CASE("co_await Group::create(loop) as the README writes it (g++ 12)", "[core][create]") {
+  // g++ 12 freed a defaulted Options argument twice inside a co_await expression ("free(): invalid
+  // pointer"); create(loop) is an overload now. One rank: no peers needed.
+  const auto port = std::to_string(test::free_port());
+  ::setenv("WEFT_RANK", "0", 1);
+  ::setenv("WEFT_WORLD_SIZE", "1", 1);
+  ::setenv("WEFT_STORE", ("127.0.0.1:" + port).c_str(), 1);
+  Loop loop;
+  auto make = [](Loop& l) -> Task<int> {
+    Group group = co_await Group::create(l);
+    std::vector<float> x{2.0f};
+    co_await group.all_reduce(x);
+    co_return group.size() * 10 + static_cast<int>(x[0]);
+  };
+  CHECK(sync_wait(loop, make(loop)) == 12);
+  ::unsetenv("WEFT_RANK");
+  ::unsetenv("WEFT_WORLD_SIZE");
+  ::unsetenv("WEFT_STORE");
 }
