@@ -2,8 +2,11 @@
 // in place). Runs under weft-run, torchrun-style environments, or mpirun.
 //
 //   weft-bench -c COLLECTIVE -b MINBYTES -e MAXBYTES -f FACTOR -d DTYPE -o OP -r ROOT -w WARMUP -n ITERS
-//              [--check] [--json FILE]
+//              [--check] [--await] [--overlap] [--json FILE] [--tune [FILE]]
 #include <unistd.h>
+
+#include <algorithm>
+#include <ctime>
 
 #include <chrono>
 #include <cstdio>
@@ -60,6 +63,7 @@ struct Args {
   int iters = 20;
   bool check = false;
   bool awaited = false;  // --await: the timed loop is one coroutine on weft's loop, co_await-ing each call
+  bool overlap = false;  // --overlap: the collective against compute of the same length (IMB-NBC)
   std::string json;
   std::string tune;  // --tune [FILE]: sweep every algorithm, write the winners as a tuning file
 };
@@ -68,9 +72,13 @@ struct Args {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--json FILE] [--tune [FILE]]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--overlap] [--json FILE] [--tune [FILE]]\n"
              "  --await: run the iterations as one coroutine on weft's loop, co_await-ing each collective (the\n"
              "           coroutine-native use); without it each call is waited on from the calling thread\n"
+             "  --overlap: per size, the collective alone (t_pure), compute of about that length alone (t_cpu),\n"
+             "           and both (start, compute, wait: t_ovrl); prints overlap % (IMB-NBC) and the exposed\n"
+             "           communication (from the end of the compute to the collective's end). With --await the\n"
+             "           compute is offloaded from a coroutine (weft::offload)\n"
              "  --tune: time every algorithm of the collective at every size and write the fastest, as\n"
              "          WEFT_ALGO ranges, to FILE (default weft-tuning.txt); load it with WEFT_TUNING=FILE\n"
              "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
@@ -142,6 +150,8 @@ Args parse(int argc, char** argv) {
       a.check = true;
     } else if (flag == "--await") {
       a.awaited = true;
+    } else if (flag == "--overlap") {
+      a.overlap = true;
     } else if (flag == "--json") {
       a.json = value();
     } else if (flag == "--tune") {
@@ -377,6 +387,129 @@ Measurement measure(Case& c, bool in_place, std::size_t bytes) {
   return m;
 }
 
+// ---- --overlap (IMB-NBC's method): t_pure, t_cpu, t_ovrl and the exposed communication
+
+// CPU work that stays in the core's cache (it competes for the core, not for memory bandwidth, as a
+// layer's compute would): `reps` passes over 4 KiB of floats. Returns a value so it is not optimized out.
+float compute(std::size_t reps) {
+  static thread_local std::vector<float> work(1024, 1.0f);
+  for (std::size_t k = 0; k < reps; ++k) {
+    for (float& x : work) x = x * 0.999f + 0.001f;
+  }
+  return work[reps % work.size()];
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Overlap {
+  double pure_us = 0, cpu_us = 0, ovrl_us = 0, exposed_us = 0, percent = 0;
+  std::int64_t wrong = 0;
+};
+
+// One iteration of "start, compute, wait": the time of it all and from the compute's end to the wait's.
+// --await: a coroutine on the loop that offloads the compute (weft::offload), as a training step would.
+Task<std::pair<double, double>> overlapped_awaited(Case& c, std::size_t reps, float& sink) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Future<void> running = c.start(false);
+  sink += co_await offload([reps] { return compute(reps); });
+  const auto compute_end = std::chrono::steady_clock::now();
+  co_await std::move(running);
+  co_return std::pair{seconds_since(t0), seconds_since(compute_end)};
+}
+
+std::pair<double, double> overlapped(Case& c, std::size_t reps, float& sink) {
+  if (c.args.awaited) return sync_wait(c.group.loop(), overlapped_awaited(c, reps, sink));
+  const auto t0 = std::chrono::steady_clock::now();
+  Future<void> running = c.start(false);
+  sink += compute(reps);
+  const auto compute_end = std::chrono::steady_clock::now();
+  running.wait();
+  return {seconds_since(t0), seconds_since(compute_end)};
+}
+
+Overlap measure_overlap(Case& c, std::size_t bytes) {
+  const Args& a = c.args;
+  Overlap o;
+  o.pure_us = measure(c, false, bytes).time_us;
+  // Compute as long as the collective alone: calibrated here, then every rank takes the slowest's reps.
+  float sink = 0;
+  std::size_t reps = 1;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    sink += compute(reps);
+    const double us = seconds_since(t0) * 1e6;
+    if (us >= 2000 || us >= o.pure_us) {
+      reps = static_cast<std::size_t>(static_cast<double>(reps) * o.pure_us / std::max(us, 1e-3)) + 1;
+      break;
+    }
+    reps *= 2;
+  }
+  reps = reduce_across(c.group, static_cast<std::uint64_t>(reps), ReduceOp::max);
+  c.group.barrier().get();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < a.iters; ++i) sink += compute(reps);
+  const double cpu = seconds_since(t0) * 1e6 / a.iters;
+  for (int i = 0; i < a.warmup; ++i) overlapped(c, reps, sink);
+  c.group.barrier().get();
+  double total = 0, exposed = 0;
+  for (int i = 0; i < a.iters; ++i) {
+    const auto [all, tail] = overlapped(c, reps, sink);
+    total += all;
+    exposed += tail;
+  }
+  o.cpu_us = reduce_across(c.group, cpu, ReduceOp::max);
+  o.ovrl_us = reduce_across(c.group, total * 1e6 / a.iters, ReduceOp::max);
+  o.exposed_us = reduce_across(c.group, exposed * 1e6 / a.iters, ReduceOp::max);
+  const double shorter = std::min(o.pure_us, o.cpu_us);
+  o.percent = shorter > 0 ? 100 * std::clamp((o.pure_us + o.cpu_us - o.ovrl_us) / shorter, 0.0, 1.0) : 0;
+  if (a.check) {
+    c.fill();
+    overlapped(c, reps, sink);
+    o.wrong = reduce_across(c.group, static_cast<std::int64_t>(c.wrong(false)), ReduceOp::sum);
+  }
+  if (sink == 12345.678f) std::fputs("", stdout);  // keeps the compute observable
+  return o;
+}
+
+// What --json records besides the numbers: where and when it ran, with what.
+struct RunInfo {
+  std::string transport;
+  std::string host;
+  std::string date;  // UTC, ISO 8601
+};
+
+RunInfo run_info(const Group& group) {
+  RunInfo info;
+  info.transport = std::string(group.transport_name());
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) == 0) info.host = host;
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  info.date = date;
+  return info;
+}
+
+// A JSON string literal of `text` (quotes, backslashes and control characters escaped).
+std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      out += fmt::format("\\u{:04x}", static_cast<int>(ch));
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
 }  // namespace
 
 // --tune: every algorithm at every size (the slowest rank's time, so every rank picks the same), then
@@ -469,16 +602,35 @@ int main(int argc, char** argv) {
       }
       fmt::print(json, "[\n");
     }
+    const RunInfo run = run_info(group);
+    // Every record carries what ran, where and when (bench/plot.py labels its curves with these).
+    const std::string meta = fmt::format(
+        "\"collective\": \"{}\", \"transport\": {}, \"ranks\": {}, \"host\": {}, \"weft_version\": {}, \"date\": \"{}\", "
+        "\"dtype\": \"{}\", \"op\": \"{}\", \"root\": {}, \"awaited\": {}",
+        info.name, json_string(run.transport), p, json_string(run.host), json_string(weft::version()), run.date,
+        to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none", info.rooted ? args.root : -1,
+        args.awaited ? "true" : "false");
     if (leader) {
       fmt::print("# weft-bench: {} on {} ranks, transport {}, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
                  info.name, p, group.transport_name(), to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
                  args.warmup, args.iters, std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : ""));
-      fmt::print("#\n# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "", "", "",
-                 "", "", "out-of-place", "", "", "", "in-place", "", "", "");
-      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}  {}\n", "size", "count",
-                 "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "algorithm");
-      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "(B)",
-                 "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+      if (args.overlap) {
+        fmt::print("# overlap: t_pure = the collective alone, t_cpu = compute alone, t_ovrl = start, compute, wait;\n"
+                   "# overlap% = 100 max(0, min(1, (t_pure + t_cpu - t_ovrl) / min(t_pure, t_cpu))) (IMB-NBC);\n"
+                   "# exposed = from the end of the compute to the collective's end{}\n#\n",
+                   args.awaited ? " (compute offloaded from a coroutine)" : " (compute on the calling thread)");
+        fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>10} {:>10} {:>8} {:>10} {:>6}  {}\n", "size", "count", "type",
+                   "redop", "root", "t_pure", "t_cpu", "t_ovrl", "overlap%", "exposed", "#wrong", "algorithm");
+        fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>10} {:>10} {:>8} {:>10} {:>6}\n", "(B)", "(elements)", "", "",
+                   "", "(us)", "(us)", "(us)", "", "(us)", "");
+      } else {
+        fmt::print("#\n# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "", "", "",
+                   "", "", "out-of-place", "", "", "", "in-place", "", "", "");
+        fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}  {}\n", "size", "count",
+                   "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "algorithm");
+        fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10} {:>8} {:>8} {:>6}   {:>10} {:>8} {:>8} {:>6}\n", "(B)",
+                   "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+      }
       std::fflush(stdout);
     }
 
@@ -487,47 +639,61 @@ int main(int argc, char** argv) {
     std::int64_t wrong_total = 0;
     bool first_record = true;
     std::size_t done = 0;
+    auto record = [&](const std::string& fields) {
+      if (!json) return;
+      fmt::print(json, "{}  {{{}, {}}}", first_record ? "" : ",\n", meta, fields);
+      first_record = false;
+    };
     for (std::size_t bytes : sizes) {
       Case c(args, group);
       c.count = bytes / unit;
       c.fill();
-      const Measurement out_of_place = measure(c, false, bytes);
-      c.fill();
-      const Measurement in_place = measure(c, true, bytes);
-      wrong_total += out_of_place.wrong + in_place.wrong;
-      ++done;
-      if (!leader) continue;
       const std::size_t count_column = c.count * (blocked ? static_cast<std::size_t>(p) : 1);
       const std::string algorithm = group.algorithm_for(info.name, bytes);
       const std::string root = root_text ? root_text : std::to_string(args.root);
-      auto wrong_text = [&](const Measurement& m) { return args.check ? std::to_string(m.wrong) : std::string("N/A"); };
-      if (tty) fmt::print(stderr, "\r\033[K");
-      fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}  {}\n",
-                 bytes, count_column, to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none", root,
-                 out_of_place.time_us, out_of_place.algbw, out_of_place.busbw, wrong_text(out_of_place), in_place.time_us,
-                 in_place.algbw, in_place.busbw, wrong_text(in_place), algorithm);
-      std::fflush(stdout);
-      if (tty) fmt::print(stderr, "weft-bench: {}/{} sizes done", done, sizes.size());
-      busbw_sum += out_of_place.busbw + in_place.busbw;
-      rows += 2;
-      if (json) {
+      const std::string op_text = info.reduces ? std::string(to_string(args.op)) : "none";
+      auto wrong_text = [&](std::int64_t wrong) { return args.check ? std::to_string(wrong) : std::string("N/A"); };
+      if (args.overlap) {
+        const Overlap o = measure_overlap(c, bytes);
+        wrong_total += o.wrong;
+        ++done;
+        if (!leader) continue;
+        if (tty) fmt::print(stderr, "\r\033[K");
+        fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10.2f} {:>10.2f} {:>10.2f} {:>8.1f} {:>10.2f} {:>6}  {}\n", bytes,
+                   count_column, to_string(args.dtype), op_text, root, o.pure_us, o.cpu_us, o.ovrl_us, o.percent,
+                   o.exposed_us, wrong_text(o.wrong), algorithm);
+        record(fmt::format("\"algorithm\": \"{}\", \"bytes\": {}, \"count\": {}, \"overlap\": true, \"t_pure_us\": {:.3f}, "
+                           "\"t_cpu_us\": {:.3f}, \"t_ovrl_us\": {:.3f}, \"overlap_pct\": {:.2f}, \"exposed_us\": {:.3f}, \"wrong\": {}",
+                           algorithm, bytes, count_column, o.pure_us, o.cpu_us, o.ovrl_us, o.percent, o.exposed_us,
+                           args.check ? o.wrong : -1));
+      } else {
+        const Measurement out_of_place = measure(c, false, bytes);
+        c.fill();
+        const Measurement in_place = measure(c, true, bytes);
+        wrong_total += out_of_place.wrong + in_place.wrong;
+        ++done;
+        if (!leader) continue;
+        if (tty) fmt::print(stderr, "\r\033[K");
+        fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>5}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}   {:>10.2f} {:>8.3f} {:>8.3f} {:>6}  {}\n",
+                   bytes, count_column, to_string(args.dtype), op_text, root, out_of_place.time_us, out_of_place.algbw,
+                   out_of_place.busbw, wrong_text(out_of_place.wrong), in_place.time_us, in_place.algbw, in_place.busbw,
+                   wrong_text(in_place.wrong), algorithm);
+        busbw_sum += out_of_place.busbw + in_place.busbw;
+        rows += 2;
         for (const auto* m : {&out_of_place, &in_place}) {
-          fmt::print(json,
-                     "{}  {{\"collective\": \"{}\", \"algorithm\": \"{}\", \"transport\": \"tcp\", \"bytes\": {}, \"count\": {}, "
-                     "\"dtype\": \"{}\", \"op\": \"{}\", \"root\": {}, \"ranks\": {}, \"inplace\": {}, \"time_us\": {:.3f}, "
-                     "\"algbw\": {:.6f}, \"busbw\": {:.6f}, \"wrong\": {}}}",
-                     first_record ? "" : ",\n", info.name, algorithm, bytes, count_column,
-                     to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none",
-                     info.rooted ? args.root : -1, p, m == &in_place ? "true" : "false", m->time_us, m->algbw, m->busbw,
-                     args.check ? m->wrong : -1);
-          first_record = false;
+          record(fmt::format("\"algorithm\": \"{}\", \"bytes\": {}, \"count\": {}, \"inplace\": {}, \"time_us\": {:.3f}, "
+                             "\"algbw\": {:.6f}, \"busbw\": {:.6f}, \"wrong\": {}",
+                             algorithm, bytes, count_column, m == &in_place ? "true" : "false", m->time_us, m->algbw,
+                             m->busbw, args.check ? m->wrong : -1));
         }
       }
+      std::fflush(stdout);
+      if (tty) fmt::print(stderr, "weft-bench: {}/{} sizes done", done, sizes.size());
     }
     if (leader) {
       if (tty) fmt::print(stderr, "\r\033[K");
       fmt::print("# Out of bounds values : {} {}\n", args.check ? wrong_total : 0, args.check ? (wrong_total ? "FAILED" : "OK") : "(not checked)");
-      fmt::print("# Avg bus bandwidth    : {:.4f}\n", rows ? busbw_sum / rows : 0.0);
+      if (!args.overlap) fmt::print("# Avg bus bandwidth    : {:.4f}\n", rows ? busbw_sum / rows : 0.0);
       if (json) {
         fmt::print(json, "\n]\n");
         std::fclose(json);

@@ -13,4 +13,5 @@
 #include "weft/task.hpp"
 #include "weft/transport.hpp"
 #include "weft/transpose.hpp"
+#include "weft/version.hpp"
 #include "weft/when.hpp"
