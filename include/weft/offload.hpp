@@ -74,6 +74,10 @@ class ComputePool {
 
 namespace detail {
 
+/// Jobs running on compute pools right now, process-wide: a loop does not busy-poll while they keep
+/// every core of the rank busy (src/core/loop.cpp).
+int compute_jobs_running() noexcept;
+
 template <class F>
 class OffloadAwaiter {
   using Result = std::invoke_result_t<F&>;

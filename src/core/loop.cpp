@@ -1,5 +1,6 @@
 #include "weft/loop.hpp"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -17,6 +18,7 @@
 
 #include "weft/error.hpp"
 #include "weft/future.hpp"
+#include "weft/offload.hpp"
 
 namespace weft {
 namespace {
@@ -55,6 +57,29 @@ bool default_caller_drives() {
   const char* transport = std::getenv("WEFT_TRANSPORT");
   return !(transport && std::string_view(transport) == "uring");
 }
+
+// The cores this rank may use: its CPU affinity shared among the ranks the launcher put on this host.
+int cores_per_rank() {
+  static const int cores = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    int allowed = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    if (allowed <= 0) allowed = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    for (const char* name : {"WEFT_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
+      const char* v = std::getenv(name);
+      // weft-run binds each rank to one core: its affinity already says so.
+      if (v && std::atoi(v) > 1 && allowed > 1) return std::max(1, allowed / std::atoi(v));
+    }
+    return allowed;
+  }();
+  return cores;
+}
+
+// A polling loop thread only takes a core nobody else of this rank needs: while offloaded compute
+// (weft::offload) keeps every core of the rank busy, the loop waits in the kernel instead. Measured with
+// examples/overlap.cpp (bench/RESULTS.md, "Overlap"): on one core per rank a polling loop took half the
+// core from the compute it was meant to overlap.
+bool cores_taken_by_compute() { return detail::compute_jobs_running() >= cores_per_rank(); }
 
 void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::uint64_t id) {
   auto registry = weak.lock();
@@ -173,7 +198,8 @@ struct Loop::Impl {
         last_work = Clock::now();
         continue;
       }
-      turn(last_work, spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0, std::chrono::milliseconds(0));
+      turn(last_work, spin.count() > 0 && in_flight.load(std::memory_order_relaxed) > 0 && !cores_taken_by_compute(),
+           std::chrono::milliseconds(0));
     }
     drain();
   }
@@ -271,7 +297,7 @@ bool Loop::drive_until(const std::function<bool()>& done) {
   if (driving) {
     // Poll within `spin` of the last event, else sleep in the kernel for short slices and look again.
     auto last_work = Impl::Clock::now();
-    while (!done()) im.turn(last_work, true, std::chrono::milliseconds(2));
+    while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(2));
   }
   bool work_left = false;
   {

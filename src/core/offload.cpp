@@ -1,9 +1,15 @@
 #include "weft/offload.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 namespace weft {
+namespace {
+std::atomic<int> running_jobs{0};
+}
+
+int detail::compute_jobs_running() noexcept { return running_jobs.load(std::memory_order_relaxed); }
 
 ComputePool::ComputePool(unsigned threads) {
   if (threads == 0) {
@@ -41,7 +47,9 @@ void ComputePool::work() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
+    running_jobs.fetch_add(1, std::memory_order_relaxed);
     job();
+    running_jobs.fetch_sub(1, std::memory_order_relaxed);
   }
 }
 
