@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Side by side in one run: weft, Open MPI (--mca btl tcp,self) and, for all_reduce, Gloo (best of ring,
 # ring_chunked, halving_doubling, bcube), f32 (sum) on loopback, taking turns ROUNDS times so that the
-# machine's drift hits all of them alike. Prints a markdown table of the medians and every round.
-#   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES] [COLLECTIVE]
+# machine's drift hits all of them alike. Prints a markdown table of the medians and every round, and
+# writes beside it (in OUT_DIR, default a new temporary folder) compare.md (the table), compare.csv (the
+# medians: label,bytes,time_us,busbw) and compare.svg (bench/plot.py: busbw and time against size).
+#   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES] [COLLECTIVE] [OUT_DIR]
+# The peers are not installed by tools/quickstart.sh bench; this script says what to install.
 set -euo pipefail
 build=$1
 ranks=${2:-2}
@@ -10,7 +13,17 @@ rounds=${3:-3}
 min=${4:-1024}
 max=${5:-268435456}
 collective=${6:-all_reduce}
-out=$(mktemp -d)
+out=${7:-$(mktemp -d)}
+mkdir -p "$out"
+if ! command -v mpirun >/dev/null || [ ! -x "$build/bench/mpi-allreduce-bench" ]; then
+  echo "compare.sh: Open MPI is missing (no mpirun, or $build/bench/mpi-allreduce-bench was not built). Install it with" >&2
+  echo "  apt-get install openmpi-bin libopenmpi-dev && meson setup --reconfigure $build && ninja -C $build" >&2
+  echo "(meson's summary, section Peers, says why a peer was not built)" >&2
+  exit 2
+fi
+if [ "$collective" = all_reduce ] && [ ! -x "$build/bench/gloo-allreduce-bench" ]; then
+  echo "compare.sh: Gloo is missing, its columns stay empty (apt-get install libgloo-dev, then reconfigure as above)" >&2
+fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for round in $(seq 1 "$rounds"); do
   echo "== round $round: weft" >&2
@@ -25,8 +38,8 @@ for round in $(seq 1 "$rounds"); do
     "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 20 > "$out/gloo.$round.txt"
   fi
 done
-python3 - "$out" "$rounds" "$ranks" "$collective" <<'PY'
-import json, statistics, sys, glob, os
+python3 - "$out" "$rounds" "$ranks" "$collective" <<'PY' | tee "$out/compare.md"
+import csv, json, statistics, sys, glob, os
 out, rounds, ranks, collective = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 weft, mpi, gloo = {}, {}, {}
 for r in range(1, rounds + 1):
@@ -57,5 +70,17 @@ for b in sorted(weft):
     rounds_txt = " ".join(f"{x[1]:.2f}/{y[1]:.2f}" for x, y in zip(w, m))
     ratio = med(w, 1) / med(m, 1) if m and med(m, 1) > 0 else float("nan")
     print(f"| {size(b)} | {med(w,0):.1f} | {med(w,1):.3f} | {med(m,0):.1f} | {med(m,1):.3f} | {med(g,0):.1f} | {med(g,1):.3f} | {ratio:.2f} | {rounds_txt} |")
+transport = json.load(open(f"{out}/weft.1.json"))[0].get("transport", "tcp") if weft else "tcp"
+with open(f"{out}/compare.csv", "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["label", "bytes", "time_us", "busbw"])
+    for label, data in ((f"weft {transport}", weft), ("Open MPI tcp", mpi), ("Gloo (best)", gloo)):
+        for b in sorted(data):
+            w.writerow([f"{label}, {ranks} ranks", b, f"{med(data[b], 0):.3f}", f"{med(data[b], 1):.6f}"])
 PY
-echo "raw outputs: $out" >&2
+if /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then
+  "$(dirname "$0")/plot.py" "$out/compare.svg" "$out/compare.csv" --title "$collective f32, $ranks ranks, loopback: median of $rounds rounds" >&2
+else
+  echo "compare.sh: no plot (apt-get install python3-matplotlib)" >&2
+fi
+echo "table, medians and plot: $out/compare.md, $out/compare.csv, $out/compare.svg; raw outputs: $out" >&2

@@ -145,5 +145,37 @@ case $case_name in
     out=$(WEFT_TRANSPORT=uring WEFT_URING_MULTISHOT=yes "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_MULTISHOT was accepted"; exit 1; }
     echo "$out" | grep -q "WEFT_URING_MULTISHOT='yes' is not a switch (valid: 0, 1)" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_MULTISHOT"; exit 1; }
     ;;
+  bench-json)
+    # --json records what ran and where (the transport that really ran, not a fixed "tcp"); --overlap
+    # records its own columns. WEFT_TRANSPORT comes from the test's environment.
+    expected=${WEFT_TRANSPORT:-tcp}
+    file=$(mktemp)
+    "$run" -n 3 --timeout 120 -- "$bench" -c all_gather -b 0 -e 64K -f 16 -w 1 -n 2 --check --json "$file" >/dev/null || { echo "FAIL: weft-bench --json"; exit 1; }
+    overlap=$(mktemp)
+    "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 1K -e 1M -f 32 -w 1 -n 2 --check --overlap --json "$overlap" >/dev/null || { echo "FAIL: weft-bench --overlap"; exit 1; }
+    python3 - "$file" "$overlap" "$expected" "$(hostname)" <<'PY' || exit 1
+import json, re, sys
+records, overlap, expected, host = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
+assert len(records) == 2 * 5, f"{len(records)} records, expected 10 (5 sizes x 2 placements)"
+for r in records + overlap:
+    for key in ("collective", "algorithm", "transport", "ranks", "host", "weft_version", "date", "bytes", "dtype", "wrong"):
+        assert key in r, f"record without {key}: {r}"
+    assert r["transport"] == expected, f"transport {r['transport']}, expected {expected}"
+    assert r["host"] == host, f"host {r['host']}, expected {host}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", r["weft_version"]), r["weft_version"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", r["date"]), r["date"]
+    assert r["wrong"] == 0, r
+for r in records:
+    assert r["collective"] == "all_gather" and r["ranks"] == 3 and r["time_us"] > 0 and "busbw" in r, r
+assert len({r["bytes"] for r in records}) == 5, sorted({r["bytes"] for r in records})
+for r in overlap:
+    assert r["overlap"] is True and r["ranks"] == 2, r
+    for key in ("t_pure_us", "t_cpu_us", "t_ovrl_us", "overlap_pct", "exposed_us"):
+        assert r[key] >= 0, (key, r)
+    assert 0 <= r["overlap_pct"] <= 100, r
+print(f"ok: {len(records)} + {len(overlap)} records, transport {expected}, host {host}")
+PY
+    rm -f "$file" "$overlap"
+    ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac
