@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's commands on a truly fresh machine: a minimal Debian bookworm root made with debootstrap
 # (--variant=minbase, from the mirror apt uses here), a clean copy of the source tree inside it, and,
-# chrooted as root with /proc and /dev mounted, exactly the README's command:
+# chrooted as root with /proc, /dev and /sys mounted, exactly the README's command:
 #   bench (default): bash tools/quickstart.sh bench   -- must exit 0 and print a #wrong column of zeros
 #   test:            bash tools/quickstart.sh test    -- must exit 0 and end with "N passed, 0 failed"
 #
@@ -144,9 +144,12 @@ else
   (cd "$source_dir" && tar --exclude=./build --exclude='./build-*' -cf - .) | tar -xf - -C "$root/root/weft"
 fi
 
+# What a booted machine has mounted: /proc and /dev, and /sys (network namespaces, which some tests
+# make, remount it).
 mount -t proc proc "$root/proc"
 mount --rbind /dev "$root/dev"
 mount --make-rslave "$root/dev"
+mount -t sysfs sysfs "$root/sys"
 
 # ---- exactly the README's command
 
