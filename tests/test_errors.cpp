@@ -591,6 +591,38 @@ TEST_CASE("one operation's deadline: with_timeout on a collective and on a recei
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a rank that stops reading for longer than four heartbeats is alive, not dead", "[errors][liveness]") {
+  // Rank 1's loop is blocked for 7 s (its process alive, nothing reading its sockets) while rank 0 sends
+  // it 64 MiB: rank 0 sees a zero window for most of that, four heartbeats being 4 s. TCP_USER_TIMEOUT
+  // (used before) ended that connection with "Connection timed out"; the liveness check must not.
+  Options base;
+  base.heartbeat = 1s;
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    const std::size_t count = std::size_t{16} << 20;  // 64 MiB of floats: far beyond the socket buffers
+    std::vector<float> data(count, 1.0f);
+    if (g.rank() == 1) {
+      std::promise<void> blocked;
+      g.loop().post([&] {
+        blocked.set_value();
+        std::this_thread::sleep_for(7s);  // the loop's thread, busy elsewhere: nothing reads
+      });
+      blocked.get_future().wait();
+      g.recv(data, 0, 1).get();
+      check(data[0] == 2.0f && data[count - 1] == 2.0f, "the message did not arrive whole");
+    } else {
+      std::fill(data.begin(), data.end(), 2.0f);
+      const auto t0 = std::chrono::steady_clock::now();
+      g.send(data, 1, 1).get();
+      check(std::chrono::steady_clock::now() - t0 >= 5s, "the receiver did not hold the sender back: the test means nothing");
+    }
+    std::vector<float> x{1.0f};
+    g.all_reduce(x).get();
+    check(x[0] == 2.0f, "all_reduce after the pause");
+  }, base);
+  REQUIRE(checks_made.load() > before);
+}
+
 namespace {
 
 // The connections between ranks of this process: pairs of loopback TCP sockets connected to each other,

@@ -57,7 +57,8 @@ class Group {
   /// Errors: weft::Error; a weft::TimeoutError names the ranks that never arrived.
   /// The one-argument form takes every option from the environment. (Two overloads rather than a
   /// defaulted `Options options = {}`: g++ 12 frees such a default argument twice inside a co_await
-  /// expression, so `co_await Group::create(loop)` crashed with "free(): invalid pointer".)
+  /// expression, so `co_await Group::create(loop)` crashed with "free(): invalid pointer". Under g++ 12
+  /// name the Options before a co_await: `co_await Group::create(loop, {})` still trips that bug.)
   static Future<Group> create(Loop& loop);
   static Future<Group> create(Loop& loop, const Options& options);
 

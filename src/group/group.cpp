@@ -415,6 +415,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   }
   auto* transport = make_transport(*loop, options, std::move(result.sockets));
   transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : half_the_memory());
+  transport->watch_liveness(options.heartbeat);
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->transport->open_context(g->context, g->members);

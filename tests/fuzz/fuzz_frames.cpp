@@ -23,6 +23,7 @@ class MemoryStream final : public Stream {
                std::size_t size, std::size_t chunk)
       : io_(io), events_(events), peer_(peer), alive_(std::move(alive)), data_(data), size_(size), chunk_(chunk) {}
   std::string_view backend() const noexcept override { return "memory"; }
+  int native_handle() const noexcept override { return -1; }
   void write(ConstBytes, ConstBytes) override { deliver([](StreamEvents* e, int peer) { e->on_written(peer, {}); }); }
   void read(void* dst, std::size_t min, std::size_t cap) override {
     if (closed_) {

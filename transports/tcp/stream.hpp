@@ -32,6 +32,8 @@ class Stream {
   virtual ~Stream() = default;
   /// "tcp" (Asio) or "uring".
   virtual std::string_view backend() const noexcept = 0;
+  /// The socket's descriptor (for TCP_INFO: the transport's liveness check), or -1 once closed.
+  virtual int native_handle() const noexcept = 0;
   /// Writes all of `first` then `second`; on_written when done or failed. One write at a time.
   virtual void write(ConstBytes first, ConstBytes second) = 0;
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a

@@ -54,14 +54,56 @@ void TcpTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::mil
   const int on = 1;
   const int seconds = static_cast<int>(std::max<long long>(1, std::chrono::duration_cast<std::chrono::seconds>(interval).count()));
   const int probes = heartbeat_probes;
-  // Unacknowledged data for as long as the probes would take fails the connection too (TCP_USER_TIMEOUT),
-  // so that a peer lost mid-transfer is caught as fast as an idle one.
-  const unsigned user_timeout = static_cast<unsigned>(seconds * (probes + 1) * 1000);
   ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &seconds, sizeof seconds);
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &seconds, sizeof seconds);
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
-  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
+  // No TCP_USER_TIMEOUT: on this kernel it also ends a connection whose peer keeps advertising a zero
+  // window (alive, its application busy), which must survive. Busy connections are watched by
+  // watch_liveness instead, which tells the two apart.
+  const unsigned no_user_timeout = 0;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &no_user_timeout, sizeof no_user_timeout);
+}
+
+void TcpTransport::watch_liveness(std::chrono::milliseconds interval) {
+  if (interval.count() <= 0 || liveness_interval_.count() > 0) return;
+  liveness_interval_ = interval;
+  liveness_timer_ = loop_.call_after(interval, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
+    if (fired && !alive.expired()) check_liveness();
+  });
+}
+
+// Reads each connection's TCP_INFO. The peer's kernel acknowledges data and window probes whether or
+// not its application reads, so silence from it means its host or the network is gone:
+//  - data in flight (tcpi_unacked) with no acknowledgement for (probes + 1) intervals: lost mid-transfer;
+//  - heartbeat_probes window or keepalive probes unanswered (tcpi_probes; an answer resets it).
+// A zero window alone (everything sent acknowledged, the rest waiting for room) is a live, busy peer.
+void TcpTransport::check_liveness() {
+  liveness_timer_ = 0;
+  if (shut_down_) return;
+  const auto limit = liveness_interval_ * (heartbeat_probes + 1);
+  for (const auto& connection : connections_) {
+    if (!connection || !connection->alive || !connection->stream) continue;
+    const int fd = connection->stream->native_handle();
+    if (fd < 0) continue;
+    tcp_info info{};
+    socklen_t length = sizeof info;
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) continue;
+    std::string reason;
+    if (info.tcpi_unacked > 0 && std::chrono::milliseconds(info.tcpi_last_ack_recv) >= limit) {
+      reason = fmt::format("no acknowledgement of data sent for {} ms", info.tcpi_last_ack_recv);
+    } else if (info.tcpi_probes >= heartbeat_probes) {
+      reason = fmt::format("{} probes unanswered", static_cast<int>(info.tcpi_probes));
+    }
+    if (!reason.empty()) {
+      fail_connection(*connection, fmt::format("{} (the peer did not acknowledge heartbeats or data in time: its host is down or "
+                                               "the network is cut; WEFT_HEARTBEAT={} ms)",
+                                               reason, liveness_interval_.count()));
+    }
+  }
+  liveness_timer_ = loop_.call_after(liveness_interval_, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
+    if (fired && !alive.expired()) check_liveness();
+  });
 }
 
 void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
@@ -904,6 +946,8 @@ void TcpTransport::finish_query(const std::shared_ptr<Query>& query) {
 void TcpTransport::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  // A pending liveness timer would keep a borrowed io_context running after the Group is gone.
+  if (liveness_timer_) loop_.cancel_timer(std::exchange(liveness_timer_, 0));
   std::vector<TransportOp*> ops;
   for (auto& c : connections_) {
     if (!c) continue;

@@ -58,13 +58,18 @@ class TcpTransport final : public Transport, private StreamEvents {
 
   /// Socket options every weft connection gets (TCP_NODELAY, large buffers).
   static void tune_socket(asio::ip::tcp::socket& socket);
-  /// Heartbeats on an idle connection (Options::heartbeat): the kernel probes the peer after `interval`
-  /// of silence, every `interval`, and fails the connection after heartbeat_probes unanswered probes, or
-  /// when sent data stays unacknowledged that long. The kernel answers probes, so a rank busy outside weft
-  /// (or stopped) still answers: its lateness is the deadlines' to catch; these catch a host that is down
-  /// or a network that is cut. 0: off.
+  /// Heartbeats (Options::heartbeat): the kernel probes an idle connection's peer after `interval` of
+  /// silence, every `interval`, and fails the connection after heartbeat_probes unanswered probes. The
+  /// kernel answers probes, so a rank busy outside weft (or stopped) still answers: its lateness is the
+  /// deadlines' to catch; these catch a host that is down or a network that is cut. 0: off.
   static constexpr int heartbeat_probes = 3;
   static void set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::milliseconds interval);
+  /// Liveness of busy connections, every `interval` (0: off): a connection whose sent data has gone
+  /// unacknowledged for (heartbeat_probes + 1) intervals, or whose window probes went unanswered
+  /// heartbeat_probes times, has lost its peer's host, and fails. A peer that is alive but not reading
+  /// (a zero window) acknowledges the probes and is never failed: TCP_USER_TIMEOUT, used before, also
+  /// ended such connections (a rank busy for 20 s lost its peers; docs/RELIABILITY.md).
+  void watch_liveness(std::chrono::milliseconds interval);
 
  private:
   struct MatchKey {
@@ -266,6 +271,10 @@ class TcpTransport final : public Transport, private StreamEvents {
   std::unordered_map<std::uint32_t, ContextState> contexts_;
   bool shut_down_ = false;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // handlers check it after we are gone
+  // watch_liveness: the check's interval and its pending timer (0: none).
+  std::chrono::milliseconds liveness_interval_{0};
+  std::uint64_t liveness_timer_ = 0;
+  void check_liveness();
 };
 
 }  // namespace weft

@@ -133,6 +133,7 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
   ~UringStream() override;
 
   std::string_view backend() const noexcept override { return "uring"; }
+  int native_handle() const noexcept override { return fd_; }
   std::byte* staging(std::size_t bytes) override;
   void write(ConstBytes first, ConstBytes second) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
