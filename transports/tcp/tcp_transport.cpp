@@ -68,7 +68,7 @@ void TcpTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::mil
 void TcpTransport::watch_liveness(std::chrono::milliseconds interval) {
   if (interval.count() <= 0 || liveness_interval_.count() > 0) return;
   liveness_interval_ = interval;
-  liveness_timer_ = loop_.call_after(interval, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
+  liveness_timer_ = loop_.call_after(interval / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
     if (fired && !alive.expired()) check_liveness();
   });
 }
@@ -101,7 +101,8 @@ void TcpTransport::check_liveness() {
                                                reason, liveness_interval_.count()));
     }
   }
-  liveness_timer_ = loop_.call_after(liveness_interval_, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
+  // Twice per interval: a lost peer is named at most half an interval after the limit.
+  liveness_timer_ = loop_.call_after(liveness_interval_ / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
     if (fired && !alive.expired()) check_liveness();
   });
 }
