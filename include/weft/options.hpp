@@ -50,11 +50,12 @@ struct Options {
   /// naming the sizes, so a forged or runaway length cannot exhaust memory. 0 (the default): half of the
   /// machine's physical memory.
   std::size_t max_early_bytes = 0;
-  /// Heartbeats on idle connections (WEFT_HEARTBEAT, a duration; 0: off): after this much silence the
-  /// peer's host is probed, every interval, and the connection fails after 3 unanswered probes or when
-  /// sent data stays unacknowledged for 4 intervals, failing every pending operation with PeerFailure
-  /// ("... the peer did not acknowledge heartbeats ..."). This catches a host that went down or a cut
-  /// network, which no error reports otherwise; a live but stopped rank is the deadline's to catch.
+  /// Heartbeats (WEFT_HEARTBEAT, a duration; 0: off): after this much silence the peer's host is probed,
+  /// every interval, and the connection fails after 3 unanswered probes or when sent data stays
+  /// unacknowledged for 4 intervals, failing every pending operation with PeerFailure ("... the peer did
+  /// not acknowledge heartbeats ..."). This catches a host that went down or a cut network, which no
+  /// error reports otherwise. A live peer that does not read (busy, stopped: a zero window) still
+  /// acknowledges, and is never failed by this; its lateness is the deadline's to catch.
   std::chrono::milliseconds heartbeat{std::chrono::seconds(5)};
   /// A shared secret (WEFT_SECRET, or the contents of the file WEFT_SECRET_FILE names, without a final
   /// newline). When set, every connection (to the store and between ranks) runs a mutual HMAC-SHA256
