@@ -63,7 +63,7 @@ case $how in
     ld_path=$stage_lib run_on_two "$work/b/consumer"
     ;;
   cmake)
-    cmake -S "$source/tests/consumer" -B "$work/b" -DCMAKE_PREFIX_PATH="$root" -DCMAKE_BUILD_TYPE=Release >"$work/setup.log" 2>&1 || { cat "$work/setup.log"; fail "cmake configure"; }
+    cmake -G Ninja -S "$source/tests/consumer" -B "$work/b" -DCMAKE_PREFIX_PATH="$root" -DCMAKE_BUILD_TYPE=Release >"$work/setup.log" 2>&1 || { cat "$work/setup.log"; fail "cmake configure"; }
     cmake --build "$work/b" -j2 >"$work/build.log" 2>&1 || { cat "$work/build.log"; fail "cmake build"; }
     readelf -d "$work/b/consumer" | grep -q "NEEDED.*libweft.so.0" || fail "weft::weft does not link libweft.so.0"
     if readelf -d "$work/b/consumer_static" | grep -q "NEEDED.*libweft"; then fail "weft::weft_static links libweft.so"; fi
