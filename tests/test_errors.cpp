@@ -61,11 +61,78 @@ TEST_CASE("bad arguments are rejected before anything is sent, naming rank and o
     expect_error([&] { (void)g.permute(f, f, {{0, 1}, {0, 0}}); }, Errc::invalid_argument, {"permute", "sends more than once"});
     BufferView device_view(f.data(), f.size(), DType::f32, Device{Device::Kind::cuda, 0});
     expect_error([&] { (void)g.all_reduce(device_view); }, Errc::invalid_argument, {"device"});
+    // Counts whose bytes wrap or exceed what memory can hold: refused before anything is allocated
+    // (SIZE_MAX / 2 floats used to wrap to a small byte count and grow memory until killed).
+    const BufferView huge(f.data(), SIZE_MAX / 2, DType::f32);
+    expect_error([&] { (void)g.all_reduce(huge); }, Errc::invalid_argument, {me, "all_reduce", "more than memory can hold"});
+    const BufferView petabytes(f.data(), std::size_t{1} << 50, DType::f32);
+    expect_error([&] { (void)g.broadcast(petabytes, 0); }, Errc::invalid_argument, {"broadcast", "more than memory can hold"});
+    expect_error([&] { (void)g.send(huge, 1 - g.rank()); }, Errc::invalid_argument, {"send", "more than memory can hold"});
+    // all_gather's output must hold count x ranks: a count whose product wraps is refused, not matched.
+    const ConstBufferView wraps(f.data(), (SIZE_MAX / 2 + 1) / 4, DType::u8);
+    expect_error([&] { (void)g.all_gather(wraps, f); }, Errc::invalid_argument, {"all_gather"});
     // Nothing was sent and no sequence number was used: the group still works.
     std::vector<float> one{1.0f};
     g.all_reduce(one).get();
     check(one[0] == 2.0f, "the group works after refused calls");
   });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("an empty or moved-from Group throws, naming the operation, instead of crashing", "[errors][preconditions]") {
+  Group empty;
+  CHECK_FALSE(empty.valid());
+  CHECK(empty.rank() == -1);
+  CHECK(empty.size() == 0);
+  CHECK(empty.transport_name().empty());
+  std::vector<float> x(4);
+  const long before = checks_made.load();
+  expect_error([&] { (void)empty.all_reduce(x); }, Errc::invalid_argument, {"all_reduce", "this Group is empty"});
+  expect_error([&] { (void)empty.barrier(); }, Errc::invalid_argument, {"barrier", "empty"});
+  expect_error([&] { (void)empty.send(x, 0); }, Errc::invalid_argument, {"send", "empty"});
+  expect_error([&] { (void)empty.recv(x, 0); }, Errc::invalid_argument, {"recv", "empty"});
+  expect_error([&] { (void)empty.split(0, 0); }, Errc::invalid_argument, {"split", "empty"});
+  expect_error([&] { (void)empty.shrink(); }, Errc::invalid_argument, {"shrink", "empty"});
+  expect_error([&] { (void)empty.with_timeout(1s); }, Errc::invalid_argument, {"with_timeout", "empty"});
+  expect_error([&] { empty.abort(); }, Errc::invalid_argument, {"abort", "empty"});
+  expect_error([&] { (void)empty.loop(); }, Errc::invalid_argument, {"loop", "empty"});
+  expect_error([&] { (void)empty.algorithm_for("all_reduce", 8); }, Errc::invalid_argument, {"algorithm_for", "empty"});
+  run_ranks(2, [](Group& g) {
+    Group moved = std::move(g);
+    std::vector<float> y(4, 1.0f);
+    expect_error([&] { (void)g.all_reduce(y); }, Errc::invalid_argument, {"all_reduce", "empty"});
+    moved.all_reduce(y).get();  // the group lives on in `moved`
+    check(y[0] == 2.0f, "the moved-to group works");
+    g = std::move(moved);  // the harness ends with it
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("durations that would overflow a deadline are refused", "[errors][preconditions]") {
+  auto env_with = [](const char* value) {
+    return [value](const char* name) -> const char* {
+      const std::string n(name);
+      if (n == "WEFT_RANK") return "0";
+      if (n == "WEFT_WORLD_SIZE") return "1";
+      if (n == "WEFT_TIMEOUT" || n == "WEFT_HEARTBEAT") return value;
+      return nullptr;
+    };
+  };
+  const long before = checks_made.load();
+  // 2562048 hours is past what nanoseconds hold: every operation failed at once before.
+  for (const char* value : {"2562048h", "8761h", "999999999999s"}) {
+    expect_error([&] { Options{}.from_environment(env_with(value)); }, Errc::invalid_argument, {"longer than a year"});
+  }
+  CHECK(Options{}.from_environment(env_with("8760h")).timeout == std::chrono::hours(8760));
+  Loop loop;
+  Options options;
+  options.rank = 0;
+  options.world_size = 1;
+  options.timeout = std::chrono::hours(2562048);
+  expect_error([&] { (void)Group::create(loop, options); }, Errc::invalid_argument, {"Options::timeout", "a year"});
+  options.timeout = 1s;
+  options.heartbeat = -1s;
+  expect_error([&] { (void)Group::create(loop, options); }, Errc::invalid_argument, {"Options::heartbeat"});
   REQUIRE(checks_made.load() > before);
 }
 

@@ -7,8 +7,9 @@
 /// (source, tag), in order.
 ///
 /// Errors (for every operation):
-///  - Preconditions (a bad root or peer, a wrong buffer size, an op not defined on the dtype, a group that
-///    already failed) throw weft::Error from the call itself, before any byte is sent.
+///  - Preconditions (a bad root or peer, a wrong buffer size, an op not defined on the dtype, a buffer
+///    whose byte count would exceed 2^47, an empty Group, a group that already failed) throw weft::Error
+///    from the call itself, before any byte is sent or allocated.
 ///  - Failures while running complete the Future with a weft::Error naming this rank, the operation, its
 ///    sequence number and the peer: weft::PeerFailure when a member's connection is lost (every pending
 ///    operation of the group on every surviving rank then fails), Errc::size_mismatch when a peer sent a
@@ -62,12 +63,15 @@ class Group {
   static Future<Group> create(Loop& loop);
   static Future<Group> create(Loop& loop, const Options& options);
 
+  /// False for an empty Group (default-constructed, moved from, or what split() gives a rank with a
+  /// negative color). Every operation of an empty Group throws weft::Error (invalid_argument) naming
+  /// the operation; rank() is then -1, size() 0 and transport_name() empty.
   bool valid() const noexcept { return static_cast<bool>(state_); }
   int rank() const noexcept;
   int size() const noexcept;
   /// How this rank's bytes move: "tcp" (Asio) or "uring" (Options::transport, after any fallback).
   std::string_view transport_name() const noexcept;
-  Loop& loop() const noexcept;
+  Loop& loop() const;
 
   // ---- point to point ----
   /// Sends `data` to `dst`. Completes when `data` may be reused.
@@ -157,6 +161,9 @@ class Group {
   explicit Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {}
 
  private:
+  // The state, or weft::Error naming `op` for an empty Group.
+  detail::GroupState& live(const char* op) const;
+
   std::shared_ptr<detail::GroupState> state_;
   std::chrono::milliseconds timeout_{-1};  // with_timeout(); negative: the group's Options::timeout
 };

@@ -9,6 +9,10 @@
 
 namespace weft {
 
+/// The longest duration weft takes (timeout, heartbeat, bootstrap_timeout, their variables): a year.
+/// Deadlines are kept in nanoseconds on a steady clock; a longer one would wrap. Longer: an error.
+inline constexpr std::chrono::milliseconds max_duration{std::chrono::hours(24 * 365)};
+
 struct Options {
   /// This process's rank and the number of ranks. -1: from the environment.
   int rank = -1;

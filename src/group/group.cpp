@@ -270,10 +270,28 @@ void check_host(const GroupState& g, const char* op, Device device) {
   if (device.kind != Device::Kind::host) invalid(g, op, "device buffers are not supported by this group's transport");
 }
 
+// The most bytes a buffer can have: 128 TiB, the user address space of x86-64 and aarch64 (48-bit).
+// A count beyond it is a bug (or an attack) whose byte count would wrap or drive allocations.
+constexpr std::size_t max_buffer_bytes = std::size_t{1} << 47;
+
 void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
-                  Device device) {
+                  DType dtype, Device device) {
   check_host(g, op, device);
+  if (count > max_buffer_bytes / dtype_size(dtype)) {
+    invalid(g, op, fmt::format("{} claims {} elements of {} ({} bytes each): more than memory can hold (at most 2^47 "
+                               "bytes per buffer)", name, count, to_string(dtype), dtype_size(dtype)));
+  }
   if (count > 0 && data == nullptr) invalid(g, op, fmt::format("{} is null with {} elements", name, count));
+}
+
+// count x the group's size, for collectives whose buffer holds a block per rank; refused past what a
+// buffer can hold rather than wrapped.
+std::size_t per_rank_total(const GroupState& g, const char* op, std::size_t count) {
+  const auto p = static_cast<std::size_t>(g.size);
+  if (count > max_buffer_bytes / p) {
+    invalid(g, op, fmt::format("{} elements per rank x {} ranks is more than a buffer can hold", count, p));
+  }
+  return count * p;
 }
 
 void check_same_type(const GroupState& g, const char* op, DType a, DType b) {
@@ -922,6 +940,14 @@ Future<Group> Group::create(Loop& loop) { return create(loop, Options{}); }
 Future<Group> Group::create(Loop& loop, const Options& given) {
   Options options = given;
   options.from_environment();
+  for (const auto& [name, value] : {std::pair{"timeout", options.timeout}, std::pair{"heartbeat", options.heartbeat},
+                                    std::pair{"bootstrap_timeout", options.bootstrap_timeout}}) {
+    if (value.count() < 0 || value > max_duration) {
+      throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                  fmt::format("Options::{} is {} ms: it must be 0 to {} ms (a year; 0: none)", name, value.count(),
+                              max_duration.count()));
+    }
+  }
   // Algorithm choices: the built-in table, then a tuning file, then WEFT_ALGO. Malformed ones fail here.
   algo::Selection selection;
   if (!options.tuning_file.empty()) {
@@ -941,41 +967,51 @@ Future<Group> Group::create(Loop& loop, const Options& given) {
   return spawn(loop, create_task(&loop, std::move(options), std::move(selection)));
 }
 
-void Group::override_algorithms(std::string_view spec) { state_->selection.override_with(spec, "override_algorithms"); }
-
-std::string Group::algorithm_for(std::string_view collective, std::size_t bytes) const {
-  return std::string(state_->selection.choose(collective, bytes, state_->size));
+detail::GroupState& Group::live(const char* op) const {
+  if (!state_) {
+    throw Error(Errc::invalid_argument, ErrorContext{.op = op},
+                "this Group is empty (default-constructed, moved from, or what split() gave a rank with a negative "
+                "color): it has no ranks to talk to");
+  }
+  return *state_;
 }
 
-int Group::rank() const noexcept { return state_->rank; }
-int Group::size() const noexcept { return state_->size; }
-std::string_view Group::transport_name() const noexcept { return state_->transport->name(); }
-Loop& Group::loop() const noexcept { return *state_->loop; }
+void Group::override_algorithms(std::string_view spec) { live("override_algorithms").selection.override_with(spec, "override_algorithms"); }
+
+std::string Group::algorithm_for(std::string_view collective, std::size_t bytes) const {
+  const auto& g = live("algorithm_for");
+  return std::string(g.selection.choose(collective, bytes, g.size));
+}
+
+int Group::rank() const noexcept { return state_ ? state_->rank : -1; }
+int Group::size() const noexcept { return state_ ? state_->size : 0; }
+std::string_view Group::transport_name() const noexcept { return state_ ? state_->transport->name() : std::string_view(); }
+Loop& Group::loop() const { return *live("loop").loop; }
 
 Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
-  auto& g = *state_;
+  auto& g = live("send");
   check_usable(g, "send");
   check_rank(g, "send", "destination", dst);
-  check_buffer(g, "send", "data", data.data, data.count, data.device);
+  check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
   return spawn(*g.loop, send_task(state_, data, dst, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
-  auto& g = *state_;
+  auto& g = live("recv");
   check_usable(g, "recv");
   check_rank(g, "recv", "source", src);
-  check_buffer(g, "recv", "data", data.data, data.count, data.device);
+  check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
   return spawn(*g.loop, recv_task(state_, data, src, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
 
 Future<void> Group::all_reduce(BufferView data, ReduceOp op) { return all_reduce(ConstBufferView(data), data, op); }
 
 Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) {
-  auto& g = *state_;
   const char* name = "all_reduce";
+  auto& g = live(name);
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   check_op(g, name, in.dtype, op);
@@ -985,49 +1021,49 @@ Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) 
 }
 
 Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
-  auto& g = *state_;
   const char* name = "all_gather";
+  auto& g = live(name);
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
-  check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
+  check_count(g, name, "output", out.count, per_rank_total(g, name, in.count));
   std::string algorithm(g.selection.choose("all_gather", out.bytes(), g.size));
   return spawn(*g.loop, all_gather_task(state_, take_seq(g, timeout_), in, out, std::move(algorithm)));
 }
 
 Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op) {
-  auto& g = *state_;
   const char* name = "reduce_scatter";
+  auto& g = live(name);
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
-  check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
+  check_count(g, name, "input", in.count, per_rank_total(g, name, out.count));
   check_op(g, name, in.dtype, op);
   std::string algorithm(g.selection.choose("reduce_scatter", in.bytes(), g.size));
   return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g, timeout_), in, out, op, std::move(algorithm)));
 }
 
 Future<void> Group::broadcast(BufferView data, int root) {
-  auto& g = *state_;
   const char* name = "broadcast";
+  auto& g = live(name);
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "data", data.data, data.count, data.device);
+  check_buffer(g, name, "data", data.data, data.count, data.dtype, data.device);
   std::string algorithm(g.selection.choose("broadcast", data.bytes(), g.size));
   return spawn(*g.loop, broadcast_task(state_, take_seq(g, timeout_), data, root, std::move(algorithm)));
 }
 
 Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceOp op) {
-  auto& g = *state_;
   const char* name = "reduce";
+  auto& g = live(name);
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
   check_op(g, name, in.dtype, op);
   if (g.rank == root) {
-    check_buffer(g, name, "output", out.data, out.count, out.device);
+    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
     check_same_type(g, name, in.dtype, out.dtype);
     check_count(g, name, "output", out.count, in.count);
   }
@@ -1036,41 +1072,41 @@ Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceO
 }
 
 Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
-  auto& g = *state_;
   const char* name = "gather";
+  auto& g = live(name);
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
   if (g.rank == root) {
-    check_buffer(g, name, "output", out.data, out.count, out.device);
+    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
     check_same_type(g, name, in.dtype, out.dtype);
-    check_count(g, name, "output", out.count, in.count * static_cast<std::size_t>(g.size));
+    check_count(g, name, "output", out.count, per_rank_total(g, name, in.count));
   }
   std::string algorithm(g.selection.choose("gather", in.bytes() * static_cast<std::size_t>(g.size), g.size));
   return spawn(*g.loop, gather_task(state_, take_seq(g, timeout_), in, out, root, std::move(algorithm)));
 }
 
 Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
-  auto& g = *state_;
   const char* name = "scatter";
+  auto& g = live(name);
   check_usable(g, name);
   check_rank(g, name, "root", root);
-  check_buffer(g, name, "output", out.data, out.count, out.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
   if (g.rank == root) {
-    check_buffer(g, name, "input", in.data, in.count, in.device);
+    check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
     check_same_type(g, name, in.dtype, out.dtype);
-    check_count(g, name, "input", in.count, out.count * static_cast<std::size_t>(g.size));
+    check_count(g, name, "input", in.count, per_rank_total(g, name, out.count));
   }
   std::string algorithm(g.selection.choose("scatter", out.bytes() * static_cast<std::size_t>(g.size), g.size));
   return spawn(*g.loop, scatter_task(state_, take_seq(g, timeout_), in, out, root, std::move(algorithm)));
 }
 
 Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
-  auto& g = *state_;
   const char* name = "all_to_all";
+  auto& g = live(name);
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   if (in.count % static_cast<std::size_t>(g.size) != 0) {
@@ -1081,17 +1117,17 @@ Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
 }
 
 Future<void> Group::barrier() {
-  auto& g = *state_;
+  auto& g = live("barrier");
   check_usable(g, "barrier");
   return spawn(*g.loop, barrier_task(state_, take_seq(g, timeout_)));
 }
 
 Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs) {
-  auto& g = *state_;
   const char* name = "permute";
+  auto& g = live(name);
   check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.device);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
   check_same_type(g, name, in.dtype, out.dtype);
   check_count(g, name, "output", out.count, in.count);
   std::vector<int> sends(static_cast<std::size_t>(g.size), 0);
@@ -1113,7 +1149,7 @@ Task<void> plan_task(std::shared_ptr<GroupState> g, std::uint64_t seq, algo::Pla
 }  // namespace
 
 Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name) {
-  auto& g = *state_;
+  auto& g = live(name);
   check_usable(g, name);
   for (const auto& step : plan) {
     const bool sends = step.kind != algo::StepKind::recv && step.kind != algo::StepKind::recv_reduce;
@@ -1128,18 +1164,19 @@ Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buff
 }
 
 Group Group::with_timeout(std::chrono::milliseconds timeout) const {
+  live("with_timeout");
   Group view(state_);
   view.timeout_ = std::max(timeout, std::chrono::milliseconds(0));
   return view;
 }
 
 Future<Group> Group::shrink() {
-  auto& g = *state_;
+  auto& g = live("shrink");
   return spawn(*g.loop, shrink_task(state_, g.shrinks.fetch_add(1)));
 }
 
 void Group::abort(const std::string& reason) {
-  auto& g = *state_;
+  auto& g = live("abort");
   const std::string text = reason.empty() ? fmt::format("rank {} called abort()", g.rank)
                                           : fmt::format("rank {} called abort(): {}", g.rank, reason);
   g.mark_failed(text);
@@ -1147,7 +1184,7 @@ void Group::abort(const std::string& reason) {
 }
 
 Future<Group> Group::split(int color, int key) {
-  auto& g = *state_;
+  auto& g = live("split");
   check_usable(g, "split");
   return spawn(*g.loop, split_task(state_, take_seq(g, timeout_), color, key));
 }

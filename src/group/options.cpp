@@ -40,7 +40,13 @@ std::chrono::milliseconds parse_duration(const char* name, const char* text) {
   if (digits == 0 || digits > 12 || scale == 0) {
     bad(fmt::format("{}='{}' is not a duration (a whole number with ms, s, m or h; no unit: seconds; 0: none)", name, text));
   }
-  return std::chrono::milliseconds(std::stoll(std::string(t.substr(0, digits))) * scale);
+  const long long value = std::stoll(std::string(t.substr(0, digits)));
+  // Deadlines are kept in nanoseconds on a steady clock: a longer duration would wrap and fail every
+  // operation at once. Nobody means more than a year.
+  if (value > max_duration.count() / scale) {
+    bad(fmt::format("{}='{}' is longer than a year (8760h), the longest duration weft takes; 0 means none", name, text));
+  }
+  return std::chrono::milliseconds(value * scale);
 }
 
 // The secret in `path`, without a final newline. An unreadable or empty file is an error naming it.
