@@ -339,3 +339,62 @@ TEST_CASE("greetings and verdicts decode only what is well formed", "[security][
   CHECK_FALSE(greeting::proofs_equal(greeting::proof("k", "l", a, b), greeting::proof("K", "l", a, b)));
   CHECK_FALSE(greeting::proofs_equal(greeting::proof("k", "l", a, b), greeting::proof("k", "m", a, b)));
 }
+
+TEST_CASE("a refusal while ranks connect to each other is reported at once, with its reason", "[security][refusal]") {
+  // The test plays rank 0 of a world of 2: it serves the store and registers, as rank 0's address, a
+  // listener that refuses every greeting. The real rank 1 passes the store, connects there and is
+  // refused. Before the fix it waited for the whole bootstrap timeout and said "never connected".
+  LogCapture log;
+  asio::io_context io;
+  const unsigned short store_port = free_port();
+  store::Server server(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
+                       store::Admission{"", "", 2, std::chrono::milliseconds(5000)});
+  asio::ip::tcp::acceptor refuser(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  const unsigned short refuser_port = refuser.local_endpoint().port();
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    // Every argument named before its co_await: g++ 12 frees string temporaries of a co_await
+    // expression twice (docs/DESIGN.md).
+    asio::ip::tcp::socket socket(io);
+    const asio::ip::tcp::endpoint store_at(asio::ip::make_address("127.0.0.1"), store_port);
+    co_await socket.async_connect(store_at, asio::use_awaitable);
+    const greeting::Local as_client{greeting::Role::store_client, 0, 2, "", ""};
+    const std::string store_name = "the store";
+    co_await greeting::connect(socket, as_client, store_name);
+    store::Client client(std::move(socket));
+    const std::string key = "weft/addr/0";
+    const std::string address = fmt::format("127.0.0.1 {}", refuser_port);
+    co_await client.set(key, address);
+    const greeting::Local as_rank0{greeting::Role::rank, 0, 2, "", ""};
+    const std::function<std::string(const greeting::Greeting&)> check = [](const greeting::Greeting&) {
+      return std::string("this test refuses every rank");
+    };
+    for (;;) {
+      asio::ip::tcp::socket peer = co_await refuser.async_accept(asio::use_awaitable);
+      (void)co_await greeting::admit(peer, as_rank0, check, std::chrono::milliseconds(5000));
+    }
+  }, asio::detached);
+  std::thread serving([&] { io.run(); });
+
+  Outcome rank1;
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    Loop loop(Loop::Options{0us});
+    Options options;
+    options.rank = 1;
+    options.world_size = 2;
+    options.store = "127.0.0.1:" + std::to_string(store_port);
+    options.bootstrap_timeout = 30s;
+    try {
+      Group g = Group::create(loop, options).get();
+    } catch (const Error& e) {
+      rank1.code = e.errc();
+      rank1.text = e.what();
+    }
+  }
+  const auto took = std::chrono::steady_clock::now() - t0;
+  io.stop();
+  serving.join();
+  CHECK(rank1.code == Errc::refused);
+  CHECK_THAT(rank1.text, Catch::Contains("this test refuses every rank"));
+  CHECK(took < 10s);  // the bootstrap timeout is 30 s
+}

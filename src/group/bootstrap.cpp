@@ -312,14 +312,18 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
                                                              std::vector<std::optional<tcp::socket>>(static_cast<std::size_t>(size)),
                                                              {}, size - 1 - rank, false, asio::steady_timer(io)});
   std::vector<bool> connected_below(static_cast<std::size_t>(size), false);
-  asio::steady_timer timer(io, deadline);
-  auto result = co_await ((accept_peers(acceptor, admissions) &&
-                           connect_peers(addresses, options, out, connected_below, deadline)) ||
-                          timer.async_wait(use_awaitable));
+  // Both directions at once; the first failure (a refusal, above all) ends the bootstrap with its reason
+  // at once: with_deadline rethrows it, where Asio's `||` against a timer swallowed it and waited for the
+  // deadline (the refused rank said "never connected" 120 s later).
+  auto join_everyone = [&]() -> awaitable<bool> {
+    co_await (accept_peers(acceptor, admissions) && connect_peers(addresses, options, out, connected_below, deadline));
+    co_return true;
+  };
+  const auto joined = co_await with_deadline(join_everyone(), deadline);
   for (int i = 0; i < size; ++i) {
     if (connected_below[static_cast<std::size_t>(i)]) admissions->connected[static_cast<std::size_t>(i)] = true;
   }
-  if (result.index() == 1) {
+  if (!joined) {
     fail(Errc::timeout, rank,
          fmt::format("ranks [{}] never connected within {} s", missing_ranks(admissions->connected, rank),
                      std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count()));
