@@ -45,6 +45,9 @@ long resident_kb() {
 const char* const collectives[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                                    "gather",     "scatter",    "all_to_all",     "barrier"};
 
+// When the latest collective was called (epoch ms): a failure's time is measured from it.
+long long called_at = 0;
+
 // Runs collective `name` once on `count` elements per block with values that depend on the rank and
 // `it`, and checks the result exactly. Returns "" or what was wrong. Errors of weft propagate.
 std::string run_checked(Group& g, const std::string& name, std::size_t count, long it) {
@@ -56,6 +59,7 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
   if (name == "all_reduce") {
     std::vector<V> v(n);
     for (std::size_t i = 0; i < n; ++i) v[i] = r + static_cast<V>(i) + it;
+    called_at = epoch_ms();
     g.all_reduce(v).get();
     for (std::size_t i = 0; i < n; ++i) {
       const V want = static_cast<V>(p) * (p - 1) / 2 + p * (static_cast<V>(i) + it);
@@ -64,6 +68,7 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
   } else if (name == "all_gather") {
     std::vector<V> in(n), out(n * p);
     for (std::size_t i = 0; i < n; ++i) in[i] = r * 1000 + static_cast<V>(i) + it;
+    called_at = epoch_ms();
     g.all_gather(in, out).get();
     for (std::size_t k = 0; k < out.size(); ++k) {
       const V want = static_cast<V>(k / n) * 1000 + static_cast<V>(k % n) + it;
@@ -72,6 +77,7 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
   } else if (name == "reduce_scatter") {
     std::vector<V> in(n * p), out(n);
     for (std::size_t j = 0; j < in.size(); ++j) in[j] = r + static_cast<V>(j) + it;
+    called_at = epoch_ms();
     g.reduce_scatter(in, out).get();
     for (std::size_t i = 0; i < n; ++i) {
       const V want = static_cast<V>(p) * (p - 1) / 2 + p * (static_cast<V>(r * n + i) + it);
@@ -81,12 +87,14 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
     const int root = static_cast<int>(it % p);
     std::vector<V> v(n, -1);
     if (r == root) for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<V>(i) + it;
+    called_at = epoch_ms();
     g.broadcast(v, root).get();
     for (std::size_t i = 0; i < n; ++i) if (v[i] != static_cast<V>(i) + it) return bad(i, v[i], static_cast<V>(i) + it);
   } else if (name == "reduce") {
     const int root = static_cast<int>(it % p);
     std::vector<V> in(n), out(r == root ? n : 0);
     for (std::size_t i = 0; i < n; ++i) in[i] = r + static_cast<V>(i);
+    called_at = epoch_ms();
     g.reduce(in, out, root).get();
     for (std::size_t i = 0; i < out.size(); ++i) {
       const V want = static_cast<V>(p) * (p - 1) / 2 + p * static_cast<V>(i);
@@ -96,6 +104,7 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
     const int root = static_cast<int>(it % p);
     std::vector<V> in(n), out(r == root ? n * p : 0);
     for (std::size_t i = 0; i < n; ++i) in[i] = r * 1000 + static_cast<V>(i);
+    called_at = epoch_ms();
     g.gather(in, out, root).get();
     for (std::size_t k = 0; k < out.size(); ++k) {
       const V want = static_cast<V>(k / n) * 1000 + static_cast<V>(k % n);
@@ -105,6 +114,7 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
     const int root = static_cast<int>(it % p);
     std::vector<V> in(r == root ? n * p : 0), out(n);
     for (std::size_t k = 0; k < in.size(); ++k) in[k] = static_cast<V>(k / n) * 1000 + static_cast<V>(k % n) + it;
+    called_at = epoch_ms();
     g.scatter(in, out, root).get();
     for (std::size_t i = 0; i < n; ++i) {
       const V want = r * 1000 + static_cast<V>(i) + it;
@@ -113,12 +123,14 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
   } else if (name == "all_to_all") {
     std::vector<V> in(n * p), out(n * p);
     for (std::size_t k = 0; k < in.size(); ++k) in[k] = r * 1000 + static_cast<V>(k / n) * 10 + static_cast<V>(k % n % 10);
+    called_at = epoch_ms();
     g.all_to_all(in, out).get();
     for (std::size_t k = 0; k < out.size(); ++k) {
       const V want = static_cast<V>(k / n) * 1000 + r * 10 + static_cast<V>(k % n % 10);
       if (out[k] != want) return bad(k, out[k], want);
     }
   } else if (name == "barrier") {
+    called_at = epoch_ms();
     g.barrier().get();
   } else {
     return "unknown collective " + name;
@@ -199,7 +211,7 @@ int main(int argc, char** argv) {
       std::printf("rank %d: completed %ld\n", group.rank(), iterations);
       return 0;
     } catch (const weft::Error& e) {
-      std::printf("rank %d: failed at %lld: %s\n", group.rank(), epoch_ms(), e.what());
+      std::printf("rank %d: failed at %lld (its collective called at %lld): %s\n", group.rank(), epoch_ms(), called_at, e.what());
       std::fflush(stdout);
     }
     if (const char* v = std::getenv("WEFT_FAULT_SHRINK"); v && std::string(v) == "1") {

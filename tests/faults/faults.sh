@@ -67,17 +67,25 @@ wait_ranks() {
 
 # check_survivors VICTIM T0 LIMIT_MS WORDS: every rank but VICTIM failed at most LIMIT_MS after T0 with an
 # error containing WORDS, then shrank to 3. Prints the times.
+# With FROM_CALL=1 the time counts from the later of the fault and the call of the failed collective
+# (its deadline runs from the call; a rank may call it after the fault, when its inputs took a while).
 check_survivors() {
   local victim=$1 t0=$2 limit=$3 words=$4 times=""
   for r in 0 1 2 3; do
     [ $r -eq "$victim" ] && continue
-    local line at
+    local line at from
     line=$(grep "failed at" "$tmp/$r.log") || fail "rank $r did not fail"
     echo "$line" | grep -qF -- "$words" || fail "rank $r's error does not say '$words': $line"
-    at=$(echo "$line" | sed -E 's/.*failed at ([0-9]+):.*/\1/')
-    [ $((at - t0)) -le "$limit" ] || fail "rank $r failed $((at - t0)) ms after the fault (limit $limit)"
-    times="$times $((at - t0))"
-    grep -q "shrunk to 3, ok" "$tmp/$r.log" || fail "rank $r did not shrink and go on"
+    at=$(echo "$line" | sed -E 's/.*failed at ([0-9]+).*/\1/')
+    from=$t0
+    if [ "${FROM_CALL:-0}" = 1 ]; then
+      local called
+      called=$(echo "$line" | sed -E 's/.*called at ([0-9]+).*/\1/')
+      [ "$called" -gt "$from" ] && from=$called
+    fi
+    [ $((at - from)) -le "$limit" ] || fail "rank $r failed $((at - from)) ms after the fault or its call (limit $limit)"
+    times="$times $((at - from))"
+    [ "${SHRINK:-1}" = 0 ] || grep -q "shrunk to 3, ok" "$tmp/$r.log" || fail "rank $r did not shrink and go on"
   done
   echo "$times"
 }
@@ -86,11 +94,11 @@ check_survivors() {
 # point one random rank gets SIGNAL; the survivors must fail within LIMIT_MS saying WORDS (%d: the victim),
 # shrink to 3 and go on. Sets $victim and $times.
 strike() {
-  local signal=$1 deadline=$2 collective=$3 limit=$4 words=$5
+  local signal=$1 deadline=$2 collective=$3 limit=$4 words=$5 elements=${6:-65536}
   local port
   port=$(free_port)
-  worker_args="loop $collective 1000000 65536"
-  start_ranks 4 "$port" WEFT_TIMEOUT="$deadline" WEFT_FAULT_SHRINK=1
+  worker_args="loop $collective 1000000 $elements"
+  start_ranks 4 "$port" WEFT_TIMEOUT="$deadline" WEFT_FAULT_SHRINK="${SHRINK:-1}"
   wait_started 4
   sleep "0.$(( RANDOM % 8 + 2 ))"
   victim=$(( RANDOM % 4 ))
@@ -119,6 +127,16 @@ case $case_name in
     for c in all_reduce all_gather broadcast all_to_all; do
       strike STOP 2s "$c" 3000 "not joined: rank %d (no answer"
       echo "ok: SIGSTOP of rank $victim during $c ($transport, WEFT_TIMEOUT=2s): survivors failed after [$times ] ms naming it, shrank to 3 and went on"
+    done
+    ;;
+  stop-large)
+    # A rank stopped in the middle of 64 MiB frames, far beyond the socket buffers, so that survivors are
+    # stuck writing to it and reading a payload from it; nothing here kills the survivors (as mpirun,
+    # srun and torchrun do not). Every survivor must fail within the deadline + 1 s. (No shrink here: after
+    # a stop in the middle of 64 MiB frames, shrink() sometimes left live members out; docs/RELIABILITY.md.)
+    for c in all_reduce broadcast all_gather; do
+      SHRINK=0 FROM_CALL=1 strike STOP 5s "$c" 6000 "not joined: rank %d (no answer" 8388608
+      echo "ok: SIGSTOP of rank $victim mid-transfer of 64 MiB during $c ($transport, WEFT_TIMEOUT=5s): survivors failed [$times ] ms after the fault or their call, naming it"
     done
     ;;
   strangers)
@@ -194,7 +212,7 @@ PY
     wait_ranks 30 "${pids[0]}"
     line=$(grep "failed at" "$tmp/0.log") || fail "rank 0 did not fail"
     echo "$line" | grep -q "did not acknowledge heartbeats or data in time" || fail "not the heartbeat's error: $line"
-    at=$(echo "$line" | sed -E 's/.*failed at ([0-9]+):.*/\1/')
+    at=$(echo "$line" | sed -E 's/.*failed at ([0-9]+).*/\1/')
     took=$((at - t0))
     [ $took -le 8000 ] || fail "the heartbeat took $took ms"
     echo "$line" | sed -E 's/failed at [0-9]+/failed/'
@@ -216,7 +234,7 @@ sys.exit(0 if ok else 1)' || fail "resident memory grew"
     [ "$(echo "$out" | grep -c ", 0 errors,")" -eq 4 ] || fail "not every rank reported"
     ;;
   *)
-    echo "usage: faults.sh BUILD_DIR kill|stop|strangers|secret|heartbeat|soak [TRANSPORT|N]" >&2
+    echo "usage: faults.sh BUILD_DIR kill|stop|stop-large|strangers|secret|heartbeat|soak [TRANSPORT|N]" >&2
     exit 2
     ;;
 esac

@@ -275,6 +275,59 @@ void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::st
   std::vector<TransportOp*> ops;
   collect_context_ops(context, ops);
   complete_all(ops, context);
+  watch_stuck_io(context);
+}
+
+bool TcpTransport::carries_frame_of(const Connection& c, std::uint32_t context) const {
+  if (!c.alive) return false;
+  const bool writing = c.writing && !c.writing_control && !c.send_queue.empty() && c.send_queue.front()->key.context == context;
+  const bool reading = c.current_op && c.current_op->key.context == context;
+  return writing || reading;
+}
+
+void TcpTransport::watch_stuck_io(std::uint32_t context, bool at_once) {
+  bool any = false;
+  for (const auto& c : connections_) any = any || (c && carries_frame_of(*c, context));
+  if (!any || shut_down_) return;
+  // The kernel already knows how long the frame has not moved: the first look comes at once (on the
+  // next turn of the loop, outside the failure path that called us), the next ones a few times per grace.
+  auto look = [this, alive = std::weak_ptr<bool>(alive_), context](bool fired) {
+    if (fired && !alive.expired()) check_stuck_io(context);
+  };
+  if (at_once) {
+    loop_.post([look] { look(true); });
+  } else {
+    loop_.call_after(stuck_grace / 4, look);
+  }
+}
+
+// The kernel's own clocks say whether the frame moves: milliseconds since data was last received (for
+// the payload being read) or sent (for the write in flight; a peer that does not read leaves a zero
+// window, and only probes go out). A live peer keeps them small; a stopped or hung one does not.
+void TcpTransport::check_stuck_io(std::uint32_t context) {
+  if (shut_down_) return;
+  const auto grace = static_cast<std::uint32_t>(stuck_grace.count());
+  bool again = false;
+  for (const auto& connection : connections_) {
+    if (!connection || !carries_frame_of(*connection, context)) continue;
+    Connection& c = *connection;
+    tcp_info info{};
+    socklen_t length = sizeof info;
+    const int fd = c.stream->native_handle();
+    if (fd < 0 || ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) continue;
+    const bool reading = c.current_op && c.current_op->key.context == context;
+    const std::uint32_t still = reading ? info.tcpi_last_data_recv : info.tcpi_last_data_sent;
+    if (still < grace) {
+      again = true;
+      continue;
+    }
+    const auto state = contexts_.find(context);
+    fail_connection(c, fmt::format("closed in the middle of {} a frame of an operation that failed ({}): no byte moved for {} ms, "
+                                   "so rank {} is stopped or hung; its later operations with this rank fail",
+                                   reading ? "reading" : "writing",
+                                   state != contexts_.end() ? state->second.reason : std::string("aborted"), still, c.peer));
+  }
+  if (again) watch_stuck_io(context, false);
 }
 
 TcpTransport::ContextState* TcpTransport::find_context(std::uint32_t context) {
@@ -715,6 +768,7 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
     std::vector<TransportOp*> ops;
     collect_context_ops(h.context, ops);
     complete_all(ops, h.context);
+    watch_stuck_io(h.context);
     return;
   }
   if (TransportOp* op = std::exchange(c.current_op, nullptr)) {
@@ -757,12 +811,14 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
     }
   }
   std::vector<TransportOp*> ops;
+  std::vector<std::uint32_t> failed_now;  // their frames in flight on other connections are watched
   close_connection(c, ops);
   // Every context the peer belongs to fails: its other members may be waiting on a rank that waits on
   // the dead one, and would otherwise hang.
   for (auto& [context, state] : contexts_) {
     if (state.failed) continue;
     if (std::find(state.members.begin(), state.members.end(), c.peer) == state.members.end()) continue;
+    failed_now.push_back(context);
     state.failed = true;
     state.code = code_of(Errc::peer_failure);
     state.failed_peer = c.peer;
@@ -773,6 +829,7 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
     send_abort(context, state.members, fmt::format("rank {} reports: {}", rank_, c.lost_reason));
   }
   for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+  for (std::uint32_t context : failed_now) watch_stuck_io(context);
 }
 
 // The peer said goodbye: it finished everything it had to send. Receives from it that are not satisfied

@@ -271,6 +271,15 @@ class TcpTransport final : public Transport, private StreamEvents {
   std::unordered_map<std::uint32_t, ContextState> contexts_;
   bool shut_down_ = false;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // handlers check it after we are gone
+  // After a context fails, its I/O that is in the middle of a frame (the write in flight, the payload
+  // being read) cannot be withdrawn without breaking the framing, and would complete only when its peer
+  // moves again: a stopped peer held the operation (and the deadline) for as long as it stayed stopped.
+  // watch_stuck_io looks (at once, then every quarter grace): a connection on which that I/O moved no
+  // byte for stuck_grace is closed (fail_connection), its operations failing now.
+  static constexpr std::chrono::milliseconds stuck_grace{250};
+  void watch_stuck_io(std::uint32_t context, bool at_once = true);
+  void check_stuck_io(std::uint32_t context);
+  bool carries_frame_of(const Connection& c, std::uint32_t context) const;
   // watch_liveness: the check's interval and its pending timer (0: none).
   std::chrono::milliseconds liveness_interval_{0};
   std::uint64_t liveness_timer_ = 0;
