@@ -32,6 +32,12 @@ if [ "$how" != subproject ]; then
   [ -x "$stage_bin/weft-run" ] && [ -x "$stage_bin/weft-bench" ] || fail "weft-run and weft-bench not installed"
   [ -f "$root/include/weft/weft.hpp" ] || fail "headers not installed"
   [ -f "$stage_lib/libweft.a" ] || fail "libweft.a not installed"
+  # Installed where this system's pkg-config looks by default (Meson picked lib64 on a Debian without
+  # dpkg-dev: neither pkg-config nor CMake look there).
+  case ":$(pkg-config --variable pc_path pkg-config):" in
+    *":$prefix/$libdir/pkgconfig:"*) ;;
+    *) fail "weft.pc goes to $prefix/$libdir/pkgconfig, which pkg-config does not search ($(pkg-config --variable pc_path pkg-config))" ;;
+  esac
   soname=$(objdump -p "$stage_lib/libweft.so" | awk '$1 == "SONAME" { print $2 }')
   [ "$soname" = libweft.so.0 ] || fail "soname is '$soname', expected libweft.so.0"
   # The staged weft.pc says prefix=$prefix: the sysroot maps its paths into the staging directory.

@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 # the peers of bench/compare.sh (Open MPI, Gloo) so that their programs keep compiling in CI. `bench`
 # installs no peer: weft builds and runs without them (-Dpeers=auto builds a peer only when it really
 # compiles and links), and compare.sh says what to install when one is missing.
-packages="g++ meson ninja-build pkg-config libasio-dev liburing-dev libfmt-dev libspdlog-dev libssl-dev catch2 python3"
+# dpkg-dev: without it Meson cannot ask for Debian's multiarch directory and installs into lib64, where
+# neither Debian's pkg-config nor its CMake look (found by tests/fresh_machine.sh).
+packages="g++ dpkg-dev meson ninja-build pkg-config libasio-dev liburing-dev libfmt-dev libspdlog-dev libssl-dev catch2 python3"
 if [ "$mode" = test ]; then
   packages="$packages iproute2 iputils-ping procps openmpi-bin libopenmpi-dev libgloo-dev clang libclang-rt-dev cmake python3-matplotlib debootstrap"
 fi
