@@ -39,6 +39,16 @@ void expect_error(Fn&& fn, Errc code, std::initializer_list<std::string> words) 
   expect_error(std::forward<Fn>(fn), {code}, words);
 }
 
+// A getenv for Options::from_environment: rank 0 of 1, and `value` for each variable in `names`.
+std::function<const char*(const char*)> environment_with(const char* value, std::vector<std::string> names) {
+  return [value, names = std::move(names)](const char* name) -> const char* {
+    const std::string n(name);
+    if (n == "WEFT_RANK") return "0";
+    if (n == "WEFT_WORLD_SIZE") return "1";
+    return std::find(names.begin(), names.end(), n) != names.end() ? value : nullptr;
+  };
+}
+
 }  // namespace
 
 TEST_CASE("bad arguments are rejected before anything is sent, naming rank and operation", "[errors][preconditions]") {
@@ -109,15 +119,7 @@ TEST_CASE("an empty or moved-from Group throws, naming the operation, instead of
 }
 
 TEST_CASE("durations that would overflow a deadline are refused", "[errors][preconditions]") {
-  auto env_with = [](const char* value) {
-    return [value](const char* name) -> const char* {
-      const std::string n(name);
-      if (n == "WEFT_RANK") return "0";
-      if (n == "WEFT_WORLD_SIZE") return "1";
-      if (n == "WEFT_TIMEOUT" || n == "WEFT_HEARTBEAT") return value;
-      return nullptr;
-    };
-  };
+  const auto env_with = [](const char* value) { return environment_with(value, {"WEFT_TIMEOUT", "WEFT_HEARTBEAT"}); };
   const long before = checks_made.load();
   // 2562048 hours is past what nanoseconds hold: every operation failed at once before.
   for (const char* value : {"2562048h", "8761h", "999999999999s"}) {
@@ -546,15 +548,7 @@ TEST_CASE("a collective past its deadline fails on every rank, naming whom it wa
 }
 
 TEST_CASE("WEFT_TIMEOUT takes a duration and refuses anything else", "[errors][timeout]") {
-  auto env_with = [](const char* value) {
-    return [value](const char* name) -> const char* {
-      const std::string n(name);
-      if (n == "WEFT_RANK") return "0";
-      if (n == "WEFT_WORLD_SIZE") return "1";
-      if (n == "WEFT_TIMEOUT") return value;
-      return nullptr;
-    };
-  };
+  const auto env_with = [](const char* value) { return environment_with(value, {"WEFT_TIMEOUT"}); };
   CHECK(Options{}.from_environment(env_with("250ms")).timeout == 250ms);
   CHECK(Options{}.from_environment(env_with("30")).timeout == 30s);
   CHECK(Options{}.from_environment(env_with("2m")).timeout == std::chrono::minutes(2));
