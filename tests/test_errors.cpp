@@ -231,9 +231,9 @@ namespace {
 // is failed afterwards. `may_complete`: a call that receives nothing (both ranks a root that only sends)
 // can complete before the peer's frame shows the mismatch; then the next call must fail, naming both.
 void expect_mismatch(const std::function<Future<void>(Group&)>& call, std::initializer_list<std::string> words,
-                     bool may_complete = false) {
+                     bool may_complete = false, int ranks = 2) {
   const long before = checks_made.load();
-  run_ranks(2, [&](Group& g) {
+  run_ranks(ranks, [&](Group& g) {
     Future<void> f = call(g);
     check(f.wait_for(15s), "a mismatched collective hung");
     try {
@@ -258,6 +258,36 @@ TEST_CASE("ranks that call different collectives as the same operation fail, nam
   SECTION("all_reduce against all_gather") {
     expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(a) : g.all_gather(a, b); },
                     {"rank 1 called all_gather #1 (f32 x 1024)", "rank 0 called all_reduce #1 (f32 x 1024, sum)"});
+  }
+}
+
+TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails, or the next one says why", "[errors][mismatch]") {
+  // Issue 13: a root whose sends completed reported success while the others failed. Every rank that
+  // took part must fail the operation or, where it finished before anyone could know, its next one.
+  std::vector<float> f(8, 1.0f), g8(24, 0.0f), big(16, 1.0f);
+  std::vector<std::int32_t> i(8, 1);
+  SECTION("op") {
+    expect_mismatch([&](Group& g) { return g.all_reduce(f, g.rank() == 2 ? ReduceOp::max : ReduceOp::sum); },
+                    {"all_reduce #1"}, false, 3);
+  }
+  SECTION("dtype") {
+    expect_mismatch([&](Group& g) { return g.rank() == 1 ? g.all_reduce(i) : g.all_reduce(f); }, {"all_reduce #1"}, false, 3);
+  }
+  SECTION("count") {
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(big) : g.all_reduce(f); }, {"all_reduce #1"}, false, 3);
+  }
+  SECTION("root: the root alone says root 0, the others say root 1") {
+    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank() == 0 ? 0 : 1); }, {"broadcast #1"}, true, 3);
+  }
+  SECTION("root of a reduce: no rank sends anything to a rank that would notice, so the deadline says it") {
+    // Ranks 0 and 1 say root 0, rank 2 says root 2: rank 0 waits for rank 2, rank 2 for the others, and no
+    // frame meets a receive of another call. At the deadline the progress answers carry each rank's call.
+    std::vector<float> out(8);
+    expect_mismatch([&](Group& g) { return g.with_timeout(1500ms).reduce(f, out, g.rank() == 2 ? 2 : 0); },
+                    {"reduce #1", "the ranks called it differently", "root 2", "root 0"}, true, 3);
+  }
+  SECTION("collective") {
+    expect_mismatch([&](Group& g) { return g.rank() == 2 ? g.all_gather(f, g8) : g.all_reduce(f); }, {"#1"}, false, 3);
   }
 }
 

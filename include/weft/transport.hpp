@@ -135,7 +135,12 @@ class Transport {
     int rank = -1;              ///< transport rank
     bool answered = false;      ///< false: no answer in time (stopped, hung, or its connection is gone)
     std::uint64_t started = 0;  ///< the latest operation (seq) it had started in the context; 0: none
+    /// How it called the operation asked about (call 0: it has not, or no longer remembers): a deadline
+    /// report compares it with this rank's call, which finds mismatches that send no frame to anyone.
+    OpSignature signature{};
   };
+  /// How this rank called operation `seq` of `context` (call 0: not yet, or no longer remembered).
+  virtual OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const = 0;
   /// Asks every other member of `context` how far it is (a query frame, answered by the member's
   /// transport from its loop whatever its program does). `done` runs on the loop thread once every
   /// member answered or `patience` passed, with one entry per other member. For deadline reports.

@@ -220,8 +220,28 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
       std::erase(self->reporting, seq);
       const bool still_running = std::any_of(self->watched.begin(), self->watched.end(), [&](const Watched& w) { return w.id == seq; });
       if (!still_running) return;  // it completed while the members were asked
+      // A member that called the operation differently: a mismatch that sent no frame to anyone (a
+      // reduce whose ranks disagree on the root can wait on each other in silence). Say so, not "late".
+      if (const std::string calls = self->mismatched_calls(seq, answers); !calls.empty()) {
+        self->transport->abort_context(self->context, Errc::mismatch, head + "; the ranks called it differently: " + calls);
+        return;
+      }
       self->transport->abort_context(self->context, Errc::timeout, head + "; " + self->stragglers(seq, answers, patience));
     });
+  }
+
+  // "rank 2 called reduce #1 (f32 x 8, sum, root 2) while rank 0 called reduce #1 (f32 x 8, sum, root 0)",
+  // or empty when every member that answered called operation `seq` as this rank did (or not yet).
+  std::string mismatched_calls(std::uint64_t seq, const std::vector<Transport::Progress>& answers) const {
+    const OpSignature mine = transport->signature_of(context, seq);
+    if (mine.call == 0) return {};
+    std::vector<std::string> others;
+    for (const auto& a : answers) {
+      if (!a.answered || a.signature.call == 0 || a.signature == mine) continue;
+      others.push_back(fmt::format("rank {} called {}", group_rank(a.rank), signature::describe(a.signature, seq)));
+    }
+    if (others.empty()) return {};
+    return fmt::format("{} while rank {} called {}", fmt::join(others, ", "), rank, signature::describe(mine, seq));
   }
 
   int group_rank(int transport_rank) const {

@@ -704,6 +704,10 @@ void TcpTransport::on_header(Connection& c) {
       answer.seq = h.seq;
       const ContextState* state = find_context(h.context);
       answer.tag = state ? state->started : 0;
+      // How this rank called the operation asked about: the asker compares it with its own call.
+      const OpSignature mine = signature_of(h.context, h.seq);
+      answer.call = mine.call;
+      answer.count = mine.count;
       if (c.alive) send_control(c, answer);
       return;
     }
@@ -988,10 +992,18 @@ void TcpTransport::on_progress(int peer, const wire::Header& h) {
       if (answer.rank != peer || answer.answered) continue;
       answer.answered = true;
       answer.started = h.tag;
+      answer.signature = OpSignature{h.call, h.count};
       if (--query->awaiting == 0) finish_query(query);
       return;
     }
   }
+}
+
+OpSignature TcpTransport::signature_of(std::uint32_t context, std::uint64_t seq) const {
+  const auto it = contexts_.find(context);
+  if (it == contexts_.end()) return {};
+  const auto* seen = it->second.local.find(seq);
+  return seen ? seen->signature : OpSignature{};
 }
 
 void TcpTransport::finish_query(const std::shared_ptr<Query>& query) {

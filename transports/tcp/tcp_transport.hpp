@@ -47,6 +47,7 @@ class TcpTransport final : public Transport, private StreamEvents {
   void disconnect(int peer, const std::string& reason) override;
   void ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                     std::function<void(std::vector<Progress>)> done) override;
+  OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const override;
 
   void shutdown() override;
 
@@ -177,6 +178,15 @@ class TcpTransport final : public Transport, private StreamEvents {
       const Seen* latest() const noexcept { return pushed ? &ring[(pushed - 1) % ring.size()] : nullptr; }
       // The entry for `seq` whose signature differs from `signature`, searching from the latest back while
       // entries are at most `interleaving` behind `seq`.
+      // This rank's entry for `seq`, if still kept.
+      const Seen* find(std::uint64_t seq) const noexcept {
+        const std::size_t kept = pushed < ring.size() ? pushed : ring.size();
+        for (std::size_t back = 1; back <= kept; ++back) {
+          const Seen& seen = ring[(pushed - back) % ring.size()];
+          if (seen.seq == seq) return &seen;
+        }
+        return nullptr;
+      }
       const Seen* disagreeing(std::uint64_t seq, const OpSignature& signature) const noexcept {
         const std::size_t kept = pushed < ring.size() ? pushed : ring.size();
         for (std::size_t back = 1; back <= kept; ++back) {
