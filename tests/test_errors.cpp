@@ -460,6 +460,33 @@ wire::Header data_frame(std::uint64_t bytes) {
 
 }  // namespace
 
+TEST_CASE("the early-message bound is shared among the ranks on the host", "[errors][hostile]") {
+  // 4 ranks on a host may not each keep half the memory (twice the memory together): the default is half
+  // divided by the launcher's local rank count (here WEFT_LOCAL_WORLD_SIZE=4), at least 1 GiB. A message
+  // just over it, sent before its receive, is refused naming that limit; nothing of it is allocated.
+  const std::size_t half = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) / 2;
+  const std::size_t limit = std::max(std::size_t{1} << 30, half / 4);
+  ::setenv("WEFT_LOCAL_WORLD_SIZE", "4", 1);
+  const long before = checks_made.load();
+  run_ranks(2, [&](Group& g) {
+    if (g.rank() == 0) {
+      // Uninitialised: the pages the refused write never reaches cost nothing.
+      std::unique_ptr<std::uint8_t[]> big(new std::uint8_t[limit + 4096]);
+      Future<void> f = g.send(ConstBufferView(big.get(), limit + 4096, DType::u8), 1, 9);
+      check(f.wait_for(60s), "the refused send hung");
+      expect_error([&] { f.get(); }, {Errc::peer_failure, Errc::aborted}, {});
+    } else {
+      std::vector<std::uint8_t> small(1);
+      Future<void> f = g.recv(small, 0, 8);  // another tag: the big message arrives with no receive posted
+      check(f.wait_for(60s), "the receive hung");
+      expect_error([&] { f.get(); }, {Errc::peer_failure, Errc::aborted},
+                   {fmt::format("the limit is {} bytes (WEFT_MAX_EARLY_BYTES)", limit)});
+    }
+  });
+  ::unsetenv("WEFT_LOCAL_WORLD_SIZE");
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("a forged length from a peer fails its connection, naming the sizes, and allocates nothing", "[errors][hostile]") {
   RawPeer peer;
   peer.write(data_frame(std::uint64_t{1} << 50));  // 2^50 bytes claimed, no receive posted for it

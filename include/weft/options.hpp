@@ -52,7 +52,9 @@ struct Options {
   /// At most this many bytes of messages that arrive before their receive is posted are kept, all peers
   /// together (WEFT_MAX_EARLY_BYTES). A message beyond it fails the sender's connection with an error
   /// naming the sizes, so a forged or runaway length cannot exhaust memory. 0 (the default): half of the
-  /// machine's physical memory.
+  /// machine's physical memory divided among the ranks the launcher put on the host
+  /// (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE), at
+  /// least 1 GiB.
   std::size_t max_early_bytes = 0;
   /// Heartbeats (WEFT_HEARTBEAT, a duration; 0: off): after this much silence the peer's host is probed,
   /// every interval, and the connection fails after 3 unanswered probes or when sent data stays

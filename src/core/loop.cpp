@@ -19,6 +19,7 @@
 #include "weft/error.hpp"
 #include "weft/future.hpp"
 #include "weft/offload.hpp"
+#include "src/core/host.hpp"
 
 namespace weft {
 namespace {
@@ -40,11 +41,8 @@ struct Registry {
 // takes whole time slices from the rank it waits for. The launchers say how many ranks share the host.
 std::chrono::microseconds default_spin() {
   if (const char* v = std::getenv("WEFT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
-  for (const char* name : {"WEFT_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
-    const char* v = std::getenv(name);
-    const unsigned cores = std::thread::hardware_concurrency();
-    if (v && cores > 0 && std::atoll(v) > static_cast<long long>(cores)) return std::chrono::microseconds(0);
-  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0 && host::local_ranks() > static_cast<int>(cores)) return std::chrono::microseconds(0);
   return Loop::Options{}.spin;
 }
 
@@ -65,12 +63,8 @@ int cores_per_rank() {
     CPU_ZERO(&set);
     int allowed = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
     if (allowed <= 0) allowed = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    for (const char* name : {"WEFT_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
-      const char* v = std::getenv(name);
-      // weft-run binds each rank to one core: its affinity already says so.
-      if (v && std::atoi(v) > 1 && allowed > 1) return std::max(1, allowed / std::atoi(v));
-    }
-    return allowed;
+    // weft-run binds each rank to one core: its affinity already says so (allowed is 1 then).
+    return std::max(1, allowed / host::local_ranks());
   }();
   return cores;
 }

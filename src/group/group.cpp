@@ -16,6 +16,7 @@
 #include "kernels/cpu/reduce.hpp"
 #include "src/algorithms/selection.hpp"
 #include "src/core/log.hpp"
+#include "src/core/host.hpp"
 #include "src/core/signature.hpp"
 #include "src/group/bootstrap.hpp"
 #include "transports/tcp/tcp_transport.hpp"
@@ -422,12 +423,15 @@ TcpTransport* make_transport(Loop& loop, const Options& options, std::vector<asi
 }
 
 // The default bound on early messages: generous (a legitimate program may send a message of several GiB
-// before its receive is posted; a test sends one over 4 GiB), yet below what would exhaust the machine.
-std::size_t half_the_memory() {
+// before its receive is posted; a test sends one over 4 GiB), yet below what would exhaust the machine:
+// half its memory, shared among the ranks the launcher put on this host (4 ranks each allowed half
+// could hold twice the memory), and at least 1 GiB.
+std::size_t share_of_half_the_memory() {
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page = ::sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page <= 0) return std::size_t{4} << 30;
-  return std::max(std::size_t{1} << 30, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 2);
+  const std::size_t half = static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 2;
+  return std::max(std::size_t{1} << 30, half / static_cast<std::size_t>(host::local_ranks()));
 }
 
 Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
@@ -452,7 +456,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
     if (socket.is_open()) TcpTransport::set_heartbeat(socket, options.heartbeat);
   }
   auto* transport = make_transport(*loop, options, std::move(result.sockets));
-  transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : half_the_memory());
+  transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : share_of_half_the_memory());
   transport->watch_liveness(options.heartbeat);
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
