@@ -311,6 +311,40 @@ TEST_CASE("the store closes connections that do not greet in time, and bounds ho
   gone.get_future().wait();
 }
 
+TEST_CASE("a flood of refused connections is logged ten lines at a time, the rest counted, addresses kept", "[security][strangers]") {
+  // Issue 13: every refusal logged a line with no limit, and a stranger that reset at once was logged as
+  // "refused a connection from ?".
+  LogCapture log;
+  Loop loop(Loop::Options{0us, false});
+  std::unique_ptr<store::Server> server;
+  std::promise<unsigned short> bound;
+  loop.post([&] {
+    server = std::make_unique<store::Server>(loop.context(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
+                                             store::Admission{"", "", 2, 2000ms, 64});
+    bound.set_value(server->port());
+  });
+  const auto port = bound.get_future().get();
+  for (int i = 0; i < 40; ++i) {
+    const int fd = connect_raw(port);
+    // A reset rather than a close: SO_LINGER 0 sends RST.
+    linger hard{1, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &hard, sizeof hard);
+    ::close(fd);
+  }
+  std::this_thread::sleep_for(500ms);
+  std::promise<void> gone;
+  loop.post([&] {
+    server.reset();  // the listener goes: the count of what was not logged is said
+    gone.set_value();
+  });
+  gone.get_future().wait();
+  // The count is said on the loop when the listener closes, just after.
+  for (int i = 0; i < 200 && log.count({"more connections in 10 s"}) == 0; ++i) std::this_thread::sleep_for(10ms);
+  CHECK(log.count({"store: refused a connection from"}) == 10);
+  CHECK(log.count({"store: refused a connection from ?"}) == 0);
+  CHECK(log.count({"store: refused 30 more connections in 10 s, not logged one by one"}) == 1);
+}
+
 TEST_CASE("greetings and verdicts decode only what is well formed", "[security][greeting]") {
   greeting::Greeting g;
   g.role = greeting::Role::peer;

@@ -85,13 +85,13 @@ struct Admissions {
   int waiting = 0;                  // ranks above this one not admitted yet
   bool finished = false;
   asio::steady_timer changed;  // cancelled when a greeting ends
+  std::shared_ptr<greeting::RefusalLog> refusals;
 };
 
 // The accepting side of one connection: the greeting (rank, world size, job, secret). The connection is
 // admitted as its rank, or refused and logged with its address.
-awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket) {
+awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket, std::string who) {
   const auto& options = state->options;
-  const std::string who = greeting::remote_address(socket);
   const greeting::Local local{greeting::Role::rank, options.rank, options.world_size, options.job_id, options.secret};
   int claim = -1;
   const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
@@ -117,7 +117,7 @@ awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket
     --state->waiting;
   } else {
     if (claim >= 0) state->connected[static_cast<std::size_t>(claim)] = false;
-    log().warn("rank {}: bootstrap: refused a connection from {}: {}", options.rank, who, refusal);
+    state->refusals->refused(who, refusal);
   }
   state->changed.cancel();
 }
@@ -135,16 +135,17 @@ awaitable<void> accept_peers(tcp::acceptor& acceptor, std::shared_ptr<Admissions
   } finish{*state};
   state->changed.expires_at(Clock::time_point::max());
   while (state->waiting > 0) {
-    auto next = co_await (acceptor.async_accept(no_throw) || state->changed.async_wait(no_throw));
+    tcp::endpoint from;  // as accept saw it: still known when the stranger already reset
+    auto next = co_await (acceptor.async_accept(from, no_throw) || state->changed.async_wait(no_throw));
     if (next.index() == 1) continue;  // a greeting ended: see whether anybody is still waited for
     auto [ec, socket] = std::move(std::get<0>(next));
     if (ec) throw std::system_error(ec, "accept");
     if (static_cast<int>(state->greeting.size()) >= max_pending_greetings) {
-      log().warn("rank {}: bootstrap: refused a connection from {}: {} connections are still greeting (limit {})",
-                 state->options.rank, greeting::remote_address(socket), state->greeting.size(), max_pending_greetings);
+      state->refusals->refused(greeting::address_of(from), fmt::format("{} connections are still greeting (limit {})",
+                                                                       state->greeting.size(), max_pending_greetings));
       continue;  // the socket closes here
     }
-    asio::co_spawn(acceptor.get_executor(), admit_peer(state, std::move(socket)), asio::detached);
+    asio::co_spawn(acceptor.get_executor(), admit_peer(state, std::move(socket), greeting::address_of(from)), asio::detached);
   }
 }
 
@@ -310,7 +311,8 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
 
   auto admissions = std::make_shared<Admissions>(Admissions{options, std::vector<bool>(static_cast<std::size_t>(size), false),
                                                              std::vector<std::optional<tcp::socket>>(static_cast<std::size_t>(size)),
-                                                             {}, size - 1 - rank, false, asio::steady_timer(io)});
+                                                             {}, size - 1 - rank, false, asio::steady_timer(io),
+                                                             std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", rank))});
   std::vector<bool> connected_below(static_cast<std::size_t>(size), false);
   // Both directions at once; the first failure (a refusal, above all) ends the bootstrap with its reason
   // at once: with_deadline rethrows it, where Asio's `||` against a timer swallowed it and waited for the

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "src/core/log.hpp"
 #include "src/group/deadline.hpp"
 #include "transports/tcp/wire.hpp"
 
@@ -227,12 +228,40 @@ bool proofs_equal(const std::array<std::byte, proof_size>& a, const std::array<s
   return CRYPTO_memcmp(a.data(), b.data(), proof_size) == 0;
 }
 
+std::string address_of(const tcp::endpoint& ep) {
+  return ep.address().is_v6() ? fmt::format("[{}]:{}", ep.address().to_string(), ep.port())
+                              : fmt::format("{}:{}", ep.address().to_string(), ep.port());
+}
+
 std::string remote_address(const tcp::socket& socket) {
   std::error_code ec;
   auto ep = socket.remote_endpoint(ec);
   if (ec) return "?";
-  return ep.address().is_v6() ? fmt::format("[{}]:{}", ep.address().to_string(), ep.port())
-                              : fmt::format("{}:{}", ep.address().to_string(), ep.port());
+  return address_of(ep);
+}
+
+RefusalLog::~RefusalLog() { say_suppressed(); }
+
+void RefusalLog::say_suppressed() {
+  if (suppressed_ == 0) return;
+  log().warn("{}: refused {} more connection{} in {} s, not logged one by one (at most {} lines per {} s)", listener_,
+             suppressed_, suppressed_ == 1 ? "" : "s", window_.count(), burst_, window_.count());
+  suppressed_ = 0;
+}
+
+void RefusalLog::refused(const std::string& from, const std::string& why) {
+  const auto now = std::chrono::steady_clock::now();
+  if (now - window_start_ >= window_) {
+    say_suppressed();
+    window_start_ = now;
+    logged_ = 0;
+  }
+  if (logged_ < burst_) {
+    ++logged_;
+    log().warn("{}: refused a connection from {}: {}", listener_, from, why);
+  } else {
+    ++suppressed_;
+  }
 }
 
 // The exchange (C connects, A accepts; docs/PROTOCOL.md):

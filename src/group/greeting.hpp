@@ -95,5 +95,31 @@ asio::awaitable<std::string> admit(asio::ip::tcp::socket& socket, const Local& l
 
 /// "host:port" of the socket's remote end ("[v6]:port"), or "?".
 std::string remote_address(const asio::ip::tcp::socket& socket);
+/// "host:port" of an endpoint, as accept reported it (reliable even when the peer already reset the
+/// connection, which leaves remote_address "?").
+std::string address_of(const asio::ip::tcp::endpoint& endpoint);
+
+/// The log of refused connections of one listener: at most `burst` lines per `window`; past that the
+/// refusals are counted and the count logged when the window ends (or the listener goes), so that a
+/// flood of strangers cannot flood the log.
+class RefusalLog {
+ public:
+  explicit RefusalLog(std::string listener, int burst = 10, std::chrono::seconds window = std::chrono::seconds(10))
+      : listener_(std::move(listener)), burst_(burst), window_(window) {}
+  ~RefusalLog();
+  RefusalLog(const RefusalLog&) = delete;
+  RefusalLog& operator=(const RefusalLog&) = delete;
+  void refused(const std::string& from, const std::string& why);
+  /// Logs the count of refusals not logged one by one, if any (the listener closes).
+  void say_suppressed();
+
+ private:
+  std::string listener_;  // "store", "rank 2: bootstrap"
+  int burst_;
+  std::chrono::seconds window_;
+  std::chrono::steady_clock::time_point window_start_{};
+  int logged_ = 0;
+  long suppressed_ = 0;
+};
 
 }  // namespace weft::greeting

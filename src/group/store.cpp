@@ -106,6 +106,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   tcp::acceptor acceptor;
   Admission admission;
   std::unordered_map<int, std::string> claimed;  // rank -> the address it greeted from
+  greeting::RefusalLog refusals{"store"};
   int pending = 0;                               // connections still greeting
   Table data;
   std::set<asio::steady_timer*> waiters;  // WAIT requests asleep until the next change
@@ -119,19 +120,21 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   awaitable<void> accept_loop() {
     auto self = shared_from_this();
     while (!closed) {
-      auto [ec, socket] = co_await acceptor.async_accept(no_throw);
+      tcp::endpoint from_endpoint;  // as accept saw it: still known when the stranger already reset
+      auto [ec, socket] = co_await acceptor.async_accept(from_endpoint, no_throw);
       if (ec) {
         if (closed || ec == asio::error::operation_aborted) co_return;
         continue;
       }
+      const std::string from = greeting::address_of(from_endpoint);
       if (pending >= admission.max_pending) {
-        log().warn("store: refused a connection from {}: {} connections are still greeting (limit {})",
-                   greeting::remote_address(socket), pending, admission.max_pending);
+        refusals.refused(from, fmt::format("{} connections are still greeting (limit {})", pending, admission.max_pending));
         continue;  // the socket closes here
       }
-      socket.set_option(tcp::no_delay(true));
+      std::error_code ignored;
+      socket.set_option(tcp::no_delay(true), ignored);
       ++pending;
-      asio::co_spawn(acceptor.get_executor(), serve(std::move(socket)), asio::detached);
+      asio::co_spawn(acceptor.get_executor(), serve(std::move(socket), from), asio::detached);
     }
   }
 
@@ -166,14 +169,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     const std::string refusal = co_await greeting::admit(socket, local, check, admission.greeting_timeout);
     if (refusal.empty()) co_return true;
     if (claim >= 0) claimed.erase(claim);
-    log().warn("store: refused a connection from {}: {}", peer, refusal);
+    refusals.refused(peer, refusal);
     co_return false;
   }
 
-  awaitable<void> serve(tcp::socket socket) {
+  awaitable<void> serve(tcp::socket socket, std::string peer) {
     auto self = shared_from_this();
     clients.insert(&socket);
-    const std::string peer = greeting::remote_address(socket);
     const bool admitted = co_await admit(socket, peer);
     --pending;
     if (!admitted || closed) {
@@ -256,6 +258,7 @@ void Server::close() {
   asio::post(impl_->acceptor.get_executor(), [impl = impl_] {
     if (impl->closed) return;
     impl->closed = true;
+    impl->refusals.say_suppressed();  // now: the Impl itself may outlive this in pending handlers
     std::error_code ignored;
     impl->acceptor.close(ignored);
     for (auto* socket : impl->clients) socket->close(ignored);
