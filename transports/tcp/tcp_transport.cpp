@@ -68,7 +68,12 @@ void TcpTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::mil
 void TcpTransport::watch_liveness(std::chrono::milliseconds interval) {
   if (interval.count() <= 0 || liveness_interval_.count() > 0) return;
   liveness_interval_ = interval;
-  liveness_timer_ = loop_.call_after(interval / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
+  arm_liveness_check();
+}
+
+// Twice per interval: a lost peer is named at most half an interval after the limit.
+void TcpTransport::arm_liveness_check() {
+  liveness_timer_ = loop_.call_after(liveness_interval_ / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
     if (fired && !alive.expired()) check_liveness();
   });
 }
@@ -101,10 +106,7 @@ void TcpTransport::check_liveness() {
                                                reason, liveness_interval_.count()));
     }
   }
-  // Twice per interval: a lost peer is named at most half an interval after the limit.
-  liveness_timer_ = loop_.call_after(liveness_interval_ / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
-    if (fired && !alive.expired()) check_liveness();
-  });
+  arm_liveness_check();
 }
 
 void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {

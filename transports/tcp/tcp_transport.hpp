@@ -285,14 +285,17 @@ class TcpTransport final : public Transport, private StreamEvents {
   // being read) cannot be withdrawn without breaking the framing, and would complete only when its peer
   // moves again: a stopped peer held the operation (and the deadline) for as long as it stayed stopped.
   // watch_stuck_io looks (at once, then every quarter grace): a connection on which that I/O moved no
-  // byte for stuck_grace is closed (fail_connection), its operations failing now.
-  static constexpr std::chrono::milliseconds stuck_grace{250};
+  // byte for stuck_grace is closed (fail_connection), its operations failing now. The kernel counts
+  // from the last byte, long before the failure for a stopped peer, so the grace does not delay that
+  // case; it is how long a live peer, busy elsewhere, may pause mid-frame without losing the connection.
+  static constexpr std::chrono::milliseconds stuck_grace{1000};
   void watch_stuck_io(std::uint32_t context, bool at_once = true);
   void check_stuck_io(std::uint32_t context);
   bool carries_frame_of(const Connection& c, std::uint32_t context) const;
   // watch_liveness: the check's interval and its pending timer (0: none).
   std::chrono::milliseconds liveness_interval_{0};
   std::uint64_t liveness_timer_ = 0;
+  void arm_liveness_check();
   void check_liveness();
 };
 
