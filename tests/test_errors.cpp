@@ -741,6 +741,26 @@ TEST_CASE("a rank that stops reading for longer than four heartbeats is alive, n
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("without_deadline: a long-lived wait outlasts the group's deadline while other calls keep it", "[errors][deadline]") {
+  // A server's command channel: rank 0 waits for rank 1's next command, which comes after 1.2 s, four
+  // times the group's deadline (300 ms); the same wait with the default deadline would fail.
+  Options base;
+  base.timeout = 300ms;
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<std::int32_t> command{g.rank() == 1 ? 42 : 0};
+    if (g.rank() == 1) std::this_thread::sleep_for(1200ms);
+    g.without_deadline().broadcast(command, 1).get();
+    check(command[0] == 42, "the command did not arrive");
+    // The rest keeps the deadline: a collective that rank 1 joins late fails.
+    if (g.rank() == 1) std::this_thread::sleep_for(1200ms);
+    Future<void> late = g.barrier();
+    check(late.wait_for(10s), "a barrier past its deadline hung");
+    expect_error([&] { late.get(); }, {Errc::timeout, Errc::aborted}, {"barrier #2 passed its deadline (300 ms)"});
+  }, base);
+  REQUIRE(checks_made.load() > before);
+}
+
 namespace {
 
 // The connections between ranks of this process: pairs of loopback TCP sockets connected to each other,
