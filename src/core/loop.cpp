@@ -95,8 +95,8 @@ void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::u
 // Every live Loop, for Loop::current(): few per process, and looked up only by offload.
 std::mutex loops_mutex;
 std::vector<Loop*>& live_loops() {
-  static std::vector<Loop*> loops;
-  return loops;
+  static auto* loops = new std::vector<Loop*>();  // never destroyed: a static Loop may outlive static destructors
+  return *loops;
 }
 void register_loop(Loop* loop) {
   std::lock_guard lock(loops_mutex);
