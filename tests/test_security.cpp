@@ -120,6 +120,34 @@ int connect_raw(unsigned short port) {
   return fd;
 }
 
+// A store served on a loop of its own, for tests that talk to it through raw sockets.
+struct StoreOnLoop {
+  Loop loop{Loop::Options{0us, false}};
+  std::unique_ptr<store::Server> server;
+  unsigned short port = 0;
+  explicit StoreOnLoop(store::Admission admission) {
+    std::promise<unsigned short> bound;
+    loop.post([&] {
+      server = std::make_unique<store::Server>(loop.context(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
+                                               std::move(admission));
+      bound.set_value(server->port());
+    });
+    port = bound.get_future().get();
+  }
+  // Closes the store on its loop, where its handlers run, and waits for that.
+  void close() {
+    std::promise<void> gone;
+    loop.post([&] {
+      server.reset();
+      gone.set_value();
+    });
+    gone.get_future().wait();
+  }
+  ~StoreOnLoop() {
+    if (server) close();
+  }
+};
+
 // Waits up to `limit` for the other end to close `fd` (EOF or reset). Returns how long it took, or -1.
 long closed_within(int fd, std::chrono::milliseconds limit) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -281,15 +309,8 @@ TEST_CASE("strangers on the store's port are refused and logged; the job's ranks
 
 TEST_CASE("the store closes connections that do not greet in time, and bounds how many may be greeting", "[security][strangers]") {
   LogCapture log;
-  Loop loop(Loop::Options{0us, false});
-  std::unique_ptr<store::Server> server;
-  std::promise<unsigned short> bound;
-  loop.post([&] {
-    server = std::make_unique<store::Server>(loop.context(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
-                                             store::Admission{"", "", 2, 300ms, 2});
-    bound.set_value(server->port());
-  });
-  const auto port = bound.get_future().get();
+  StoreOnLoop store(store::Admission{"", "", 2, 300ms, 2});
+  const auto port = store.port;
   const int first = connect_raw(port);
   const int second = connect_raw(port);
   std::this_thread::sleep_for(50ms);  // both are greeting now
@@ -303,27 +324,15 @@ TEST_CASE("the store closes connections that do not greet in time, and bounds ho
   for (int fd : {first, second, third}) ::close(fd);
   CHECK(log.count({"store: refused a connection from 127.0.0.1:", "2 connections are still greeting (limit 2)"}) == 1);
   CHECK(log.count({"store: refused a connection from 127.0.0.1:", "no greeting within 300 ms"}) == 2);
-  std::promise<void> gone;
-  loop.post([&] {
-    server.reset();
-    gone.set_value();
-  });
-  gone.get_future().wait();
+  store.close();
 }
 
 TEST_CASE("a flood of refused connections is logged ten lines at a time, the rest counted, addresses kept", "[security][strangers]") {
   // Issue 13: every refusal logged a line with no limit, and a stranger that reset at once was logged as
   // "refused a connection from ?".
   LogCapture log;
-  Loop loop(Loop::Options{0us, false});
-  std::unique_ptr<store::Server> server;
-  std::promise<unsigned short> bound;
-  loop.post([&] {
-    server = std::make_unique<store::Server>(loop.context(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
-                                             store::Admission{"", "", 2, 2000ms, 64});
-    bound.set_value(server->port());
-  });
-  const auto port = bound.get_future().get();
+  StoreOnLoop store(store::Admission{"", "", 2, 2000ms, 64});
+  const auto port = store.port;
   for (int i = 0; i < 40; ++i) {
     const int fd = connect_raw(port);
     // A reset rather than a close: SO_LINGER 0 sends RST.
@@ -332,12 +341,7 @@ TEST_CASE("a flood of refused connections is logged ten lines at a time, the res
     ::close(fd);
   }
   std::this_thread::sleep_for(500ms);
-  std::promise<void> gone;
-  loop.post([&] {
-    server.reset();  // the listener goes: the count of what was not logged is said
-    gone.set_value();
-  });
-  gone.get_future().wait();
+  store.close();  // the listener goes: the count of what was not logged is said
   // The count is said on the loop when the listener closes, just after.
   for (int i = 0; i < 200 && log.count({"more connections in 10 s"}) == 0; ++i) std::this_thread::sleep_for(10ms);
   CHECK(log.count({"store: refused a connection from"}) == 10);
