@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -65,6 +66,17 @@ void TcpTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::mil
   ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &no_user_timeout, sizeof no_user_timeout);
 }
 
+namespace {
+// The kernel's view of the connection (TCP_INFO), or nullopt once its socket is closed.
+std::optional<tcp_info> tcp_info_of(const auto& connection) {
+  const int fd = connection.stream->native_handle();
+  tcp_info info{};
+  socklen_t length = sizeof info;
+  if (fd < 0 || ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) return std::nullopt;
+  return info;
+}
+}  // namespace
+
 void TcpTransport::watch_liveness(std::chrono::milliseconds interval) {
   if (interval.count() <= 0 || liveness_interval_.count() > 0) return;
   liveness_interval_ = interval;
@@ -89,11 +101,9 @@ void TcpTransport::check_liveness() {
   const auto limit = liveness_interval_ * (heartbeat_probes + 1);
   for (const auto& connection : connections_) {
     if (!connection || !connection->alive || !connection->stream) continue;
-    const int fd = connection->stream->native_handle();
-    if (fd < 0) continue;
-    tcp_info info{};
-    socklen_t length = sizeof info;
-    if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) continue;
+    const auto found = tcp_info_of(*connection);
+    if (!found) continue;
+    const tcp_info& info = *found;
     std::string reason;
     if (info.tcpi_unacked > 0 && std::chrono::milliseconds(info.tcpi_last_ack_recv) >= limit) {
       reason = fmt::format("no acknowledgement of data sent for {} ms", info.tcpi_last_ack_recv);
@@ -313,10 +323,9 @@ void TcpTransport::check_stuck_io(std::uint32_t context) {
   for (const auto& connection : connections_) {
     if (!connection || !carries_frame_of(*connection, context)) continue;
     Connection& c = *connection;
-    tcp_info info{};
-    socklen_t length = sizeof info;
-    const int fd = c.stream->native_handle();
-    if (fd < 0 || ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) continue;
+    const auto found = tcp_info_of(c);
+    if (!found) continue;
+    const tcp_info& info = *found;
     const bool reading = c.current_op && c.current_op->key.context == context;
     const std::uint32_t still = reading ? info.tcpi_last_data_recv : info.tcpi_last_data_sent;
     if (still < grace) {
