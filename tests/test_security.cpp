@@ -307,7 +307,7 @@ TEST_CASE("strangers on the store's port are refused and logged; the job's ranks
   CHECK(log.count({"store: refused a connection from 127.0.0.1:", "not a weft greeting"}) == 2);
 }
 
-TEST_CASE("the store closes connections that do not greet in time, and bounds how many may be greeting", "[security][strangers]") {
+TEST_CASE("the store closes connections that do not greet in time; past the bound, the oldest greeting makes room", "[security][strangers]") {
   LogCapture log;
   StoreOnLoop store(store::Admission{"", "", 2, 300ms, 2});
   const auto port = store.port;
@@ -315,14 +315,13 @@ TEST_CASE("the store closes connections that do not greet in time, and bounds ho
   const int second = connect_raw(port);
   std::this_thread::sleep_for(50ms);  // both are greeting now
   const int third = connect_raw(port);
-  const long third_closed = closed_within(third, 2s);
-  CHECK(third_closed >= 0);
-  CHECK(third_closed < 250);  // at once, not after the greeting timeout
-  const long first_closed = closed_within(first, 3s);
+  const long first_closed = closed_within(first, 2s);
   CHECK(first_closed >= 0);
+  CHECK(first_closed < 250);  // at once, not after the greeting timeout
   CHECK(closed_within(second, 3s) >= 0);
+  CHECK(closed_within(third, 3s) >= 0);
   for (int fd : {first, second, third}) ::close(fd);
-  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "2 connections are still greeting (limit 2)"}) == 1);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "closed to make room: 2 connections were still greeting (limit 2)"}) == 1);
   CHECK(log.count({"store: refused a connection from 127.0.0.1:", "no greeting within 300 ms"}) == 2);
   store.close();
 }
@@ -350,26 +349,33 @@ TEST_CASE("a flood of refused connections is logged ten lines at a time, the res
 }
 
 TEST_CASE("greetings and verdicts decode only what is well formed", "[security][greeting]") {
-  greeting::Greeting g;
-  g.role = greeting::Role::peer;
-  g.has_secret = true;
-  g.rank = 5;
-  g.world_size = 9;
-  g.nonce[3] = std::byte{42};
-  g.job = "job-1";
-  auto bytes = greeting::encode(g);
+  greeting::Hello h;
+  h.role = greeting::Role::peer;
+  h.has_secret = true;
+  h.nonce[3] = std::byte{42};
+  auto hello = greeting::encode(h);
+  REQUIRE(hello.size() == greeting::hello_size);
   std::string error;
-  auto back = greeting::decode(bytes.data(), bytes.size(), error);
+  auto back_hello = greeting::decode_hello(hello.data(), error);
+  REQUIRE(back_hello);
+  CHECK(back_hello->role == greeting::Role::peer);
+  CHECK(back_hello->has_secret);
+  CHECK(back_hello->nonce[3] == std::byte{42});
+  greeting::Details d{5, 9, "job-1"};
+  auto bytes = greeting::encode(d);
+  auto back = greeting::decode_details(bytes.data(), bytes.size(), error);
   REQUIRE(back);
   CHECK(back->rank == 5);
   CHECK(back->world_size == 9);
-  CHECK(back->has_secret);
   CHECK(back->job == "job-1");
-  CHECK(back->nonce[3] == std::byte{42});
-  CHECK_FALSE(greeting::decode(bytes.data(), bytes.size() - 1, error));
-  bytes[0] = std::byte{0};
-  CHECK_FALSE(greeting::decode(bytes.data(), bytes.size(), error));
+  CHECK_FALSE(greeting::decode_details(bytes.data(), bytes.size() - 1, error));
+  hello[0] = std::byte{0};
+  CHECK_FALSE(greeting::decode_hello(hello.data(), error));
   CHECK_THAT(error, Catch::Contains("not a weft greeting"));
+  hello = greeting::encode(h);
+  hello[4] = std::byte{1};  // version 1: the greeting that told the job before the proof
+  CHECK_FALSE(greeting::decode_hello(hello.data(), error));
+  CHECK_THAT(error, Catch::Contains("greeting version 1 (this build speaks 2)"));
   // Different secrets give different proofs; the same inputs the same proof.
   const std::vector<std::byte> a(10, std::byte{1});
   const std::vector<std::byte> b(12, std::byte{2});
@@ -435,4 +441,269 @@ TEST_CASE("a refusal while ranks connect to each other is reported at once, with
   CHECK(rank1.code == Errc::refused);
   CHECK_THAT(rank1.text, Catch::Contains("this test refuses every rank"));
   CHECK(took < 10s);  // the bootstrap timeout is 30 s
+}
+
+namespace {
+
+// Reads up to `n` bytes from `fd` within `limit` (fewer when the other end closes or the time is up).
+std::string recv_up_to(int fd, std::size_t n, std::chrono::milliseconds limit) {
+  std::string out;
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (out.size() < n) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left.count())) != 1) break;
+    char buffer[4096];
+    const auto got = ::recv(fd, buffer, std::min(sizeof buffer, n - out.size()), 0);
+    if (got <= 0) break;
+    out.append(buffer, static_cast<std::size_t>(got));
+  }
+  return out;
+}
+
+bool send_all(int fd, const std::vector<std::byte>& bytes) {
+  return ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+std::vector<std::byte> operator+(std::vector<std::byte> a, const std::vector<std::byte>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Waits until something accepts connections on `port` (a rank that serves the store has started).
+void wait_for_listener(unsigned short port) {
+  for (int i = 0; i < 500; ++i) {
+    const int probe = connect_raw(port);
+    if (probe >= 0) {
+      ::close(probe);
+      return;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  FAIL("nothing listens on port " << port);
+}
+
+// Runs one rank of a job in a thread: bootstrap, then an all_reduce of ones checked. `error` stays
+// empty on success.
+std::thread run_rank(const Options& base, int rank, int world, std::string& error) {
+  return std::thread([&error, base, rank, world] {
+    try {
+      Loop loop(Loop::Options{0us});
+      Options o = base;
+      o.rank = rank;
+      o.world_size = world;
+      Group g = Group::create(loop, o).get();
+      std::vector<float> x(1000, 1.0f);
+      g.all_reduce(x).get();
+      if (x[999] != static_cast<float>(world)) error = "wrong sum";
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("silent strangers filling every greeting slot of the store and of a rank do not keep the ranks out", "[security][crowd]") {
+  // Issue 13, 2(a): 64 silent connections made the store and the rank listeners close the real ranks'
+  // connections on arrival, and the ranks never greeted again: the job died. Now a new connection
+  // closes the oldest greeting, and a rank whose greeting was closed greets again.
+  LogCapture log;
+  const auto level = weft::log().level();
+  weft::log().set_level(spdlog::level::debug);  // the listening port of rank 1 is logged at debug
+  Options base;
+  base.store = "127.0.0.1:" + std::to_string(free_port());
+  base.bootstrap_timeout = 30s;
+  base.secret = "crowded";
+  std::vector<std::string> errors(3);
+  std::vector<int> strangers;
+  auto crowd = [&](unsigned short port) {
+    for (int i = 0; i < 80; ++i) {
+      const int fd = connect_raw(port);
+      if (fd >= 0) strangers.push_back(fd);
+    }
+  };
+  std::thread rank0 = run_rank(base, 0, 3, errors[0]);
+  wait_for_listener(static_cast<unsigned short>(std::stoi(base.store.substr(base.store.find(':') + 1))));
+  crowd(static_cast<unsigned short>(std::stoi(base.store.substr(base.store.find(':') + 1))));
+  std::thread rank1 = run_rank(base, 1, 3, errors[1]);
+  // Rank 1's port, from its log line, then its listener crowded before rank 2 connects to it.
+  unsigned short rank1_port = 0;
+  for (int i = 0; i < 1000 && rank1_port == 0; ++i) {
+    const auto text = log.text();
+    const auto at = text.find("rank 1: listening on 127.0.0.1 port ");
+    if (at != std::string::npos) rank1_port = static_cast<unsigned short>(std::stoi(text.substr(at + 36)));
+    else std::this_thread::sleep_for(10ms);
+  }
+  CHECK(rank1_port != 0);  // not REQUIRE: the ranks' threads must be joined whatever happens
+  if (rank1_port != 0) crowd(rank1_port);
+  std::thread rank2 = run_rank(base, 2, 3, errors[2]);
+  rank0.join();
+  rank1.join();
+  rank2.join();
+  weft::log().set_level(level);
+  for (int fd : strangers) ::close(fd);
+  for (const auto& e : errors) CHECK(e == "");
+  CHECK(strangers.size() == 160);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "closed to make room"}) >= 1);
+  CHECK(log.count({"rank 1: bootstrap: refused a connection from 127.0.0.1:", "closed to make room"}) >= 1);
+}
+
+TEST_CASE("a stranger without the secret learns nothing about the job and reserves no rank", "[security][claims]") {
+  // Issue 13, 2(b) and (c): the store reserved the rank a greeting claimed before checking the proof of
+  // the secret (a stranger claiming rank 1 had the real rank 1 refused as a duplicate), and told the job
+  // id and world size to anybody who connected.
+  LogCapture log;
+  Options base;
+  const auto store_port = free_port();
+  base.store = "127.0.0.1:" + std::to_string(store_port);
+  base.bootstrap_timeout = 20s;
+  base.secret = "only the job knows";
+  base.job_id = "job-named-secretly";
+  std::vector<std::string> errors(2);
+  std::thread rank0 = run_rank(base, 0, 2, errors[0]);
+  wait_for_listener(store_port);
+  const auto hello = greeting::encode(greeting::Hello{greeting::Role::store_client, true, {}});
+  const auto accepted = greeting::encode(greeting::Verdict{0, ""});
+  const auto claim_rank_1 = greeting::encode(greeting::Details{1, 2, base.job_id});
+  // Stranger 1 goes through the whole greeting with a made-up proof.
+  const int liar = connect_raw(store_port);
+  REQUIRE(send_all(liar, hello));
+  const auto first_answer = recv_up_to(liar, 1000, 500ms);  // everything the store says before any proof
+  CHECK(first_answer.size() == greeting::hello_size + greeting::verdict_header_size + greeting::proof_size);
+  CHECK(first_answer.find(base.job_id) == std::string::npos);
+  REQUIRE(send_all(liar, accepted + claim_rank_1 + std::vector<std::byte>(greeting::proof_size)));
+  const auto refusal = recv_up_to(liar, 2000, 2s);
+  CHECK_THAT(refusal, Catch::Contains("the proof of the shared secret from the connecting rank does not match"));
+  CHECK(refusal.find(base.job_id) == std::string::npos);
+  CHECK(refusal.find("2 ranks") == std::string::npos);
+  // Stranger 2 claims rank 1 and then says nothing more, holding its greeting open.
+  const int squatter = connect_raw(store_port);
+  REQUIRE(send_all(squatter, hello));
+  CHECK(recv_up_to(squatter, greeting::hello_size + greeting::verdict_header_size + greeting::proof_size, 2s).size() ==
+        greeting::hello_size + greeting::verdict_header_size + greeting::proof_size);
+  REQUIRE(send_all(squatter, accepted + claim_rank_1));
+  std::this_thread::sleep_for(100ms);
+  // The real rank 1 arrives while the squatter holds its greeting: admitted.
+  std::thread rank1 = run_rank(base, 1, 2, errors[1]);
+  rank0.join();
+  rank1.join();
+  ::close(liar);
+  ::close(squatter);
+  CHECK(errors[0] == "");
+  CHECK(errors[1] == "");
+  CHECK(log.count({"duplicate rank"}) == 0);
+}
+
+TEST_CASE("a rank that connects to a stranger tells it nothing about the job before the stranger proves the secret", "[security][claims]") {
+  // Issue 13, 2(c), the other direction: a process squatting on the store's port before rank 0 binds it.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(::listen(listener, 4) == 0);
+  socklen_t length = sizeof at;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length);
+  std::string heard;
+  std::thread squatter([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    heard = recv_up_to(fd, greeting::hello_size, 5s);
+    // It answers as the store would, with a proof it cannot compute, then listens to what comes.
+    const auto answer = greeting::encode(greeting::Hello{greeting::Role::store, true, {}}) + greeting::encode(greeting::Verdict{0, ""}) +
+                        std::vector<std::byte>(greeting::proof_size, std::byte{7});
+    send_all(fd, answer);
+    heard += recv_up_to(fd, 4096, 3s);
+    ::close(fd);
+  });
+  Options options;
+  options.rank = 1;
+  options.world_size = 4;
+  options.store = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  options.bootstrap_timeout = 5s;
+  options.secret = "only the job knows";
+  options.job_id = "job-named-secretly";
+  Outcome outcome;
+  {
+    Loop loop(Loop::Options{0us});
+    try {
+      Group g = Group::create(loop, options).get();
+    } catch (const Error& e) {
+      outcome.code = e.errc();
+      outcome.text = e.what();
+    }
+  }
+  squatter.join();
+  ::close(listener);
+  CHECK(outcome.code == Errc::refused);
+  CHECK_THAT(outcome.text, Catch::Contains("the proof of the shared secret from the store does not match"));
+  CHECK(heard.find(options.job_id) == std::string::npos);
+  // The hello, then the refusal: no details (rank, world size, job id) follow it.
+  CHECK(heard.size() == greeting::hello_size + greeting::verdict_header_size +
+                            std::string("the proof of the shared secret from the store does not match the secret of the connecting rank (a different WEFT_SECRET?)").size());
+}
+
+TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays final: [refusal])", "[security][crowd]") {
+  // The test plays rank 0 of a world of 2: it serves the store and registers, as rank 0's address, a
+  // listener that closes the first connection without a word (as a crowded listener closes its oldest
+  // greeting) and admits the next. Before issue 13 the real rank 1 failed on the closed connection.
+  LogCapture log;
+  asio::io_context io;
+  const unsigned short store_port = free_port();
+  store::Server server(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
+                       store::Admission{"", "", 2, std::chrono::milliseconds(5000)});
+  asio::ip::tcp::acceptor listener(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  const unsigned short listener_port = listener.local_endpoint().port();
+  int connections = 0;
+  std::optional<asio::ip::tcp::socket> admitted;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    asio::ip::tcp::socket socket(io);
+    const asio::ip::tcp::endpoint store_at(asio::ip::make_address("127.0.0.1"), store_port);
+    co_await socket.async_connect(store_at, asio::use_awaitable);
+    const greeting::Local as_client{greeting::Role::store_client, 0, 2, "", ""};
+    const std::string store_name = "the store";
+    co_await greeting::connect(socket, as_client, store_name);
+    store::Client client(std::move(socket));
+    const std::string key = "weft/addr/0";
+    const std::string address = fmt::format("127.0.0.1 {}", listener_port);
+    co_await client.set(key, address);
+    const greeting::Local as_rank0{greeting::Role::rank, 0, 2, "", ""};
+    const std::function<std::string(const greeting::Greeting&)> check = [](const greeting::Greeting&) { return std::string(); };
+    for (;;) {
+      asio::ip::tcp::socket peer = co_await listener.async_accept(asio::use_awaitable);
+      if (++connections == 1) {
+        std::array<char, greeting::hello_size> hello{};
+        co_await asio::async_read(peer, asio::buffer(hello), asio::use_awaitable);
+        continue;  // closed here, mid-greeting
+      }
+      if ((co_await greeting::admit(peer, as_rank0, check, std::chrono::milliseconds(5000))).empty()) admitted.emplace(std::move(peer));
+    }
+  }, asio::detached);
+  std::thread serving([&] { io.run(); });
+
+  Outcome rank1;
+  const auto level = weft::log().level();
+  weft::log().set_level(spdlog::level::info);  // the second greeting is said at info
+  {
+    Loop loop(Loop::Options{0us});
+    Options options;
+    options.rank = 1;
+    options.world_size = 2;
+    options.store = "127.0.0.1:" + std::to_string(store_port);
+    options.bootstrap_timeout = 20s;
+    try {
+      Group g = Group::create(loop, options).get();
+      rank1.ok = true;
+    } catch (const Error& e) {
+      rank1.code = e.errc();
+      rank1.text = e.what();
+    }
+  }
+  weft::log().set_level(level);
+  io.stop();
+  serving.join();
+  CHECK((rank1.ok ? std::string("ok") : rank1.text) == "ok");
+  CHECK(connections == 2);
+  CHECK(log.count({"rank 1: greeting rank 0 at 127.0.0.1:", "again (attempt 2)"}) == 1);
 }

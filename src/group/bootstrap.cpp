@@ -28,7 +28,8 @@ using asio::ip::tcp;
 using namespace asio::experimental::awaitable_operators;
 using Clock = std::chrono::steady_clock;
 constexpr auto no_throw = asio::experimental::as_tuple(asio::use_awaitable);
-// A connection must finish its greeting within this; at most this many greet at once (docs/PROTOCOL.md).
+// A connection must finish its greeting within this; at most this many greet at once, a new one past
+// that closing the oldest (docs/PROTOCOL.md).
 constexpr auto greeting_timeout = std::chrono::seconds(10);
 constexpr int max_pending_greetings = 64;
 
@@ -78,14 +79,22 @@ awaitable<tcp::socket> connect_retrying(const std::string& host, unsigned short 
 // What the accepting side of the bootstrap shares with the greetings it runs. Greetings are spawned
 // (so that a silent stranger delays nobody) and may outlive the bootstrap's frame: they hold this.
 struct Admissions {
+  Admissions(asio::io_context& io, const Options& options)
+      : options(options),
+        connected(static_cast<std::size_t>(options.world_size), false),
+        admitted(static_cast<std::size_t>(options.world_size)),
+        waiting(options.world_size - 1 - options.rank),
+        changed(io),
+        refusals(std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", options.rank))),
+        greeting(max_pending_greetings, refusals) {}
   Options options;
-  std::vector<bool> connected;  // ranks connected (or being admitted), both directions
+  std::vector<bool> connected;  // ranks connected (or reserved by a greeting that proved the secret)
   std::vector<std::optional<tcp::socket>> admitted;
-  std::set<tcp::socket*> greeting;  // connections still greeting
-  int waiting = 0;                  // ranks above this one not admitted yet
+  int waiting = 0;  // ranks above this one not admitted yet
   bool finished = false;
   asio::steady_timer changed;  // cancelled when a greeting ends
   std::shared_ptr<greeting::RefusalLog> refusals;
+  greeting::PendingGreetings greeting;  // connections still greeting
 };
 
 // The accepting side of one connection: the greeting (rank, world size, job, secret). The connection is
@@ -108,29 +117,28 @@ awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket
     state->connected[static_cast<std::size_t>(g.rank)] = true;
     return {};
   };
-  state->greeting.insert(&socket);
+  const auto handle = state->greeting.add(socket, who);
   const std::string refusal = co_await greeting::admit(socket, local, check, greeting_timeout);
-  state->greeting.erase(&socket);
+  const bool evicted = state->greeting.remove(handle);
   if (state->finished) co_return;
-  if (refusal.empty()) {
+  if (refusal.empty() && !evicted) {
     state->admitted[static_cast<std::size_t>(claim)] = std::move(socket);
     --state->waiting;
   } else {
     if (claim >= 0) state->connected[static_cast<std::size_t>(claim)] = false;
-    state->refusals->refused(who, refusal);
+    if (!evicted) state->refusals->refused(who, refusal);
   }
   state->changed.cancel();
 }
 
 // Accepts until every rank above this one is admitted. At most max_pending_greetings connections greet
-// at once; more are closed on arrival (and logged).
+// at once; a new one past that closes the oldest (logged; a real rank greets again).
 awaitable<void> accept_peers(tcp::acceptor& acceptor, std::shared_ptr<Admissions> state) {
   struct Finish {  // however this ends (done, failed, cancelled by the deadline): stop the greetings
     Admissions& state;
     ~Finish() {
       state.finished = true;
-      std::error_code ignored;
-      for (auto* socket : state.greeting) socket->close(ignored);
+      state.greeting.close_all();
     }
   } finish{*state};
   state->changed.expires_at(Clock::time_point::max());
@@ -140,11 +148,6 @@ awaitable<void> accept_peers(tcp::acceptor& acceptor, std::shared_ptr<Admissions
     if (next.index() == 1) continue;  // a greeting ended: see whether anybody is still waited for
     auto [ec, socket] = std::move(std::get<0>(next));
     if (ec) throw std::system_error(ec, "accept");
-    if (static_cast<int>(state->greeting.size()) >= max_pending_greetings) {
-      state->refusals->refused(greeting::address_of(from), fmt::format("{} connections are still greeting (limit {})",
-                                                                       state->greeting.size(), max_pending_greetings));
-      continue;  // the socket closes here
-    }
     asio::co_spawn(acceptor.get_executor(), admit_peer(state, std::move(socket), greeting::address_of(from)), asio::detached);
   }
 }
@@ -168,6 +171,31 @@ awaitable<greeting::Greeting> greet(tcp::socket& socket, const greeting::Local& 
   }
 }
 
+// Connects and greets, and does so again while the other side closes the connection during the greeting
+// or does not answer it in time (a listener crowded by strangers closes its oldest greetings), until
+// `deadline`. A refusal is final. Returns a closed socket when nothing answered at all (`last_error` says
+// why). `name` is how messages name the other side ("rank 2"), followed by its address.
+awaitable<tcp::socket> connect_and_greet(const std::string& host, unsigned short port, const greeting::Local& local,
+                                         const std::string& name, Clock::time_point deadline, greeting::Greeting& theirs,
+                                         std::string& last_error) {
+  for (int attempt = 1;; ++attempt) {
+    tcp::socket socket = co_await connect_retrying(host, port, deadline, last_error);
+    if (!socket.is_open()) co_return socket;
+    std::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    const auto remote = fmt::format("{} at {}", name, greeting::remote_address(socket));
+    try {
+      theirs = co_await greet(socket, local, remote, deadline);
+      co_return socket;
+    } catch (const Error& e) {
+      if (e.errc() == Errc::refused || Clock::now() >= deadline) throw;
+      log().info("rank {}: greeting {} again (attempt {}): {}", local.rank, remote, attempt + 1, e.what());
+      last_error = e.what();
+    }
+    co_await sleep(std::min(std::chrono::milliseconds(10 * attempt), std::chrono::milliseconds(200)));
+  }
+}
+
 // The connecting side: rank i connects to every rank below it, then greets it.
 awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned short>>& addresses,
                               const Options& options, BootstrapResult& out, std::vector<bool>& connected,
@@ -176,13 +204,14 @@ awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned 
   for (int peer = 0; peer < options.rank; ++peer) {
     const auto& [host, port] = addresses[static_cast<std::size_t>(peer)];
     std::string last_error;
-    tcp::socket socket = co_await connect_retrying(host, port, deadline, last_error);
+    greeting::Greeting theirs;
+    const auto name = fmt::format("rank {}", peer);
+    tcp::socket socket = co_await connect_and_greet(host, port, local, name, deadline, theirs, last_error);
     if (!socket.is_open()) {
       fail(Errc::connection_failed, options.rank,
            fmt::format("could not connect to rank {} at {}:{}: {}", peer, host, port, last_error));
     }
     const auto remote = fmt::format("rank {} at {}", peer, greeting::remote_address(socket));
-    const auto theirs = co_await greet(socket, local, remote, deadline);
     if (theirs.rank != peer) {
       fail(Errc::refused, options.rank, fmt::format("{} greets as rank {} (the store's address is stale, or a stranger holds it)", remote, theirs.rank));
     }
@@ -263,16 +292,16 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   }
 
   std::string last_error;
-  tcp::socket store_socket = co_await connect_retrying(store_at.host, store_at.port, deadline, last_error);
+  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret};
+  greeting::Greeting the_store;
+  const std::string store_name = "the store";
+  tcp::socket store_socket =
+      co_await connect_and_greet(store_at.host, store_at.port, as_client, store_name, deadline, the_store, last_error);
   if (!store_socket.is_open()) {
     fail(Errc::timeout, rank,
          fmt::format("rank 0 never served the store at {} within {} s: {}", options.store,
                      std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count(), last_error));
   }
-  store_socket.set_option(tcp::no_delay(true));
-  const auto store_remote = fmt::format("the store at {}", options.store);
-  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret};
-  co_await greet(store_socket, as_client, store_remote, deadline);
   store::Client store(std::move(store_socket));
 
   // Listen where told, else on the address that reaches the store.
@@ -309,10 +338,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     addresses.emplace_back(value->substr(0, space), static_cast<unsigned short>(std::stoi(value->substr(space + 1))));
   }
 
-  auto admissions = std::make_shared<Admissions>(Admissions{options, std::vector<bool>(static_cast<std::size_t>(size), false),
-                                                             std::vector<std::optional<tcp::socket>>(static_cast<std::size_t>(size)),
-                                                             {}, size - 1 - rank, false, asio::steady_timer(io),
-                                                             std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", rank))});
+  auto admissions = std::make_shared<Admissions>(io, options);
   std::vector<bool> connected_below(static_cast<std::size_t>(size), false);
   // Both directions at once; the first failure (a refusal, above all) ends the bootstrap with its reason
   // at once: with_deadline rethrows it, where Asio's `||` against a timer swallowed it and waited for the

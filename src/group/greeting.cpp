@@ -18,13 +18,14 @@ using asio::awaitable;
 using asio::use_awaitable;
 using asio::ip::tcp;
 
-// Layout of the fixed part: 0 magic u32 | 4 version u16 | 6 role u8 | 7 flags u8 (bit 0: has a secret) |
-// 8 rank i32 | 12 world_size u32 | 16 job length u16 | 18 zero u16 | 20 zero u32 | 24 nonce [32]
+// Hello: 0 magic u32 | 4 version u16 | 6 role u8 | 7 flags u8 (bit 0: has a secret) | 8 nonce [32]
+// Details: 0 rank i32 | 4 world_size u32 | 8 job length u16 | 10 zero u16 | 12 job id
 constexpr std::uint8_t flag_secret = 1;
 
-// Labels keep the two directions' proofs apart, so that one side's proof cannot be replayed as the other's.
-constexpr const char* acceptor_label = "weft greeting v1: accepting side";
-constexpr const char* connector_label = "weft greeting v1: connecting side";
+// Labels keep the proofs apart, so that no proof can be replayed as another.
+constexpr const char* acceptor_label = "weft greeting v2: accepting side";
+constexpr const char* connector_label = "weft greeting v2: connecting side, with its details";
+constexpr const char* acceptor_details_label = "weft greeting v2: accepting side's details";
 
 bool pairs(Role mine, Role theirs) {
   return (mine == Role::store_client && theirs == Role::store) || (mine == Role::peer && theirs == Role::rank) ||
@@ -52,21 +53,31 @@ std::array<std::byte, nonce_size> fresh_nonce() {
   return nonce;
 }
 
-awaitable<std::vector<std::byte>> read_greeting(tcp::socket& socket, Greeting& out) {
+awaitable<std::vector<std::byte>> read_hello(tcp::socket& socket, Hello& out) {
   // The magic first: a stranger that sends a few bytes of something else is refused at once rather
   // than waited for until the greeting's time is up.
-  std::vector<std::byte> bytes(fixed_size);
+  std::vector<std::byte> bytes(hello_size);
   co_await asio::async_read(socket, asio::buffer(bytes.data(), 4), use_awaitable);
   if (wire::get_u32(bytes.data()) != magic) {
     throw Refused(fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", wire::get_u32(bytes.data()), magic));
   }
-  co_await asio::async_read(socket, asio::buffer(bytes.data() + 4, fixed_size - 4), use_awaitable);
+  co_await asio::async_read(socket, asio::buffer(bytes.data() + 4, hello_size - 4), use_awaitable);
+  std::string error;
+  auto decoded = decode_hello(bytes.data(), error);
+  if (!decoded) throw Refused(error);
+  out = *decoded;
+  co_return bytes;
+}
+
+awaitable<std::vector<std::byte>> read_details(tcp::socket& socket, Details& out) {
+  std::vector<std::byte> bytes(details_fixed_size);
+  co_await asio::async_read(socket, asio::buffer(bytes), use_awaitable);
   std::string error;
   const auto job = job_length(bytes.data(), error);
   if (!job) throw Refused(error);
-  bytes.resize(fixed_size + *job);
-  co_await asio::async_read(socket, asio::buffer(bytes.data() + fixed_size, *job), use_awaitable);
-  auto decoded = decode(bytes.data(), bytes.size(), error);
+  bytes.resize(details_fixed_size + *job);
+  co_await asio::async_read(socket, asio::buffer(bytes.data() + details_fixed_size, *job), use_awaitable);
+  auto decoded = decode_details(bytes.data(), bytes.size(), error);
   if (!decoded) throw Refused(error);
   out = std::move(*decoded);
   co_return bytes;
@@ -100,16 +111,18 @@ std::vector<std::byte> concat(std::vector<std::byte> a, const std::vector<std::b
 
 std::vector<std::byte> proof_bytes(const std::array<std::byte, proof_size>& p) { return {p.begin(), p.end()}; }
 
-// What the greeting of the other side must agree with, whatever its role: the job and whether there is a
-// secret. Returns a refusal reason or "".
-std::string disagreement(const Local& local, const Greeting& theirs) {
+std::string mismatched_proof(Role theirs, Role mine) {
+  return fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
+                     role_name(theirs), role_name(mine));
+}
+
+// What the other side's hello must agree with, told before anybody proved the secret: roles that pair
+// and whether there is a secret (nothing about the job). Returns a refusal reason or "".
+std::string hello_disagreement(const Local& local, const Hello& theirs) {
   const char* me = role_name(local.role);
   const char* them = role_name(theirs.role);
   if (!pairs(local.role, theirs.role)) {
     return fmt::format("{} was greeted by a process that calls itself {}", me, them);
-  }
-  if (theirs.job != local.job) {
-    return fmt::format("{} belongs to job {} and {} to job {} (WEFT_JOB_ID)", them, job_text(theirs.job), me, job_text(local.job));
   }
   if (theirs.has_secret != !local.secret.empty()) {
     const char* with = theirs.has_secret ? them : me;
@@ -119,27 +132,34 @@ std::string disagreement(const Local& local, const Greeting& theirs) {
   return {};
 }
 
+// What the other side's details must agree with whatever its role: the job.
+std::string details_disagreement(const Local& local, Role their_role, const Details& theirs) {
+  if (theirs.job != local.job) {
+    return fmt::format("{} belongs to job {} and {} to job {} (WEFT_JOB_ID)", role_name(their_role), job_text(theirs.job),
+                       role_name(local.role), job_text(local.job));
+  }
+  return {};
+}
+
+Greeting greeting_of(const Hello& hello, Details details) {
+  return Greeting{hello.role, hello.has_secret, details.rank, details.world_size, std::move(details.job)};
+}
+
 }  // namespace
 
-std::vector<std::byte> encode(const Greeting& g) {
-  std::vector<std::byte> out(fixed_size + g.job.size());
+std::vector<std::byte> encode(const Hello& h) {
+  std::vector<std::byte> out(hello_size);
   std::byte* p = out.data();
   wire::put_u32(p, magic);
   p[4] = static_cast<std::byte>(version & 0xff);
   p[5] = static_cast<std::byte>(version >> 8);
-  p[6] = static_cast<std::byte>(g.role);
-  p[7] = static_cast<std::byte>(g.has_secret ? flag_secret : 0);
-  wire::put_u32(p + 8, static_cast<std::uint32_t>(g.rank));
-  wire::put_u32(p + 12, g.world_size);
-  p[16] = static_cast<std::byte>(g.job.size() & 0xff);
-  p[17] = static_cast<std::byte>(g.job.size() >> 8);
-  std::copy(g.nonce.begin(), g.nonce.end(), p + 24);
-  std::copy(reinterpret_cast<const std::byte*>(g.job.data()), reinterpret_cast<const std::byte*>(g.job.data()) + g.job.size(),
-            p + fixed_size);
+  p[6] = static_cast<std::byte>(h.role);
+  p[7] = static_cast<std::byte>(h.has_secret ? flag_secret : 0);
+  std::copy(h.nonce.begin(), h.nonce.end(), p + 8);
   return out;
 }
 
-std::optional<std::size_t> job_length(const std::byte* p, std::string& error) {
+std::optional<Hello> decode_hello(const std::byte* p, std::string& error) {
   if (wire::get_u32(p) != magic) {
     error = fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", wire::get_u32(p), magic);
     return std::nullopt;
@@ -158,7 +178,27 @@ std::optional<std::size_t> job_length(const std::byte* p, std::string& error) {
     error = fmt::format("unknown greeting flags 0x{:02x}", static_cast<unsigned>(p[7]));
     return std::nullopt;
   }
-  const std::size_t job = static_cast<unsigned>(p[16]) | (static_cast<unsigned>(p[17]) << 8);
+  Hello h;
+  h.role = static_cast<Role>(role);
+  h.has_secret = (static_cast<unsigned>(p[7]) & flag_secret) != 0;
+  std::copy(p + 8, p + 8 + nonce_size, h.nonce.begin());
+  return h;
+}
+
+std::vector<std::byte> encode(const Details& d) {
+  std::vector<std::byte> out(details_fixed_size + d.job.size());
+  std::byte* p = out.data();
+  wire::put_u32(p, static_cast<std::uint32_t>(d.rank));
+  wire::put_u32(p + 4, d.world_size);
+  p[8] = static_cast<std::byte>(d.job.size() & 0xff);
+  p[9] = static_cast<std::byte>(d.job.size() >> 8);
+  std::copy(reinterpret_cast<const std::byte*>(d.job.data()), reinterpret_cast<const std::byte*>(d.job.data()) + d.job.size(),
+            p + details_fixed_size);
+  return out;
+}
+
+std::optional<std::size_t> job_length(const std::byte* p, std::string& error) {
+  const std::size_t job = static_cast<unsigned>(p[8]) | (static_cast<unsigned>(p[9]) << 8);
   if (job > max_job_bytes) {
     error = fmt::format("a job id of {} bytes in the greeting (limit {})", job, max_job_bytes);
     return std::nullopt;
@@ -166,25 +206,22 @@ std::optional<std::size_t> job_length(const std::byte* p, std::string& error) {
   return job;
 }
 
-std::optional<Greeting> decode(const std::byte* p, std::size_t size, std::string& error) {
-  if (size < fixed_size) {
-    error = fmt::format("a greeting of {} bytes (at least {})", size, fixed_size);
+std::optional<Details> decode_details(const std::byte* p, std::size_t size, std::string& error) {
+  if (size < details_fixed_size) {
+    error = fmt::format("greeting details of {} bytes (at least {})", size, details_fixed_size);
     return std::nullopt;
   }
   const auto job = job_length(p, error);
   if (!job) return std::nullopt;
-  if (size != fixed_size + *job) {
-    error = fmt::format("a greeting of {} bytes with a job id of {}", size, *job);
+  if (size != details_fixed_size + *job) {
+    error = fmt::format("greeting details of {} bytes with a job id of {}", size, *job);
     return std::nullopt;
   }
-  Greeting g;
-  g.role = static_cast<Role>(p[6]);
-  g.has_secret = (static_cast<unsigned>(p[7]) & flag_secret) != 0;
-  g.rank = static_cast<std::int32_t>(wire::get_u32(p + 8));
-  g.world_size = wire::get_u32(p + 12);
-  std::copy(p + 24, p + 24 + nonce_size, g.nonce.begin());
-  g.job.assign(reinterpret_cast<const char*>(p + fixed_size), *job);
-  return g;
+  Details d;
+  d.rank = static_cast<std::int32_t>(wire::get_u32(p));
+  d.world_size = wire::get_u32(p + 4);
+  d.job.assign(reinterpret_cast<const char*>(p + details_fixed_size), *job);
+  return d;
 }
 
 std::vector<std::byte> encode(const Verdict& v) {
@@ -265,65 +302,92 @@ void RefusalLog::refused(const std::string& from, const std::string& why) {
 }
 
 // The exchange (C connects, A accepts; docs/PROTOCOL.md):
-//   C -> A  greeting C
-//   A -> C  greeting A, verdict A (A's checks of C's greeting), proof A = HMAC(secret, acceptor || gC || gA)
-//   C -> A  verdict C (C's checks of A's greeting and of proof A), proof C = HMAC(secret, connector || gC || gA)
-//   A -> C  verdict (A's check of proof C)
-// Proofs travel only when there is a secret (both sides have one, or the greeting is refused). Each side
-// refuses with a reason the other side is told, so both ends can say what went wrong.
+//   C -> A  hello C
+//   A -> C  hello A, verdict A (roles, secret or not), [proof A = HMAC(acceptor || hC || hA)]
+//   C -> A  verdict C (roles, secret, proof A), details C, [proof C = HMAC(connector || hC || hA || dC)]
+//   A -> C  verdict (proof C, job, A's own checks: the only place a rank is reserved), details A,
+//           [proof = HMAC(acceptor details || hC || hA || dC || dA)]
+// Proofs travel only when there is a secret (both sides have one, or the greeting is refused), details
+// only once the other side proved it. Each side refuses with a reason the other side is told, so both
+// ends can say what went wrong.
 awaitable<Greeting> connect(tcp::socket& socket, const Local& local, const std::string& remote) {
-  const Greeting mine{local.role, !local.secret.empty(), local.rank, static_cast<std::uint32_t>(local.world_size),
-                      fresh_nonce(), local.job};
-  const auto my_bytes = encode(mine);
-  co_await write_all(socket, my_bytes);
+  const bool secret = !local.secret.empty();
+  const auto my_hello = encode(Hello{local.role, secret, fresh_nonce()});
+  co_await write_all(socket, my_hello);
 
-  Greeting theirs;
-  const auto their_bytes = co_await read_greeting(socket, theirs);
+  Hello their_hello;
+  const auto their_hello_bytes = co_await read_hello(socket, their_hello);
   const auto verdict = co_await read_verdict(socket);
   if (verdict.status != 0) throw Refused(fmt::format("{} refused this rank: {}", remote, verdict.reason));
-  std::string refusal = disagreement(local, theirs);
-  if (refusal.empty() && !local.secret.empty()) {
+  const auto hellos = concat(my_hello, their_hello_bytes);
+  std::string refusal = hello_disagreement(local, their_hello);
+  if (refusal.empty() && secret) {
     const auto their_proof = co_await read_proof(socket);
-    if (!proofs_equal(their_proof, proof(local.secret, acceptor_label, my_bytes, their_bytes))) {
-      refusal = fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
-                            role_name(theirs.role), role_name(local.role));
+    if (!proofs_equal(their_proof, proof(local.secret, acceptor_label, my_hello, their_hello_bytes))) {
+      refusal = mismatched_proof(their_hello.role, local.role);
     }
   }
   // Named, not temporaries inside co_await: GCC 12 frees such temporaries twice.
+  const auto my_details = encode(Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job});
   auto answer = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
-  if (refusal.empty() && !local.secret.empty()) answer = concat(std::move(answer), proof_bytes(proof(local.secret, connector_label, my_bytes, their_bytes)));
+  if (refusal.empty()) {
+    answer = concat(std::move(answer), my_details);
+    if (secret) answer = concat(std::move(answer), proof_bytes(proof(local.secret, connector_label, hellos, my_details)));
+  }
   co_await write_all(socket, answer);
   if (!refusal.empty()) throw Refused(fmt::format("{}: {}", remote, refusal));
+
   const auto last = co_await read_verdict(socket);
   if (last.status != 0) throw Refused(fmt::format("{} refused this rank: {}", remote, last.reason));
-  co_return theirs;
+  Details their_details;
+  const auto their_details_bytes = co_await read_details(socket, their_details);
+  if (secret) {
+    const auto their_proof = co_await read_proof(socket);
+    if (!proofs_equal(their_proof, proof(local.secret, acceptor_details_label, concat(hellos, my_details), their_details_bytes))) {
+      throw Refused(fmt::format("{}: {}", remote, mismatched_proof(their_hello.role, local.role)));
+    }
+  }
+  // The accepting side checked the job already; a side that says otherwise now is not a weft rank.
+  refusal = details_disagreement(local, their_hello.role, their_details);
+  if (!refusal.empty()) throw Refused(fmt::format("{}: {}", remote, refusal));
+  co_return greeting_of(their_hello, std::move(their_details));
 }
 
 awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::function<std::string(const Greeting&)>& check) {
-  Greeting theirs;
-  const auto their_bytes = co_await read_greeting(socket, theirs);
-  const Greeting mine{local.role, !local.secret.empty(), local.rank, static_cast<std::uint32_t>(local.world_size),
-                      fresh_nonce(), local.job};
-  const auto my_bytes = encode(mine);
-  std::string refusal = disagreement(local, theirs);
-  if (refusal.empty()) refusal = check(theirs);
-  auto reply = concat(my_bytes, encode(Verdict{refusal.empty() ? 0u : 1u, refusal}));
-  if (refusal.empty() && !local.secret.empty()) {
-    reply = concat(std::move(reply), proof_bytes(proof(local.secret, acceptor_label, their_bytes, my_bytes)));
+  const bool secret = !local.secret.empty();
+  Hello their_hello;
+  const auto their_hello_bytes = co_await read_hello(socket, their_hello);
+  const auto my_hello = encode(Hello{local.role, secret, fresh_nonce()});
+  const auto hellos = concat(their_hello_bytes, my_hello);
+  std::string refusal = hello_disagreement(local, their_hello);
+  auto reply = concat(my_hello, encode(Verdict{refusal.empty() ? 0u : 1u, refusal}));
+  if (refusal.empty() && secret) {
+    reply = concat(std::move(reply), proof_bytes(proof(local.secret, acceptor_label, their_hello_bytes, my_hello)));
   }
   co_await write_all(socket, reply);
   if (!refusal.empty()) throw Refused(refusal);
 
   const auto verdict = co_await read_verdict(socket);
   if (verdict.status != 0) throw Refused(verdict.reason);
-  if (!local.secret.empty()) {
+  Details their_details;
+  const auto their_details_bytes = co_await read_details(socket, their_details);
+  if (secret) {
     const auto their_proof = co_await read_proof(socket);
-    if (!proofs_equal(their_proof, proof(local.secret, connector_label, their_bytes, my_bytes))) {
-      refusal = fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
-                            role_name(theirs.role), role_name(local.role));
+    if (!proofs_equal(their_proof, proof(local.secret, connector_label, hellos, their_details_bytes))) {
+      refusal = mismatched_proof(their_hello.role, local.role);
     }
   }
-  const auto last = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
+  if (refusal.empty()) refusal = details_disagreement(local, their_hello.role, their_details);
+  auto theirs = greeting_of(their_hello, std::move(their_details));
+  if (refusal.empty()) refusal = check(theirs);  // the other side proved the secret: it may claim now
+  auto last = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
+  if (refusal.empty()) {
+    const auto my_details = encode(Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job});
+    last = concat(std::move(last), my_details);
+    if (secret) {
+      last = concat(std::move(last), proof_bytes(proof(local.secret, acceptor_details_label, concat(hellos, their_details_bytes), my_details)));
+    }
+  }
   co_await write_all(socket, last);
   if (!refusal.empty()) throw Refused(refusal);
   co_return theirs;
@@ -340,6 +404,32 @@ awaitable<std::string> admit(tcp::socket& socket, const Local& local, const std:
   } catch (const std::system_error& e) {
     co_return fmt::format("the connection failed during the greeting: {}", e.code().message());
   }
+}
+
+PendingGreetings::Handle PendingGreetings::add(tcp::socket& socket, std::string from) {
+  if (live_ >= limit_) {
+    // The oldest greeting still running; evicted ones stay listed until their greeting notices the close.
+    auto oldest = std::find_if(entries_.begin(), entries_.end(), [](const Entry& e) { return !e.evicted; });
+    log_->refused(oldest->from, fmt::format("closed to make room: {} connections were still greeting (limit {})", live_, limit_));
+    oldest->evicted = true;
+    --live_;
+    std::error_code ignored;
+    oldest->socket->close(ignored);
+  }
+  ++live_;
+  return entries_.insert(entries_.end(), Entry{&socket, std::move(from)});
+}
+
+bool PendingGreetings::remove(Handle handle) {
+  const bool evicted = handle->evicted;
+  if (!evicted) --live_;
+  entries_.erase(handle);
+  return evicted;
+}
+
+void PendingGreetings::close_all() {
+  std::error_code ignored;
+  for (auto& entry : entries_) entry.socket->close(ignored);
 }
 
 }  // namespace weft::greeting

@@ -95,7 +95,9 @@ std::vector<std::string> split_lines(const std::string& text) {
 
 struct Server::Impl : std::enable_shared_from_this<Impl> {
   explicit Impl(asio::io_context& io, const tcp::endpoint& endpoint, Admission admission)
-      : acceptor(io), admission(std::move(admission)) {
+      : acceptor(io),
+        admission(std::move(admission)),
+        pending(static_cast<std::size_t>(this->admission.max_pending), refusals) {
     acceptor.open(endpoint.protocol());
     acceptor.set_option(tcp::acceptor::reuse_address(true));
     if (endpoint.address().is_v6()) acceptor.set_option(asio::ip::v6_only(true));
@@ -106,8 +108,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   tcp::acceptor acceptor;
   Admission admission;
   std::unordered_map<int, std::string> claimed;  // rank -> the address it greeted from
-  greeting::RefusalLog refusals{"store"};
-  int pending = 0;                               // connections still greeting
+  std::shared_ptr<greeting::RefusalLog> refusals = std::make_shared<greeting::RefusalLog>("store");
+  greeting::PendingGreetings pending;  // connections still greeting
   Table data;
   std::set<asio::steady_timer*> waiters;  // WAIT requests asleep until the next change
   std::set<tcp::socket*> clients;
@@ -127,13 +129,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         continue;
       }
       const std::string from = greeting::address_of(from_endpoint);
-      if (pending >= admission.max_pending) {
-        refusals.refused(from, fmt::format("{} connections are still greeting (limit {})", pending, admission.max_pending));
-        continue;  // the socket closes here
-      }
       std::error_code ignored;
       socket.set_option(tcp::no_delay(true), ignored);
-      ++pending;
       asio::co_spawn(acceptor.get_executor(), serve(std::move(socket), from), asio::detached);
     }
   }
@@ -166,10 +163,12 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       claimed.emplace(g.rank, peer);
       return {};
     };
+    const auto handle = pending.add(socket, peer);
     const std::string refusal = co_await greeting::admit(socket, local, check, admission.greeting_timeout);
-    if (refusal.empty()) co_return true;
+    const bool evicted = pending.remove(handle);
+    if (refusal.empty() && !evicted) co_return true;
     if (claim >= 0) claimed.erase(claim);
-    refusals.refused(peer, refusal);
+    if (!evicted) refusals->refused(peer, refusal);
     co_return false;
   }
 
@@ -177,7 +176,6 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     auto self = shared_from_this();
     clients.insert(&socket);
     const bool admitted = co_await admit(socket, peer);
-    --pending;
     if (!admitted || closed) {
       clients.erase(&socket);
       co_return;
@@ -258,7 +256,7 @@ void Server::close() {
   asio::post(impl_->acceptor.get_executor(), [impl = impl_] {
     if (impl->closed) return;
     impl->closed = true;
-    impl->refusals.say_suppressed();  // now: the Impl itself may outlive this in pending handlers
+    impl->refusals->say_suppressed();  // now: the Impl itself may outlive this in pending handlers
     std::error_code ignored;
     impl->acceptor.close(ignored);
     for (auto* socket : impl->clients) socket->close(ignored);

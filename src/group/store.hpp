@@ -48,15 +48,17 @@ std::optional<std::chrono::milliseconds> wait_timeout(const std::string& value);
 std::vector<std::string> split_lines(const std::string& text);
 
 /// Who may use the store: every connection greets first (greeting.hpp) and is refused, with its address
-/// and the reason logged, unless it belongs to `job`, proves `secret` (when set), agrees with
-/// `world_size` and claims a rank that no other connection claimed before.
+/// and the reason logged, unless it proves `secret` (when set), belongs to `job`, agrees with
+/// `world_size` and claims a rank that no other connection claimed before (a claim is looked at only
+/// once the secret is proven).
 struct Admission {
   std::string job;
   std::string secret;
   int world_size = 0;
   /// A connection that has not finished its greeting within this is dropped.
   std::chrono::milliseconds greeting_timeout{std::chrono::seconds(10)};
-  /// At most this many connections may be greeting at once; more are closed at once (and logged).
+  /// At most this many connections may be greeting at once; a new one past that closes the oldest
+  /// greeting (logged), so that silent strangers cannot keep real ranks out.
   int max_pending = 64;
 };
 
