@@ -24,6 +24,26 @@ case $case_name in
       echo "ok: all_reduce $spec"
     done
     ;;
+  integrity)
+    # WEFT_INTEGRITY: every collective, checked, with frames sealed by a CRC-32C and by an HMAC (weft-run
+    # gives each launch a secret). Then a rank whose mode differs is refused at the greeting, at once.
+    for mode in crc32c hmac; do
+      for c in all_reduce all_gather reduce_scatter broadcast all_to_all barrier; do
+        out=$(WEFT_INTEGRITY=$mode "$run" -n 4 --timeout 120 -- "$bench" -c "$c" -b 0 -e 2M -f 9 -w 1 -n 3 -r 1 --check 2>&1) || { echo "$out"; echo "FAIL: $mode $c"; exit 1; }
+        echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $mode $c wrong values"; exit 1; }
+        echo "ok: $mode $c"
+      done
+    done
+    port=$(free_port)
+    start=$(date +%s)
+    WEFT_RANK=0 WEFT_WORLD_SIZE=2 WEFT_STORE=127.0.0.1:$port WEFT_BOOTSTRAP_TIMEOUT=30 WEFT_INTEGRITY=crc32c timeout 60 "$worker" sum >/dev/null 2>&1 & r0=$!
+    out=$(WEFT_RANK=1 WEFT_WORLD_SIZE=2 WEFT_STORE=127.0.0.1:$port WEFT_BOOTSTRAP_TIMEOUT=30 timeout 60 "$worker" sum 2>&1)
+    kill $r0 2>/dev/null; wait $r0 2>/dev/null
+    took=$(( $(date +%s) - start ))
+    echo "$out" | grep -q "the connecting rank checks frames with 'off' and the store with 'crc32c' (WEFT_INTEGRITY must be the same on every rank)" || { echo "$out"; echo "FAIL: the refusal does not say why"; exit 1; }
+    [ "$took" -lt 20 ] || { echo "FAIL: the refusal took ${took} s"; exit 1; }
+    echo "ok: a rank without WEFT_INTEGRITY is refused in ${took} s, saying why"
+    ;;
   tune)
     # weft-bench --tune writes a tuning file that WEFT_TUNING loads; the tuned run still checks out.
     file=$(mktemp)

@@ -707,3 +707,31 @@ TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays f
   CHECK(connections == 2);
   CHECK(log.count({"rank 1: greeting rank 0 at 127.0.0.1:", "again (attempt 2)"}) == 1);
 }
+
+TEST_CASE("frame integrity: every rank must agree on it, and hmac needs a secret", "[security][integrity]") {
+  LogCapture log;
+  auto sealed = bootstrap_each(3, [](int, Options& o) {
+    o.secret = "sealed";
+    o.integrity = Integrity::hmac;
+  });
+  for (const auto& o : sealed) CHECK((o.ok ? std::string("ok") : o.text) == "ok");
+  auto mixed = bootstrap_each(2, [](int i, Options& o) { o.integrity = i == 1 ? Integrity::crc32c : Integrity::off; });
+  CHECK(mixed[1].code == Errc::refused);
+  CHECK_THAT(mixed[1].text, Catch::Contains("the connecting rank checks frames with 'crc32c' and the store with 'off' (WEFT_INTEGRITY must be the same on every rank)"));
+  Loop loop(Loop::Options{0us});
+  Options o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.integrity = Integrity::hmac;
+  try {
+    (void)Group::create(loop, o);
+    FAIL("hmac without a secret was accepted");
+  } catch (const Error& e) {
+    CHECK(e.errc() == Errc::invalid_argument);
+    CHECK_THAT(std::string(e.what()), Catch::Contains("WEFT_INTEGRITY=hmac (Options::integrity) needs a shared secret"));
+  }
+  CHECK_THROWS_WITH(Options{}.from_environment([](const char* name) -> const char* {
+    const std::string n(name);
+    return n == "WEFT_RANK" ? "0" : n == "WEFT_WORLD_SIZE" ? "1" : n == "WEFT_INTEGRITY" ? "md5" : nullptr;
+  }), Catch::Contains("WEFT_INTEGRITY='md5' is not a mode (valid: off, crc32c, hmac)"));
+}

@@ -3,6 +3,7 @@
 /// the defaults below.
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -12,6 +13,13 @@ namespace weft {
 /// The longest duration weft takes (timeout, heartbeat, bootstrap_timeout, their variables): a year.
 /// Deadlines are kept in nanoseconds on a steady clock; a longer one would wrap. Longer: an error.
 inline constexpr std::chrono::milliseconds max_duration{std::chrono::hours(24 * 365)};
+
+/// What every frame between ranks carries to prove its bytes arrived as sent (Options::integrity).
+enum class Integrity : std::uint8_t {
+  off = 0,     // nothing: TCP's own checksum only
+  crc32c = 1,  // a CRC-32C of each frame: corruption is caught, tampering is not
+  hmac = 2,    // an HMAC-SHA256 of each frame keyed from the shared secret: corruption and tampering are caught
+};
 
 struct Options {
   /// This process's rank and the number of ranks. -1: from the environment.
@@ -73,12 +81,19 @@ struct Options {
   /// else TORCHELASTIC_RUN_ID; weft-run makes one per launch). A connection of another job is refused,
   /// naming both ids. At most 255 bytes. Empty: no job id (only processes without one match).
   std::string job_id;
+  /// Frame integrity (WEFT_INTEGRITY: off, crc32c or hmac). Every frame between ranks then ends with a
+  /// CRC-32C (4 bytes), or with an HMAC-SHA256 truncated to 16 bytes over a frame counter, the header
+  /// and the payload, keyed per connection and direction from the secret (hmac needs `secret`). A frame
+  /// whose trailer does not match fails its connection like a lost peer, with an error naming the peer
+  /// and the frame. Every rank must agree (a rank that does not is refused at the greeting). Cost per
+  /// size: bench/RESULTS.md. Default off: TCP's checksum only.
+  Integrity integrity = Integrity::off;
 
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
   /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT,
-  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT, WEFT_SECRET / WEFT_SECRET_FILE, WEFT_JOB_ID, WEFT_HEARTBEAT.
+  /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT, WEFT_SECRET / WEFT_SECRET_FILE, WEFT_JOB_ID, WEFT_HEARTBEAT, WEFT_INTEGRITY.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.
   Options& from_environment();

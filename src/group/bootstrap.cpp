@@ -83,6 +83,7 @@ struct Admissions {
       : options(options),
         connected(static_cast<std::size_t>(options.world_size), false),
         admitted(static_cast<std::size_t>(options.world_size)),
+        keys(static_cast<std::size_t>(options.world_size)),
         waiting(options.world_size - 1 - options.rank),
         changed(io),
         refusals(std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", options.rank))),
@@ -90,6 +91,7 @@ struct Admissions {
   Options options;
   std::vector<bool> connected;  // ranks connected (or reserved by a greeting that proved the secret)
   std::vector<std::optional<tcp::socket>> admitted;
+  std::vector<FrameKeys> keys;  // of the admitted connections
   int waiting = 0;  // ranks above this one not admitted yet
   bool finished = false;
   asio::steady_timer changed;  // cancelled when a greeting ends
@@ -101,7 +103,7 @@ struct Admissions {
 // admitted as its rank, or refused and logged with its address.
 awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket, std::string who) {
   const auto& options = state->options;
-  const greeting::Local local{greeting::Role::rank, options.rank, options.world_size, options.job_id, options.secret};
+  const greeting::Local local{greeting::Role::rank, options.rank, options.world_size, options.job_id, options.secret, options.integrity};
   int claim = -1;
   const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
     if (static_cast<int>(g.world_size) != options.world_size) {
@@ -118,11 +120,13 @@ awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket
     return {};
   };
   const auto handle = state->greeting.add(socket, who);
-  const std::string refusal = co_await greeting::admit(socket, local, check, greeting_timeout);
+  greeting::Greeting theirs;
+  const std::string refusal = co_await greeting::admit(socket, local, check, greeting_timeout, &theirs);
   const bool evicted = state->greeting.remove(handle);
   if (state->finished) co_return;
   if (refusal.empty() && !evicted) {
     state->admitted[static_cast<std::size_t>(claim)] = std::move(socket);
+    state->keys[static_cast<std::size_t>(claim)] = FrameKeys{theirs.send_key, theirs.recv_key};
     --state->waiting;
   } else {
     if (claim >= 0) state->connected[static_cast<std::size_t>(claim)] = false;
@@ -200,7 +204,7 @@ awaitable<tcp::socket> connect_and_greet(const std::string& host, unsigned short
 awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned short>>& addresses,
                               const Options& options, BootstrapResult& out, std::vector<bool>& connected,
                               Clock::time_point deadline) {
-  const greeting::Local local{greeting::Role::peer, options.rank, options.world_size, options.job_id, options.secret};
+  const greeting::Local local{greeting::Role::peer, options.rank, options.world_size, options.job_id, options.secret, options.integrity};
   for (int peer = 0; peer < options.rank; ++peer) {
     const auto& [host, port] = addresses[static_cast<std::size_t>(peer)];
     std::string last_error;
@@ -217,6 +221,7 @@ awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned 
     }
     connected[static_cast<std::size_t>(peer)] = true;
     out.sockets[static_cast<std::size_t>(peer)] = std::move(socket);
+    out.frame_keys[static_cast<std::size_t>(peer)] = FrameKeys{theirs.send_key, theirs.recv_key};
   }
 }
 
@@ -267,6 +272,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   const HostPort store_at = parse_host_port(options.store, "the store address");
   out.sockets.clear();
   for (int i = 0; i < size; ++i) out.sockets.emplace_back(io);
+  out.frame_keys.assign(static_cast<std::size_t>(size), FrameKeys{});
   if (size == 1) co_return;
   if (options.secret.empty()) {
     // Said once per process, as a warning where the store is served (one line per job, not per rank).
@@ -285,14 +291,14 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     try {
       out.store_server = std::make_unique<store::Server>(
           io, endpoints.front(),
-          store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout)});
+          store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout), 64, options.integrity});
     } catch (const std::system_error& e) {
       fail(Errc::connection_failed, rank, fmt::format("cannot serve the store on {}: {}", options.store, e.code().message()));
     }
   }
 
   std::string last_error;
-  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret};
+  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret, options.integrity};
   greeting::Greeting the_store;
   const std::string store_name = "the store";
   tcp::socket store_socket =
@@ -356,7 +362,10 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
          fmt::format("ranks [{}] never connected within {} s", missing_ranks(admissions->connected, rank),
                      std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count()));
   }
-  for (int i = rank + 1; i < size; ++i) out.sockets[static_cast<std::size_t>(i)] = std::move(*admissions->admitted[static_cast<std::size_t>(i)]);
+  for (int i = rank + 1; i < size; ++i) {
+    out.sockets[static_cast<std::size_t>(i)] = std::move(*admissions->admitted[static_cast<std::size_t>(i)]);
+    out.frame_keys[static_cast<std::size_t>(i)] = admissions->keys[static_cast<std::size_t>(i)];
+  }
   // Every peer is connected: no more connections are expected, so nothing listens any longer.
   acceptor.close();
 }

@@ -6,12 +6,14 @@
 #include <asio.hpp>
 
 #include "src/group/store.hpp"
+#include "transports/tcp/integrity.hpp"
 #include "weft/options.hpp"
 
 namespace weft {
 
 struct BootstrapResult {
   std::vector<asio::ip::tcp::socket> sockets;  // [peer], handshaken; [rank] unused
+  std::vector<FrameKeys> frame_keys;            // [peer], from the greeting (zeros without a secret)
   std::unique_ptr<store::Server> store_server;  // rank 0 only
 };
 

@@ -19,13 +19,15 @@ using asio::use_awaitable;
 using asio::ip::tcp;
 
 // Hello: 0 magic u32 | 4 version u16 | 6 role u8 | 7 flags u8 (bit 0: has a secret) | 8 nonce [32]
-// Details: 0 rank i32 | 4 world_size u32 | 8 job length u16 | 10 zero u16 | 12 job id
+// Details: 0 rank i32 | 4 world_size u32 | 8 job length u16 | 10 integrity u8 | 11 zero u8 | 12 job id
 constexpr std::uint8_t flag_secret = 1;
 
 // Labels keep the proofs apart, so that no proof can be replayed as another.
 constexpr const char* acceptor_label = "weft greeting v2: accepting side";
 constexpr const char* connector_label = "weft greeting v2: connecting side, with its details";
 constexpr const char* acceptor_details_label = "weft greeting v2: accepting side's details";
+constexpr const char* frames_from_connector_label = "weft frames v1: from the connecting side";
+constexpr const char* frames_from_acceptor_label = "weft frames v1: from the accepting side";
 
 bool pairs(Role mine, Role theirs) {
   return (mine == Role::store_client && theirs == Role::store) || (mine == Role::peer && theirs == Role::rank) ||
@@ -111,6 +113,15 @@ std::vector<std::byte> concat(std::vector<std::byte> a, const std::vector<std::b
 
 std::vector<std::byte> proof_bytes(const std::array<std::byte, proof_size>& p) { return {p.begin(), p.end()}; }
 
+const char* integrity_text(Integrity mode) {
+  switch (mode) {
+    case Integrity::off: return "off";
+    case Integrity::crc32c: return "crc32c";
+    case Integrity::hmac: return "hmac";
+  }
+  return "?";
+}
+
 std::string mismatched_proof(Role theirs, Role mine) {
   return fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
                      role_name(theirs), role_name(mine));
@@ -132,17 +143,25 @@ std::string hello_disagreement(const Local& local, const Hello& theirs) {
   return {};
 }
 
-// What the other side's details must agree with whatever its role: the job.
+// What the other side's details must agree with whatever its role: the job, and what frames carry.
 std::string details_disagreement(const Local& local, Role their_role, const Details& theirs) {
   if (theirs.job != local.job) {
     return fmt::format("{} belongs to job {} and {} to job {} (WEFT_JOB_ID)", role_name(their_role), job_text(theirs.job),
                        role_name(local.role), job_text(local.job));
   }
+  if (theirs.integrity != local.integrity) {
+    return fmt::format("{} checks frames with '{}' and {} with '{}' (WEFT_INTEGRITY must be the same on every rank)",
+                       role_name(their_role), integrity_text(theirs.integrity), role_name(local.role), integrity_text(local.integrity));
+  }
   return {};
 }
 
 Greeting greeting_of(const Hello& hello, Details details) {
-  return Greeting{hello.role, hello.has_secret, details.rank, details.world_size, std::move(details.job)};
+  return Greeting{hello.role, hello.has_secret, details.rank, details.world_size, std::move(details.job), details.integrity, {}, {}};
+}
+
+Details details_of(const Local& local) {
+  return Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job, local.integrity};
 }
 
 }  // namespace
@@ -192,6 +211,7 @@ std::vector<std::byte> encode(const Details& d) {
   wire::put_u32(p + 4, d.world_size);
   p[8] = static_cast<std::byte>(d.job.size() & 0xff);
   p[9] = static_cast<std::byte>(d.job.size() >> 8);
+  p[10] = static_cast<std::byte>(d.integrity);
   std::copy(reinterpret_cast<const std::byte*>(d.job.data()), reinterpret_cast<const std::byte*>(d.job.data()) + d.job.size(),
             p + details_fixed_size);
   return out;
@@ -217,7 +237,13 @@ std::optional<Details> decode_details(const std::byte* p, std::size_t size, std:
     error = fmt::format("greeting details of {} bytes with a job id of {}", size, *job);
     return std::nullopt;
   }
+  const auto integrity = static_cast<unsigned>(p[10]);
+  if (integrity > static_cast<unsigned>(Integrity::hmac)) {
+    error = fmt::format("unknown frame integrity {} in the greeting", integrity);
+    return std::nullopt;
+  }
   Details d;
+  d.integrity = static_cast<Integrity>(integrity);
   d.rank = static_cast<std::int32_t>(wire::get_u32(p));
   d.world_size = wire::get_u32(p + 4);
   d.job.assign(reinterpret_cast<const char*>(p + details_fixed_size), *job);
@@ -328,7 +354,7 @@ awaitable<Greeting> connect(tcp::socket& socket, const Local& local, const std::
     }
   }
   // Named, not temporaries inside co_await: GCC 12 frees such temporaries twice.
-  const auto my_details = encode(Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job});
+  const auto my_details = encode(details_of(local));
   auto answer = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
   if (refusal.empty()) {
     answer = concat(std::move(answer), my_details);
@@ -350,7 +376,12 @@ awaitable<Greeting> connect(tcp::socket& socket, const Local& local, const std::
   // The accepting side checked the job already; a side that says otherwise now is not a weft rank.
   refusal = details_disagreement(local, their_hello.role, their_details);
   if (!refusal.empty()) throw Refused(fmt::format("{}: {}", remote, refusal));
-  co_return greeting_of(their_hello, std::move(their_details));
+  auto theirs = greeting_of(their_hello, std::move(their_details));
+  if (secret) {
+    theirs.send_key = proof(local.secret, frames_from_connector_label, my_hello, their_hello_bytes);
+    theirs.recv_key = proof(local.secret, frames_from_acceptor_label, my_hello, their_hello_bytes);
+  }
+  co_return theirs;
 }
 
 awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::function<std::string(const Greeting&)>& check) {
@@ -382,7 +413,7 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
   if (refusal.empty()) refusal = check(theirs);  // the other side proved the secret: it may claim now
   auto last = encode(Verdict{refusal.empty() ? 0u : 1u, refusal});
   if (refusal.empty()) {
-    const auto my_details = encode(Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job});
+    const auto my_details = encode(details_of(local));
     last = concat(std::move(last), my_details);
     if (secret) {
       last = concat(std::move(last), proof_bytes(proof(local.secret, acceptor_details_label, concat(hellos, their_details_bytes), my_details)));
@@ -390,13 +421,20 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
   }
   co_await write_all(socket, last);
   if (!refusal.empty()) throw Refused(refusal);
+  if (secret) {
+    theirs.send_key = proof(local.secret, frames_from_acceptor_label, their_hello_bytes, my_hello);
+    theirs.recv_key = proof(local.secret, frames_from_connector_label, their_hello_bytes, my_hello);
+  }
   co_return theirs;
 }
 
 awaitable<std::string> admit(tcp::socket& socket, const Local& local, const std::function<std::string(const Greeting&)>& check,
-                              std::chrono::milliseconds timeout) {
+                              std::chrono::milliseconds timeout, Greeting* admitted) {
   try {
-    if (co_await with_deadline(accept(socket, local, check), std::chrono::steady_clock::now() + timeout)) co_return std::string();
+    if (auto theirs = co_await with_deadline(accept(socket, local, check), std::chrono::steady_clock::now() + timeout)) {
+      if (admitted) *admitted = std::move(*theirs);
+      co_return std::string();
+    }
     co_return timeout.count() % 1000 == 0 ? fmt::format("no greeting within {} s", timeout.count() / 1000)
                                           : fmt::format("no greeting within {} ms", timeout.count());
   } catch (const Refused& e) {

@@ -19,6 +19,8 @@
 
 #include <asio.hpp>
 
+#include "weft/options.hpp"
+
 namespace weft::greeting {
 
 inline constexpr std::uint32_t magic = 0x47544657;  // "WFTG" as little-endian bytes
@@ -44,6 +46,7 @@ struct Details {
   std::int32_t rank = -1;  // the rank that speaks; -1 for the store
   std::uint32_t world_size = 0;
   std::string job;
+  Integrity integrity = Integrity::off;  // what its frames will carry: every side must agree
 };
 /// The other side, as the greeting learnt it.
 struct Greeting {
@@ -52,6 +55,11 @@ struct Greeting {
   std::int32_t rank = -1;
   std::uint32_t world_size = 0;
   std::string job;
+  Integrity integrity = Integrity::off;
+  /// With a secret: the keys of this connection's frame MACs (Integrity::hmac), one per direction, from
+  /// the secret and both hellos' nonces; zeros without one.
+  std::array<std::byte, 32> send_key{};
+  std::array<std::byte, 32> recv_key{};
 };
 
 /// Encodes a hello (hello_size bytes).
@@ -87,6 +95,7 @@ struct Local {
   int world_size = 0;
   std::string job;
   std::string secret;  // empty: unauthenticated
+  Integrity integrity = Integrity::off;
 };
 
 /// A refusal of the other side or by it; `what()` says why, naming the remote address.
@@ -108,12 +117,12 @@ asio::awaitable<Greeting> connect(asio::ip::tcp::socket& socket, const Local& lo
 asio::awaitable<Greeting> accept(asio::ip::tcp::socket& socket, const Local& local,
                                  const std::function<std::string(const Greeting&)>& check);
 
-/// accept() within `timeout`, for a listener: returns "" when the connection is admitted, else why not
-/// (refused by `check` or by the greeting, refused by the other side, silent past `timeout`, or failed),
-/// for the caller to log with the address.
+/// accept() within `timeout`, for a listener: returns "" when the connection is admitted (the other
+/// side's greeting in `*admitted`, when given), else why not (refused by `check` or by the greeting,
+/// refused by the other side, silent past `timeout`, or failed), for the caller to log with the address.
 asio::awaitable<std::string> admit(asio::ip::tcp::socket& socket, const Local& local,
                                    const std::function<std::string(const Greeting&)>& check,
-                                   std::chrono::milliseconds timeout);
+                                   std::chrono::milliseconds timeout, Greeting* admitted = nullptr);
 
 /// "host:port" of the socket's remote end ("[v6]:port"), or "?".
 std::string remote_address(const asio::ip::tcp::socket& socket);

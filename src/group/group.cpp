@@ -456,12 +456,14 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
     if (socket.is_open()) TcpTransport::set_heartbeat(socket, options.heartbeat);
   }
   auto* transport = make_transport(*loop, options, std::move(result.sockets));
+  transport->seal_frames(options.integrity, result.frame_keys);
   transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : share_of_half_the_memory());
   transport->watch_liveness(options.heartbeat);
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->transport->open_context(g->context, g->members);
-  log().info("rank {} of {}: group ready over {}", g->rank, g->size, g->transport->name());
+  log().info("rank {} of {}: group ready over {}{}", g->rank, g->size, g->transport->name(),
+             options.integrity == Integrity::off ? "" : fmt::format(", frames sealed with {}", integrity_name(options.integrity)));
   co_return Group(std::move(g));
 }
 
@@ -971,6 +973,11 @@ Future<Group> Group::create(Loop& loop, const Options& given) {
                   fmt::format("Options::{} is {} ms: it must be 0 to {} ms (a year; 0: none)", name, value.count(),
                               max_duration.count()));
     }
+  }
+  if (options.integrity == Integrity::hmac && options.secret.empty()) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                "WEFT_INTEGRITY=hmac (Options::integrity) needs a shared secret to key its MACs: set WEFT_SECRET or "
+                "WEFT_SECRET_FILE on every rank (or use crc32c, which needs none)");
   }
   // Algorithm choices: the built-in table, then a tuning file, then WEFT_ALGO. Malformed ones fail here.
   algo::Selection selection;

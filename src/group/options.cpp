@@ -176,6 +176,12 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
       job_id = std::string("torchelastic-") + torch;
     }
   }
+  if (const char* v = env("WEFT_INTEGRITY"); v && integrity == Integrity::off) {
+    const std::string mode = v;
+    if (mode == "crc32c") integrity = Integrity::crc32c;
+    else if (mode == "hmac") integrity = Integrity::hmac;
+    else if (mode != "off" && !mode.empty()) bad(fmt::format("WEFT_INTEGRITY='{}' is not a mode (valid: off, crc32c, hmac)", mode));
+  }
   if (job_id.size() > 255) bad(fmt::format("the job id (WEFT_JOB_ID) has {} bytes; the limit is 255", job_id.size()));
   return *this;
 }

@@ -60,6 +60,8 @@ struct Admission {
   /// At most this many connections may be greeting at once; a new one past that closes the oldest
   /// greeting (logged), so that silent strangers cannot keep real ranks out.
   int max_pending = 64;
+  /// What the job's frames carry: a rank that says otherwise is refused at once.
+  Integrity integrity = Integrity::off;
 };
 
 class Server {

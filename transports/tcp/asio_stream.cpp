@@ -19,9 +19,10 @@ struct TransferAtLeast {
 
 // Handlers hold the stream (and so the socket) until they run, and report only while the transport
 // lives: completions still queued when it goes away find the flag expired.
-void AsioStream::write(ConstBytes first, ConstBytes second) {
-  const std::array<asio::const_buffer, 2> buffers{asio::buffer(first.data, first.size), asio::buffer(second.data, second.size)};
-  const std::size_t total = first.size + second.size;
+void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
+  const std::array<asio::const_buffer, 3> buffers{asio::buffer(first.data, first.size), asio::buffer(second.data, second.size),
+                                                  asio::buffer(third.data, third.size)};
+  const std::size_t total = first.size + second.size + third.size;
   asio::async_write(socket_, buffers, TransferAtLeast{total, total}, [self = shared_from_this()](const std::error_code& ec, std::size_t) {
     if (self->alive_.expired()) return;
     self->events_->on_written(self->peer_, ec);

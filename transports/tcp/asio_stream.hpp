@@ -18,7 +18,7 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   int native_handle() const noexcept override {
     return socket_.is_open() ? const_cast<asio::ip::tcp::socket&>(socket_).native_handle() : -1;
   }
-  void write(ConstBytes first, ConstBytes second) override;
+  void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;

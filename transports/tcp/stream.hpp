@@ -34,8 +34,9 @@ class Stream {
   virtual std::string_view backend() const noexcept = 0;
   /// The socket's descriptor (for TCP_INFO: the transport's liveness check), or -1 once closed.
   virtual int native_handle() const noexcept = 0;
-  /// Writes all of `first` then `second`; on_written when done or failed. One write at a time.
-  virtual void write(ConstBytes first, ConstBytes second) = 0;
+  /// Writes all of `first`, `second`, then `third` (any may be empty); on_written when done or failed.
+  /// One write at a time.
+  virtual void write(ConstBytes first, ConstBytes second, ConstBytes third) = 0;
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a
   /// time. End of stream before `min` bytes is an error (asio::error::eof).
   virtual void read(void* dst, std::size_t min, std::size_t cap) = 0;

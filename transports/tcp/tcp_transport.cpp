@@ -119,6 +119,22 @@ void TcpTransport::check_liveness() {
   arm_liveness_check();
 }
 
+void TcpTransport::encode_header(const wire::Header& h, Connection& c) {
+  wire::HeaderBytes bytes{};
+  wire::encode(h, bytes);
+  std::copy(bytes.begin(), bytes.end(), c.send_header.begin());
+}
+
+void TcpTransport::seal_frames(Integrity mode, const std::vector<FrameKeys>& keys) {
+  integrity_ = mode;
+  for (auto& c : connections_) {
+    if (!c) continue;
+    const FrameKeys k = static_cast<std::size_t>(c->peer) < keys.size() ? keys[static_cast<std::size_t>(c->peer)] : FrameKeys{};
+    c->send_seal = FrameSeal(mode, k.send);
+    c->recv_seal = FrameSeal(mode, k.recv);
+  }
+}
+
 void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
   std::error_code ignored;
   socket.set_option(asio::ip::tcp::no_delay(true), ignored);
@@ -428,14 +444,14 @@ void TcpTransport::start_send(int peer, const MessageKey& key, const void* data,
 void TcpTransport::start_write(Connection& c) {
   if (!c.alive) return;
   wire::Header h;
-  ConstBytes first{c.send_header.data(), c.send_header.size()};
+  ConstBytes first{c.send_header.data(), header_bytes()};
   ConstBytes second;
   if (!c.control_queue.empty()) {
     h = c.control_queue.front().first;
     c.control_payload = std::move(c.control_queue.front().second);
     c.control_queue.pop_front();
     c.writing_control = true;
-    wire::encode(h, c.send_header);
+    encode_header(h, c);
     second = ConstBytes{c.control_payload.data(), c.control_payload.size()};
   } else if (!c.send_queue.empty()) {
     TransportOp& op = *c.send_queue.front();
@@ -447,13 +463,25 @@ void TcpTransport::start_write(Connection& c) {
     h.call = op.signature.call;
     h.count = op.signature.count;
     c.writing_control = false;
-    wire::encode(h, c.send_header);
+    encode_header(h, c);
     second = ConstBytes{op.send_data, op.bytes};
   } else {
     return;
   }
+  if (c.send_seal.on()) {
+    // The header's own check, so that a corrupted length or kind is caught before it is acted on.
+    wire::put_u32(c.send_header.data() + wire::header_size, crc32c(0, c.send_header.data(), wire::header_size));
+  }
+  ConstBytes third;
+  if (c.send_seal.on()) {
+    c.send_seal.begin();
+    c.send_seal.update(c.send_header.data(), wire::header_size);
+    c.send_seal.update(second.data, second.size);
+    c.send_seal.seal(c.send_trailer.data());
+    third = ConstBytes{c.send_trailer.data(), c.send_seal.trailer_size()};
+  }
   c.writing = true;
-  c.stream->write(first, second);
+  c.stream->write(first, second, third);
 }
 
 void TcpTransport::on_written(int peer, const std::error_code& ec) { on_write_done(*connections_[static_cast<std::size_t>(peer)], ec); }
@@ -563,10 +591,11 @@ void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::s
 
 void TcpTransport::start_read_header(Connection& c) {
   const std::size_t have = c.inbox_end - c.inbox_begin;
-  if (have >= wire::header_size) {
+  const std::size_t need = header_bytes();
+  if (have >= need) {
     // A whole header is here already: handle it from the loop's queue, not by recursion (a run of small
     // frames would otherwise nest one call per frame).
-    take_from_inbox(c, c.recv_header.data(), wire::header_size);
+    take_from_inbox(c, c.recv_header.data(), need);
     loop_.post([this, peer = c.peer, alive = std::weak_ptr<bool>(alive_)] {
       if (alive.expired()) return;
       Connection& conn = *connections_[static_cast<std::size_t>(peer)];
@@ -580,7 +609,7 @@ void TcpTransport::start_read_header(Connection& c) {
     c.inbox_end = have;
   }
   c.reading = Reading::header;
-  c.stream->read(c.inbox + c.inbox_end, wire::header_size - have, Connection::inbox_size - c.inbox_end);
+  c.stream->read(c.inbox + c.inbox_end, need - have, Connection::inbox_size - c.inbox_end);
 }
 
 void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t bytes) {
@@ -602,13 +631,17 @@ void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t byte
   switch (c.reading) {
     case Reading::header:
       c.inbox_end += bytes;
-      take_from_inbox(c, c.recv_header.data(), wire::header_size);
+      take_from_inbox(c, c.recv_header.data(), header_bytes());
       on_header(c);
       return;
     case Reading::payload:
       on_payload(c, false);
       return;
+    case Reading::trailer:
+      on_trailer(c);
+      return;
     case Reading::discard:
+      if (c.recv_seal.on()) c.recv_seal.update(c.scratch.get(), c.discard_chunk);
       if (c.discard_after > 0) {
         read_payload_into(c, nullptr, c.discard_after, true);
       } else {
@@ -627,12 +660,25 @@ std::size_t TcpTransport::take_from_inbox(Connection& c, void* dst, std::size_t 
 
 void TcpTransport::on_header(Connection& c) {
   std::string error;
-  auto header = wire::decode(c.recv_header, error);
+  if (c.recv_seal.on() &&
+      wire::get_u32(c.recv_header.data() + wire::header_size) != crc32c(0, c.recv_header.data(), wire::header_size)) {
+    fail_connection(c, fmt::format("frame integrity: the header of frame {} from rank {} does not match its CRC-32C: it was "
+                                   "corrupted on the way (WEFT_INTEGRITY={})",
+                                   c.recv_seal.frames(), c.peer, integrity_name(c.recv_seal.mode())));
+    return;
+  }
+  wire::HeaderBytes header_bytes{};
+  std::copy_n(c.recv_header.begin(), wire::header_size, header_bytes.begin());
+  auto header = wire::decode(header_bytes, error);
   if (!header) {
     fail_connection(c, fmt::format("protocol error from rank {}: {}", c.peer, error));
     return;
   }
   c.current = *header;
+  if (c.recv_seal.on()) {
+    c.recv_seal.begin();
+    c.recv_seal.update(c.recv_header.data(), wire::header_size);
+  }
   switch (header->kind) {
     case wire::FrameKind::data: {
       auto ctx = contexts_.find(header->context);
@@ -693,35 +739,19 @@ void TcpTransport::on_header(Connection& c) {
       read_payload_into(c, nullptr, header->bytes, true);
       return;
     case wire::FrameKind::goodbye:
-      peer_departed(c);
-      return;
     case wire::FrameKind::query:
-    case wire::FrameKind::progress: {
-      if (header->bytes != 0) {
+    case wire::FrameKind::progress:
+      if (header->kind != wire::FrameKind::goodbye && header->bytes != 0) {
         fail_connection(c, fmt::format("protocol error from rank {}: a {} frame with a payload of {} bytes", c.peer,
                                        header->kind == wire::FrameKind::query ? "query" : "progress", header->bytes));
         return;
       }
-      const wire::Header h = *header;
-      const int peer = c.peer;
-      start_read_header(c);
-      if (h.kind == wire::FrameKind::progress) {
-        on_progress(peer, h);
+      if (c.recv_seal.on()) {
+        read_trailer(c, AfterTrailer::header_only);
         return;
       }
-      wire::Header answer;
-      answer.kind = wire::FrameKind::progress;
-      answer.context = h.context;
-      answer.seq = h.seq;
-      const ContextState* state = find_context(h.context);
-      answer.tag = state ? state->started : 0;
-      // How this rank called the operation asked about: the asker compares it with its own call.
-      const OpSignature mine = signature_of(h.context, h.seq);
-      answer.call = mine.call;
-      answer.count = mine.count;
-      if (c.alive) send_control(c, answer);
+      on_header_only(c);
       return;
-    }
     case wire::FrameKind::hello:
     case wire::FrameKind::hello_ack:
       fail_connection(c, fmt::format("protocol error from rank {}: handshake frame on an established connection",
@@ -730,7 +760,69 @@ void TcpTransport::on_header(Connection& c) {
   }
 }
 
+void TcpTransport::on_header_only(Connection& c) {
+  const wire::Header h = c.current;
+  if (h.kind == wire::FrameKind::goodbye) {
+    peer_departed(c);
+    return;
+  }
+  const int peer = c.peer;
+  start_read_header(c);
+  if (h.kind == wire::FrameKind::progress) {
+    on_progress(peer, h);
+    return;
+  }
+  wire::Header answer;
+  answer.kind = wire::FrameKind::progress;
+  answer.context = h.context;
+  answer.seq = h.seq;
+  const ContextState* state = find_context(h.context);
+  answer.tag = state ? state->started : 0;
+  // How this rank called the operation asked about: the asker compares it with its own call.
+  const OpSignature mine = signature_of(h.context, h.seq);
+  answer.call = mine.call;
+  answer.count = mine.count;
+  if (c.alive) send_control(c, answer);
+}
+
+void TcpTransport::read_trailer(Connection& c, AfterTrailer after) {
+  c.after_trailer = after;
+  const std::size_t size = c.recv_seal.trailer_size();
+  const std::size_t got = take_from_inbox(c, c.recv_trailer.data(), size);
+  if (got == size) {
+    on_trailer(c);
+    return;
+  }
+  c.reading = Reading::trailer;
+  c.stream->read(c.recv_trailer.data() + got, size - got, size - got);
+}
+
+void TcpTransport::on_trailer(Connection& c) {
+  if (!c.recv_seal.check(c.recv_trailer.data())) {
+    const wire::Header& h = c.current;
+    c.incoming = Unexpected{};  // an early message being read: not to be kept
+    fail_connection(c, fmt::format("frame integrity: the {} of frame {} from rank {} (kind {}, context {}, #{}, tag {}, {} bytes) "
+                                   "does not match its bytes: they were corrupted or forged on the way (WEFT_INTEGRITY={})",
+                                   c.recv_seal.mode() == Integrity::hmac ? "HMAC" : "CRC-32C", c.recv_seal.frames() - 1, c.peer,
+                                   static_cast<int>(h.kind), h.context, h.seq, h.tag, h.bytes, integrity_name(c.recv_seal.mode())));
+    return;
+  }
+  switch (c.after_trailer) {
+    case AfterTrailer::payload: on_frame(c, false); return;
+    case AfterTrailer::discarded: on_frame(c, true); return;
+    case AfterTrailer::header_only: on_header_only(c); return;
+  }
+}
+
 void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard) {
+  if (c.recv_seal.on()) {
+    if (discard) {
+      c.recv_seal.update(c.inbox + c.inbox_begin, std::min(bytes, c.inbox_end - c.inbox_begin));
+    } else {
+      c.payload_start = static_cast<const std::byte*>(dst);
+      c.payload_size = bytes;
+    }
+  }
   const std::size_t buffered = take_from_inbox(c, discard ? nullptr : dst, bytes);
   bytes -= buffered;
   if (!discard && dst) dst = static_cast<std::byte*>(dst) + buffered;
@@ -745,6 +837,7 @@ void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes
       c.scratch_size = discard_chunk;
     }
     const std::size_t chunk = std::min(bytes, discard_chunk);
+    c.discard_chunk = chunk;
     c.reading = Reading::discard;
     c.discard_after = bytes - chunk;
     c.stream->read(c.scratch.get(), chunk, chunk);
@@ -755,6 +848,15 @@ void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes
 }
 
 void TcpTransport::on_payload(Connection& c, bool discard) {
+  if (c.recv_seal.on()) {
+    if (!discard) c.recv_seal.update(c.payload_start, c.payload_size);
+    read_trailer(c, discard ? AfterTrailer::discarded : AfterTrailer::payload);
+    return;
+  }
+  on_frame(c, discard);
+}
+
+void TcpTransport::on_frame(Connection& c, bool discard) {
   const wire::Header h = c.current;
   if (discard) {
     c.current_op = nullptr;
@@ -1037,9 +1139,20 @@ void TcpTransport::shutdown() {
       // buffer; a blocking write is fine here.
       wire::Header bye;
       bye.kind = wire::FrameKind::goodbye;
-      wire::HeaderBytes bytes{};
-      wire::encode(bye, bytes);
-      c->stream->write_blocking(bytes.data(), bytes.size());
+      std::array<std::byte, wire::header_size + header_check_size + FrameSeal::max_trailer> bytes{};
+      wire::HeaderBytes header{};
+      wire::encode(bye, header);
+      std::copy(header.begin(), header.end(), bytes.begin());
+      std::size_t size = wire::header_size;
+      if (c->send_seal.on()) {
+        wire::put_u32(bytes.data() + size, crc32c(0, header.data(), header.size()));
+        size += header_check_size;
+        c->send_seal.begin();
+        c->send_seal.update(header.data(), header.size());
+        c->send_seal.seal(bytes.data() + size);
+        size += c->send_seal.trailer_size();
+      }
+      c->stream->write_blocking(bytes.data(), size);
       c->stream->shutdown_send();
     }
     c->alive = false;

@@ -10,6 +10,7 @@
 
 #include <asio.hpp>
 
+#include "transports/tcp/integrity.hpp"
 #include "transports/tcp/stream.hpp"
 #include "transports/tcp/wire.hpp"
 #include "weft/loop.hpp"
@@ -56,6 +57,12 @@ class TcpTransport final : public Transport, private StreamEvents {
   /// naming the sizes: a forged or runaway length must not drive an allocation. Default 4 GiB here; Group
   /// sets Options::max_early_bytes (default half the physical memory).
   void set_early_limit(std::size_t bytes) noexcept { early_limit_ = bytes; }
+
+  /// Frame integrity (Options::integrity): from now on every frame written ends with a trailer and every
+  /// frame read must end with a matching one (integrity.hpp), else its connection fails, naming the peer
+  /// and the frame. `keys[peer]` key the MACs (Integrity::hmac). Call right after construction, on the
+  /// loop's thread, before any frame moves; every rank of the job must do the same.
+  void seal_frames(Integrity mode, const std::vector<FrameKeys>& keys);
 
   /// Socket options every weft connection gets (TCP_NODELAY, large buffers).
   static void tune_socket(asio::ip::tcp::socket& socket);
@@ -125,7 +132,9 @@ class TcpTransport final : public Transport, private StreamEvents {
     std::deque<TransportOp*> posted;       // receives waiting for a message, oldest first
     std::deque<Unexpected> unexpected;     // messages waiting for a receive, oldest first
   };
-  enum class Reading : std::uint8_t { header, payload, discard };
+  enum class Reading : std::uint8_t { header, payload, discard, trailer };
+  // What a frame's trailer, once checked, lets go on (seal_frames).
+  enum class AfterTrailer : std::uint8_t { payload, discarded, header_only };
   struct Connection {
     int peer = -1;
     std::shared_ptr<Stream> stream;
@@ -136,7 +145,7 @@ class TcpTransport final : public Transport, private StreamEvents {
     std::deque<std::pair<wire::Header, std::string>> control_queue;  // abort frames, sent before data
     bool writing = false;
     bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
-    wire::HeaderBytes send_header{};
+    std::array<std::byte, wire::header_size + 4> send_header{};  // the header, then its check (sealed frames)
     std::string control_payload;
     // Reader. Headers are read through a small read-ahead buffer, so that one recv usually brings a
     // header with its (small) payload, and often the frames after it; payloads beyond what it holds are
@@ -148,12 +157,21 @@ class TcpTransport final : public Transport, private StreamEvents {
     std::size_t inbox_end = 0;
     Reading reading = Reading::header;  // what the read in flight is for
     std::size_t discard_after = 0;      // Reading::discard: bytes still to drop after this chunk
-    wire::HeaderBytes recv_header{};
+    std::array<std::byte, wire::header_size + 4> recv_header{};
     wire::Header current{};
     TransportOp* current_op = nullptr;  // the receive the payload is read into, if any
     std::unique_ptr<std::byte[]> scratch;  // control payloads and discarded bytes
     std::size_t scratch_size = 0;
     Unexpected incoming;                   // an unexpected message being read
+    // Integrity (seal_frames): the trailer of every frame, sealed when written, checked when read.
+    FrameSeal send_seal;
+    FrameSeal recv_seal;
+    std::array<std::byte, FrameSeal::max_trailer> send_trailer{};
+    std::array<std::byte, FrameSeal::max_trailer> recv_trailer{};
+    const std::byte* payload_start = nullptr;  // the payload being read (not discarded), for recv_seal
+    std::size_t payload_size = 0;
+    std::size_t discard_chunk = 0;  // Reading::discard: the bytes of the chunk being read into scratch
+    AfterTrailer after_trailer = AfterTrailer::payload;
   };
   static constexpr std::uint64_t interleaving = 2;  // how far behind the seq sought a signature search looks
   struct ContextState {
@@ -249,6 +267,18 @@ class TcpTransport final : public Transport, private StreamEvents {
   void on_header(Connection& c);
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
   void on_payload(Connection& c, bool discard);
+  // Sealed frames (seal_frames): the header is followed by a CRC-32C of it, checked before the header is
+  // acted on; the trailer after the payload covers header and payload.
+  static constexpr std::size_t header_check_size = 4;
+  Integrity integrity_ = Integrity::off;
+  std::size_t header_bytes() const noexcept { return wire::header_size + (integrity_ != Integrity::off ? header_check_size : 0); }
+  static void encode_header(const wire::Header& h, Connection& c);
+  // The frame was read whole (and its trailer checked, when frames are sealed): act on it.
+  void on_frame(Connection& c, bool discarded);
+  // Frames without a payload (goodbye, query, progress), once their trailer is checked.
+  void on_header_only(Connection& c);
+  void read_trailer(Connection& c, AfterTrailer after);
+  void on_trailer(Connection& c);
   void deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature);
   // The oldest receive posted for `key`, taken out of its mailbox (erased when empty); null if none.
   TransportOp* take_posted(const MatchKey& key);

@@ -321,13 +321,15 @@ std::byte* UringStream::staging(std::size_t bytes) {
   return staging_;
 }
 
-void UringStream::write(ConstBytes first, ConstBytes second) {
-  writer_.iov[0] = iovec{const_cast<void*>(first.data), first.size};
-  writer_.iov[1] = iovec{const_cast<void*>(second.data), second.size};
+void UringStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
+  std::size_t parts = 0;
+  for (const ConstBytes& part : {first, second, third}) {
+    if (part.size) writer_.iov[parts++] = iovec{const_cast<void*>(part.data), part.size};
+  }
   writer_.msg = msghdr{};
   writer_.msg.msg_iov = writer_.iov;
-  writer_.msg.msg_iovlen = second.size ? 2 : 1;
-  writer_.left = first.size + second.size;
+  writer_.msg.msg_iovlen = parts;
+  writer_.left = first.size + second.size + third.size;
   const std::size_t zc = ring_->zero_copy_bytes(loopback_peer_);
   writer_.zero_copy = zc > 0 && second.size >= zc;
   writer_.notifications_due = 0;

@@ -135,7 +135,7 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
   std::string_view backend() const noexcept override { return "uring"; }
   int native_handle() const noexcept override { return fd_; }
   std::byte* staging(std::size_t bytes) override;
-  void write(ConstBytes first, ConstBytes second) override;
+  void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;
@@ -144,7 +144,7 @@ class UringStream final : public Stream, public std::enable_shared_from_this<Uri
  private:
   struct Writer final : UringRequest {
     UringStream* stream = nullptr;
-    iovec iov[2]{};
+    iovec iov[3]{};
     msghdr msg{};
     std::size_t left = 0;
     // Zero-copy: every SENDMSG_ZC that reports bytes sent also reports, later, a notification when the
