@@ -892,11 +892,12 @@ TEST_CASE("CRC-32C: the known answer, and the instruction and the table agree on
   CHECK(crc32c(0, nine, 9) == 0xE3069283u);  // the standard check value (RFC 3720)
   CHECK(crc32c_portable(0, nine, 9) == 0xE3069283u);
   CHECK(crc32c(crc32c(0, nine, 4), nine + 4, 5) == 0xE3069283u);  // continues
-  std::vector<unsigned char> data(4096 + 16);
+  std::vector<unsigned char> data(40000 + 16);
   std::mt19937 random(3);
   for (auto& b : data) b = static_cast<unsigned char>(random());
   for (std::size_t offset = 0; offset < 16; ++offset) {
-    for (std::size_t length : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096}) {
+    // Past 3 x 256 and 3 x 8192 bytes the instruction runs three streams and joins them.
+    for (std::size_t length : {0, 1, 7, 8, 9, 63, 64, 65, 767, 768, 769, 1000, 4096, 24575, 24576, 24577, 40000}) {
       CHECK(crc32c(0, data.data() + offset, length) == crc32c_portable(0, data.data() + offset, length));
     }
   }
