@@ -384,30 +384,47 @@ TEST_CASE("greetings and verdicts decode only what is well formed", "[security][
   CHECK_FALSE(greeting::proofs_equal(greeting::proof("k", "l", a, b), greeting::proof("k", "m", a, b)));
 }
 
+namespace {
+
+// The test plays rank 0 of a world of 2: greets the store as rank 0 and publishes `port` on 127.0.0.1 as
+// rank 0's address, where a listener of the test's answers the real rank 1. Every argument is named
+// before its co_await: g++ 12 frees string temporaries of a co_await expression twice (docs/DESIGN.md).
+asio::awaitable<void> publish_as_rank0(asio::io_context& io, unsigned short store_port, unsigned short port) {
+  asio::ip::tcp::socket socket(io);
+  const asio::ip::tcp::endpoint store_at(asio::ip::make_address("127.0.0.1"), store_port);
+  co_await socket.async_connect(store_at, asio::use_awaitable);
+  const greeting::Local as_client{greeting::Role::store_client, 0, 2, "", ""};
+  const std::string store_name = "the store";
+  co_await greeting::connect(socket, as_client, store_name);
+  store::Client client(std::move(socket));
+  const std::string key = "weft/addr/0";
+  const std::string address = fmt::format("127.0.0.1 {}", port);
+  co_await client.set(key, address);
+}
+
+// The scene of the tests that play rank 0: a store on a free port, and a listener of the test's.
+struct PlayingRank0 {
+  asio::io_context io;
+  unsigned short store_port = free_port();
+  store::Server server{io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
+                       store::Admission{"", "", 2, std::chrono::milliseconds(5000)}};
+  asio::ip::tcp::acceptor listener{io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)};
+  unsigned short listener_port = listener.local_endpoint().port();
+};
+
+}  // namespace
+
 TEST_CASE("a refusal while ranks connect to each other is reported at once, with its reason", "[security][refusal]") {
   // The test plays rank 0 of a world of 2: it serves the store and registers, as rank 0's address, a
   // listener that refuses every greeting. The real rank 1 passes the store, connects there and is
   // refused. Before the fix it waited for the whole bootstrap timeout and said "never connected".
   LogCapture log;
-  asio::io_context io;
-  const unsigned short store_port = free_port();
-  store::Server server(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
-                       store::Admission{"", "", 2, std::chrono::milliseconds(5000)});
-  asio::ip::tcp::acceptor refuser(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  const unsigned short refuser_port = refuser.local_endpoint().port();
+  PlayingRank0 scene;
+  auto& io = scene.io;
+  const unsigned short store_port = scene.store_port;
+  auto& refuser = scene.listener;
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    // Every argument named before its co_await: g++ 12 frees string temporaries of a co_await
-    // expression twice (docs/DESIGN.md).
-    asio::ip::tcp::socket socket(io);
-    const asio::ip::tcp::endpoint store_at(asio::ip::make_address("127.0.0.1"), store_port);
-    co_await socket.async_connect(store_at, asio::use_awaitable);
-    const greeting::Local as_client{greeting::Role::store_client, 0, 2, "", ""};
-    const std::string store_name = "the store";
-    co_await greeting::connect(socket, as_client, store_name);
-    store::Client client(std::move(socket));
-    const std::string key = "weft/addr/0";
-    const std::string address = fmt::format("127.0.0.1 {}", refuser_port);
-    co_await client.set(key, address);
+    co_await publish_as_rank0(io, store_port, scene.listener_port);
     const greeting::Local as_rank0{greeting::Role::rank, 0, 2, "", ""};
     const std::function<std::string(const greeting::Greeting&)> check = [](const greeting::Greeting&) {
       return std::string("this test refuses every rank");
@@ -649,25 +666,14 @@ TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays f
   // listener that closes the first connection without a word (as a crowded listener closes its oldest
   // greeting) and admits the next. Before issue 13 the real rank 1 failed on the closed connection.
   LogCapture log;
-  asio::io_context io;
-  const unsigned short store_port = free_port();
-  store::Server server(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
-                       store::Admission{"", "", 2, std::chrono::milliseconds(5000)});
-  asio::ip::tcp::acceptor listener(io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  const unsigned short listener_port = listener.local_endpoint().port();
+  PlayingRank0 scene;
+  auto& io = scene.io;
+  const unsigned short store_port = scene.store_port;
+  auto& listener = scene.listener;
   int connections = 0;
   std::optional<asio::ip::tcp::socket> admitted;
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
-    asio::ip::tcp::socket socket(io);
-    const asio::ip::tcp::endpoint store_at(asio::ip::make_address("127.0.0.1"), store_port);
-    co_await socket.async_connect(store_at, asio::use_awaitable);
-    const greeting::Local as_client{greeting::Role::store_client, 0, 2, "", ""};
-    const std::string store_name = "the store";
-    co_await greeting::connect(socket, as_client, store_name);
-    store::Client client(std::move(socket));
-    const std::string key = "weft/addr/0";
-    const std::string address = fmt::format("127.0.0.1 {}", listener_port);
-    co_await client.set(key, address);
+    co_await publish_as_rank0(io, store_port, scene.listener_port);
     const greeting::Local as_rank0{greeting::Role::rank, 0, 2, "", ""};
     const std::function<std::string(const greeting::Greeting&)> check = [](const greeting::Greeting&) { return std::string(); };
     for (;;) {
