@@ -146,7 +146,8 @@ struct Channel {
 
 struct ExecOptions {
   std::size_t segment_bytes = 256 * 1024;  ///< a step's range travels in segments of this size
-  int window = 4;                          ///< segments of a reducing step posted ahead, at least ...
+  int pipeline_depth = 8;                  ///< segments in flight per step (Options::pipeline_depth): of a
+                                           ///< reducing step, at least this many are posted ahead ...
   std::size_t scratch_bytes = 16 << 20;    ///< ... and up to this many bytes of them (scratch memory)
 };
 

@@ -198,12 +198,14 @@ Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
 
 namespace weft {
 
-/// Awaits `future`, but for at most `timeout`: past the deadline the operation is cancelled and
-/// weft::TimeoutError is thrown (once the operation has ended, so its buffers are free again).
+/// Awaits `future`, but for at most `timeout`: past it this rank cancels the operation (Future::cancel)
+/// and weft::TimeoutError is thrown (once the operation has ended, so its buffers are free again). Not
+/// to be confused with a deadline (Options::timeout, Group::with_timeout), which fails a collective on
+/// every rank with a report of who had not joined: this is one rank giving up on one awaited result.
 /// Errors: the operation's own error, or TimeoutError. Cancellation: the awaiting Task's stop token
 /// cancels the operation too.
 template <class T>
-Task<T> with_timeout(Loop& loop, Future<T> future, std::chrono::nanoseconds timeout) {
+Task<T> cancel_after(Loop& loop, Future<T> future, std::chrono::nanoseconds timeout) {
   auto fired = std::make_shared<std::atomic<bool>>(false);
   const std::uint64_t timer = loop.call_after(timeout, [fired, state = future.state()](bool expired) {
     if (!expired || state->ready()) return;
@@ -224,7 +226,7 @@ Task<T> with_timeout(Loop& loop, Future<T> future, std::chrono::nanoseconds time
   loop.cancel_timer(timer);
   if (error) {
     if (fired->load()) {
-      throw TimeoutError({.op = "with_timeout"},
+      throw TimeoutError({.op = "cancel_after"},
                          "the operation did not finish within " +
                              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()) + " ms");
     }

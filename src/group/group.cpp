@@ -19,11 +19,7 @@
 #include "src/core/host.hpp"
 #include "src/core/signature.hpp"
 #include "src/group/bootstrap.hpp"
-#include "transports/tcp/tcp_transport.hpp"
-#include "weft_config.h"
-#if WEFT_HAVE_URING
-#include "transports/uring/uring_stream.hpp"
-#endif
+#include "transports/select.hpp"
 
 namespace weft {
 
@@ -393,35 +389,6 @@ struct AwaitAsio {
   }
 };
 
-// The framed protocol over Asio's reactor or over io_uring (Options::transport). io_uring that cannot be
-// set up falls back to Asio, said once per process.
-TcpTransport* make_transport(Loop& loop, const Options& options, std::vector<asio::ip::tcp::socket> sockets) {
-#if WEFT_HAVE_URING
-  if (options.transport == "uring" || options.transport == "auto") {
-    std::string why;
-    if (auto ring = UringRing::create(loop, why)) {
-      log().info("rank {}: io_uring ring: {}", options.rank, ring->settings());
-      return new TcpTransport(loop, options.rank, options.world_size, std::move(sockets), "uring",
-                              [ring](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
-                                return std::make_shared<UringStream>(std::move(socket), ring, events, peer, std::move(alive));
-                              });
-    }
-    static std::once_flag said;
-    std::call_once(said, [&] {
-      log().warn("rank {}: io_uring is not available ({}); using the tcp transport (Asio)", options.rank, why);
-    });
-  }
-#else
-  if (options.transport == "uring") {
-    static std::once_flag said;
-    std::call_once(said, [&] {
-      log().warn("rank {}: this build has no io_uring (liburing was not found); using the tcp transport (Asio)", options.rank);
-    });
-  }
-#endif
-  return new TcpTransport(loop, options.rank, options.world_size, std::move(sockets));
-}
-
 // The default bound on early messages: generous (a legitimate program may send a message of several GiB
 // before its receive is posted; a test sends one over 4 GiB), yet below what would exhaust the machine:
 // half its memory, shared among the ranks the launcher put on this host (4 ranks each allowed half
@@ -455,7 +422,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   for (auto& socket : result.sockets) {
     if (socket.is_open()) TcpTransport::set_heartbeat(socket, options.heartbeat);
   }
-  auto* transport = make_transport(*loop, options, std::move(result.sockets));
+  auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets));
   transport->seal_frames(options.integrity, result.frame_keys);
   transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : share_of_half_the_memory());
   transport->watch_liveness(options.heartbeat);
