@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -13,7 +14,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "kernels/cpu/reduce.hpp"
+#include "src/algorithms/reduction.hpp"
 #include "src/algorithms/selection.hpp"
 #include "src/core/log.hpp"
 #include "src/core/host.hpp"
@@ -24,6 +25,20 @@
 namespace weft {
 
 namespace algo = algorithms;
+
+namespace detail {
+
+// One buffer collective as the public methods pack it, as NCCL packs every call into one ncclInfo: all
+// that validation, selection and the task need.
+struct CollectiveCall {
+  Collective collective;
+  ConstBufferView in;
+  BufferView out;
+  ReduceOp op = ReduceOp::sum;
+  int root = -1;
+};
+
+}  // namespace detail
 
 namespace detail {
 
@@ -88,21 +103,26 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     int root = -1;
   };
 
-  algo::Channel channel(std::uint64_t seq, const char* op, const algo::PlanBuffers& buffers, Call call,
-                        std::uint64_t first_tag) const {
+  algo::Channel channel(std::uint64_t seq, const char* op, const OpSignature& signature, std::uint64_t first_tag) const {
     algo::Channel ch{loop, transport.get(), context, seq, rank, members, op, first_tag};
-    ch.signature = signature::of(op, buffers.dtype, buffers.op, call.count, call.root);
+    ch.signature = signature;
     return ch;
   }
 
   algo::ExecOptions exec_options() const { return algo::ExecOptions{options.segment_bytes, options.pipeline_depth}; }
 
   /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
-  Task<void> run(const algo::Plan& plan, std::uint64_t seq, const char* op, algo::PlanBuffers buffers, Call call,
+  Task<void> run(const algo::Plan& plan, std::uint64_t seq, Collective collective, algo::PlanBuffers buffers, Call call,
                  std::uint64_t first_tag = 0) {
+    return run_signed(plan, seq, to_string(collective).data(),
+                      signature::of(collective, buffers.dtype, buffers.op, call.count, call.root), buffers, first_tag);
+  }
+  /// The same for a plan of the user's (`op` names it in errors).
+  Task<void> run_signed(const algo::Plan& plan, std::uint64_t seq, const char* op, OpSignature signature,
+                        algo::PlanBuffers buffers, std::uint64_t first_tag = 0) {
     watch(seq, op);
     try {
-      co_await algo::execute(channel(seq, op, buffers, call, first_tag), plan, buffers, exec_options());
+      co_await algo::execute(channel(seq, op, signature, first_tag), plan, buffers, exec_options());
     } catch (const Error& e) {
       unwatch(seq);
       // A cancelled operation was cancelled on every member (a cancel frame): the group goes on.
@@ -526,19 +546,9 @@ Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, st
   }
 }
 
-// What a reduction does after its last combining step: avg divides by the number of ranks; a logical op
-// on one rank still yields 0 or 1 (x && x), as it does on more.
-void finish_reduction(ReduceOp op, void* data, std::size_t count, DType type, int ranks) {
-  if (op == ReduceOp::avg) kernels::divide_in_place(data, count, type, ranks);
-  if ((op == ReduceOp::logical_and || op == ReduceOp::logical_or) && ranks == 1 && count) {
-    kernels::find_reduce(type, ReduceOp::logical_and)(data, data, data, count);
-  }
-}
-
-
 // Deterministic reduction of block `mine` of every rank: an ordered exchange brings every rank's block
 // here (slot i from rank i), and the fold runs in rank order: ((x0 op x1) op x2) ...
-Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, const char* name, const std::byte* in,
+Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, Collective name, const std::byte* in,
                           std::span<const algo::Range> blocks, std::byte* dst, DType type, ReduceOp op,
                           GroupState::Call call) {
   const std::size_t esize = dtype_size(type);
@@ -547,14 +557,10 @@ Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, const char* name, co
   copy_bytes(slots.get() + static_cast<std::size_t>(g.rank) * mine.count * esize, in + mine.offset * esize, mine.count * esize);
   const auto plan = algo::ordered_exchange(g.size, g.rank, blocks);
   co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op}, call);
-  copy_bytes(dst, slots.get(), mine.count * esize);
-  const auto reduce = kernels::find_reduce(type, op);
-  for (int i = 1; i < g.size && mine.count; ++i) {
-    reduce(dst, dst, slots.get() + static_cast<std::size_t>(i) * mine.count * esize, mine.count);
-  }
+  algo::fold_in_rank_order(dst, slots.get(), mine.count, g.size, type, op);
 }
 
-Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name,
+Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, Collective name,
                                     ConstBufferView in, BufferView out, ReduceOp op, GroupState::Call call) {
   const auto blocks = algo::blocks_of(out.count, g->size);
   const algo::Range mine = blocks[static_cast<std::size_t>(g->rank)];
@@ -562,81 +568,97 @@ Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t
   // The fold lands after the exchange has ended, and the exchange never sends this rank's own block:
   // in place, it may write straight over the input.
   co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, out.bytes_ptr() + mine.offset * esize, out.dtype, op, call);
-  finish_reduction(op, out.bytes_ptr() + mine.offset * esize, mine.count, out.dtype, g->size);
+  algo::finish_reduction(op, out.bytes_ptr() + mine.offset * esize, mine.count, out.dtype, g->size);
   const auto gather = algo::ring_all_gather(g->size, g->rank, blocks, -1);
   co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, call, std::uint64_t{1} << 32);
 }
 
+// Every task starts by checking that it implements the algorithm it was given: a registry entry whose
+// kind a task does not handle fails here, loudly, instead of running an empty plan.
+void require(const algo::Algorithm& algorithm, std::initializer_list<algo::Kind> handled) {
+  if (std::find(handled.begin(), handled.end(), algorithm.kind) == handled.end()) {
+    throw std::logic_error(fmt::format("weft: {} has no implementation of the algorithm '{}'", to_string(algorithm.collective),
+                                       algorithm.name));
+  }
+}
+
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
-                           std::string algorithm) {
+                           const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::ring, Kind::bidirectional_ring, Kind::recursive_doubling, Kind::rabenseifner, Kind::tree});
   if (g->options.deterministic && g->size > 1) {
-    co_await deterministic_all_reduce(g, seq, "all_reduce", in, out, op, {out.count});
+    co_await deterministic_all_reduce(g, seq, Collective::all_reduce, in, out, op, {out.count});
     co_return;
   }
   algo::Plan plan;
   algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
-  if ((algorithm == "ring" || algorithm == "bidirectional_ring") && g->size > 1) {
+  if ((algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring) && g->size > 1) {
     // The rings reduce every block once and write every block of `out`: out of place, they read this
     // rank's contribution straight from `in` (no staging copy).
-    plan = algorithm == "ring" ? algo::ring_all_reduce(g->size, g->rank, out.count)
-                               : algo::bidirectional_ring_all_reduce(g->size, g->rank, out.count);
+    plan = algorithm.kind == Kind::ring ? algo::ring_all_reduce(g->size, g->rank, out.count)
+                                        : algo::bidirectional_ring_all_reduce(g->size, g->rank, out.count);
     buffers.send = in.bytes_ptr();
     if (in.data != out.data) buffers.local = in.bytes_ptr();
   } else {
     // The others run in place on `out`, sending what they have reduced so far.
     copy_bytes(out.data, in.data, out.bytes());
-    if (algorithm == "recursive_doubling") plan = algo::recursive_doubling_all_reduce(g->size, g->rank, out.count);
-    else if (algorithm == "rabenseifner") plan = algo::rabenseifner_all_reduce(g->size, g->rank, out.count);
-    else if (algorithm == "tree") plan = algo::tree_all_reduce(g->size, g->rank, out.count);
+    // (A ring on one rank: nothing to exchange, the copy is the result.)
+    if (algorithm.kind == Kind::recursive_doubling) plan = algo::recursive_doubling_all_reduce(g->size, g->rank, out.count);
+    if (algorithm.kind == Kind::rabenseifner) plan = algo::rabenseifner_all_reduce(g->size, g->rank, out.count);
+    if (algorithm.kind == Kind::tree) plan = algo::tree_all_reduce(g->size, g->rank, out.count);
   }
-  co_await g->run(plan, seq, "all_reduce", buffers, {out.count});
-  finish_reduction(op, out.data, out.count, out.dtype, g->size);
+  co_await g->run(plan, seq, Collective::all_reduce, buffers, {out.count});
+  algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
 Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
-                           std::string algorithm) {
+                           const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::ring, Kind::bruck, Kind::recursive_doubling});
   const std::size_t block_bytes = in.bytes();
   const bool power_of_two = (g->size & (g->size - 1)) == 0;
-  if (algorithm == "recursive_doubling" && power_of_two && g->size > 1) {
+  if (algorithm.kind == Kind::recursive_doubling && power_of_two && g->size > 1) {
     copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
     const auto plan = algo::recursive_doubling_all_gather(g->size, g->rank, in.count);
-    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
+    co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
     co_return;
   }
   // Bruck also serves recursive doubling on a non-power-of-two group (the same lg p rounds).
-  if ((algorithm == "bruck" || algorithm == "recursive_doubling") && g->size > 1) {
+  if ((algorithm.kind == Kind::bruck || algorithm.kind == Kind::recursive_doubling) && g->size > 1) {
     // Bruck gathers into a rotated buffer (slot i holds rank r+i's block); rotate it into place.
     const auto p = static_cast<std::size_t>(g->size);
     auto rotated = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
     copy_bytes(rotated.get(), in.data, block_bytes);
     const auto plan = algo::bruck_all_gather(g->size, g->rank, in.count);
-    co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum}, {in.count});
+    co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum}, {in.count});
     blocks_from_slots(out.bytes_ptr(), rotated.get(), p, static_cast<std::size_t>(g->rank), block_bytes);
     co_return;
   }
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
   const auto blocks = algo::blocks_of(out.count, g->size);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, "all_gather", algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
+  co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
 }
 
 Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
-                               std::string algorithm) {
+                               const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::ring, Kind::recursive_halving});
   if (g->options.deterministic && g->size > 1) {
     const auto blocks = algo::blocks_of(in.count, g->size);
-    co_await ordered_reduce(*g, seq, "reduce_scatter", in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op, {out.count});
-    finish_reduction(op, out.data, out.count, out.dtype, g->size);
+    co_await ordered_reduce(*g, seq, Collective::reduce_scatter, in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op, {out.count});
+    algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
   const bool power_of_two = (g->size & (g->size - 1)) == 0;
-  if (algorithm == "recursive_halving" && power_of_two && g->size > 1) {
+  if (algorithm.kind == Kind::recursive_halving && power_of_two && g->size > 1) {
     // Halving accumulates into the same ranges round after round: it works on a copy of the input.
     auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
     copy_bytes(work.get(), in.data, in.bytes());
     const auto plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, out.count);
-    co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{work.get(), work.get(), out.dtype, op}, {out.count});
+    co_await g->run(plan, seq, Collective::reduce_scatter, algo::PlanBuffers{work.get(), work.get(), out.dtype, op}, {out.count});
     copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
-    finish_reduction(op, out.data, out.count, out.dtype, g->size);
+    algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
   // The ring (also where recursive halving was asked for on a non-power-of-two group) reduces into
@@ -646,20 +668,25 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
   const auto blocks = algo::blocks_of(in.count, g->size);
   const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, "reduce_scatter", algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()}, {out.count});
+  co_await g->run(plan, seq, Collective::reduce_scatter, algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()}, {out.count});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
-  finish_reduction(op, out.data, out.count, out.dtype, g->size);
+  algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root, std::string algorithm) {
-  const auto plan = algorithm == "scatter_all_gather" ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
-                                                      : algo::binomial_broadcast(g->size, g->rank, root, data.count);
-  co_await g->run(plan, seq, "broadcast", algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum},
+Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
+                          const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::binomial, Kind::scatter_all_gather});
+  const auto plan = algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
+                                                               : algo::binomial_broadcast(g->size, g->rank, root, data.count);
+  co_await g->run(plan, seq, Collective::broadcast, algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum},
                   {data.count, root});
 }
 
 Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op,
-                       std::string algorithm) {
+                       const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::binomial, Kind::reduce_scatter_gather});
   if (g->options.deterministic && g->size > 1) {
     // Every rank computes the rank-order result; only the root keeps it.
     std::unique_ptr<std::byte[]> scratch;
@@ -668,7 +695,7 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
       scratch = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
       result = BufferView(scratch.get(), in.count, in.dtype);
     }
-    co_await deterministic_all_reduce(g, seq, "reduce", in, result, op, {in.count, root});
+    co_await deterministic_all_reduce(g, seq, Collective::reduce, in, result, op, {in.count, root});
     co_return;
   }
   std::unique_ptr<std::byte[]> scratch;
@@ -678,10 +705,10 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
     work = scratch.get();
   }
   copy_bytes(work, in.data, in.bytes());
-  const auto plan = algorithm == "reduce_scatter_gather" ? algo::reduce_scatter_gather_reduce(g->size, g->rank, root, in.count)
-                                                         : algo::binomial_reduce(g->size, g->rank, root, in.count);
-  co_await g->run(plan, seq, "reduce", algo::PlanBuffers{work, work, in.dtype, op}, {in.count, root});
-  if (g->rank == root) finish_reduction(op, out.data, out.count, out.dtype, g->size);
+  const auto plan = algorithm.kind == Kind::reduce_scatter_gather ? algo::reduce_scatter_gather_reduce(g->size, g->rank, root, in.count)
+                                                                  : algo::binomial_reduce(g->size, g->rank, root, in.count);
+  co_await g->run(plan, seq, Collective::reduce, algo::PlanBuffers{work, work, in.dtype, op}, {in.count, root});
+  if (g->rank == root) algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
 // Room for what a binomial gather or scatter plan touches on this rank (at least its own block of
@@ -693,56 +720,62 @@ std::unique_ptr<std::byte[]> slots_for(const algo::Plan& plan, std::size_t count
 }
 
 Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
-                       std::string algorithm) {
+                       const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::direct, Kind::binomial});
   const std::size_t block_bytes = in.bytes();
   const auto p = static_cast<std::size_t>(g->size);
-  if (algorithm == "binomial" && g->size > 1) {
+  if (algorithm.kind == Kind::binomial && g->size > 1) {
     // Blocks travel in virtual order (slot i: rank root + r' + i), own block first; the root rotates.
     const auto plan = algo::binomial_gather(g->size, g->rank, root, in.count);
     auto staging = slots_for(plan, in.count, in.dtype);
     copy_bytes(staging.get(), in.data, block_bytes);
-    co_await g->run(plan, seq, "gather", algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum}, {in.count, root});
+    co_await g->run(plan, seq, Collective::gather, algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum}, {in.count, root});
     if (g->rank == root) blocks_from_slots(out.bytes_ptr(), staging.get(), p, static_cast<std::size_t>(root), block_bytes);
     co_return;
   }
   if (g->rank == root) copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(root) * in.bytes(), in.data, in.bytes());
   const auto plan = algo::direct_gather(g->size, g->rank, root, in.count);
-  co_await g->run(plan, seq, "gather",
+  co_await g->run(plan, seq, Collective::gather,
                   algo::PlanBuffers{in.bytes_ptr(), g->rank == root ? out.bytes_ptr() : nullptr, in.dtype, ReduceOp::sum},
                   {in.count, root});
 }
 
 Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
-                        std::string algorithm) {
+                        const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::direct, Kind::binomial});
   const std::size_t block_bytes = out.bytes();
   const auto p = static_cast<std::size_t>(g->size);
-  if (algorithm == "binomial" && g->size > 1) {
+  if (algorithm.kind == Kind::binomial && g->size > 1) {
     const auto plan = algo::binomial_scatter(g->size, g->rank, root, out.count);
     auto staging = slots_for(plan, out.count, out.dtype);
     if (g->rank == root) slots_from_blocks(staging.get(), in.bytes_ptr(), p, static_cast<std::size_t>(root), block_bytes);
-    co_await g->run(plan, seq, "scatter", algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum}, {out.count, root});
+    co_await g->run(plan, seq, Collective::scatter, algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum}, {out.count, root});
     copy_bytes(out.data, staging.get(), block_bytes);
     co_return;
   }
   if (g->rank == root) copy_bytes(out.data, in.bytes_ptr() + static_cast<std::size_t>(root) * out.bytes(), out.bytes());
   const auto plan = algo::direct_scatter(g->size, g->rank, root, out.count);
-  co_await g->run(plan, seq, "scatter",
+  co_await g->run(plan, seq, Collective::scatter,
                   algo::PlanBuffers{g->rank == root ? in.bytes_ptr() : nullptr, out.bytes_ptr(), out.dtype, ReduceOp::sum},
                   {out.count, root});
 }
 
 Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
-                           std::string algorithm) {
+                           const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::pairwise, Kind::bruck});
   const std::size_t block = in.count / static_cast<std::size_t>(g->size);
   const std::size_t block_bytes = block * dtype_size(in.dtype);
-  if (algorithm == "bruck" && g->size > 1) {
+  if (algorithm.kind == Kind::bruck && g->size > 1) {
     // Rotate in (slot i: the block for rank r+i), run, rotate out (slot i came from rank r-i).
     const auto p = static_cast<std::size_t>(g->size);
     const auto r = static_cast<std::size_t>(g->rank);
     auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
     slots_from_blocks(slots.get(), in.bytes_ptr(), p, r, block_bytes);
     const auto plan = algo::bruck_all_to_all(g->size, g->rank, block);
-    co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum}, {in.count});
+    co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum}, {in.count});
     blocks_from_slots(out.bytes_ptr(), slots.get(), p, r, block_bytes, Turn::down);
     co_return;
   }
@@ -756,12 +789,13 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes,
              source + static_cast<std::size_t>(g->rank) * block_bytes, block_bytes);
   const auto plan = algo::pairwise_all_to_all(g->size, g->rank, block);
-  co_await g->run(plan, seq, "all_to_all", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
+  co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
-Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq) {
+Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const algo::Algorithm& algorithm) {
+  require(algorithm, {algo::Kind::dissemination});
   const auto plan = algo::dissemination_barrier(g->size, g->rank);
-  co_await g->run(plan, seq, "barrier", algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
+  co_await g->run(plan, seq, Collective::barrier, algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
 }
 
 Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
@@ -793,7 +827,7 @@ Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
       plan.push_back(algo::Step{algo::StepKind::recv, -1, recv_from, {}, all});
     }
   }
-  co_await g->run(plan, seq, "permute", algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
+  co_await g->run(plan, seq, Collective::permute, algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
 // A group made from `parent` (split, shrink) inherits everything but its members and context: the loop,
@@ -816,7 +850,7 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
   const auto blocks = algo::blocks_of(2 * static_cast<std::size_t>(g->size), g->size);
   const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
   auto* bytes = reinterpret_cast<std::byte*>(all.data());
-  co_await g->run(plan, seq, "split", algo::PlanBuffers{bytes, bytes, DType::i32, ReduceOp::sum}, {});
+  co_await g->run(plan, seq, Collective::split, algo::PlanBuffers{bytes, bytes, DType::i32, ReduceOp::sum}, {});
   if (color < 0) co_return Group();
   std::vector<std::pair<std::pair<int, int>, int>> chosen;  // ((key, parent rank), parent rank)
   for (int r = 0; r < g->size; ++r) {
@@ -924,6 +958,117 @@ Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
   co_return Group(std::move(child));
 }
 
+// ---------------------------------------------------------------- the submit path
+
+// What each buffer collective requires of its call: one row per collective, read by validate() and
+// selection_bytes(), so that the public methods hold no checks of their own.
+struct Rule {
+  enum class Counts : std::uint8_t {
+    none,          // no buffers (barrier)
+    one_buffer,    // in and out are one buffer ("data": broadcast)
+    equal,         // out has in's count
+    out_is_p_in,   // out holds a block per rank of in's count (all_gather, gather)
+    in_is_p_out,   // in holds a block per rank of out's count (reduce_scatter, scatter)
+  };
+  enum class Size : std::uint8_t { out, in, p_in, p_out };  // the bytes the algorithm is chosen by
+  Counts counts;
+  Size size;
+  bool root = false;            // takes a root
+  bool input_root_only = false;   // only the root's input is read (scatter)
+  bool output_root_only = false;  // only the root's output is written (reduce, gather)
+  bool equal_blocks = false;      // the count splits into size() equal blocks (all_to_all)
+};
+
+const Rule& rule_of(Collective c) {
+  using C = Rule::Counts;
+  using S = Rule::Size;
+  static const Rule all_reduce{C::equal, S::out};
+  static const Rule all_gather{C::out_is_p_in, S::out};
+  static const Rule reduce_scatter{C::in_is_p_out, S::in};
+  static const Rule broadcast{C::one_buffer, S::out, true};
+  static const Rule reduce{C::equal, S::in, true, false, true};
+  static const Rule gather{C::out_is_p_in, S::p_in, true, false, true};
+  static const Rule scatter{C::in_is_p_out, S::p_out, true, true, false};
+  static const Rule all_to_all{C::equal, S::in, false, false, false, true};
+  static const Rule barrier{C::none, S::in};
+  switch (c) {
+    case Collective::all_reduce: return all_reduce;
+    case Collective::all_gather: return all_gather;
+    case Collective::reduce_scatter: return reduce_scatter;
+    case Collective::broadcast: return broadcast;
+    case Collective::reduce: return reduce;
+    case Collective::gather: return gather;
+    case Collective::scatter: return scatter;
+    case Collective::all_to_all: return all_to_all;
+    case Collective::barrier: return barrier;
+    case Collective::permute:
+    case Collective::split: break;
+  }
+  throw std::logic_error(fmt::format("weft: {} does not go through the submit path", to_string(c)));
+}
+
+// The preconditions of `call` on this rank, from its collective's rule. Errors: weft::Error
+// (invalid_argument) naming the operation, before anything is sent.
+void validate(GroupState& g, const detail::CollectiveCall& call) {
+  const char* name = to_string(call.collective).data();
+  const Rule& rule = rule_of(call.collective);
+  if (rule.root) check_rank(g, name, "root", call.root);
+  if (rule.counts == Rule::Counts::none) return;
+  if (rule.counts == Rule::Counts::one_buffer) {
+    check_buffer(g, name, "data", call.out.data, call.out.count, call.out.dtype, call.out.device);
+    return;
+  }
+  const bool root_here = g.rank == call.root;
+  const bool input_here = !rule.input_root_only || root_here;
+  const bool output_here = !rule.output_root_only || root_here;
+  if (input_here) check_buffer(g, name, "input", call.in.data, call.in.count, call.in.dtype, call.in.device);
+  if (reduces(call.collective)) check_op(g, name, call.in.dtype, call.op);
+  if (output_here) check_buffer(g, name, "output", call.out.data, call.out.count, call.out.dtype, call.out.device);
+  if (!input_here || !output_here) return;  // a rank that uses one of the buffers: nothing to compare
+  check_same_type(g, name, call.in.dtype, call.out.dtype);
+  switch (rule.counts) {
+    case Rule::Counts::equal: check_count(g, name, "output", call.out.count, call.in.count); break;
+    case Rule::Counts::out_is_p_in: check_count(g, name, "output", call.out.count, per_rank_total(g, name, call.in.count)); break;
+    case Rule::Counts::in_is_p_out: check_count(g, name, "input", call.in.count, per_rank_total(g, name, call.out.count)); break;
+    case Rule::Counts::none:
+    case Rule::Counts::one_buffer: break;
+  }
+  if (rule.equal_blocks && call.in.count % static_cast<std::size_t>(g.size) != 0) {
+    invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", call.in.count, g.size));
+  }
+}
+
+// The bytes the selection table looks at for `call`.
+std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& call) {
+  const auto p = static_cast<std::size_t>(g.size);
+  switch (rule_of(call.collective).size) {
+    case Rule::Size::out: return call.out.bytes();
+    case Rule::Size::in: return call.in.bytes();
+    case Rule::Size::p_in: return call.in.bytes() * p;
+    case Rule::Size::p_out: return call.out.bytes() * p;
+  }
+  return 0;
+}
+
+// The task of `call`'s collective (not a coroutine: no frame of its own).
+Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
+                            const algo::Algorithm& algorithm) {
+  switch (call.collective) {
+    case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
+    case Collective::all_gather: return all_gather_task(std::move(g), seq, call.in, call.out, algorithm);
+    case Collective::reduce_scatter: return reduce_scatter_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
+    case Collective::broadcast: return broadcast_task(std::move(g), seq, call.out, call.root, algorithm);
+    case Collective::reduce: return reduce_task(std::move(g), seq, call.in, call.out, call.root, call.op, algorithm);
+    case Collective::gather: return gather_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
+    case Collective::scatter: return scatter_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
+    case Collective::all_to_all: return all_to_all_task(std::move(g), seq, call.in, call.out, algorithm);
+    case Collective::barrier: return barrier_task(std::move(g), seq, algorithm);
+    case Collective::permute:
+    case Collective::split: break;
+  }
+  throw std::logic_error(fmt::format("weft: {} does not go through the submit path", to_string(call.collective)));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Group
@@ -978,7 +1123,13 @@ void Group::override_algorithms(std::string_view spec) { live("override_algorith
 
 std::string Group::algorithm_for(std::string_view collective, std::size_t bytes) const {
   const auto& g = live("algorithm_for");
-  return std::string(g.selection.choose(collective, bytes, g.size));
+  const auto known = collective_named(collective);
+  if (!known) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = g.rank, .op = "algorithm_for"},
+                fmt::format("'{}' is not a collective", collective));
+  }
+  const algo::Algorithm* chosen = g.selection.choose(*known, bytes, g.size);
+  return chosen ? std::string(chosen->name) : std::string();
 }
 
 int Group::rank() const noexcept { return state_ ? state_->rank : -1; }
@@ -1005,120 +1156,41 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
 Future<void> Group::all_reduce(BufferView data, ReduceOp op) { return all_reduce(ConstBufferView(data), data, op); }
 
 Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) {
-  const char* name = "all_reduce";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-  check_same_type(g, name, in.dtype, out.dtype);
-  check_count(g, name, "output", out.count, in.count);
-  check_op(g, name, in.dtype, op);
-  // Chosen on the caller's thread, where override_algorithms changes the table.
-  std::string algorithm(g.selection.choose("all_reduce", out.bytes(), g.size));
-  return spawn(*g.loop, all_reduce_task(state_, take_seq(g, timeout_), in, out, op, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::all_reduce, in, out, op});
 }
-
 Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
-  const char* name = "all_gather";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-  check_same_type(g, name, in.dtype, out.dtype);
-  check_count(g, name, "output", out.count, per_rank_total(g, name, in.count));
-  std::string algorithm(g.selection.choose("all_gather", out.bytes(), g.size));
-  return spawn(*g.loop, all_gather_task(state_, take_seq(g, timeout_), in, out, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::all_gather, in, out});
 }
-
 Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op) {
-  const char* name = "reduce_scatter";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-  check_same_type(g, name, in.dtype, out.dtype);
-  check_count(g, name, "input", in.count, per_rank_total(g, name, out.count));
-  check_op(g, name, in.dtype, op);
-  std::string algorithm(g.selection.choose("reduce_scatter", in.bytes(), g.size));
-  return spawn(*g.loop, reduce_scatter_task(state_, take_seq(g, timeout_), in, out, op, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::reduce_scatter, in, out, op});
 }
-
 Future<void> Group::broadcast(BufferView data, int root) {
-  const char* name = "broadcast";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_rank(g, name, "root", root);
-  check_buffer(g, name, "data", data.data, data.count, data.dtype, data.device);
-  std::string algorithm(g.selection.choose("broadcast", data.bytes(), g.size));
-  return spawn(*g.loop, broadcast_task(state_, take_seq(g, timeout_), data, root, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::broadcast, data, data, ReduceOp::sum, root});
 }
-
 Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceOp op) {
-  const char* name = "reduce";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_rank(g, name, "root", root);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_op(g, name, in.dtype, op);
-  if (g.rank == root) {
-    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-    check_same_type(g, name, in.dtype, out.dtype);
-    check_count(g, name, "output", out.count, in.count);
-  }
-  std::string algorithm(g.selection.choose("reduce", in.bytes(), g.size));
-  return spawn(*g.loop, reduce_task(state_, take_seq(g, timeout_), in, out, root, op, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::reduce, in, out, op, root});
 }
-
 Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
-  const char* name = "gather";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_rank(g, name, "root", root);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  if (g.rank == root) {
-    check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-    check_same_type(g, name, in.dtype, out.dtype);
-    check_count(g, name, "output", out.count, per_rank_total(g, name, in.count));
-  }
-  std::string algorithm(g.selection.choose("gather", in.bytes() * static_cast<std::size_t>(g.size), g.size));
-  return spawn(*g.loop, gather_task(state_, take_seq(g, timeout_), in, out, root, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::gather, in, out, ReduceOp::sum, root});
 }
-
 Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
-  const char* name = "scatter";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_rank(g, name, "root", root);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-  if (g.rank == root) {
-    check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-    check_same_type(g, name, in.dtype, out.dtype);
-    check_count(g, name, "input", in.count, per_rank_total(g, name, out.count));
-  }
-  std::string algorithm(g.selection.choose("scatter", out.bytes() * static_cast<std::size_t>(g.size), g.size));
-  return spawn(*g.loop, scatter_task(state_, take_seq(g, timeout_), in, out, root, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::scatter, in, out, ReduceOp::sum, root});
 }
-
 Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
-  const char* name = "all_to_all";
-  auto& g = live(name);
-  check_usable(g, name);
-  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
-  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
-  check_same_type(g, name, in.dtype, out.dtype);
-  check_count(g, name, "output", out.count, in.count);
-  if (in.count % static_cast<std::size_t>(g.size) != 0) {
-    invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", in.count, g.size));
-  }
-  std::string algorithm(g.selection.choose("all_to_all", in.bytes(), g.size));
-  return spawn(*g.loop, all_to_all_task(state_, take_seq(g, timeout_), in, out, std::move(algorithm)));
+  return submit(detail::CollectiveCall{Collective::all_to_all, in, out});
 }
 
-Future<void> Group::barrier() {
-  auto& g = live("barrier");
-  check_usable(g, "barrier");
-  return spawn(*g.loop, barrier_task(state_, take_seq(g, timeout_)));
+Future<void> Group::submit(const detail::CollectiveCall& call) {
+  const char* name = to_string(call.collective).data();
+  auto& g = live(name);
+  check_usable(g, name);
+  validate(g, call);
+  // Chosen on the caller's thread, where override_algorithms changes the table.
+  const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size);
+  return spawn(*g.loop, start_collective(state_, take_seq(g, timeout_), call, algorithm));
 }
+
+Future<void> Group::barrier() { return submit(detail::CollectiveCall{Collective::barrier, {}, {}}); }
 
 Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs) {
   const char* name = "permute";
@@ -1142,7 +1214,7 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
 namespace {
 Task<void> plan_task(std::shared_ptr<GroupState> g, std::uint64_t seq, algo::Plan plan, algo::PlanBuffers buffers,
                      const char* name) {
-  co_await g->run(plan, seq, name, buffers, {});
+  co_await g->run_signed(plan, seq, name, signature::of_plan(buffers.dtype, buffers.op, 0), buffers);
 }
 }  // namespace
 
