@@ -2,7 +2,9 @@
 // rank 0 reads it through an in-memory Stream, in chunks of varying size, with a few receives posted (their
 // keys, sizes and signatures from the input's first bytes). Whatever the bytes, nothing may crash, every
 // allocation stays bounded (early messages: 1 MiB here), and once the stream ends every receive must have
-// completed (nothing hangs).
+// completed (nothing hangs). Sealed frames (WEFT_INTEGRITY) are read too: the header check and trailer
+// paths must hold the same promises.
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -24,7 +26,7 @@ class MemoryStream final : public Stream {
       : io_(io), events_(events), peer_(peer), alive_(std::move(alive)), data_(data), size_(size), chunk_(chunk) {}
   std::string_view backend() const noexcept override { return "memory"; }
   int native_handle() const noexcept override { return -1; }
-  void write(ConstBytes, ConstBytes) override { deliver([](StreamEvents* e, int peer) { e->on_written(peer, {}); }); }
+  void write(ConstBytes, ConstBytes, ConstBytes) override { deliver([](StreamEvents* e, int peer) { e->on_written(peer, {}); }); }
   void read(void* dst, std::size_t min, std::size_t cap) override {
     if (closed_) {
       deliver([](StreamEvents* e, int peer) { e->on_read(peer, asio::error::operation_aborted, 0); });
@@ -77,8 +79,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }();
   (void)quiet;
   if (size < 2) return 0;
-  // Byte 0: how many receives (0-3) and the read chunk; then 6 bytes per receive; the rest is the stream.
+  // Byte 0: how many receives (bits 0-1), frame integrity (bits 2-3: off, crc32c, hmac with a zero key,
+  // off) and the read chunk (bits 4-7); then 6 bytes per receive; the rest is the stream.
   const int receives = data[0] % 4;
+  const auto integrity = std::array{Integrity::off, Integrity::crc32c, Integrity::hmac, Integrity::off}[(data[0] >> 2) & 3];
   const std::size_t chunk = std::size_t{1} << (data[0] >> 4);  // 1 byte to 32 KiB per read
   struct Receive {
     std::size_t bytes;
@@ -104,6 +108,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         return std::make_shared<MemoryStream>(io, events, peer, std::move(alive), stream_data, stream_size, chunk);
       });
   transport->set_early_limit(std::size_t{1} << 20);
+  transport->seal_frames(integrity, {FrameKeys{}, FrameKeys{}});
   transport->open_context(1, {0, 1});
   struct Posted {
     TransportOp op;
