@@ -113,6 +113,12 @@ const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int
   return built_in(collective, bytes, ranks);
 }
 
+std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks) const {
+  const auto known = collective_named(collective);
+  const Algorithm* chosen = known ? choose(*known, bytes, ranks) : nullptr;
+  return chosen ? chosen->name : std::string_view();
+}
+
 const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks) {
   switch (collective) {
     case Collective::all_reduce:

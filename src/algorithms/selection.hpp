@@ -25,6 +25,9 @@ class Selection {
   /// The algorithm for `collective` of `bytes` bytes on `ranks` ranks: an entry of the registry. A
   /// collective without a choice (permute, split) has none: null.
   const Algorithm* choose(Collective collective, std::size_t bytes, int ranks) const;
+  /// The same by names, for tools and tests: the algorithm's name, empty when `collective` names no
+  /// collective with a choice.
+  std::string_view choose(std::string_view collective, std::size_t bytes, int ranks) const;
 
   /// The built-in table alone (what choose() gives without overrides).
   static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks);
