@@ -276,13 +276,13 @@ TEST_CASE("integer kernels wrap instead of overflowing", "[core][kernels]") {
   CHECK(static_cast<float>(h[2]) == 1.0f);
 }
 
-TEST_CASE("with_timeout cancels an operation that misses its deadline", "[core][deadline]") {
+TEST_CASE("cancel_after cancels an operation that does not finish in time", "[core][deadline]") {
   Loop loop;
-  auto late = [](Loop& l) -> Task<int> { co_return co_await with_timeout(l, spawn(l, sleepy(l, 30s, 1)), 20ms); };
+  auto late = [](Loop& l) -> Task<int> { co_return co_await cancel_after(l, spawn(l, sleepy(l, 30s, 1)), 20ms); };
   const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(sync_wait(loop, late(loop)), TimeoutError);
   CHECK(std::chrono::steady_clock::now() - start < 5s);
-  auto in_time = [](Loop& l) -> Task<int> { co_return co_await with_timeout(l, spawn(l, sleepy(l, 1ms, 8)), 10s); };
+  auto in_time = [](Loop& l) -> Task<int> { co_return co_await cancel_after(l, spawn(l, sleepy(l, 1ms, 8)), 10s); };
   CHECK(sync_wait(loop, in_time(loop)) == 8);
 }
 

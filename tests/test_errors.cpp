@@ -11,6 +11,7 @@
 #include <random>
 
 #include "harness.hpp"
+#include "src/core/bytes.hpp"
 #include "transports/tcp/integrity.hpp"
 #include "transports/tcp/tcp_transport.hpp"
 #include "transports/tcp/wire.hpp"
@@ -476,7 +477,7 @@ std::vector<std::byte> sealed_frame(const wire::Header& h, const std::vector<std
   wire::encode(h, header);
   std::vector<std::byte> out(header.begin(), header.end());
   out.resize(out.size() + 4);
-  wire::put_u32(out.data() + wire::header_size, crc32c(0, header.data(), header.size()));
+  le::put_u32(out.data() + wire::header_size, crc32c(0, header.data(), header.size()));
   out.insert(out.end(), payload.begin(), payload.end());
   seal.begin();
   seal.update(header.data(), header.size());
@@ -551,6 +552,13 @@ TEST_CASE("a peer that breaks the protocol loses its connection with the reason 
     h.kind = static_cast<wire::FrameKind>(9);
     peer.write(h);
     peer.expect_lost({"protocol error from rank 1", "unknown frame kind 9"});
+  }
+  SECTION("a retired frame kind (protocol 1's hello)") {
+    RawPeer peer;
+    wire::Header h = data_frame(0);
+    h.kind = static_cast<wire::FrameKind>(2);
+    peer.write(h);
+    peer.expect_lost({"protocol error from rank 1", "unknown frame kind 2"});
   }
   SECTION("a control frame over 64 KiB") {
     RawPeer peer;

@@ -11,6 +11,9 @@
 #include <weft/weft.hpp>
 
 #include "kernels/cpu/reduce.hpp"
+#include "src/algorithms/registry.hpp"
+#include "src/algorithms/selection.hpp"
+#include "src/core/signature.hpp"
 
 using namespace weft;
 using namespace weft::algorithms;
@@ -455,4 +458,59 @@ TEST_CASE("binomial gather and scatter plans move every block through the tree",
       }
     }
   }
+}
+
+TEST_CASE("the registry: every built-in choice is a registered algorithm of its collective, every name is found", "[plans][registry]") {
+  // Issue 14: a collective had four vocabularies (strings compared in if-chains, magic numbers, a name
+  // table, an enum); a misspelt name in the built-in table would have run an empty plan. Now the table
+  // returns registry entries, and this walks the whole of it.
+  for (Collective c : all_collectives) {
+    const auto& names = names_for(c);
+    for (int ranks = 1; ranks <= 17; ++ranks) {
+      for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{8} << 10, std::size_t{16} << 10, std::size_t{64} << 10,
+                                std::size_t{256} << 10, std::size_t{512} << 10, std::size_t{4} << 20, std::size_t{8} << 20,
+                                std::size_t{1} << 30}) {
+        const Algorithm* chosen = Selection::built_in(c, bytes, ranks);
+        if (names.empty()) {
+          CHECK(chosen == nullptr);  // permute, split: one plan, no choice
+          continue;
+        }
+        REQUIRE(chosen != nullptr);
+        CHECK(chosen->collective == c);
+        CHECK(find(c, chosen->name) == chosen);
+      }
+    }
+    for (std::string_view name : names) {
+      const Algorithm* a = find(c, name);
+      REQUIRE(a != nullptr);
+      CHECK(&entry(c, a->kind) == a);
+    }
+    CHECK(collective_named(to_string(c)) == c);
+  }
+  CHECK(find(Collective::all_reduce, "rign") == nullptr);
+  CHECK_THROWS_AS(entry(Collective::broadcast, Kind::ring), std::logic_error);
+  CHECK_FALSE(collective_named("all_reduse"));
+  // WEFT_ALGO is parsed against the registry.
+  Selection s;
+  s.override_with("all_gather:recursive_doubling@0-1K,ring", "WEFT_ALGO");
+  CHECK(s.choose(Collective::all_gather, 100, 4)->kind == Kind::recursive_doubling);
+  CHECK(s.choose(Collective::all_gather, 4096, 4)->kind == Kind::ring);
+  CHECK_THROWS_WITH(s.override_with("all_gather:rabenseifner", "WEFT_ALGO"),
+                    Catch::Contains("'rabenseifner' is not an algorithm of all_gather (valid: ring, bruck, recursive_doubling)"));
+  CHECK_THROWS_WITH(s.override_with("permute:ring", "WEFT_ALGO"), Catch::Contains("unknown collective 'permute'"));
+}
+
+TEST_CASE("signatures pack the Collective's value + 1: the wire codes of protocol 2 stay", "[plans][registry]") {
+  // Kind codes on the wire: 1 all_reduce ... 11 split, 31 a user's plan (docs/PROTOCOL.md). Append-only.
+  const std::pair<Collective, std::uint32_t> codes[] = {
+      {Collective::all_reduce, 1}, {Collective::all_gather, 2}, {Collective::reduce_scatter, 3}, {Collective::broadcast, 4},
+      {Collective::reduce, 5},     {Collective::gather, 6},     {Collective::scatter, 7},        {Collective::all_to_all, 8},
+      {Collective::barrier, 9},    {Collective::permute, 10},   {Collective::split, 11}};
+  for (auto [c, code] : codes) {
+    CHECK(signature::of(c, DType::f32, ReduceOp::max, 8, -1).call >> 27 == code);
+    const std::uint32_t op_bits = (signature::of(c, DType::f32, ReduceOp::max, 8, -1).call >> 18) & 15;
+    CHECK((op_bits != 0) == reduces(c));  // the op is part of the signature of the reducing ones only
+  }
+  CHECK(signature::of_plan(DType::f32, ReduceOp::sum, 0).call >> 27 == 31);
+  CHECK(signature::describe(signature::of(Collective::broadcast, DType::u8, ReduceOp::sum, 16, 2), 7) == "broadcast #7 (u8 x 16, root 2)");
 }

@@ -18,10 +18,10 @@
 #include <spdlog/sinks/ringbuffer_sink.h>
 
 #include "harness.hpp"
+#include "src/core/bytes.hpp"
 #include "src/core/log.hpp"
 #include "src/group/greeting.hpp"
 #include "src/group/store.hpp"
-#include "transports/tcp/wire.hpp"
 
 using namespace weft;
 using namespace weft::test;
@@ -292,7 +292,7 @@ TEST_CASE("strangers on the store's port are refused and logged; the job's ranks
   for (auto& b : noise) b = static_cast<unsigned char>(random());
   CHECK(::send(strangers[1], noise.data(), noise.size(), MSG_NOSIGNAL) > 0);
   std::array<std::byte, store::request_header_size> request{};
-  wire::put_u32(request.data(), store::magic);
+  le::put_u32(request.data(), store::magic);
   request[4] = std::byte{1};
   CHECK(::send(strangers[2], request.data(), request.size(), MSG_NOSIGNAL) > 0);
   std::thread rank1(rank, 1);

@@ -1,6 +1,19 @@
 #pragma once
 /// Algorithms as plans and stages.
 ///
+/// Glossary (one meaning per word, here and in the code):
+///   block    one rank's share of a buffer: blocks_of(count, p) cuts `count` elements into p of them
+///   segment  the unit a step's range travels in (Options::segment_bytes); pipeline_depth of them are in
+///            flight per step
+///   slot     a block-sized place in a staging buffer laid out in another order than the ranks' (Bruck's
+///            rotated order, a binomial tree's virtual order); copied into rank order at the end
+///   range    [offset, offset + count) in elements: what a step sends or receives
+///   seq      an operation's sequence number on its group: every rank's n-th collective has the same one
+///   tag      which message of an operation this is, between one sender and one receiver
+///   context  a group's id on the shared transport (split and shrink derive new ones)
+///   plan     one rank's script of steps for one operation: plain data, built without I/O
+///   step     one send, receive, or both, of one range each (the kinds below)
+///
 /// A Plan is plain data: one rank's script of Steps (who sends which range to whom, who receives and
 /// reduces into which range), built without any I/O and testable against a reference on its own. The
 /// executor (a coroutine stage) runs a plan over a Channel, with several segments of each step in flight,
@@ -146,7 +159,8 @@ struct Channel {
 
 struct ExecOptions {
   std::size_t segment_bytes = 256 * 1024;  ///< a step's range travels in segments of this size
-  int window = 4;                          ///< segments of a reducing step posted ahead, at least ...
+  int pipeline_depth = 8;                  ///< segments in flight per step (Options::pipeline_depth): of a
+                                           ///< reducing step, at least this many are posted ahead ...
   std::size_t scratch_bytes = 16 << 20;    ///< ... and up to this many bytes of them (scratch memory)
 };
 

@@ -48,10 +48,12 @@ class FutureStateBase {
  public:
   bool ready() const noexcept { return ready_.load(std::memory_order_acquire); }
 
-  /// Blocks until the operation completes. By default it sleeps at once and leaves the core to the loop
-  /// thread, which polls while operations are in flight (measured best on 2 ranks x 2 threads on 2 cores,
-  /// docs/DESIGN.md). WEFT_WAIT_SPIN_US makes it poll (yielding) that long first, for machines with cores
-  /// to spare.
+  /// Blocks until the operation completes. First it drives the operation's loop on this thread when the
+  /// loop can be borrowed (caller-driven progress, WEFT_DRIVE: no hand-off between threads on completion).
+  /// Otherwise, by default, it sleeps at once and leaves the core to the loop's thread, which polls while
+  /// operations are in flight (measured best on 2 ranks x 2 threads on 2 cores, docs/DESIGN.md);
+  /// WEFT_WAIT_SPIN_US makes it poll (yielding) that long before it sleeps, for machines with cores to
+  /// spare.
   void wait() {
     if (ready()) return;
     if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait");

@@ -46,6 +46,7 @@ namespace weft {
 
 namespace detail {
 struct GroupState;
+struct CollectiveCall;
 }
 
 class Group {
@@ -153,7 +154,8 @@ class Group {
   void override_algorithms(std::string_view spec);
 
   /// The algorithm this group runs for `collective` ("all_reduce", ...) on a buffer of `bytes` bytes
-  /// (the built-in table, overridden by Options::algorithms / WEFT_ALGO).
+  /// (the built-in table, overridden by Options::algorithms / WEFT_ALGO); empty for a collective without
+  /// a choice (permute). Errors: weft::Error (invalid_argument) when `collective` names none.
   std::string algorithm_for(std::string_view collective, std::size_t bytes) const;
 
   /// The group's state; for weft's own layers.
@@ -163,6 +165,9 @@ class Group {
  private:
   // The state, or weft::Error naming `op` for an empty Group.
   detail::GroupState& live(const char* op) const;
+  // The one path of every buffer collective: validate the call against its collective's rules, choose
+  // the algorithm, take the sequence number, start the task.
+  Future<void> submit(const detail::CollectiveCall& call);
 
   std::shared_ptr<detail::GroupState> state_;
   std::chrono::milliseconds timeout_{-1};  // with_timeout(); negative: the group's Options::timeout

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "weft/buffer.hpp"
+#include "weft/collective.hpp"
 #include "weft/future.hpp"
 #include "weft/reduce_op.hpp"
 
@@ -23,11 +24,8 @@ namespace weft {
 
 class Group;
 
-enum class Collective : std::uint8_t { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, permute };
-
-std::string_view to_string(Collective c) noexcept;
-
-/// The collective that computes the transpose of `c`.
+/// The collective that computes the transpose of `c` (barrier's is barrier; split has none and is
+/// returned as itself, which apply_transpose refuses).
 Collective transpose_of(Collective c) noexcept;
 
 /// The inverse of a permutation given as (src, dst) pairs: every pair reversed.
@@ -36,7 +34,7 @@ std::vector<std::pair<int, int>> inverse_pairs(const std::vector<std::pair<int, 
 /// Runs the transpose of `c` (as it was called with `root`, `pairs` and op sum) on this rank's cotangent
 /// (shaped like c's output here) and writes this rank's gradient (shaped like c's input here).
 /// Returns: the transpose collective's Future. Errors: as the collective; Errc::invalid_argument when
-/// `op` is not sum. Lifetime: both buffers must outlive the Future.
+/// `op` is not sum, or `c` is split. Lifetime: both buffers must outlive the Future.
 Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotangent, BufferView gradient,
                              ReduceOp op = ReduceOp::sum, int root = 0,
                              const std::vector<std::pair<int, int>>& pairs = {});

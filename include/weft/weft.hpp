@@ -2,6 +2,7 @@
 /// The whole public vocabulary of weft.
 #include "weft/algorithms.hpp"
 #include "weft/buffer.hpp"
+#include "weft/collective.hpp"
 #include "weft/dtype.hpp"
 #include "weft/error.hpp"
 #include "weft/future.hpp"

@@ -89,8 +89,36 @@ Detached watch_child(Future<T>& future, std::shared_ptr<Latch> latch, OnValue on
 }
 
 template <class F>
-auto cancel_hook(const F& future) {
+std::function<void()> cancel_hook(const F& future) {
   return [state = future.state()] { state->cancel(); };
+}
+
+// What every combinator sets up around its children: the latch, with a cancel hook per child installed
+// before anything can fire, and the awaiting Task's stop token forwarded to the children while they run.
+// Usage: make it, start each child with watch_child(..., latch, ...), co_await all_done(), then finish().
+struct Children {
+  Children(std::vector<std::function<void()>> cancels, const std::stop_token& token)
+      : latch(std::make_shared<Latch>(cancels.size())) {
+    latch->cancel_all = std::move(cancels);
+    if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([l = latch] { l->cancel_others(); }));
+  }
+  std::shared_ptr<Latch> latch;
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+
+  Latch::Awaiter all_done() const noexcept { return Latch::Awaiter{latch.get()}; }
+  // Every child has finished: stop forwarding, and rethrow the failure that decided the outcome.
+  void finish() {
+    on_stop.reset();
+    if (latch->first_error) std::rethrow_exception(latch->first_error);
+  }
+};
+
+template <class T>
+std::vector<std::function<void()>> cancel_hooks(const std::vector<Future<T>>& futures) {
+  std::vector<std::function<void()>> hooks;
+  hooks.reserve(futures.size());
+  for (const auto& f : futures) hooks.push_back(cancel_hook(f));
+  return hooks;
 }
 
 }  // namespace detail
@@ -135,18 +163,14 @@ template <class T>
 Task<std::vector<detail::NonVoid<T>>> when_all(std::vector<Future<T>> futures) {
   using V = detail::NonVoid<T>;
   std::vector<std::optional<V>> slots(futures.size());
-  auto latch = std::make_shared<detail::Latch>(futures.size());
-  for (auto& f : futures) latch->cancel_all.push_back(detail::cancel_hook(f));
   const std::stop_token token = co_await this_stop_token();
-  std::optional<std::stop_callback<std::function<void()>>> on_stop;
-  if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([latch] { latch->cancel_others(); }));
+  detail::Children children(detail::cancel_hooks(futures), token);
   for (std::size_t i = 0; i < futures.size(); ++i) {
-    detail::watch_child(futures[i], latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
+    detail::watch_child(futures[i], children.latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
                         static_cast<long>(i), false).handle.resume();
   }
-  co_await detail::Latch::Awaiter{latch.get()};
-  on_stop.reset();
-  if (latch->first_error) std::rethrow_exception(latch->first_error);
+  co_await children.all_done();
+  children.finish();
   std::vector<V> out;
   out.reserve(slots.size());
   for (auto& s : slots) out.push_back(std::move(*s));
@@ -155,22 +179,19 @@ Task<std::vector<detail::NonVoid<T>>> when_all(std::vector<Future<T>> futures) {
 
 template <class... Ts>
 Task<std::tuple<detail::NonVoid<Ts>...>> when_all(Future<Ts>... futures) {
-  std::tuple<Future<Ts>...> children(std::move(futures)...);
+  std::tuple<Future<Ts>...> owned(std::move(futures)...);
   std::tuple<std::optional<detail::NonVoid<Ts>>...> slots;
-  auto latch = std::make_shared<detail::Latch>(sizeof...(Ts));
-  std::apply([&](auto&... f) { (latch->cancel_all.push_back(detail::cancel_hook(f)), ...); }, children);
   const std::stop_token token = co_await this_stop_token();
-  std::optional<std::stop_callback<std::function<void()>>> on_stop;
-  if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([latch] { latch->cancel_others(); }));
+  detail::Children children(std::apply([](const auto&... f) { return std::vector<std::function<void()>>{detail::cancel_hook(f)...}; }, owned),
+                            token);
   [&]<std::size_t... I>(std::index_sequence<I...>) {
-    (detail::watch_child(std::get<I>(children), latch,
+    (detail::watch_child(std::get<I>(owned), children.latch,
                          [&slots](auto&& v) { std::get<I>(slots).emplace(std::move(v)); }, static_cast<long>(I), false)
          .handle.resume(),
      ...);
   }(std::index_sequence_for<Ts...>{});
-  co_await detail::Latch::Awaiter{latch.get()};
-  on_stop.reset();
-  if (latch->first_error) std::rethrow_exception(latch->first_error);
+  co_await children.all_done();
+  children.finish();
   co_return std::apply([](auto&... s) { return std::tuple<detail::NonVoid<Ts>...>(std::move(*s)...); }, slots);
 }
 
@@ -178,19 +199,15 @@ template <class T>
 Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
   using V = detail::NonVoid<T>;
   std::vector<std::optional<V>> slots(futures.size());
-  auto latch = std::make_shared<detail::Latch>(futures.size());
-  for (auto& f : futures) latch->cancel_all.push_back(detail::cancel_hook(f));
   const std::stop_token token = co_await this_stop_token();
-  std::optional<std::stop_callback<std::function<void()>>> on_stop;
-  if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([latch] { latch->cancel_others(); }));
+  detail::Children children(detail::cancel_hooks(futures), token);
   for (std::size_t i = 0; i < futures.size(); ++i) {
-    detail::watch_child(futures[i], latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
+    detail::watch_child(futures[i], children.latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
                         static_cast<long>(i), true).handle.resume();
   }
-  co_await detail::Latch::Awaiter{latch.get()};
-  on_stop.reset();
-  if (latch->first_error) std::rethrow_exception(latch->first_error);
-  const auto index = static_cast<std::size_t>(latch->winner.load());
+  co_await children.all_done();
+  children.finish();
+  const auto index = static_cast<std::size_t>(children.latch->winner.load());
   co_return WhenAnyResult<T>{index, std::move(*slots[index])};
 }
 
@@ -198,12 +215,14 @@ Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
 
 namespace weft {
 
-/// Awaits `future`, but for at most `timeout`: past the deadline the operation is cancelled and
-/// weft::TimeoutError is thrown (once the operation has ended, so its buffers are free again).
+/// Awaits `future`, but for at most `timeout`: past it this rank cancels the operation (Future::cancel)
+/// and weft::TimeoutError is thrown (once the operation has ended, so its buffers are free again). Not
+/// to be confused with a deadline (Options::timeout, Group::with_timeout), which fails a collective on
+/// every rank with a report of who had not joined: this is one rank giving up on one awaited result.
 /// Errors: the operation's own error, or TimeoutError. Cancellation: the awaiting Task's stop token
 /// cancels the operation too.
 template <class T>
-Task<T> with_timeout(Loop& loop, Future<T> future, std::chrono::nanoseconds timeout) {
+Task<T> cancel_after(Loop& loop, Future<T> future, std::chrono::nanoseconds timeout) {
   auto fired = std::make_shared<std::atomic<bool>>(false);
   const std::uint64_t timer = loop.call_after(timeout, [fired, state = future.state()](bool expired) {
     if (!expired || state->ready()) return;
@@ -224,7 +243,7 @@ Task<T> with_timeout(Loop& loop, Future<T> future, std::chrono::nanoseconds time
   loop.cancel_timer(timer);
   if (error) {
     if (fired->load()) {
-      throw TimeoutError({.op = "with_timeout"},
+      throw TimeoutError({.op = "cancel_after"},
                          "the operation did not finish within " +
                              std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()) + " ms");
     }

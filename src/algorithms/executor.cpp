@@ -17,7 +17,7 @@ namespace {
 
 // Scratch buffers are reused from one operation to the next: a fresh multi-megabyte allocation costs an
 // mmap and a page fault per 4 KiB every time. One pool per thread (each loop runs on one thread), so no
-// locking; at most 64 MiB kept.
+// locking; at most scratch_pool_bytes kept.
 class ScratchPool {
  public:
   struct Buffer {
@@ -40,9 +40,9 @@ class ScratchPool {
   // past leave. (Refusing new ones instead kept whatever sizes came first, and a mix of sizes then
   // allocated afresh every time while the pool held the limit: the soak's memory grew by 64 MiB.)
   static void give(Buffer&& buffer) {
-    if (!buffer.data || buffer.capacity > limit) return;
+    if (!buffer.data || buffer.capacity > scratch_pool_bytes) return;
     auto& p = pool();
-    while (p.kept + buffer.capacity > limit && !p.spare.empty()) {
+    while (p.kept + buffer.capacity > scratch_pool_bytes && !p.spare.empty()) {
       p.kept -= p.spare.front().capacity;
       p.spare.erase(p.spare.begin());
     }
@@ -51,7 +51,8 @@ class ScratchPool {
   }
 
  private:
-  static constexpr std::size_t limit = 16 << 20;
+  // Bytes of scratch buffers a thread keeps for reuse (docs/DESIGN.md quotes it by name).
+  static constexpr std::size_t scratch_pool_bytes = 16 << 20;
   struct State {
     std::vector<Buffer> spare;
     std::size_t kept = 0;
@@ -74,7 +75,7 @@ class Executor {
   Executor(const Channel& channel, PlanBuffers buffers, ExecOptions options)
       : ch_(channel), buf_(buffers), esize_(dtype_size(buffers.dtype)) {
     seg_elems_ = std::max<std::size_t>(1, options.segment_bytes / esize_);
-    window_ = std::max<std::size_t>({1, static_cast<std::size_t>(std::max(1, options.window)),
+    depth_ = std::max<std::size_t>({1, static_cast<std::size_t>(std::max(1, options.pipeline_depth)),
                                       options.scratch_bytes / (seg_elems_ * esize_)});
     sent_to_.assign(channel.members.size(), 0);
     received_from_.assign(channel.members.size(), 0);
@@ -168,7 +169,7 @@ class Executor {
   PlanBuffers buf_;
   std::size_t esize_;
   std::size_t seg_elems_ = 1;
-  std::size_t window_ = 1;
+  std::size_t depth_ = 1;
   std::size_t temp_slots_ = 0;
   kernels::ReduceFn reduce_ = nullptr;
   std::deque<TransportOp> ops_;  // every operation this plan started; a deque keeps their addresses
@@ -187,7 +188,7 @@ Task<void> Executor::run(const Plan& plan) {
   for (const Step& step : plan) {
     if (step.kind == StepKind::recv_reduce || step.kind == StepKind::recv_reduce_send ||
         step.kind == StepKind::send_recv_reduce) {
-      temp_slots_ = std::max(temp_slots_, std::min(segments(step.recv), window_));
+      temp_slots_ = std::max(temp_slots_, std::min(segments(step.recv), depth_));
     }
   }
 
@@ -285,22 +286,22 @@ Task<void> Executor::run(const Plan& plan) {
         }
         const bool forward = step.kind == StepKind::recv_reduce_send;
         const std::size_t n = segments(step.recv);
-        const std::size_t window = std::min(n, window_);
+        const std::size_t ahead = std::min(n, depth_);
         std::vector<TransportOp*> pending(n, nullptr);
         auto post = [&](std::size_t k) {
           const Range seg = segment(step.recv, k);
-          pending[k] = &start_recv(step.recv_from, temp(k % window), seg.count);
+          pending[k] = &start_recv(step.recv_from, temp(k % ahead), seg.count);
         };
-        for (std::size_t k = 0; k < std::min(n, window); ++k) post(k);
+        for (std::size_t k = 0; k < std::min(n, ahead); ++k) post(k);
         for (std::size_t k = 0; k < n; ++k) {
           co_await pending[k]->wait();
           if (!ok(*pending[k])) break;
           const Range seg = segment(step.recv, k);
           std::byte* dst = recv_at(seg);
           while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
-          if (seg.count) reduce_(dst, local_at(seg), temp(k % window), seg.count);
+          if (seg.count) reduce_(dst, local_at(seg), temp(k % ahead), seg.count);
           if (forward) start_send(step.send_to, dst, seg.count);
-          if (k + window < n) post(k + window);
+          if (k + ahead < n) post(k + ahead);
         }
         ++i;
         break;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <charconv>
-#include <map>
 
 #include <fmt/format.h>
 
@@ -11,21 +10,6 @@
 
 namespace weft::algorithms {
 namespace {
-
-const std::map<std::string_view, std::vector<std::string_view>>& table() {
-  static const std::map<std::string_view, std::vector<std::string_view>> known = {
-      {"all_reduce", {"ring", "bidirectional_ring", "recursive_doubling", "rabenseifner", "tree"}},
-      {"all_gather", {"ring", "bruck", "recursive_doubling"}},
-      {"reduce_scatter", {"ring", "recursive_halving"}},
-      {"broadcast", {"binomial", "scatter_all_gather"}},
-      {"reduce", {"binomial", "reduce_scatter_gather"}},
-      {"gather", {"direct", "binomial"}},
-      {"scatter", {"direct", "binomial"}},
-      {"all_to_all", {"pairwise", "bruck"}},
-      {"barrier", {"dissemination"}},
-  };
-  return known;
-}
 
 [[noreturn]] void bad(std::string_view source, std::string_view spec, const std::string& detail) {
   throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
@@ -69,13 +53,9 @@ bool parse_size(std::string_view text, std::size_t& out) {
 }  // namespace
 
 const std::vector<std::string_view>& available_algorithms(std::string_view collective) {
-  return algorithms_for(collective);
-}
-
-const std::vector<std::string_view>& algorithms_for(std::string_view collective) {
   static const std::vector<std::string_view> none;
-  auto it = table().find(collective);
-  return it == table().end() ? none : it->second;
+  const auto c = collective_named(collective);
+  return c ? names_for(*c) : none;
 }
 
 Selection::Selection() = default;
@@ -87,13 +67,16 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
     const auto colon = entry.find(':');
     if (colon == std::string_view::npos) bad(source, spec, fmt::format("'{}' has no ':' after the collective", entry));
     const std::string_view collective = trim(entry.substr(0, colon));
-    const auto& valid = algorithms_for(collective);
-    if (valid.empty()) {
+    const auto known = collective_named(collective);
+    if (!known || names_for(*known).empty()) {
       std::string names;
-      for (const auto& [name, algos] : table()) names += (names.empty() ? "" : ", ") + std::string(name);
+      for (Collective c : all_collectives) {
+        if (!names_for(c).empty()) names += (names.empty() ? "" : ", ") + std::string(to_string(c));
+      }
       bad(source, spec, fmt::format("unknown collective '{}' (known: {})", collective, names));
     }
-    Entry parsed{std::string(collective), {}};
+    const auto& valid = names_for(*known);
+    Entry parsed{*known, {}};
     for (std::string_view choice : split(entry.substr(colon + 1), ',')) {
       Choice c;
       const auto at = choice.find('@');
@@ -103,7 +86,7 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
         for (auto v : valid) names += (names.empty() ? "" : ", ") + std::string(v);
         bad(source, spec, fmt::format("'{}' is not an algorithm of {} (valid: {})", name, collective, names));
       }
-      c.algorithm = std::string(name);
+      c.algorithm = find(*known, name);
       if (at != std::string_view::npos) {
         const std::string_view range = choice.substr(at + 1);
         const auto dash = range.find('-');
@@ -120,38 +103,58 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
   }
 }
 
-std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks) const {
+const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int ranks) const {
   for (const auto& entry : overrides_) {
     if (entry.collective != collective) continue;
     for (const auto& c : entry.choices) {
       if (bytes >= c.lo && bytes < c.hi) return c.algorithm;
     }
   }
-  if (collective == "all_reduce") {
-    // Built-in, from bench/algorithms.sh on this project's VMs (bench/RESULTS.md): recursive doubling
-    // while latency dominates; on two ranks the bidirectional ring from 512 KiB (its two interleaved
-    // rings keep a transfer going while the other reduces: 1.2-1.6x the ring at 1-4 MiB); on more,
-    // Rabenseifner up to 4 MiB (it halves the rounds' data) and the ring beyond.
-    if (ranks <= 1) return "ring";
-    if (bytes < (std::size_t{64} << 10)) return "recursive_doubling";
-    if (ranks == 2) return bytes < (std::size_t{512} << 10) ? "recursive_doubling" : "bidirectional_ring";
-    return bytes < (std::size_t{4} << 20) ? "rabenseifner" : "ring";
+  return built_in(collective, bytes, ranks);
+}
+
+std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks) const {
+  const auto known = collective_named(collective);
+  const Algorithm* chosen = known ? choose(*known, bytes, ranks) : nullptr;
+  return chosen ? chosen->name : std::string_view();
+}
+
+const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks) {
+  switch (collective) {
+    case Collective::all_reduce:
+      // From bench/algorithms.sh on this project's VMs (bench/RESULTS.md): recursive doubling while
+      // latency dominates; on two ranks the bidirectional ring from 512 KiB (its two interleaved rings
+      // keep a transfer going while the other reduces: 1.2-1.6x the ring at 1-4 MiB); on more,
+      // Rabenseifner up to 4 MiB (it halves the rounds' data) and the ring beyond.
+      if (ranks <= 1) return &entry(collective, Kind::ring);
+      if (bytes < (std::size_t{64} << 10)) return &entry(collective, Kind::recursive_doubling);
+      if (ranks == 2) {
+        return &entry(collective, bytes < (std::size_t{512} << 10) ? Kind::recursive_doubling : Kind::bidirectional_ring);
+      }
+      return &entry(collective, bytes < (std::size_t{4} << 20) ? Kind::rabenseifner : Kind::ring);
+    // Latency-bound sizes take the algorithms with the fewest rounds, bandwidth-bound ones those that
+    // split the data (bench/RESULTS.md).
+    case Collective::all_gather:
+      return &entry(collective, bytes < (std::size_t{16} << 10) && ranks > 2 ? Kind::bruck : Kind::ring);
+    case Collective::reduce: {
+      const bool split = ranks == 2 ? bytes >= (std::size_t{256} << 10) : bytes >= (std::size_t{8} << 20);
+      return &entry(collective, split && ranks > 1 ? Kind::reduce_scatter_gather : Kind::binomial);
+    }
+    case Collective::reduce_scatter: {
+      const bool power_of_two = ranks > 2 && (ranks & (ranks - 1)) == 0;
+      return &entry(collective, power_of_two && bytes < (std::size_t{64} << 10) ? Kind::recursive_halving : Kind::ring);
+    }
+    // The binomial tree won broadcast at every size measured, and the pairwise exchange all_to_all
+    // (scatter_all_gather and bruck stay selectable); gather and scatter go direct by default.
+    case Collective::broadcast: return &entry(collective, Kind::binomial);
+    case Collective::gather: return &entry(collective, Kind::direct);
+    case Collective::scatter: return &entry(collective, Kind::direct);
+    case Collective::all_to_all: return &entry(collective, Kind::pairwise);
+    case Collective::barrier: return &entry(collective, Kind::dissemination);
+    case Collective::permute:
+    case Collective::split: return nullptr;
   }
-  // Latency-bound sizes take the algorithms with the fewest rounds, bandwidth-bound ones those that
-  // split the data (bench/RESULTS.md).
-  if (collective == "all_gather") return bytes < (std::size_t{16} << 10) && ranks > 2 ? "bruck" : "ring";
-  if (collective == "reduce") {
-    const bool split = ranks == 2 ? bytes >= (std::size_t{256} << 10) : bytes >= (std::size_t{8} << 20);
-    return split && ranks > 1 ? "reduce_scatter_gather" : "binomial";
-  }
-  if (collective == "reduce_scatter") {
-    const bool power_of_two = ranks > 2 && (ranks & (ranks - 1)) == 0;
-    return power_of_two && bytes < (std::size_t{64} << 10) ? "recursive_halving" : "ring";
-  }
-  // broadcast: the binomial tree won at every size measured, and all_to_all's pairwise exchange too
-  // (scatter_all_gather and bruck stay selectable).
-  const auto& valid = algorithms_for(collective);
-  return valid.empty() ? std::string_view{} : valid.front();
+  return nullptr;
 }
 
 }  // namespace weft::algorithms

@@ -10,10 +10,9 @@
 #include <string_view>
 #include <vector>
 
-namespace weft::algorithms {
+#include "src/algorithms/registry.hpp"
 
-/// The algorithms this build implements for `collective` (empty for an unknown collective).
-const std::vector<std::string_view>& algorithms_for(std::string_view collective);
+namespace weft::algorithms {
 
 class Selection {
  public:
@@ -23,17 +22,24 @@ class Selection {
   /// (e.g. "WEFT_ALGO") and what was expected.
   void override_with(std::string_view spec, std::string_view source);
 
-  /// The algorithm for a collective of `bytes` bytes on `ranks` ranks.
+  /// The algorithm for `collective` of `bytes` bytes on `ranks` ranks: an entry of the registry. A
+  /// collective without a choice (permute, split) has none: null.
+  const Algorithm* choose(Collective collective, std::size_t bytes, int ranks) const;
+  /// The same by names, for tools and tests: the algorithm's name, empty when `collective` names no
+  /// collective with a choice.
   std::string_view choose(std::string_view collective, std::size_t bytes, int ranks) const;
+
+  /// The built-in table alone (what choose() gives without overrides).
+  static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks);
 
  private:
   struct Choice {
-    std::string algorithm;
+    const Algorithm* algorithm = nullptr;
     std::size_t lo = 0;
     std::size_t hi = static_cast<std::size_t>(-1);
   };
   struct Entry {
-    std::string collective;
+    Collective collective;
     std::vector<Choice> choices;
   };
   std::vector<Entry> overrides_;

@@ -8,44 +8,39 @@
 namespace weft::signature {
 namespace {
 
-// Kind codes are part of the wire protocol: append, never renumber. 0: not a collective (unchecked).
-constexpr std::array<std::string_view, 12> kinds = {"",       "all_reduce", "all_gather", "reduce_scatter",
-                                                    "broadcast", "reduce",  "gather",     "scatter",
-                                                    "all_to_all", "barrier", "permute",   "split"};
+// Kind codes are part of the wire protocol: the Collective's value + 1 (its order is append-only).
+// 0: not a collective (unchecked).
 constexpr std::uint32_t plan_kind = 31;  // a user's plan (Group::run_plan), whatever its name
-
-std::uint32_t kind_of(std::string_view name) {
-  for (std::uint32_t k = 1; k < kinds.size(); ++k) {
-    if (kinds[k] == name) return k;
-  }
-  return plan_kind;
-}
-
-bool reduces(std::uint32_t kind) {
-  return kind == 1 || kind == 3 || kind == 5 || kind == plan_kind;
-}
+static_assert(all_collectives.size() < plan_kind);
 
 constexpr std::uint32_t root_bits = 18;
 constexpr std::uint32_t no_root = 0;
 
-}  // namespace
-
-OpSignature of(std::string_view name, DType dtype, ReduceOp op, std::uint64_t count, int root) {
-  const std::uint32_t kind = kind_of(name);
+OpSignature pack(std::uint32_t kind, bool reducing, DType dtype, ReduceOp op, std::uint64_t count, int root) {
   const std::uint32_t type = static_cast<std::uint32_t>(dtype) + 1;
-  const std::uint32_t reduce = reduces(kind) ? static_cast<std::uint32_t>(op) + 1 : 0;
+  const std::uint32_t reduce = reducing ? static_cast<std::uint32_t>(op) + 1 : 0;
   // Roots beyond 2^18 - 2 (no group is that large today) share the top code: still compared, named vaguely.
   const std::uint32_t root_code =
       root < 0 ? no_root : std::min<std::uint32_t>(static_cast<std::uint32_t>(root) + 1, (1u << root_bits) - 1);
   return OpSignature{kind << 27 | type << 22 | reduce << 18 | root_code, count};
 }
 
+}  // namespace
+
+OpSignature of(Collective collective, DType dtype, ReduceOp op, std::uint64_t count, int root) {
+  return pack(static_cast<std::uint32_t>(collective) + 1, reduces(collective), dtype, op, count, root);
+}
+
+OpSignature of_plan(DType dtype, ReduceOp op, std::uint64_t count) { return pack(plan_kind, true, dtype, op, count, -1); }
+
 std::string describe(const OpSignature& s, std::uint64_t seq) {
   const std::uint32_t kind = s.call >> 27;
   const std::uint32_t type = (s.call >> 22) & 31;
   const std::uint32_t reduce = (s.call >> 18) & 15;
   const std::uint32_t root = s.call & ((1u << root_bits) - 1);
-  const std::string_view name = kind < kinds.size() ? kinds[kind] : kind == plan_kind ? "a plan" : "an unknown collective";
+  const std::string_view name = kind >= 1 && kind <= all_collectives.size() ? to_string(static_cast<Collective>(kind - 1))
+                                : kind == plan_kind                      ? "a plan"
+                                                                         : "an unknown collective";
   std::string detail = type >= 1 && type <= 13 ? std::string(to_string(static_cast<DType>(type - 1))) : fmt::format("type {}", type);
   detail += fmt::format(" x {}", s.count);
   if (root != no_root) detail += fmt::format(", root {}", root - 1);

@@ -7,16 +7,19 @@
 #include <string>
 #include <string_view>
 
+#include "weft/collective.hpp"
 #include "weft/dtype.hpp"
 #include "weft/reduce_op.hpp"
 #include "weft/transport.hpp"
 
 namespace weft::signature {
 
-/// Packs a collective call: `name` (all_reduce, ..., split; any other name is a user plan), its dtype,
-/// its reduce op (only for the reducing collectives and plans), its root (-1: none) and the caller's
-/// element count. call = kind (5 bits) | dtype + 1 (5) | op + 1 (4) | root + 1 (18), count as given.
-OpSignature of(std::string_view name, DType dtype, ReduceOp op, std::uint64_t count, int root);
+/// Packs a collective call: the collective, its dtype, its reduce op (only for the reducing ones), its
+/// root (-1: none) and the caller's element count. call = kind (5 bits: the Collective's value + 1) |
+/// dtype + 1 (5) | op + 1 (4) | root + 1 (18), count as given.
+OpSignature of(Collective collective, DType dtype, ReduceOp op, std::uint64_t count, int root);
+/// The same for a user's plan (Group::run_plan, kind 31): dtype and op, whatever its name.
+OpSignature of_plan(DType dtype, ReduceOp op, std::uint64_t count);
 
 /// "all_gather #42 (f32 x 1024)", "broadcast #7 (u8 x 16, root 2)", "all_reduce #3 (f32 x 8, sum)".
 std::string describe(const OpSignature& signature, std::uint64_t seq);

@@ -7,9 +7,9 @@
 
 #include <fmt/format.h>
 
+#include "src/core/bytes.hpp"
 #include "src/core/log.hpp"
 #include "src/group/deadline.hpp"
-#include "transports/tcp/wire.hpp"
 
 namespace weft::greeting {
 namespace {
@@ -60,8 +60,8 @@ awaitable<std::vector<std::byte>> read_hello(tcp::socket& socket, Hello& out) {
   // than waited for until the greeting's time is up.
   std::vector<std::byte> bytes(hello_size);
   co_await asio::async_read(socket, asio::buffer(bytes.data(), 4), use_awaitable);
-  if (wire::get_u32(bytes.data()) != magic) {
-    throw Refused(fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", wire::get_u32(bytes.data()), magic));
+  if (le::get_u32(bytes.data()) != magic) {
+    throw Refused(fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", le::get_u32(bytes.data()), magic));
   }
   co_await asio::async_read(socket, asio::buffer(bytes.data() + 4, hello_size - 4), use_awaitable);
   std::string error;
@@ -91,7 +91,7 @@ awaitable<Verdict> read_verdict(tcp::socket& socket) {
   std::string error;
   const auto length = reason_length(header.data(), error);
   if (!length) throw Refused(error);
-  Verdict verdict{wire::get_u32(header.data()), std::string(*length, '\0')};
+  Verdict verdict{le::get_u32(header.data()), std::string(*length, '\0')};
   co_await asio::async_read(socket, asio::buffer(verdict.reason), use_awaitable);
   co_return verdict;
 }
@@ -169,7 +169,7 @@ Details details_of(const Local& local) {
 std::vector<std::byte> encode(const Hello& h) {
   std::vector<std::byte> out(hello_size);
   std::byte* p = out.data();
-  wire::put_u32(p, magic);
+  le::put_u32(p, magic);
   p[4] = static_cast<std::byte>(version & 0xff);
   p[5] = static_cast<std::byte>(version >> 8);
   p[6] = static_cast<std::byte>(h.role);
@@ -179,8 +179,8 @@ std::vector<std::byte> encode(const Hello& h) {
 }
 
 std::optional<Hello> decode_hello(const std::byte* p, std::string& error) {
-  if (wire::get_u32(p) != magic) {
-    error = fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", wire::get_u32(p), magic);
+  if (le::get_u32(p) != magic) {
+    error = fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", le::get_u32(p), magic);
     return std::nullopt;
   }
   const unsigned v = static_cast<unsigned>(p[4]) | (static_cast<unsigned>(p[5]) << 8);
@@ -207,8 +207,8 @@ std::optional<Hello> decode_hello(const std::byte* p, std::string& error) {
 std::vector<std::byte> encode(const Details& d) {
   std::vector<std::byte> out(details_fixed_size + d.job.size());
   std::byte* p = out.data();
-  wire::put_u32(p, static_cast<std::uint32_t>(d.rank));
-  wire::put_u32(p + 4, d.world_size);
+  le::put_u32(p, static_cast<std::uint32_t>(d.rank));
+  le::put_u32(p + 4, d.world_size);
   p[8] = static_cast<std::byte>(d.job.size() & 0xff);
   p[9] = static_cast<std::byte>(d.job.size() >> 8);
   p[10] = static_cast<std::byte>(d.integrity);
@@ -244,8 +244,8 @@ std::optional<Details> decode_details(const std::byte* p, std::size_t size, std:
   }
   Details d;
   d.integrity = static_cast<Integrity>(integrity);
-  d.rank = static_cast<std::int32_t>(wire::get_u32(p));
-  d.world_size = wire::get_u32(p + 4);
+  d.rank = static_cast<std::int32_t>(le::get_u32(p));
+  d.world_size = le::get_u32(p + 4);
   d.job.assign(reinterpret_cast<const char*>(p + details_fixed_size), *job);
   return d;
 }
@@ -253,15 +253,15 @@ std::optional<Details> decode_details(const std::byte* p, std::size_t size, std:
 std::vector<std::byte> encode(const Verdict& v) {
   const auto reason = v.reason.substr(0, max_reason_bytes);
   std::vector<std::byte> out(verdict_header_size + reason.size());
-  wire::put_u32(out.data(), v.status);
-  wire::put_u32(out.data() + 4, static_cast<std::uint32_t>(reason.size()));
+  le::put_u32(out.data(), v.status);
+  le::put_u32(out.data() + 4, static_cast<std::uint32_t>(reason.size()));
   std::copy(reinterpret_cast<const std::byte*>(reason.data()), reinterpret_cast<const std::byte*>(reason.data()) + reason.size(),
             out.data() + verdict_header_size);
   return out;
 }
 
 std::optional<std::size_t> reason_length(const std::byte* header, std::string& error) {
-  const auto length = wire::get_u32(header + 4);
+  const auto length = le::get_u32(header + 4);
   if (length > max_reason_bytes) {
     error = fmt::format("a verdict with a reason of {} bytes (limit {})", length, max_reason_bytes);
     return std::nullopt;

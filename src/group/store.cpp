@@ -7,8 +7,8 @@
 #include <asio/experimental/as_tuple.hpp>
 #include <fmt/format.h>
 
+#include "src/core/bytes.hpp"
 #include "src/core/log.hpp"
-#include "transports/tcp/wire.hpp"
 
 namespace weft::store {
 namespace {
@@ -30,9 +30,9 @@ std::string join(const std::vector<std::string>& keys) {
 }  // namespace
 
 std::optional<Request> parse_request(const std::byte* header, std::string& error) {
-  const auto m = wire::get_u32(header);
+  const auto m = le::get_u32(header);
   const auto command = static_cast<unsigned>(header[4]);
-  Request r{static_cast<Command>(command), wire::get_u32(header + 8), wire::get_u64(header + 12)};
+  Request r{static_cast<Command>(command), le::get_u32(header + 8), le::get_u64(header + 12)};
   if (m != magic) {
     error = fmt::format("bad magic 0x{:08x}", m);
   } else if (command < 1 || command > 4) {
@@ -60,11 +60,11 @@ Reply apply(Table& data, Command command, const std::string& key, std::string va
       if (value.size() != 8) return Reply{Status::bad_request, "add takes an 8-byte integer", false};
       std::uint64_t current = 0;  // unsigned: wraps like two's complement, never overflows
       if (auto it = data.find(key); it != data.end() && it->second.size() == 8) {
-        current = wire::get_u64(reinterpret_cast<const std::byte*>(it->second.data()));
+        current = le::get_u64(reinterpret_cast<const std::byte*>(it->second.data()));
       }
-      current += wire::get_u64(reinterpret_cast<const std::byte*>(value.data()));
+      current += le::get_u64(reinterpret_cast<const std::byte*>(value.data()));
       std::string stored(8, '\0');
-      wire::put_u64(reinterpret_cast<std::byte*>(stored.data()), current);
+      le::put_u64(reinterpret_cast<std::byte*>(stored.data()), current);
       data[key] = stored;
       return Reply{Status::ok, stored, true};
     }
@@ -76,7 +76,7 @@ Reply apply(Table& data, Command command, const std::string& key, std::string va
 std::optional<std::chrono::milliseconds> wait_timeout(const std::string& value) {
   if (value.size() != 8) return std::nullopt;
   // Clamped: a client's u64 must not overflow the deadline's arithmetic.
-  const auto ms = std::min<std::uint64_t>(wire::get_u64(reinterpret_cast<const std::byte*>(value.data())), 86'400'000);
+  const auto ms = std::min<std::uint64_t>(le::get_u64(reinterpret_cast<const std::byte*>(value.data())), 86'400'000);
   return std::chrono::milliseconds(static_cast<std::int64_t>(ms));
 }
 
@@ -138,7 +138,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   awaitable<void> reply(tcp::socket& socket, Status status, const std::string& payload) {
     std::array<std::byte, response_header_size> header{};
     header[0] = static_cast<std::byte>(status);
-    wire::put_u64(header.data() + 4, payload.size());
+    le::put_u64(header.data() + 4, payload.size());
     std::array<asio::const_buffer, 2> buffers{asio::buffer(header), asio::buffer(payload)};
     co_await asio::async_write(socket, buffers, use_awaitable);
   }
@@ -268,15 +268,15 @@ void Server::close() {
 
 awaitable<std::pair<Status, std::string>> Client::call(Command command, const std::string& key, const std::string& value) {
   std::array<std::byte, request_header_size> header{};
-  wire::put_u32(header.data(), magic);
+  le::put_u32(header.data(), magic);
   header[4] = static_cast<std::byte>(command);
-  wire::put_u32(header.data() + 8, static_cast<std::uint32_t>(key.size()));
-  wire::put_u64(header.data() + 12, value.size());
+  le::put_u32(header.data() + 8, static_cast<std::uint32_t>(key.size()));
+  le::put_u64(header.data() + 12, value.size());
   std::array<asio::const_buffer, 3> request{asio::buffer(header), asio::buffer(key), asio::buffer(value)};
   co_await asio::async_write(socket_, request, use_awaitable);
   std::array<std::byte, response_header_size> response{};
   co_await asio::async_read(socket_, asio::buffer(response), use_awaitable);
-  const auto length = wire::get_u64(response.data() + 4);
+  const auto length = le::get_u64(response.data() + 4);
   if (length > max_value_bytes) throw std::system_error(asio::error::message_size, "store: oversized reply");
   std::string payload(length, '\0');
   co_await asio::async_read(socket_, asio::buffer(payload), use_awaitable);
@@ -297,15 +297,15 @@ awaitable<std::optional<std::string>> Client::get(const std::string& key) {
 
 awaitable<std::int64_t> Client::add(const std::string& key, std::int64_t delta) {
   std::string value(8, '\0');
-  wire::put_u64(reinterpret_cast<std::byte*>(value.data()), static_cast<std::uint64_t>(delta));
+  le::put_u64(reinterpret_cast<std::byte*>(value.data()), static_cast<std::uint64_t>(delta));
   auto [status, payload] = co_await call(Command::add, key, value);
   if (status != Status::ok || payload.size() != 8) throw std::runtime_error("store: add failed: " + payload);
-  co_return static_cast<std::int64_t>(wire::get_u64(reinterpret_cast<const std::byte*>(payload.data())));
+  co_return static_cast<std::int64_t>(le::get_u64(reinterpret_cast<const std::byte*>(payload.data())));
 }
 
 awaitable<std::vector<std::string>> Client::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   std::string value(8, '\0');
-  wire::put_u64(reinterpret_cast<std::byte*>(value.data()), static_cast<std::uint64_t>(std::max<std::int64_t>(0, timeout.count())));
+  le::put_u64(reinterpret_cast<std::byte*>(value.data()), static_cast<std::uint64_t>(std::max<std::int64_t>(0, timeout.count())));
   auto [status, payload] = co_await call(Command::wait, join(keys), value);
   if (status == Status::ok) co_return std::vector<std::string>{};
   if (status == Status::missing) co_return split_lines(payload);

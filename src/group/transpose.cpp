@@ -9,21 +9,6 @@
 
 namespace weft {
 
-std::string_view to_string(Collective c) noexcept {
-  switch (c) {
-    case Collective::all_reduce: return "all_reduce";
-    case Collective::all_gather: return "all_gather";
-    case Collective::reduce_scatter: return "reduce_scatter";
-    case Collective::broadcast: return "broadcast";
-    case Collective::reduce: return "reduce";
-    case Collective::gather: return "gather";
-    case Collective::scatter: return "scatter";
-    case Collective::all_to_all: return "all_to_all";
-    case Collective::permute: return "permute";
-  }
-  return "?";
-}
-
 Collective transpose_of(Collective c) noexcept {
   switch (c) {
     case Collective::all_reduce: return Collective::all_reduce;
@@ -35,6 +20,8 @@ Collective transpose_of(Collective c) noexcept {
     case Collective::scatter: return Collective::gather;
     case Collective::all_to_all: return Collective::all_to_all;
     case Collective::permute: return Collective::permute;
+    case Collective::barrier: return Collective::barrier;
+    case Collective::split: return Collective::split;
   }
   return c;
 }
@@ -48,8 +35,7 @@ std::vector<std::pair<int, int>> inverse_pairs(const std::vector<std::pair<int, 
 
 Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotangent, BufferView gradient, ReduceOp op,
                              int root, const std::vector<std::pair<int, int>>& pairs) {
-  const bool reduces = c == Collective::all_reduce || c == Collective::reduce_scatter || c == Collective::reduce;
-  if (reduces && op != ReduceOp::sum) {
+  if (reduces(c) && op != ReduceOp::sum) {
     throw Error(Errc::invalid_argument, ErrorContext{.rank = group.rank(), .op = "apply_transpose"},
                 fmt::format("the transpose of {} with op {} is not linear (only sum is)", to_string(c), to_string(op)));
   }
@@ -71,8 +57,11 @@ Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotange
     case Collective::scatter: return group.gather(cotangent, gradient, root);
     case Collective::all_to_all: return group.all_to_all(cotangent, gradient);
     case Collective::permute: return group.permute(cotangent, gradient, inverse_pairs(pairs));
+    case Collective::barrier: return group.barrier();
+    case Collective::split: break;
   }
-  throw Error(Errc::invalid_argument, ErrorContext{.op = "apply_transpose"}, "unknown collective");
+  throw Error(Errc::invalid_argument, ErrorContext{.rank = group.rank(), .op = "apply_transpose"},
+              fmt::format("{} has no transpose (it is not a linear map of buffers)", to_string(c)));
 }
 
 }  // namespace weft

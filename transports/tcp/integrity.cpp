@@ -6,10 +6,11 @@
 #include <openssl/params.h>
 
 #include <cstring>
-#include <utility>
 #include <stdexcept>
+#include <utility>
 
-#include "transports/tcp/wire.hpp"
+#include "src/core/bytes.hpp"
+
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -217,7 +218,7 @@ void FrameSeal::begin() {
     // The key set at construction stays (a null key keeps it): only the state restarts.
     EVP_MAC_init(mac_->ctx, nullptr, 0, nullptr);
     std::byte counter[8];
-    wire::put_u64(counter, frames_);
+    le::put_u64(counter, frames_);
     EVP_MAC_update(mac_->ctx, reinterpret_cast<const unsigned char*>(counter), sizeof counter);
   }
 }
@@ -231,7 +232,7 @@ void FrameSeal::update(const void* data, std::size_t size) {
 void FrameSeal::finish(std::byte* out) {
   ++frames_;
   if (mode_ == Integrity::crc32c) {
-    wire::put_u32(out, crc_);
+    le::put_u32(out, crc_);
   } else if (mode_ == Integrity::hmac) {
     unsigned char full[32];
     std::size_t length = 0;

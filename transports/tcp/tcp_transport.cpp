@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "src/core/bytes.hpp"
 #include "src/core/log.hpp"
 #include "src/core/signature.hpp"
 #include "transports/tcp/asio_stream.hpp"
@@ -18,9 +19,10 @@ namespace weft {
 namespace {
 
 constexpr std::size_t discard_chunk = 1 << 20;
-// Bytes of unexpected-message buffers kept for reuse. When full, the oldest go first: sizes in use now
-// stay, sizes of operations long past leave (the 100 000-collective soak's memory settles under it).
-constexpr std::size_t spare_limit = 32 << 20;
+// Bytes of unexpected-message buffers kept for reuse (docs/DESIGN.md quotes it by name). When full, the
+// oldest go first: sizes in use now stay, sizes of operations long past leave (the 100 000-collective
+// soak's memory settles under it).
+constexpr std::size_t early_buffer_pool_bytes = 32 << 20;
 constexpr int socket_buffer_bytes = 4 << 20;
 
 std::error_code code_of(Errc e) { return make_error_code(e); }
@@ -200,8 +202,8 @@ TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
 
 void TcpTransport::give_back(Unexpected&& buffer) {
   buffer.charge.release();
-  if (buffer.capacity < 4096 || buffer.capacity > spare_limit) return;
-  while (spare_bytes_ + buffer.capacity > spare_limit && !spare_buffers_.empty()) {
+  if (buffer.capacity < 4096 || buffer.capacity > early_buffer_pool_bytes) return;
+  while (spare_bytes_ + buffer.capacity > early_buffer_pool_bytes && !spare_buffers_.empty()) {
     spare_bytes_ -= spare_buffers_.front().capacity;
     spare_buffers_.erase(spare_buffers_.begin());
   }
@@ -470,7 +472,7 @@ void TcpTransport::start_write(Connection& c) {
   }
   if (c.send_seal.on()) {
     // The header's own check, so that a corrupted length or kind is caught before it is acted on.
-    wire::put_u32(c.send_header.data() + wire::header_size, crc32c(0, c.send_header.data(), wire::header_size));
+    le::put_u32(c.send_header.data() + wire::header_size, crc32c(0, c.send_header.data(), wire::header_size));
   }
   ConstBytes third;
   if (c.send_seal.on()) {
@@ -661,7 +663,7 @@ std::size_t TcpTransport::take_from_inbox(Connection& c, void* dst, std::size_t 
 void TcpTransport::on_header(Connection& c) {
   std::string error;
   if (c.recv_seal.on() &&
-      wire::get_u32(c.recv_header.data() + wire::header_size) != crc32c(0, c.recv_header.data(), wire::header_size)) {
+      le::get_u32(c.recv_header.data() + wire::header_size) != crc32c(0, c.recv_header.data(), wire::header_size)) {
     fail_connection(c, fmt::format("frame integrity: the header of frame {} from rank {} does not match its CRC-32C: it was "
                                    "corrupted on the way (WEFT_INTEGRITY={})",
                                    c.recv_seal.frames(), c.peer, integrity_name(c.recv_seal.mode())));
@@ -751,11 +753,6 @@ void TcpTransport::on_header(Connection& c) {
         return;
       }
       on_header_only(c);
-      return;
-    case wire::FrameKind::hello:
-    case wire::FrameKind::hello_ack:
-      fail_connection(c, fmt::format("protocol error from rank {}: handshake frame on an established connection",
-                                     c.peer));
       return;
   }
 }
@@ -1145,7 +1142,7 @@ void TcpTransport::shutdown() {
       std::copy(header.begin(), header.end(), bytes.begin());
       std::size_t size = wire::header_size;
       if (c->send_seal.on()) {
-        wire::put_u32(bytes.data() + size, crc32c(0, header.data(), header.size()));
+        le::put_u32(bytes.data() + size, crc32c(0, header.data(), header.size()));
         size += header_check_size;
         c->send_seal.begin();
         c->send_seal.update(header.data(), header.size());

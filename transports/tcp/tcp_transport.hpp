@@ -295,7 +295,6 @@ class TcpTransport final : public Transport, private StreamEvents {
   void peer_departed(Connection& c);
   void close_connection(Connection& c, std::vector<TransportOp*>& ops);
   void send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason);
-  void fail_context(std::uint32_t context, ContextState& state, std::vector<TransportOp*>& to_complete);
   void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
   void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
   bool context_usable(std::uint32_t context, TransportOp& op);

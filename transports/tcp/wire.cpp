@@ -2,24 +2,14 @@
 
 #include <fmt/format.h>
 
+#include "src/core/bytes.hpp"
+
 namespace weft::wire {
 
-void put_u32(std::byte* p, std::uint32_t v) noexcept {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
-}
-void put_u64(std::byte* p, std::uint64_t v) noexcept {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>(v >> (8 * i));
-}
-std::uint32_t get_u32(const std::byte* p) noexcept {
-  std::uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(p[i]) << (8 * i);
-  return v;
-}
-std::uint64_t get_u64(const std::byte* p) noexcept {
-  std::uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(p[i]) << (8 * i);
-  return v;
-}
+using le::get_u32;
+using le::get_u64;
+using le::put_u32;
+using le::put_u64;
 
 // Layout: 0 magic u32 | 4 version u16 | 6 kind u8 | 7 flags u8 | 8 context u32 | 12 call u32 |
 //         16 seq u64 | 24 tag u64 | 32 bytes u64 | 40 count u64
@@ -50,7 +40,7 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error) {
     return std::nullopt;
   }
   const auto kind = static_cast<std::uint8_t>(p[6]);
-  if (kind > static_cast<std::uint8_t>(FrameKind::cancel)) {
+  if (kind > static_cast<std::uint8_t>(FrameKind::cancel) || kind == 2 || kind == 3) {
     error = fmt::format("unknown frame kind {}", kind);
     return std::nullopt;
   }

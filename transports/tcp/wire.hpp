@@ -17,8 +17,8 @@ inline constexpr std::uint64_t max_control_payload = 64 * 1024;
 enum class FrameKind : std::uint8_t {
   data = 0,       // a message: payload is the user's bytes
   abort = 1,      // a context is aborted: payload is the reason (UTF-8)
-  hello = 2,      // retired (the greeting, src/group/greeting.hpp, opens connections now): refused
-  hello_ack = 3,  // retired, as hello
+  // 2 and 3 were the hello and its answer of protocol 1 (the greeting, src/group/greeting.hpp, opens
+  // connections now): refused as unknown kinds.
   heartbeat = 4,  // reserved for failure detection
   goodbye = 5,    // the sender is leaving normally: nothing more follows on this connection
   query = 6,      // how far are you in `context`? (seq: the operation asked about; no payload)
@@ -43,11 +43,5 @@ using HeaderBytes = std::array<std::byte, header_size>;
 void encode(const Header& header, HeaderBytes& out) noexcept;
 /// Returns the header, or nullopt with `error` set when magic or version are wrong.
 std::optional<Header> decode(const HeaderBytes& in, std::string& error);
-
-
-void put_u32(std::byte* p, std::uint32_t v) noexcept;
-void put_u64(std::byte* p, std::uint64_t v) noexcept;
-std::uint32_t get_u32(const std::byte* p) noexcept;
-std::uint64_t get_u64(const std::byte* p) noexcept;
 
 }  // namespace weft::wire

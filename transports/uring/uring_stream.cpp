@@ -35,6 +35,20 @@ bool env_switch(const char* name, bool fallback) {
 }
 }  // namespace
 
+bool UringRing::available(std::string& why) {
+  if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
+    why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
+    return false;
+  }
+  io_uring ring{};
+  if (const int rc = io_uring_queue_init(2, &ring, 0); rc < 0) {
+    why = fmt::format("io_uring_queue_init: {}", std::strerror(-rc));
+    return false;
+  }
+  io_uring_queue_exit(&ring);
+  return true;
+}
+
 std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
     why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";

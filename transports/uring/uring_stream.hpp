@@ -39,6 +39,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// cannot be used here (disabled by sysctl, blocked by seccomp, too old, or WEFT_URING_SETUP_FAIL=1,
   /// the tests' way to force the fallback).
   static std::shared_ptr<UringRing> create(Loop& loop, std::string& why);
+  /// Whether create() could make a ring here (a small ring is set up and torn down); `why` if not.
+  static bool available(std::string& why);
   ~UringRing();
   UringRing(const UringRing&) = delete;
   UringRing& operator=(const UringRing&) = delete;

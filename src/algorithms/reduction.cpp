@@ -1,0 +1,24 @@
+#include "src/algorithms/reduction.hpp"
+
+#include <cstring>
+
+#include "kernels/cpu/reduce.hpp"
+
+namespace weft::algorithms {
+
+void finish_reduction(ReduceOp op, void* data, std::size_t count, DType type, int ranks) {
+  if (op == ReduceOp::avg) kernels::divide_in_place(data, count, type, ranks);
+  if ((op == ReduceOp::logical_and || op == ReduceOp::logical_or) && ranks == 1 && count) {
+    kernels::find_reduce(type, ReduceOp::logical_and)(data, data, data, count);
+  }
+}
+
+void fold_in_rank_order(std::byte* dst, const std::byte* slots, std::size_t count, int ranks, DType type, ReduceOp op) {
+  if (count == 0) return;
+  const std::size_t bytes = count * dtype_size(type);
+  if (dst != slots) std::memcpy(dst, slots, bytes);
+  const auto reduce = kernels::find_reduce(type, op);
+  for (int i = 1; i < ranks; ++i) reduce(dst, dst, slots + static_cast<std::size_t>(i) * bytes, count);
+}
+
+}  // namespace weft::algorithms

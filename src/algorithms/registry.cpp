@@ -1,0 +1,75 @@
+#include "src/algorithms/registry.hpp"
+
+#include <array>
+#include <stdexcept>
+#include <string>
+
+namespace weft::algorithms {
+namespace {
+
+using C = Collective;
+using K = Kind;
+
+constexpr Algorithm entries[] = {
+    {C::all_reduce, K::ring, "ring"},
+    {C::all_reduce, K::bidirectional_ring, "bidirectional_ring"},
+    {C::all_reduce, K::recursive_doubling, "recursive_doubling"},
+    {C::all_reduce, K::rabenseifner, "rabenseifner"},
+    {C::all_reduce, K::tree, "tree"},
+    {C::all_gather, K::ring, "ring"},
+    {C::all_gather, K::bruck, "bruck"},
+    {C::all_gather, K::recursive_doubling, "recursive_doubling"},
+    {C::reduce_scatter, K::ring, "ring"},
+    {C::reduce_scatter, K::recursive_halving, "recursive_halving"},
+    {C::broadcast, K::binomial, "binomial"},
+    {C::broadcast, K::scatter_all_gather, "scatter_all_gather"},
+    {C::reduce, K::binomial, "binomial"},
+    {C::reduce, K::reduce_scatter_gather, "reduce_scatter_gather"},
+    {C::gather, K::direct, "direct"},
+    {C::gather, K::binomial, "binomial"},
+    {C::scatter, K::direct, "direct"},
+    {C::scatter, K::binomial, "binomial"},
+    {C::all_to_all, K::pairwise, "pairwise"},
+    {C::all_to_all, K::bruck, "bruck"},
+    {C::barrier, K::dissemination, "dissemination"},
+    // permute and split have one plan each and no choice to make.
+};
+
+// Grouped by collective in Collective order: names_for and the fallback depend on it.
+constexpr bool grouped() {
+  for (std::size_t i = 1; i < std::size(entries); ++i) {
+    if (static_cast<int>(entries[i].collective) < static_cast<int>(entries[i - 1].collective)) return false;
+  }
+  return true;
+}
+static_assert(grouped(), "registry entries must be grouped by collective, in Collective order");
+
+}  // namespace
+
+std::span<const Algorithm> registry() noexcept { return entries; }
+
+const Algorithm* find(Collective collective, std::string_view name) noexcept {
+  for (const Algorithm& a : registry()) {
+    if (a.collective == collective && a.name == name) return &a;
+  }
+  return nullptr;
+}
+
+const Algorithm& entry(Collective collective, Kind kind) {
+  for (const Algorithm& a : registry()) {
+    if (a.collective == collective && a.kind == kind) return a;
+  }
+  throw std::logic_error("weft: no algorithm of kind " + std::to_string(static_cast<int>(kind)) + " for " +
+                         std::string(to_string(collective)) + " in the registry");
+}
+
+const std::vector<std::string_view>& names_for(Collective collective) {
+  static const auto names = [] {
+    std::array<std::vector<std::string_view>, all_collectives.size()> out;
+    for (const Algorithm& a : registry()) out[static_cast<std::size_t>(a.collective)].push_back(a.name);
+    return out;
+  }();
+  return names[static_cast<std::size_t>(collective)];
+}
+
+}  // namespace weft::algorithms

@@ -1,0 +1,29 @@
+#include "weft/collective.hpp"
+
+namespace weft {
+
+std::string_view to_string(Collective c) noexcept {
+  switch (c) {
+    case Collective::all_reduce: return "all_reduce";
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::broadcast: return "broadcast";
+    case Collective::reduce: return "reduce";
+    case Collective::gather: return "gather";
+    case Collective::scatter: return "scatter";
+    case Collective::all_to_all: return "all_to_all";
+    case Collective::barrier: return "barrier";
+    case Collective::permute: return "permute";
+    case Collective::split: return "split";
+  }
+  return "?";
+}
+
+std::optional<Collective> collective_named(std::string_view name) noexcept {
+  for (Collective c : all_collectives) {
+    if (to_string(c) == name) return c;
+  }
+  return std::nullopt;
+}
+
+}  // namespace weft

@@ -1,0 +1,72 @@
+#include "src/group/checks.hpp"
+
+#include <fmt/format.h>
+
+namespace weft::detail {
+
+[[noreturn]] void invalid(const GroupState& g, const char* op, const std::string& detail, int peer) {
+  throw Error(Errc::invalid_argument, g.where(op, static_cast<std::int64_t>(g.next_seq.load()), peer), detail);
+}
+
+void check_usable(GroupState& g, const char* op) {
+  if (g.failed.load()) {
+    std::lock_guard lock(g.failure_mutex);
+    throw Error(Errc::group_failed, g.where(op, static_cast<std::int64_t>(g.next_seq.load())),
+                fmt::format("an earlier operation failed: {}", g.failure));
+  }
+}
+
+void check_host(const GroupState& g, const char* op, Device device) {
+  if (device.kind != Device::Kind::host) invalid(g, op, "device buffers are not supported by this group's transport");
+}
+
+// The most bytes a buffer can have: 128 TiB, the user address space of x86-64 and aarch64 (48-bit).
+// A count beyond it is a bug (or an attack) whose byte count would wrap or drive allocations.
+constexpr std::size_t max_buffer_bytes = std::size_t{1} << 47;
+
+void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
+                  DType dtype, Device device) {
+  check_host(g, op, device);
+  if (count > max_buffer_bytes / dtype_size(dtype)) {
+    invalid(g, op, fmt::format("{} claims {} elements of {} ({} bytes each): more than memory can hold (at most 2^47 "
+                               "bytes per buffer)", name, count, to_string(dtype), dtype_size(dtype)));
+  }
+  if (count > 0 && data == nullptr) invalid(g, op, fmt::format("{} is null with {} elements", name, count));
+}
+
+// count x the group's size, for collectives whose buffer holds a block per rank; refused past what a
+// buffer can hold rather than wrapped.
+std::size_t per_rank_total(const GroupState& g, const char* op, std::size_t count) {
+  const auto p = static_cast<std::size_t>(g.size);
+  if (count > max_buffer_bytes / p) {
+    invalid(g, op, fmt::format("{} elements per rank x {} ranks is more than a buffer can hold", count, p));
+  }
+  return count * p;
+}
+
+void check_same_type(const GroupState& g, const char* op, DType a, DType b) {
+  if (a != b) invalid(g, op, fmt::format("input is {} but output is {}", to_string(a), to_string(b)));
+}
+
+void check_count(const GroupState& g, const char* op, const char* what, std::size_t got, std::size_t expected) {
+  if (got != expected) invalid(g, op, fmt::format("{} has {} elements, expected {}", what, got, expected));
+}
+
+void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce) {
+  if (!is_defined(type, reduce)) {
+    invalid(g, op, fmt::format("reduce op {} is not defined on {}", to_string(reduce), to_string(type)));
+  }
+}
+
+void check_rank(const GroupState& g, const char* op, const char* what, int r) {
+  if (r < 0 || r >= g.size) invalid(g, op, fmt::format("{} {} is not a rank of this group of {}", what, r, g.size), r);
+}
+
+// The operation's sequence number; a view made by with_timeout() records its deadline for it.
+std::uint64_t take_seq(GroupState& g, std::chrono::milliseconds timeout) {
+  const std::uint64_t seq = g.next_seq.fetch_add(1);
+  if (timeout.count() >= 0) g.set_deadline(seq, timeout);
+  return seq;
+}
+
+}  // namespace weft::detail

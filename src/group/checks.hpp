@@ -1,0 +1,29 @@
+#pragma once
+// The preconditions of every Group call, checked on the caller's thread before anything is sent: each
+// failure is a weft::Error (invalid_argument, or group_failed) naming the rank, the operation and the
+// sequence number it would have had.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "src/group/state.hpp"
+#include "weft/buffer.hpp"
+#include "weft/dtype.hpp"
+#include "weft/reduce_op.hpp"
+
+namespace weft::detail {
+
+[[noreturn]] void invalid(const GroupState& g, const char* op, const std::string& detail, int peer = -1);
+void check_usable(GroupState& g, const char* op);
+void check_host(const GroupState& g, const char* op, Device device);
+void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
+                  DType dtype, Device device);
+std::size_t per_rank_total(const GroupState& g, const char* op, std::size_t count);
+void check_same_type(const GroupState& g, const char* op, DType a, DType b);
+void check_count(const GroupState& g, const char* op, const char* what, std::size_t got, std::size_t expected);
+void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce);
+void check_rank(const GroupState& g, const char* op, const char* what, int r);
+std::uint64_t take_seq(GroupState& g, std::chrono::milliseconds timeout);
+
+}  // namespace weft::detail

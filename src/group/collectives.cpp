@@ -1,0 +1,495 @@
+// The collectives: the submit path (one typed call record, validated against its collective's rule, the
+// algorithm chosen, the sequence number taken) and each collective's task, which stages the buffers and
+// runs the chosen algorithm's plan; permute and run_plan, which have rules of their own.
+#include "weft/group.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "src/algorithms/reduction.hpp"
+#include "src/algorithms/registry.hpp"
+#include "src/core/signature.hpp"
+#include "src/group/checks.hpp"
+#include "src/group/staging.hpp"
+#include "src/group/state.hpp"
+
+namespace weft {
+namespace {
+
+using namespace detail;
+
+// Deterministic reduction of block `mine` of every rank: an ordered exchange brings every rank's block
+// here (slot i from rank i), and the fold runs in rank order: ((x0 op x1) op x2) ...
+Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, Collective name, const std::byte* in,
+                          std::span<const algo::Range> blocks, std::byte* dst, DType type, ReduceOp op,
+                          GroupState::Call call) {
+  const std::size_t esize = dtype_size(type);
+  const algo::Range mine = blocks[static_cast<std::size_t>(g.rank)];
+  auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, mine.count * esize * static_cast<std::size_t>(g.size)));
+  copy_bytes(slots.get() + static_cast<std::size_t>(g.rank) * mine.count * esize, in + mine.offset * esize, mine.count * esize);
+  const auto plan = algo::ordered_exchange(g.size, g.rank, blocks);
+  co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op}, call);
+  algo::fold_in_rank_order(dst, slots.get(), mine.count, g.size, type, op);
+}
+
+Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, Collective name,
+                                    ConstBufferView in, BufferView out, ReduceOp op, GroupState::Call call) {
+  const auto blocks = algo::blocks_of(out.count, g->size);
+  const algo::Range mine = blocks[static_cast<std::size_t>(g->rank)];
+  const std::size_t esize = dtype_size(out.dtype);
+  // The fold lands after the exchange has ended, and the exchange never sends this rank's own block:
+  // in place, it may write straight over the input.
+  co_await ordered_reduce(*g, seq, name, in.bytes_ptr(), blocks, out.bytes_ptr() + mine.offset * esize, out.dtype, op, call);
+  algo::finish_reduction(op, out.bytes_ptr() + mine.offset * esize, mine.count, out.dtype, g->size);
+  const auto gather = algo::ring_all_gather(g->size, g->rank, blocks, -1);
+  co_await g->run(gather, seq, name, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, call, std::uint64_t{1} << 32);
+}
+
+// Every task starts by checking that it implements the algorithm it was given: a registry entry whose
+// kind a task does not handle fails here, loudly, instead of running an empty plan.
+void require(const algo::Algorithm& algorithm, std::initializer_list<algo::Kind> handled) {
+  if (std::find(handled.begin(), handled.end(), algorithm.kind) == handled.end()) {
+    throw std::logic_error(fmt::format("weft: {} has no implementation of the algorithm '{}'", to_string(algorithm.collective),
+                                       algorithm.name));
+  }
+}
+
+Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
+                           const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::ring, Kind::bidirectional_ring, Kind::recursive_doubling, Kind::rabenseifner, Kind::tree});
+  if (g->options.deterministic && g->size > 1) {
+    co_await deterministic_all_reduce(g, seq, Collective::all_reduce, in, out, op, {out.count});
+    co_return;
+  }
+  algo::Plan plan;
+  algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
+  if ((algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring) && g->size > 1) {
+    // The rings reduce every block once and write every block of `out`: out of place, they read this
+    // rank's contribution straight from `in` (no staging copy).
+    plan = algorithm.kind == Kind::ring ? algo::ring_all_reduce(g->size, g->rank, out.count)
+                                        : algo::bidirectional_ring_all_reduce(g->size, g->rank, out.count);
+    buffers.send = in.bytes_ptr();
+    if (in.data != out.data) buffers.local = in.bytes_ptr();
+  } else {
+    // The others run in place on `out`, sending what they have reduced so far.
+    copy_bytes(out.data, in.data, out.bytes());
+    // (A ring on one rank: nothing to exchange, the copy is the result.)
+    if (algorithm.kind == Kind::recursive_doubling) plan = algo::recursive_doubling_all_reduce(g->size, g->rank, out.count);
+    if (algorithm.kind == Kind::rabenseifner) plan = algo::rabenseifner_all_reduce(g->size, g->rank, out.count);
+    if (algorithm.kind == Kind::tree) plan = algo::tree_all_reduce(g->size, g->rank, out.count);
+  }
+  co_await g->run(plan, seq, Collective::all_reduce, buffers, {out.count});
+  algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
+}
+
+Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
+                           const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::ring, Kind::bruck, Kind::recursive_doubling});
+  const std::size_t block_bytes = in.bytes();
+  const bool power_of_two = (g->size & (g->size - 1)) == 0;
+  if (algorithm.kind == Kind::recursive_doubling && power_of_two && g->size > 1) {
+    copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
+    const auto plan = algo::recursive_doubling_all_gather(g->size, g->rank, in.count);
+    co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
+    co_return;
+  }
+  // Bruck also serves recursive doubling on a non-power-of-two group (the same lg p rounds).
+  if ((algorithm.kind == Kind::bruck || algorithm.kind == Kind::recursive_doubling) && g->size > 1) {
+    // Bruck gathers into a rotated buffer (slot i holds rank r+i's block); rotate it into place.
+    const auto p = static_cast<std::size_t>(g->size);
+    auto rotated = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
+    copy_bytes(rotated.get(), in.data, block_bytes);
+    const auto plan = algo::bruck_all_gather(g->size, g->rank, in.count);
+    co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum}, {in.count});
+    blocks_from_slots(out.bytes_ptr(), rotated.get(), p, static_cast<std::size_t>(g->rank), block_bytes);
+    co_return;
+  }
+  copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
+  const auto blocks = algo::blocks_of(out.count, g->size);
+  const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
+  co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
+}
+
+Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
+                               const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::ring, Kind::recursive_halving});
+  if (g->options.deterministic && g->size > 1) {
+    const auto blocks = algo::blocks_of(in.count, g->size);
+    co_await ordered_reduce(*g, seq, Collective::reduce_scatter, in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op, {out.count});
+    algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
+    co_return;
+  }
+  const bool power_of_two = (g->size & (g->size - 1)) == 0;
+  if (algorithm.kind == Kind::recursive_halving && power_of_two && g->size > 1) {
+    // Halving accumulates into the same ranges round after round: it works on a copy of the input.
+    auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+    copy_bytes(work.get(), in.data, in.bytes());
+    const auto plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, out.count);
+    co_await g->run(plan, seq, Collective::reduce_scatter, algo::PlanBuffers{work.get(), work.get(), out.dtype, op}, {out.count});
+    copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
+    algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
+    co_return;
+  }
+  // The ring (also where recursive halving was asked for on a non-power-of-two group) reduces into
+  // scratch, reading this rank's contributions from `in`; the rank's own block is the result. (One rank
+  // has no ring: its input is the result.)
+  auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+  if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
+  const auto blocks = algo::blocks_of(in.count, g->size);
+  const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
+  co_await g->run(plan, seq, Collective::reduce_scatter, algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()}, {out.count});
+  copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
+  algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
+}
+
+Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
+                          const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::binomial, Kind::scatter_all_gather});
+  const auto plan = algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
+                                                               : algo::binomial_broadcast(g->size, g->rank, root, data.count);
+  co_await g->run(plan, seq, Collective::broadcast, algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum},
+                  {data.count, root});
+}
+
+Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op,
+                       const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::binomial, Kind::reduce_scatter_gather});
+  if (g->options.deterministic && g->size > 1) {
+    // Every rank computes the rank-order result; only the root keeps it.
+    std::unique_ptr<std::byte[]> scratch;
+    BufferView result = out;
+    if (g->rank != root) {
+      scratch = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+      result = BufferView(scratch.get(), in.count, in.dtype);
+    }
+    co_await deterministic_all_reduce(g, seq, Collective::reduce, in, result, op, {in.count, root});
+    co_return;
+  }
+  std::unique_ptr<std::byte[]> scratch;
+  std::byte* work = out.bytes_ptr();
+  if (g->rank != root) {
+    scratch = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    work = scratch.get();
+  }
+  copy_bytes(work, in.data, in.bytes());
+  const auto plan = algorithm.kind == Kind::reduce_scatter_gather ? algo::reduce_scatter_gather_reduce(g->size, g->rank, root, in.count)
+                                                                  : algo::binomial_reduce(g->size, g->rank, root, in.count);
+  co_await g->run(plan, seq, Collective::reduce, algo::PlanBuffers{work, work, in.dtype, op}, {in.count, root});
+  if (g->rank == root) algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
+}
+
+Task<void> gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
+                       const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::direct, Kind::binomial});
+  const std::size_t block_bytes = in.bytes();
+  const auto p = static_cast<std::size_t>(g->size);
+  if (algorithm.kind == Kind::binomial && g->size > 1) {
+    // Blocks travel in virtual order (slot i: rank root + r' + i), own block first; the root rotates.
+    const auto plan = algo::binomial_gather(g->size, g->rank, root, in.count);
+    auto staging = slots_for(plan, in.count, in.dtype);
+    copy_bytes(staging.get(), in.data, block_bytes);
+    co_await g->run(plan, seq, Collective::gather, algo::PlanBuffers{staging.get(), staging.get(), in.dtype, ReduceOp::sum}, {in.count, root});
+    if (g->rank == root) blocks_from_slots(out.bytes_ptr(), staging.get(), p, static_cast<std::size_t>(root), block_bytes);
+    co_return;
+  }
+  if (g->rank == root) copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(root) * in.bytes(), in.data, in.bytes());
+  const auto plan = algo::direct_gather(g->size, g->rank, root, in.count);
+  co_await g->run(plan, seq, Collective::gather,
+                  algo::PlanBuffers{in.bytes_ptr(), g->rank == root ? out.bytes_ptr() : nullptr, in.dtype, ReduceOp::sum},
+                  {in.count, root});
+}
+
+Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root,
+                        const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::direct, Kind::binomial});
+  const std::size_t block_bytes = out.bytes();
+  const auto p = static_cast<std::size_t>(g->size);
+  if (algorithm.kind == Kind::binomial && g->size > 1) {
+    const auto plan = algo::binomial_scatter(g->size, g->rank, root, out.count);
+    auto staging = slots_for(plan, out.count, out.dtype);
+    if (g->rank == root) slots_from_blocks(staging.get(), in.bytes_ptr(), p, static_cast<std::size_t>(root), block_bytes);
+    co_await g->run(plan, seq, Collective::scatter, algo::PlanBuffers{staging.get(), staging.get(), out.dtype, ReduceOp::sum}, {out.count, root});
+    copy_bytes(out.data, staging.get(), block_bytes);
+    co_return;
+  }
+  if (g->rank == root) copy_bytes(out.data, in.bytes_ptr() + static_cast<std::size_t>(root) * out.bytes(), out.bytes());
+  const auto plan = algo::direct_scatter(g->size, g->rank, root, out.count);
+  co_await g->run(plan, seq, Collective::scatter,
+                  algo::PlanBuffers{g->rank == root ? in.bytes_ptr() : nullptr, out.bytes_ptr(), out.dtype, ReduceOp::sum},
+                  {out.count, root});
+}
+
+Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
+                           const algo::Algorithm& algorithm) {
+  using algo::Kind;
+  require(algorithm, {Kind::pairwise, Kind::bruck});
+  const std::size_t block = in.count / static_cast<std::size_t>(g->size);
+  const std::size_t block_bytes = block * dtype_size(in.dtype);
+  if (algorithm.kind == Kind::bruck && g->size > 1) {
+    // Rotate in (slot i: the block for rank r+i), run, rotate out (slot i came from rank r-i).
+    const auto p = static_cast<std::size_t>(g->size);
+    const auto r = static_cast<std::size_t>(g->rank);
+    auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
+    slots_from_blocks(slots.get(), in.bytes_ptr(), p, r, block_bytes);
+    const auto plan = algo::bruck_all_to_all(g->size, g->rank, block);
+    co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum}, {in.count});
+    blocks_from_slots(out.bytes_ptr(), slots.get(), p, r, block_bytes, Turn::down);
+    co_return;
+  }
+  std::unique_ptr<std::byte[]> copy;
+  const std::byte* source = in.bytes_ptr();
+  if (in.data == out.data && in.bytes()) {  // in place: send from a copy
+    copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    std::memcpy(copy.get(), in.data, in.bytes());
+    source = copy.get();
+  }
+  copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes,
+             source + static_cast<std::size_t>(g->rank) * block_bytes, block_bytes);
+  const auto plan = algo::pairwise_all_to_all(g->size, g->rank, block);
+  co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
+}
+
+Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const algo::Algorithm& algorithm) {
+  require(algorithm, {algo::Kind::dissemination});
+  const auto plan = algo::dissemination_barrier(g->size, g->rank);
+  co_await g->run(plan, seq, Collective::barrier, algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
+}
+
+Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
+                        std::vector<std::pair<int, int>> pairs) {
+  int send_to = -1;
+  int recv_from = -1;
+  for (auto [src, dst] : pairs) {
+    if (src == g->rank) send_to = dst;
+    if (dst == g->rank) recv_from = src;
+  }
+  std::unique_ptr<std::byte[]> copy;
+  const std::byte* source = in.bytes_ptr();
+  if (in.data == out.data && send_to >= 0 && in.bytes()) {
+    copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    std::memcpy(copy.get(), in.data, in.bytes());
+    source = copy.get();
+  }
+  algo::Plan plan;
+  const algo::Range all{0, in.count};
+  if (send_to == g->rank) {
+    copy_bytes(out.data, source, out.bytes());
+  } else {
+    if (recv_from < 0 && out.bytes()) std::memset(out.data, 0, out.bytes());
+    if (send_to >= 0 && recv_from >= 0) {
+      plan.push_back(algo::Step{algo::StepKind::send_recv, send_to, recv_from, all, all});
+    } else if (send_to >= 0) {
+      plan.push_back(algo::Step{algo::StepKind::send, send_to, -1, all, {}});
+    } else if (recv_from >= 0) {
+      plan.push_back(algo::Step{algo::StepKind::recv, -1, recv_from, {}, all});
+    }
+  }
+  co_await g->run(plan, seq, Collective::permute, algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
+}
+
+// ---------------------------------------------------------------- the submit path
+
+// What each buffer collective requires of its call: one row per collective, read by validate() and
+// selection_bytes(), so that the public methods hold no checks of their own.
+struct Rule {
+  enum class Counts : std::uint8_t {
+    none,          // no buffers (barrier)
+    one_buffer,    // in and out are one buffer ("data": broadcast)
+    equal,         // out has in's count
+    out_is_p_in,   // out holds a block per rank of in's count (all_gather, gather)
+    in_is_p_out,   // in holds a block per rank of out's count (reduce_scatter, scatter)
+  };
+  enum class Size : std::uint8_t { out, in, p_in, p_out };  // the bytes the algorithm is chosen by
+  Counts counts;
+  Size size;
+  bool root = false;            // takes a root
+  bool input_root_only = false;   // only the root's input is read (scatter)
+  bool output_root_only = false;  // only the root's output is written (reduce, gather)
+  bool equal_blocks = false;      // the count splits into size() equal blocks (all_to_all)
+};
+
+const Rule& rule_of(Collective c) {
+  using C = Rule::Counts;
+  using S = Rule::Size;
+  static const Rule all_reduce{C::equal, S::out};
+  static const Rule all_gather{C::out_is_p_in, S::out};
+  static const Rule reduce_scatter{C::in_is_p_out, S::in};
+  static const Rule broadcast{C::one_buffer, S::out, true};
+  static const Rule reduce{C::equal, S::in, true, false, true};
+  static const Rule gather{C::out_is_p_in, S::p_in, true, false, true};
+  static const Rule scatter{C::in_is_p_out, S::p_out, true, true, false};
+  static const Rule all_to_all{C::equal, S::in, false, false, false, true};
+  static const Rule barrier{C::none, S::in};
+  switch (c) {
+    case Collective::all_reduce: return all_reduce;
+    case Collective::all_gather: return all_gather;
+    case Collective::reduce_scatter: return reduce_scatter;
+    case Collective::broadcast: return broadcast;
+    case Collective::reduce: return reduce;
+    case Collective::gather: return gather;
+    case Collective::scatter: return scatter;
+    case Collective::all_to_all: return all_to_all;
+    case Collective::barrier: return barrier;
+    case Collective::permute:
+    case Collective::split: break;
+  }
+  throw std::logic_error(fmt::format("weft: {} does not go through the submit path", to_string(c)));
+}
+
+// The preconditions of `call` on this rank, from its collective's rule. Errors: weft::Error
+// (invalid_argument) naming the operation, before anything is sent.
+void validate(GroupState& g, const detail::CollectiveCall& call) {
+  const char* name = to_string(call.collective).data();
+  const Rule& rule = rule_of(call.collective);
+  if (rule.root) check_rank(g, name, "root", call.root);
+  if (rule.counts == Rule::Counts::none) return;
+  if (rule.counts == Rule::Counts::one_buffer) {
+    check_buffer(g, name, "data", call.out.data, call.out.count, call.out.dtype, call.out.device);
+    return;
+  }
+  const bool root_here = g.rank == call.root;
+  const bool input_here = !rule.input_root_only || root_here;
+  const bool output_here = !rule.output_root_only || root_here;
+  if (input_here) check_buffer(g, name, "input", call.in.data, call.in.count, call.in.dtype, call.in.device);
+  if (reduces(call.collective)) check_op(g, name, call.in.dtype, call.op);
+  if (output_here) check_buffer(g, name, "output", call.out.data, call.out.count, call.out.dtype, call.out.device);
+  if (!input_here || !output_here) return;  // a rank that uses one of the buffers: nothing to compare
+  check_same_type(g, name, call.in.dtype, call.out.dtype);
+  switch (rule.counts) {
+    case Rule::Counts::equal: check_count(g, name, "output", call.out.count, call.in.count); break;
+    case Rule::Counts::out_is_p_in: check_count(g, name, "output", call.out.count, per_rank_total(g, name, call.in.count)); break;
+    case Rule::Counts::in_is_p_out: check_count(g, name, "input", call.in.count, per_rank_total(g, name, call.out.count)); break;
+    case Rule::Counts::none:
+    case Rule::Counts::one_buffer: break;
+  }
+  if (rule.equal_blocks && call.in.count % static_cast<std::size_t>(g.size) != 0) {
+    invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", call.in.count, g.size));
+  }
+}
+
+// The bytes the selection table looks at for `call`.
+std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& call) {
+  const auto p = static_cast<std::size_t>(g.size);
+  switch (rule_of(call.collective).size) {
+    case Rule::Size::out: return call.out.bytes();
+    case Rule::Size::in: return call.in.bytes();
+    case Rule::Size::p_in: return call.in.bytes() * p;
+    case Rule::Size::p_out: return call.out.bytes() * p;
+  }
+  return 0;
+}
+
+// The task of `call`'s collective (not a coroutine: no frame of its own).
+Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
+                            const algo::Algorithm& algorithm) {
+  switch (call.collective) {
+    case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
+    case Collective::all_gather: return all_gather_task(std::move(g), seq, call.in, call.out, algorithm);
+    case Collective::reduce_scatter: return reduce_scatter_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
+    case Collective::broadcast: return broadcast_task(std::move(g), seq, call.out, call.root, algorithm);
+    case Collective::reduce: return reduce_task(std::move(g), seq, call.in, call.out, call.root, call.op, algorithm);
+    case Collective::gather: return gather_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
+    case Collective::scatter: return scatter_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
+    case Collective::all_to_all: return all_to_all_task(std::move(g), seq, call.in, call.out, algorithm);
+    case Collective::barrier: return barrier_task(std::move(g), seq, algorithm);
+    case Collective::permute:
+    case Collective::split: break;
+  }
+  throw std::logic_error(fmt::format("weft: {} does not go through the submit path", to_string(call.collective)));
+}
+
+}  // namespace
+
+Future<void> Group::all_reduce(BufferView data, ReduceOp op) { return all_reduce(ConstBufferView(data), data, op); }
+
+Future<void> Group::all_reduce(ConstBufferView in, BufferView out, ReduceOp op) {
+  return submit(detail::CollectiveCall{Collective::all_reduce, in, out, op});
+}
+Future<void> Group::all_gather(ConstBufferView in, BufferView out) {
+  return submit(detail::CollectiveCall{Collective::all_gather, in, out});
+}
+Future<void> Group::reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op) {
+  return submit(detail::CollectiveCall{Collective::reduce_scatter, in, out, op});
+}
+Future<void> Group::broadcast(BufferView data, int root) {
+  return submit(detail::CollectiveCall{Collective::broadcast, data, data, ReduceOp::sum, root});
+}
+Future<void> Group::reduce(ConstBufferView in, BufferView out, int root, ReduceOp op) {
+  return submit(detail::CollectiveCall{Collective::reduce, in, out, op, root});
+}
+Future<void> Group::gather(ConstBufferView in, BufferView out, int root) {
+  return submit(detail::CollectiveCall{Collective::gather, in, out, ReduceOp::sum, root});
+}
+Future<void> Group::scatter(ConstBufferView in, BufferView out, int root) {
+  return submit(detail::CollectiveCall{Collective::scatter, in, out, ReduceOp::sum, root});
+}
+Future<void> Group::all_to_all(ConstBufferView in, BufferView out) {
+  return submit(detail::CollectiveCall{Collective::all_to_all, in, out});
+}
+
+Future<void> Group::submit(const detail::CollectiveCall& call) {
+  const char* name = to_string(call.collective).data();
+  auto& g = live(name);
+  check_usable(g, name);
+  validate(g, call);
+  // Chosen on the caller's thread, where override_algorithms changes the table.
+  const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size);
+  return spawn(*g.loop, start_collective(state_, take_seq(g, timeout_), call, algorithm));
+}
+
+Future<void> Group::barrier() { return submit(detail::CollectiveCall{Collective::barrier, {}, {}}); }
+
+Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs) {
+  const char* name = "permute";
+  auto& g = live(name);
+  check_usable(g, name);
+  check_buffer(g, name, "input", in.data, in.count, in.dtype, in.device);
+  check_buffer(g, name, "output", out.data, out.count, out.dtype, out.device);
+  check_same_type(g, name, in.dtype, out.dtype);
+  check_count(g, name, "output", out.count, in.count);
+  std::vector<int> sends(static_cast<std::size_t>(g.size), 0);
+  std::vector<int> recvs(static_cast<std::size_t>(g.size), 0);
+  for (auto [src, dst] : pairs) {
+    check_rank(g, name, "source", src);
+    check_rank(g, name, "destination", dst);
+    if (++sends[static_cast<std::size_t>(src)] > 1) invalid(g, name, fmt::format("rank {} sends more than once", src), src);
+    if (++recvs[static_cast<std::size_t>(dst)] > 1) invalid(g, name, fmt::format("rank {} receives more than once", dst), dst);
+  }
+  return spawn(*g.loop, permute_task(state_, take_seq(g, timeout_), in, out, std::move(pairs)));
+}
+
+namespace {
+Task<void> plan_task(std::shared_ptr<GroupState> g, std::uint64_t seq, algo::Plan plan, algo::PlanBuffers buffers,
+                     const char* name) {
+  co_await g->run_signed(plan, seq, name, signature::of_plan(buffers.dtype, buffers.op, 0), buffers);
+}
+}  // namespace
+
+Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name) {
+  auto& g = live(name);
+  check_usable(g, name);
+  for (const auto& step : plan) {
+    const bool sends = step.kind != algo::StepKind::recv && step.kind != algo::StepKind::recv_reduce;
+    const bool receives = step.kind != algo::StepKind::send;
+    if (sends) check_rank(g, name, "send_to", step.send_to);
+    if (receives) check_rank(g, name, "recv_from", step.recv_from);
+    const bool reduces = step.kind == algo::StepKind::recv_reduce || step.kind == algo::StepKind::recv_reduce_send ||
+                         step.kind == algo::StepKind::send_recv_reduce;
+    if (reduces) check_op(g, name, buffers.dtype, buffers.op);
+  }
+  return spawn(*g.loop, plan_task(state_, take_seq(g, timeout_), std::move(plan), buffers, name));
+}
+
+}  // namespace weft

@@ -1,0 +1,128 @@
+// Group::create: the options checked and completed, the algorithm table built, the bootstrap run on the
+// loop (Asio's coroutines, bridged), and the transport made over the connections it gave.
+#include "weft/group.hpp"
+
+#include <unistd.h>
+
+#include <fstream>
+
+#include <asio.hpp>
+#include <fmt/format.h>
+
+#include "src/core/host.hpp"
+#include "src/core/log.hpp"
+#include "src/group/bootstrap.hpp"
+#include "src/group/state.hpp"
+#include "transports/select.hpp"
+
+namespace weft {
+namespace {
+
+using detail::GroupState;
+
+// Awaits an asio::awaitable<void> from a weft Task: it runs on the same io_context, and the Task resumes
+// from its completion handler on the loop thread.
+// The awaitable is made inside await_suspend: an asio::awaitable held in a co_await temporary does not
+// survive g++ 12's handling of such temporaries.
+template <class MakeAwaitable>
+struct AwaitAsio {
+  asio::io_context& io;
+  MakeAwaitable make;
+  std::exception_ptr error{};
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) {
+    asio::co_spawn(io, make(), [this, h](std::exception_ptr e) {
+      error = e;
+      h.resume();
+    });
+  }
+  void await_resume() const {
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+// The default bound on early messages: generous (a legitimate program may send a message of several GiB
+// before its receive is posted; a test sends one over 4 GiB), yet below what would exhaust the machine:
+// half its memory, shared among the ranks the launcher put on this host (4 ranks each allowed half
+// could hold twice the memory), and at least 1 GiB.
+std::size_t share_of_half_the_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::size_t{4} << 30;
+  const std::size_t half = static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 2;
+  return std::max(std::size_t{1} << 30, half / static_cast<std::size_t>(host::local_ranks()));
+}
+
+Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
+  co_await loop->schedule();
+  BootstrapResult result;
+  try {
+    auto run_bootstrap = [loop, &options, &result] { return bootstrap(loop->context(), options, result); };
+    co_await AwaitAsio<decltype(run_bootstrap)>{loop->context(), run_bootstrap};
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
+  }
+  auto g = std::make_shared<GroupState>();
+  g->selection = std::move(selection);
+  g->loop = loop;
+  g->rank = options.rank;
+  g->size = options.world_size;
+  g->options = options;
+  g->store_server = std::move(result.store_server);
+  for (auto& socket : result.sockets) {
+    if (socket.is_open()) TcpTransport::set_heartbeat(socket, options.heartbeat);
+  }
+  auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets));
+  transport->seal_frames(options.integrity, result.frame_keys);
+  transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : share_of_half_the_memory());
+  transport->watch_liveness(options.heartbeat);
+  g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
+  for (int i = 0; i < g->size; ++i) g->members.push_back(i);
+  g->transport->open_context(g->context, g->members);
+  log().info("rank {} of {}: group ready over {}{}", g->rank, g->size, g->transport->name(),
+             options.integrity == Integrity::off ? "" : fmt::format(", frames sealed with {}", integrity_name(options.integrity)));
+  co_return Group(std::move(g));
+}
+
+}  // namespace
+
+Future<Group> Group::create(Loop& loop) { return create(loop, Options{}); }
+
+Future<Group> Group::create(Loop& loop, const Options& given) {
+  Options options = given;
+  options.from_environment();
+  for (const auto& [name, value] : {std::pair{"timeout", options.timeout}, std::pair{"heartbeat", options.heartbeat},
+                                    std::pair{"bootstrap_timeout", options.bootstrap_timeout}}) {
+    if (value.count() < 0 || value > max_duration) {
+      throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                  fmt::format("Options::{} is {} ms: it must be 0 to {} ms (a year; 0: none)", name, value.count(),
+                              max_duration.count()));
+    }
+  }
+  if (options.integrity == Integrity::hmac && options.secret.empty()) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                "WEFT_INTEGRITY=hmac (Options::integrity) needs a shared secret to key its MACs: set WEFT_SECRET or "
+                "WEFT_SECRET_FILE on every rank (or use crc32c, which needs none)");
+  }
+  // Algorithm choices: the built-in table, then a tuning file, then WEFT_ALGO. Malformed ones fail here.
+  algo::Selection selection;
+  if (!options.tuning_file.empty()) {
+    std::ifstream file(options.tuning_file);
+    if (!file) {
+      throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                  fmt::format("cannot read the tuning file '{}' (WEFT_TUNING)", options.tuning_file));
+    }
+    std::string content;
+    for (std::string line; std::getline(file, line);) {
+      if (line.empty() || line[0] == '#') continue;
+      content += line + ";";
+    }
+    selection.override_with(content, "the tuning file " + options.tuning_file);
+  }
+  selection.override_with(options.algorithms, "WEFT_ALGO");
+  return spawn(loop, create_task(&loop, std::move(options), std::move(selection)));
+}
+
+}  // namespace weft

@@ -1,0 +1,129 @@
+// Point-to-point: send and recv, each with its own deadline (a receive past it is withdrawn and the
+// group stays usable; a send past it aborts the group, as it cannot be taken back).
+#include "weft/group.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "src/group/checks.hpp"
+#include "src/group/state.hpp"
+
+namespace weft {
+namespace {
+
+using namespace detail;
+
+struct OpHook {
+  bool finished = false;   // loop thread only
+  bool timed_out = false;  // its deadline passed (the watchdog withdrew or aborted it)
+  GroupState* g = nullptr;
+  TransportOp* op = nullptr;
+};
+
+// A point-to-point operation's deadline: a receive still unmatched is withdrawn (the group stays usable);
+// a send not written yet cannot be taken back from the receiver's view, so the group is aborted.
+std::uint64_t watch_p2p(GroupState& g, const std::shared_ptr<OpHook>& hook, std::chrono::milliseconds timeout, bool is_send) {
+  if (timeout.count() <= 0) return 0;
+  const std::uint64_t id = g.p2p_ids++;
+  std::function<void()> expire;
+  if (is_send) {
+    expire = [hook] {
+      if (hook->finished) return;
+      hook->timed_out = true;
+      auto& g = *hook->g;
+      g.transport->abort_context(g.context, Errc::timeout,
+                                 fmt::format("a send from rank {} to rank {} [tag {}] passed its deadline: the receiver did not take it "
+                                             "(a send cannot be withdrawn once started)",
+                                             g.rank, g.group_rank(hook->op->peer), hook->op->key.tag));
+    };
+  } else {
+    expire = [hook] {
+      if (hook->finished) return;
+      hook->timed_out = true;  // before: a withdrawn receive resumes its coroutine inside cancel_recv
+      if (!hook->g->transport->cancel_recv(*hook->op)) hook->timed_out = false;  // it matched: let it finish
+    };
+  }
+  g.watch(GroupState::Watched{id, std::chrono::steady_clock::now(), timeout, std::move(expire)});
+  return id;
+}
+
+Task<void> send_task(std::shared_ptr<GroupState> g, ConstBufferView data, int dst, std::uint32_t tag, std::uint64_t op_seq,
+                     std::chrono::milliseconds timeout) {
+  TransportOp op;
+  auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  // A send on the wire cannot be taken back from the receiver's view: cancelling it aborts the group.
+  if (token.stop_possible()) {
+    on_stop.emplace(token, std::function<void()>([g, hook, tag] {
+      g->loop->post([g, hook, tag] {
+        if (!hook->finished) {
+          g->transport->abort_context(g->context, Errc::cancelled, fmt::format("rank {} cancelled a send [tag {}]", g->rank, tag));
+        }
+      });
+    }));
+  }
+  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, true);
+  g->transport->start_send(g->members[static_cast<std::size_t>(dst)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
+  co_await op.wait();
+  hook->finished = true;
+  if (watch_id) g->unwatch(watch_id);
+  on_stop.reset();
+  if (op.error()) {
+    throw_error(static_cast<Errc>(op.error().value()), g->where("send", static_cast<std::int64_t>(op_seq), dst, tag), op.reason());
+  }
+}
+
+Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, std::uint32_t tag, std::uint64_t op_seq,
+                     std::chrono::milliseconds timeout) {
+  TransportOp op;
+  auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
+  const std::stop_token token = co_await this_stop_token();
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  if (token.stop_possible()) {
+    on_stop.emplace(token, std::function<void()>([g, hook, &op] {
+      g->loop->post([g, hook, &op] {
+        if (!hook->finished) g->transport->cancel_recv(op);
+      });
+    }));
+  }
+  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, false);
+  g->transport->start_recv(g->members[static_cast<std::size_t>(src)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
+  co_await op.wait();
+  hook->finished = true;
+  if (watch_id) g->unwatch(watch_id);
+  on_stop.reset();
+  if (hook->timed_out) {
+    throw_error(Errc::timeout, g->where("recv", static_cast<std::int64_t>(op_seq), src, tag),
+                fmt::format("the receive from rank {} [tag {}] passed its deadline ({}) on rank {}; it was withdrawn and the "
+                            "group stays usable", src, tag, GroupState::duration_text(timeout), g->rank));
+  }
+  if (op.error()) {
+    throw_error(static_cast<Errc>(op.error().value()), g->where("recv", static_cast<std::int64_t>(op_seq), src, tag), op.reason());
+  }
+}
+
+}  // namespace
+
+Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
+  auto& g = live("send");
+  check_usable(g, "send");
+  check_rank(g, "send", "destination", dst);
+  check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
+  return spawn(*g.loop, send_task(state_, data, dst, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
+}
+
+Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
+  auto& g = live("recv");
+  check_usable(g, "recv");
+  check_rank(g, "recv", "source", src);
+  check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
+  return spawn(*g.loop, recv_task(state_, data, src, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
+}
+
+}  // namespace weft

@@ -1,0 +1,180 @@
+#pragma once
+// A group's state, shared by the Group handles and views (with_timeout) of one group and by its running
+// operations. Its fields are grouped by the thread that writes them, as libunifex groups an operation's
+// state, so that docs/DESIGN.md's threading table can be read off this file:
+//   identity   written once by create / split / shrink before the group is handed out; read by all
+//   callers    written by the threads that call collectives (atomics, or under a mutex)
+//   loop       written on the loop's thread only (the watchdog, the reports)
+// The rooms that use it: create.cpp (bootstrap wiring), p2p.cpp, collectives.cpp (the submit path and
+// the collectives' tasks), membership.cpp (split, shrink), watchdog.cpp (deadlines and their reports).
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "src/algorithms/selection.hpp"
+#include "src/core/signature.hpp"
+#include "src/group/store.hpp"
+#include "weft/algorithms.hpp"
+#include "weft/collective.hpp"
+#include "weft/error.hpp"
+#include "weft/group.hpp"
+#include "weft/loop.hpp"
+#include "weft/options.hpp"
+#include "weft/task.hpp"
+#include "weft/transport.hpp"
+
+namespace weft {
+
+namespace algo = algorithms;
+
+namespace detail {
+
+// One buffer collective as the public methods pack it, as NCCL packs every call into one ncclInfo: all
+// that validation, selection and the task need.
+struct CollectiveCall {
+  Collective collective;
+  ConstBufferView in;
+  BufferView out;
+  ReduceOp op = ReduceOp::sum;
+  int root = -1;
+};
+
+// Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop
+// it waits for that, so that nothing of the transport outlives the Group's destruction.
+struct DeleteOnLoop {
+  Loop* loop;
+  void operator()(Transport* transport) const {
+    if (loop->owns_thread() && !loop->in_loop_thread()) {
+      std::promise<void> done;
+      loop->post([&] {
+        delete transport;
+        done.set_value();
+      });
+      done.get_future().wait();
+    } else {
+      // On the loop thread we may be inside one of the transport's own callbacks: delete it later.
+      loop->post([transport] { delete transport; });
+    }
+  }
+};
+
+struct GroupState : std::enable_shared_from_this<GroupState> {
+  // ---- identity: written once before the group is handed out
+  Loop* loop = nullptr;
+  std::shared_ptr<Transport> transport;         // shared with the groups split from this one
+  std::shared_ptr<store::Server> store_server;  // rank 0 of the world group only
+  std::uint32_t context = 1;
+  int rank = 0;
+  int size = 1;
+  std::vector<int> members;  // group rank -> transport rank
+  Options options;
+
+  // ---- callers: the threads that call collectives
+  algo::Selection selection;                        // which algorithm runs what (override_algorithms)
+  std::atomic<std::uint64_t> next_seq{1};           // in program order
+  std::atomic<std::uint64_t> shrinks{0};            // shrink() calls so far: each gets its own exchange
+  // Deadlines of single operations (Group::with_timeout), by seq, read on the loop when the operation
+  // starts. A fixed ring of the latest: a deadline is looked up soon after its call.
+  std::atomic<bool> any_deadline_set{false};
+  std::mutex deadlines_mutex;
+  std::array<std::pair<std::uint64_t, std::chrono::milliseconds>, 64> deadlines{};  // guarded
+  std::size_t deadlines_pushed = 0;                                                 // guarded
+
+  // ---- either side: a failure, set on the loop (or by abort()), read by callers
+  std::atomic<bool> failed{false};
+  std::mutex failure_mutex;
+  std::string failure;  // guarded by failure_mutex
+
+  // ---- loop: the watchdog (watchdog.cpp). A timer per operation cost 2600 instructions per 1 KiB
+  // all_reduce (+19%, bench/RESULTS.md); instead the running operations are listed with their start, and
+  // one timer per group, armed while any runs, looks every min(timeout / 4, 250 ms).
+  struct Watched {
+    std::uint64_t id;  // the operation's seq; point-to-point operations get ids from p2p_ids
+    std::chrono::steady_clock::time_point started;
+    std::chrono::milliseconds timeout;
+    std::function<void()> expire;  // small captures only: no allocation per operation
+  };
+  std::vector<Watched> watched;
+  bool watchdog_armed = false;
+  std::uint64_t p2p_ids = std::uint64_t{1} << 63;
+  std::vector<std::uint64_t> reporting;  // operations whose progress query is out
+
+  ~GroupState() {
+    if (!transport) return;
+    // A weak reference: the last Group's transport is deleted now (DeleteOnLoop), not by this lambda
+    // after the Loop may have stopped.
+    loop->post([weak = std::weak_ptr<Transport>(transport), context = context] {
+      if (auto t = weak.lock()) t->close_context(context);
+    });
+  }
+
+  ErrorContext where(const char* op, std::int64_t seq, int peer = -1, std::int64_t tag = -1) const {
+    return ErrorContext{rank, peer, op, seq, tag};
+  }
+
+  void mark_failed(const std::string& what) {
+    std::lock_guard lock(failure_mutex);
+    if (failed.exchange(true)) return;
+    failure = what;
+  }
+
+  /// What the caller asked for, beyond the buffers: the element count every rank passes and the root.
+  /// With the collective, dtype and reduce op it makes the operation's signature (mismatch detection).
+  struct Call {
+    std::uint64_t count = 0;
+    int root = -1;
+  };
+
+  algo::Channel channel(std::uint64_t seq, const char* op, const OpSignature& signature, std::uint64_t first_tag) const {
+    algo::Channel ch{loop, transport.get(), context, seq, rank, members, op, first_tag};
+    ch.signature = signature;
+    return ch;
+  }
+
+  algo::ExecOptions exec_options() const { return algo::ExecOptions{options.segment_bytes, options.pipeline_depth}; }
+
+  /// Runs one collective's plan; a failure fails the group (its peers are told by the abort frame).
+  Task<void> run(const algo::Plan& plan, std::uint64_t seq, Collective collective, algo::PlanBuffers buffers, Call call,
+                 std::uint64_t first_tag = 0) {
+    return run_signed(plan, seq, to_string(collective).data(),
+                      signature::of(collective, buffers.dtype, buffers.op, call.count, call.root), buffers, first_tag);
+  }
+  /// The same for a plan of the user's (`op` names it in errors).
+  Task<void> run_signed(const algo::Plan& plan, std::uint64_t seq, const char* op, OpSignature signature,
+                        algo::PlanBuffers buffers, std::uint64_t first_tag = 0) {
+    watch(seq, op);
+    try {
+      co_await algo::execute(channel(seq, op, signature, first_tag), plan, buffers, exec_options());
+    } catch (const Error& e) {
+      unwatch(seq);
+      // A cancelled operation was cancelled on every member (a cancel frame): the group goes on.
+      if (e.errc() != Errc::cancelled) mark_failed(e.what());
+      throw;
+    }
+    unwatch(seq);
+  }
+
+  // ---- deadlines and their reports (watchdog.cpp)
+  void set_deadline(std::uint64_t seq, std::chrono::milliseconds timeout);
+  std::chrono::milliseconds deadline_of(std::uint64_t seq);
+  void watch(std::uint64_t seq, const char* op);
+  void watch(Watched w);
+  void arm_watchdog();
+  void unwatch(std::uint64_t id);
+  void on_watchdog();
+  static std::string duration_text(std::chrono::milliseconds t);
+  void time_out(std::uint64_t seq, const char* op, std::chrono::milliseconds timeout);
+  std::string mismatched_calls(std::uint64_t seq, const std::vector<Transport::Progress>& answers) const;
+  int group_rank(int transport_rank) const;
+  std::string stragglers(std::uint64_t seq, const std::vector<Transport::Progress>& answers, std::chrono::milliseconds patience) const;
+};
+
+}  // namespace detail
+}  // namespace weft

@@ -1,0 +1,142 @@
+// Deadlines (Options::timeout, Group::with_timeout): the watchdog that finds late operations, and the
+// report that names who had not joined them (a progress query to every member) or who called them
+// differently. Loop thread only, but for set_deadline (callers).
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "src/core/signature.hpp"
+#include "src/group/state.hpp"
+
+namespace weft::detail {
+
+void GroupState::set_deadline(std::uint64_t seq, std::chrono::milliseconds timeout) {
+  std::lock_guard lock(deadlines_mutex);
+  deadlines[deadlines_pushed++ % deadlines.size()] = {seq, timeout};
+  any_deadline_set.store(true, std::memory_order_release);
+}
+
+std::chrono::milliseconds GroupState::deadline_of(std::uint64_t seq) {
+  if (any_deadline_set.load(std::memory_order_acquire)) {
+    std::lock_guard lock(deadlines_mutex);
+    for (const auto& [s, t] : deadlines) {
+      if (s == seq) return t;
+    }
+  }
+  return options.timeout;
+}
+
+void GroupState::watch(std::uint64_t seq, const char* op) {
+  const auto timeout = deadline_of(seq);
+  if (timeout.count() <= 0) return;
+  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, [this, seq, op, timeout] { time_out(seq, op, timeout); }});
+}
+
+void GroupState::watch(Watched w) {
+  watched.push_back(std::move(w));
+  if (!watchdog_armed) arm_watchdog();
+}
+
+void GroupState::arm_watchdog() {
+  watchdog_armed = true;
+  auto shortest = options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(1000);
+  for (const Watched& w : watched) shortest = std::min(shortest, w.timeout);
+  const auto period = std::min<std::chrono::milliseconds>(shortest / 4, std::chrono::milliseconds(250));
+  loop->call_after(std::max(period, std::chrono::milliseconds(1)), [weak = weak_from_this()](bool) {
+    if (auto self = weak.lock()) self->on_watchdog();
+  });
+}
+
+void GroupState::unwatch(std::uint64_t id) {
+  for (auto it = watched.rbegin(); it != watched.rend(); ++it) {
+    if (it->id == id) {
+      watched.erase(std::next(it).base());
+      return;
+    }
+  }
+}
+
+void GroupState::on_watchdog() {
+  watchdog_armed = false;
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<std::function<void()>> late;
+  for (const Watched& w : watched) {
+    if (now - w.started >= w.timeout) late.push_back(w.expire);
+  }
+  // Expiring completes operations, whose coroutines then unwatch: work on the copy.
+  for (const auto& expire : late) expire();
+  if (!watched.empty() && !watchdog_armed) arm_watchdog();
+}
+
+std::string GroupState::duration_text(std::chrono::milliseconds t) {
+  const auto ms = t.count();
+  return ms % 1000 == 0 ? fmt::format("{} s", ms / 1000) : fmt::format("{} ms", ms);
+}
+
+// A deadline passed: before failing, ask every member how far it is (a progress query, answered by
+// its transport's loop), so that the report names the ranks that had not joined the operation, not only
+// the neighbours this rank waits on (in a ring, most ranks wait on a rank that waits on the late one).
+void GroupState::time_out(std::uint64_t seq, const char* op, std::chrono::milliseconds timeout) {
+  if (std::find(reporting.begin(), reporting.end(), seq) != reporting.end()) return;
+  reporting.push_back(seq);
+  std::vector<std::string> names;
+  for (int peer : transport->waiting_on(context, seq)) names.push_back(std::to_string(group_rank(peer)));
+  const std::string after = duration_text(timeout);
+  const std::string whom = names.empty() ? std::string("no peer (the operation had not reached the network)")
+                                         : fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "));
+  const auto patience = std::clamp<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(50),
+                                                              std::chrono::milliseconds(500));
+  const std::string head = fmt::format("{} #{} passed its deadline ({}) on rank {}, still waiting for {}", op, seq, after, rank, whom);
+  transport->ask_progress(context, seq, patience, [weak = weak_from_this(), seq, head, patience](std::vector<Transport::Progress> answers) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::erase(self->reporting, seq);
+    const bool still_running = std::any_of(self->watched.begin(), self->watched.end(), [&](const Watched& w) { return w.id == seq; });
+    if (!still_running) return;  // it completed while the members were asked
+    // A member that called the operation differently: a mismatch that sent no frame to anyone (a
+    // reduce whose ranks disagree on the root can wait on each other in silence). Say so, not "late".
+    if (const std::string calls = self->mismatched_calls(seq, answers); !calls.empty()) {
+      self->transport->abort_context(self->context, Errc::mismatch, head + "; the ranks called it differently: " + calls);
+      return;
+    }
+    self->transport->abort_context(self->context, Errc::timeout, head + "; " + self->stragglers(seq, answers, patience));
+  });
+}
+
+// "rank 2 called reduce #1 (f32 x 8, sum, root 2) while rank 0 called reduce #1 (f32 x 8, sum, root 0)",
+// or empty when every member that answered called operation `seq` as this rank did (or not yet).
+std::string GroupState::mismatched_calls(std::uint64_t seq, const std::vector<Transport::Progress>& answers) const {
+  const OpSignature mine = transport->signature_of(context, seq);
+  if (mine.call == 0) return {};
+  std::vector<std::string> others;
+  for (const auto& a : answers) {
+    if (!a.answered || a.signature.call == 0 || a.signature == mine) continue;
+    others.push_back(fmt::format("rank {} called {}", group_rank(a.rank), signature::describe(a.signature, seq)));
+  }
+  if (others.empty()) return {};
+  return fmt::format("{} while rank {} called {}", fmt::join(others, ", "), rank, signature::describe(mine, seq));
+}
+
+int GroupState::group_rank(int transport_rank) const {
+  const auto it = std::find(members.begin(), members.end(), transport_rank);
+  return it == members.end() ? -1 : static_cast<int>(it - members.begin());
+}
+
+// "not joined: rank 3 (no answer within 125 ms: stopped, hung, or busy outside weft), rank 2 (latest #4)".
+std::string GroupState::stragglers(std::uint64_t seq, const std::vector<Transport::Progress>& answers, std::chrono::milliseconds patience) const {
+  std::vector<std::string> late;
+  for (const auto& a : answers) {
+    const int who = group_rank(a.rank);
+    if (!a.answered) {
+      late.push_back(fmt::format("rank {} (no answer within {} ms: stopped, hung, or busy outside weft)", who, patience.count()));
+    } else if (a.started < seq) {
+      late.push_back(a.started == 0 ? fmt::format("rank {} (it had started no collective)", who)
+                                    : fmt::format("rank {} (its latest is #{})", who, a.started));
+    }
+  }
+  if (late.empty()) return "every rank had joined it";
+  return fmt::format("not joined: {}", fmt::join(late, ", "));
+}
+
+}  // namespace weft::detail
