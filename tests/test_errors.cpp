@@ -12,9 +12,9 @@
 
 #include "harness.hpp"
 #include "src/core/bytes.hpp"
-#include "transports/tcp/integrity.hpp"
-#include "transports/tcp/tcp_transport.hpp"
-#include "transports/tcp/wire.hpp"
+#include "transports/framed/integrity.hpp"
+#include "transports/framed/framed_transport.hpp"
+#include "transports/framed/wire.hpp"
 
 using namespace weft;
 using namespace weft::test;
@@ -401,7 +401,7 @@ class RawPeer {
       std::vector<asio::ip::tcp::socket> sockets;
       sockets.emplace_back(loop_.context());
       sockets.emplace_back(acceptor.accept());
-      transport_ = std::make_unique<TcpTransport>(loop_, 0, 2, std::move(sockets));
+      transport_ = std::make_unique<FramedTransport>(loop_, 0, 2, std::move(sockets));
       transport_->set_early_limit(early_limit);
       transport_->seal_frames(integrity, {FrameKeys{}, keys});
       transport_->open_context(1, {0, 1});
@@ -466,11 +466,11 @@ class RawPeer {
 
  private:
   Loop loop_{Loop::Options{std::chrono::microseconds(0), false}};
-  std::unique_ptr<TcpTransport> transport_;
+  std::unique_ptr<FramedTransport> transport_;
   int raw_ = -1;
 };
 
-// A frame as a sealed peer writes it (transports/tcp/integrity.hpp): header, its CRC-32C, payload,
+// A frame as a sealed peer writes it (transports/framed/integrity.hpp): header, its CRC-32C, payload,
 // trailer from `seal` (the writer's side of the connection).
 std::vector<std::byte> sealed_frame(const wire::Header& h, const std::vector<std::byte>& payload, FrameSeal& seal) {
   wire::HeaderBytes header;

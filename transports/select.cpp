@@ -32,13 +32,13 @@ bool available(std::string_view name, std::string* why) {
   return false;
 }
 
-TcpTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets) {
+FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets) {
 #if WEFT_HAVE_URING
   if (choice == "uring" || choice == "auto") {
     std::string why;
     if (auto ring = UringRing::create(loop, why)) {
       log().info("rank {}: io_uring ring: {}", rank, ring->settings());
-      return new TcpTransport(loop, rank, size, std::move(sockets), "uring",
+      return new FramedTransport(loop, rank, size, std::move(sockets), "uring",
                               [ring](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
                                 return std::make_shared<UringStream>(std::move(socket), ring, events, peer, std::move(alive));
                               });
@@ -54,7 +54,7 @@ TcpTransport* create(Loop& loop, int rank, int size, std::string_view choice, st
     });
   }
 #endif
-  return new TcpTransport(loop, rank, size, std::move(sockets));
+  return new FramedTransport(loop, rank, size, std::move(sockets));
 }
 
 }  // namespace weft::transports

@@ -8,7 +8,7 @@
 
 #include <asio.hpp>
 
-#include "transports/tcp/tcp_transport.hpp"
+#include "transports/framed/framed_transport.hpp"
 #include "weft/loop.hpp"
 
 namespace weft::transports {
@@ -23,6 +23,6 @@ bool available(std::string_view name, std::string* why = nullptr);
 /// "uring", or "auto": uring where it works). uring that cannot be set up, or that this build lacks,
 /// gives tcp, with one log line per process.
 /// Errors: none of its own (the choice was validated with the options).
-TcpTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets);
+FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets);
 
 }  // namespace weft::transports

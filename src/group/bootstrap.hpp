@@ -6,7 +6,7 @@
 #include <asio.hpp>
 
 #include "src/group/store.hpp"
-#include "transports/tcp/integrity.hpp"
+#include "transports/framed/integrity.hpp"
 #include "weft/options.hpp"
 
 namespace weft {

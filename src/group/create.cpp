@@ -72,7 +72,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   g->options = options;
   g->store_server = std::move(result.store_server);
   for (auto& socket : result.sockets) {
-    if (socket.is_open()) TcpTransport::set_heartbeat(socket, options.heartbeat);
+    if (socket.is_open()) FramedTransport::set_heartbeat(socket, options.heartbeat);
   }
   auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets));
   transport->seal_frames(options.integrity, result.frame_keys);

@@ -1,4 +1,4 @@
-// libFuzzer harness: the peer protocol's frame reader. The input is what "rank 1" sends: a TcpTransport of
+// libFuzzer harness: the peer protocol's frame reader. The input is what "rank 1" sends: a FramedTransport of
 // rank 0 reads it through an in-memory Stream, in chunks of varying size, with a few receives posted (their
 // keys, sizes and signatures from the input's first bytes). Whatever the bytes, nothing may crash, every
 // allocation stays bounded (early messages: 1 MiB here), and once the stream ends every receive must have
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "src/core/log.hpp"
-#include "transports/tcp/tcp_transport.hpp"
+#include "transports/framed/framed_transport.hpp"
 #include "weft/loop.hpp"
 
 using namespace weft;
@@ -102,7 +102,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::vector<asio::ip::tcp::socket> sockets;
   sockets.emplace_back(io);
   sockets.emplace_back(io);
-  auto transport = std::make_unique<TcpTransport>(
+  auto transport = std::make_unique<FramedTransport>(
       loop, 0, 2, std::move(sockets), "memory",
       [&](asio::ip::tcp::socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
         return std::make_shared<MemoryStream>(io, events, peer, std::move(alive), stream_data, stream_size, chunk);

@@ -17,7 +17,7 @@
 
 #include <asio.hpp>
 
-#include "transports/tcp/stream.hpp"
+#include "transports/framed/stream.hpp"
 #include "weft/loop.hpp"
 
 namespace weft {

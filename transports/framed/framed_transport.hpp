@@ -1,5 +1,8 @@
 #pragma once
-// The TCP transport (Asio): one connection per peer pair, framed messages (wire.hpp), tag matching.
+// The framed transport: one connection per peer pair, framed messages (wire.hpp), tag matching, early
+// messages, contexts with their failures, cancels and signatures, sealed frames (integrity.hpp). It moves
+// its bytes through a Stream (stream.hpp): Asio's reactor (transports/asio) or io_uring
+// (transports/uring); transports/select.hpp picks one.
 #include <array>
 #include <deque>
 #include <functional>
@@ -10,25 +13,25 @@
 
 #include <asio.hpp>
 
-#include "transports/tcp/integrity.hpp"
-#include "transports/tcp/stream.hpp"
-#include "transports/tcp/wire.hpp"
+#include "transports/framed/integrity.hpp"
+#include "transports/framed/stream.hpp"
+#include "transports/framed/wire.hpp"
 #include "weft/loop.hpp"
 #include "weft/transport.hpp"
 
 namespace weft {
 
-class TcpTransport final : public Transport, private StreamEvents {
+class FramedTransport final : public Transport, private StreamEvents {
  public:
   /// `sockets[peer]` is the connected, handshaken socket to each peer (sockets[rank] is unused). Their
   /// bytes move through Asio's reactor.
-  TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets);
+  FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets);
   /// The same protocol over streams made by `make_stream(socket, events, peer, alive)` for each peer (the
   /// io_uring backend); `backend` names it.
   using StreamFactory = std::function<std::shared_ptr<Stream>(asio::ip::tcp::socket, StreamEvents*, int, std::weak_ptr<bool>)>;
-  TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
+  FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
                const StreamFactory& make_stream);
-  ~TcpTransport() override;
+  ~FramedTransport() override;
 
   std::string_view name() const noexcept override { return backend_; }
   int rank() const noexcept override { return rank_; }
@@ -264,7 +267,10 @@ class TcpTransport final : public Transport, private StreamEvents {
   void start_read_header(Connection& c);
   // Moves up to `bytes` already-read bytes from the inbox to `dst` (null: drops them); returns how many.
   std::size_t take_from_inbox(Connection& c, void* dst, std::size_t bytes);
+  // A header was read whole: checked (its CRC with sealed frames), decoded, and handed to one of:
   void on_header(Connection& c);
+  void on_data_header(Connection& c, const wire::Header& header);
+  void on_control_header(Connection& c, const wire::Header& header);
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
   void on_payload(Connection& c, bool discard);
   // Sealed frames (seal_frames): the header is followed by a CRC-32C of it, checked before the header is

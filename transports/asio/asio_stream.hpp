@@ -4,7 +4,7 @@
 
 #include <asio.hpp>
 
-#include "transports/tcp/stream.hpp"
+#include "transports/framed/stream.hpp"
 
 namespace weft {
 

@@ -1,4 +1,4 @@
-#include "transports/tcp/tcp_transport.hpp"
+#include "transports/framed/framed_transport.hpp"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -13,7 +13,7 @@
 #include "src/core/bytes.hpp"
 #include "src/core/log.hpp"
 #include "src/core/signature.hpp"
-#include "transports/tcp/asio_stream.hpp"
+#include "transports/asio/asio_stream.hpp"
 
 namespace weft {
 namespace {
@@ -29,7 +29,7 @@ std::error_code code_of(Errc e) { return make_error_code(e); }
 
 }  // namespace
 
-std::size_t TcpTransport::MatchKeyHash::operator()(const MatchKey& k) const noexcept {
+std::size_t FramedTransport::MatchKeyHash::operator()(const MatchKey& k) const noexcept {
   std::uint64_t h = 0x9e3779b97f4a7c15ull;
   auto mix = [&](std::uint64_t v) {
     h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
@@ -51,7 +51,7 @@ std::string describe_error(const std::error_code& ec) {
 }
 }  // namespace
 
-void TcpTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::milliseconds interval) {
+void FramedTransport::set_heartbeat(asio::ip::tcp::socket& socket, std::chrono::milliseconds interval) {
   if (interval.count() <= 0) return;
   const int fd = socket.native_handle();
   const int on = 1;
@@ -79,14 +79,14 @@ std::optional<tcp_info> tcp_info_of(const auto& connection) {
 }
 }  // namespace
 
-void TcpTransport::watch_liveness(std::chrono::milliseconds interval) {
+void FramedTransport::watch_liveness(std::chrono::milliseconds interval) {
   if (interval.count() <= 0 || liveness_interval_.count() > 0) return;
   liveness_interval_ = interval;
   arm_liveness_check();
 }
 
 // Twice per interval: a lost peer is named at most half an interval after the limit.
-void TcpTransport::arm_liveness_check() {
+void FramedTransport::arm_liveness_check() {
   liveness_timer_ = loop_.call_after(liveness_interval_ / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
     if (fired && !alive.expired()) check_liveness();
   });
@@ -97,7 +97,7 @@ void TcpTransport::arm_liveness_check() {
 //  - data in flight (tcpi_unacked) with no acknowledgement for (probes + 1) intervals: lost mid-transfer;
 //  - heartbeat_probes window or keepalive probes unanswered (tcpi_probes; an answer resets it).
 // A zero window alone (everything sent acknowledged, the rest waiting for room) is a live, busy peer.
-void TcpTransport::check_liveness() {
+void FramedTransport::check_liveness() {
   liveness_timer_ = 0;
   if (shut_down_) return;
   const auto limit = liveness_interval_ * (heartbeat_probes + 1);
@@ -121,13 +121,13 @@ void TcpTransport::check_liveness() {
   arm_liveness_check();
 }
 
-void TcpTransport::encode_header(const wire::Header& h, Connection& c) {
+void FramedTransport::encode_header(const wire::Header& h, Connection& c) {
   wire::HeaderBytes bytes{};
   wire::encode(h, bytes);
   std::copy(bytes.begin(), bytes.end(), c.send_header.begin());
 }
 
-void TcpTransport::seal_frames(Integrity mode, const std::vector<FrameKeys>& keys) {
+void FramedTransport::seal_frames(Integrity mode, const std::vector<FrameKeys>& keys) {
   integrity_ = mode;
   for (auto& c : connections_) {
     if (!c) continue;
@@ -137,7 +137,7 @@ void TcpTransport::seal_frames(Integrity mode, const std::vector<FrameKeys>& key
   }
 }
 
-void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
+void FramedTransport::tune_socket(asio::ip::tcp::socket& socket) {
   std::error_code ignored;
   socket.set_option(asio::ip::tcp::no_delay(true), ignored);
   if (socket_buffer_bytes > 0) {
@@ -146,13 +146,13 @@ void TcpTransport::tune_socket(asio::ip::tcp::socket& socket) {
   }
 }
 
-TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets)
-    : TcpTransport(loop, rank, size, std::move(sockets), "tcp",
+FramedTransport::FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets)
+    : FramedTransport(loop, rank, size, std::move(sockets), "tcp",
                    [](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
                      return std::make_shared<AsioStream>(std::move(socket), events, peer, std::move(alive));
                    }) {}
 
-TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
+FramedTransport::FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
                            const StreamFactory& make_stream)
     : loop_(loop), backend_(backend), rank_(rank), size_(size) {
   connections_.resize(static_cast<std::size_t>(size));
@@ -179,7 +179,7 @@ TcpTransport::TcpTransport(Loop& loop, int rank, int size, std::vector<asio::ip:
   });
 }
 
-TcpTransport::~TcpTransport() {
+FramedTransport::~FramedTransport() {
   shutdown();
   alive_.reset();
   for (auto& c : connections_) {
@@ -187,7 +187,7 @@ TcpTransport::~TcpTransport() {
   }
 }
 
-TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
+FramedTransport::Unexpected FramedTransport::take_buffer(std::size_t bytes) {
   for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
     if (it->capacity >= bytes && it->capacity <= 2 * bytes + 4096) {
       Unexpected found = std::move(*it);
@@ -200,7 +200,7 @@ TcpTransport::Unexpected TcpTransport::take_buffer(std::size_t bytes) {
   return Unexpected{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes, bytes, {}, {}};
 }
 
-void TcpTransport::give_back(Unexpected&& buffer) {
+void FramedTransport::give_back(Unexpected&& buffer) {
   buffer.charge.release();
   if (buffer.capacity < 4096 || buffer.capacity > early_buffer_pool_bytes) return;
   while (spare_bytes_ + buffer.capacity > early_buffer_pool_bytes && !spare_buffers_.empty()) {
@@ -213,7 +213,7 @@ void TcpTransport::give_back(Unexpected&& buffer) {
 
 // ---------------------------------------------------------------- contexts
 
-void TcpTransport::open_context(std::uint32_t context, std::vector<int> members) {
+void FramedTransport::open_context(std::uint32_t context, std::vector<int> members) {
   auto& state = contexts_[context];
   state.members = std::move(members);
   // A member that is already gone fails the context from the start.
@@ -229,7 +229,7 @@ void TcpTransport::open_context(std::uint32_t context, std::vector<int> members)
   }
 }
 
-void TcpTransport::close_context(std::uint32_t context) {
+void FramedTransport::close_context(std::uint32_t context) {
   contexts_.erase(context);
   cached_state_ = nullptr;
   std::erase_if(mailboxes_, [&](const auto& entry) {
@@ -237,7 +237,7 @@ void TcpTransport::close_context(std::uint32_t context) {
   });
 }
 
-bool TcpTransport::context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const {
+bool FramedTransport::context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const {
   auto it = contexts_.find(context);
   if (it == contexts_.end() || !it->second.failed) return false;
   if (code) *code = it->second.code;
@@ -245,7 +245,7 @@ bool TcpTransport::context_failed(std::uint32_t context, std::error_code* code, 
   return true;
 }
 
-bool TcpTransport::context_usable(std::uint32_t context, TransportOp& op) {
+bool FramedTransport::context_usable(std::uint32_t context, TransportOp& op) {
   if (shut_down_) {
     op.complete(code_of(Errc::group_failed), -1, "the transport was shut down");
     return false;
@@ -258,7 +258,7 @@ bool TcpTransport::context_usable(std::uint32_t context, TransportOp& op) {
   return true;
 }
 
-void TcpTransport::collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out) {
+void FramedTransport::collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out) {
   for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
     if (it->first.key.context != context) {
       ++it;
@@ -286,7 +286,7 @@ void TcpTransport::collect_context_ops(std::uint32_t context, std::vector<Transp
   }
 }
 
-void TcpTransport::complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context) {
+void FramedTransport::complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context) {
   const auto& state = contexts_[context];
   const auto code = state.code;
   const int peer = state.failed_peer;
@@ -294,7 +294,7 @@ void TcpTransport::complete_all(const std::vector<TransportOp*>& ops, std::uint3
   for (TransportOp* op : ops) op->complete(code, peer, reason);
 }
 
-void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::string& reason) {
+void FramedTransport::abort_context(std::uint32_t context, Errc code, const std::string& reason) {
   auto& state = contexts_[context];
   if (state.failed) return;
   state.failed = true;
@@ -308,14 +308,14 @@ void TcpTransport::abort_context(std::uint32_t context, Errc code, const std::st
   watch_stuck_io(context);
 }
 
-bool TcpTransport::carries_frame_of(const Connection& c, std::uint32_t context) const {
+bool FramedTransport::carries_frame_of(const Connection& c, std::uint32_t context) const {
   if (!c.alive) return false;
   const bool writing = c.writing && !c.writing_control && !c.send_queue.empty() && c.send_queue.front()->key.context == context;
   const bool reading = c.current_op && c.current_op->key.context == context;
   return writing || reading;
 }
 
-void TcpTransport::watch_stuck_io(std::uint32_t context, bool at_once) {
+void FramedTransport::watch_stuck_io(std::uint32_t context, bool at_once) {
   bool any = false;
   for (const auto& c : connections_) any = any || (c && carries_frame_of(*c, context));
   if (!any || shut_down_) return;
@@ -334,7 +334,7 @@ void TcpTransport::watch_stuck_io(std::uint32_t context, bool at_once) {
 // The kernel's own clocks say whether the frame moves: milliseconds since data was last received (for
 // the payload being read) or sent (for the write in flight; a peer that does not read leaves a zero
 // window, and only probes go out). A live peer keeps them small; a stopped or hung one does not.
-void TcpTransport::check_stuck_io(std::uint32_t context) {
+void FramedTransport::check_stuck_io(std::uint32_t context) {
   if (shut_down_) return;
   const auto grace = static_cast<std::uint32_t>(stuck_grace.count());
   bool again = false;
@@ -359,7 +359,7 @@ void TcpTransport::check_stuck_io(std::uint32_t context) {
   if (again) watch_stuck_io(context, false);
 }
 
-TcpTransport::ContextState* TcpTransport::find_context(std::uint32_t context) {
+FramedTransport::ContextState* FramedTransport::find_context(std::uint32_t context) {
   if (cached_state_ && cached_context_ == context) return cached_state_;
   auto it = contexts_.find(context);
   if (it == contexts_.end()) return nullptr;
@@ -372,7 +372,7 @@ TcpTransport::ContextState* TcpTransport::find_context(std::uint32_t context) {
 // arrivals from several peers interleaving): a check runs per message and must cost little (bench/
 // RESULTS.md, "Mismatch detection"). An older entry that is not reached can only hide a mismatch from
 // this early check; a receive still compares every frame it takes.
-void TcpTransport::note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+void FramedTransport::note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
   ContextState* state = find_context(context);
   if (state) state->started = std::max(state->started, seq);
   if (!state || state->failed) return;
@@ -385,7 +385,7 @@ void TcpTransport::note_new_local_signature(std::uint32_t context, std::uint64_t
   }
 }
 
-void TcpTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
+void FramedTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
   if (signature.call == 0) return;
   ContextState* state = find_context(context);
   if (!state || state->failed) return;
@@ -397,7 +397,7 @@ void TcpTransport::note_early_signature(std::uint32_t context, std::uint64_t seq
   state->early.push(ContextState::Seen{seq, signature, peer});
 }
 
-std::vector<int> TcpTransport::waiting_on(std::uint32_t context, std::uint64_t seq) const {
+std::vector<int> FramedTransport::waiting_on(std::uint32_t context, std::uint64_t seq) const {
   std::vector<int> peers;
   for (const auto& [key, mailbox] : mailboxes_) {
     if (key.key.context == context && key.key.seq == seq && !mailbox.posted.empty()) peers.push_back(key.peer);
@@ -418,7 +418,7 @@ std::vector<int> TcpTransport::waiting_on(std::uint32_t context, std::uint64_t s
 
 // ---------------------------------------------------------------- sending
 
-void TcpTransport::start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {
+void FramedTransport::start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {
   op.peer = peer;
   op.key = key;
   op.send_data = data;
@@ -443,7 +443,7 @@ void TcpTransport::start_send(int peer, const MessageKey& key, const void* data,
   if (!c.writing) start_write(c);
 }
 
-void TcpTransport::start_write(Connection& c) {
+void FramedTransport::start_write(Connection& c) {
   if (!c.alive) return;
   wire::Header h;
   ConstBytes first{c.send_header.data(), header_bytes()};
@@ -486,9 +486,9 @@ void TcpTransport::start_write(Connection& c) {
   c.stream->write(first, second, third);
 }
 
-void TcpTransport::on_written(int peer, const std::error_code& ec) { on_write_done(*connections_[static_cast<std::size_t>(peer)], ec); }
+void FramedTransport::on_written(int peer, const std::error_code& ec) { on_write_done(*connections_[static_cast<std::size_t>(peer)], ec); }
 
-void TcpTransport::on_write_done(Connection& c, const std::error_code& ec) {
+void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
   c.writing = false;
   TransportOp* done = nullptr;
   if (c.writing_control) {
@@ -509,7 +509,7 @@ void TcpTransport::on_write_done(Connection& c, const std::error_code& ec) {
 
 // ---------------------------------------------------------------- receiving
 
-void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) {
+void FramedTransport::start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) {
   op.peer = peer;
   op.key = key;
   op.recv_data = data;
@@ -540,7 +540,7 @@ void TcpTransport::start_recv(int peer, const MessageKey& key, void* data, std::
   mailboxes_[MatchKey{peer, key}].posted.push_back(&op);
 }
 
-bool TcpTransport::cancel_recv(TransportOp& op) {
+bool FramedTransport::cancel_recv(TransportOp& op) {
   auto it = mailboxes_.find(MatchKey{op.peer, op.key});
   if (it == mailboxes_.end()) return false;
   auto& posted = it->second.posted;
@@ -552,7 +552,7 @@ bool TcpTransport::cancel_recv(TransportOp& op) {
   return true;
 }
 
-TransportOp* TcpTransport::take_posted(const MatchKey& key) {
+TransportOp* FramedTransport::take_posted(const MatchKey& key) {
   auto it = mailboxes_.find(key);
   if (it == mailboxes_.end() || it->second.posted.empty()) return nullptr;
   TransportOp* op = it->second.posted.front();
@@ -561,12 +561,12 @@ TransportOp* TcpTransport::take_posted(const MatchKey& key) {
   return op;
 }
 
-std::string TcpTransport::mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const {
+std::string FramedTransport::mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const {
   return fmt::format("rank {} called {} while rank {} called {}", from, signature::describe(theirs, seq), rank_,
                      signature::describe(mine, seq));
 }
 
-void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature) {
+void FramedTransport::deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature) {
   if (mismatched(op, signature)) {
     op.complete(code_of(Errc::mismatch), -1, mismatch_reason(op.key.seq, from, signature, op.signature));
     return;
@@ -580,7 +580,7 @@ void TcpTransport::deliver(TransportOp& op, int from, const void* data, std::siz
   op.complete();
 }
 
-void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
+void FramedTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
   if (TransportOp* op = take_posted(MatchKey{rank_, key})) {
     deliver(*op, rank_, data, bytes, signature);
     return;
@@ -591,7 +591,7 @@ void TcpTransport::deliver_local(const MessageKey& key, const void* data, std::s
   mailboxes_[MatchKey{rank_, key}].unexpected.push_back(std::move(message));
 }
 
-void TcpTransport::start_read_header(Connection& c) {
+void FramedTransport::start_read_header(Connection& c) {
   const std::size_t have = c.inbox_end - c.inbox_begin;
   const std::size_t need = header_bytes();
   if (have >= need) {
@@ -614,7 +614,7 @@ void TcpTransport::start_read_header(Connection& c) {
   c.stream->read(c.inbox + c.inbox_end, need - have, Connection::inbox_size - c.inbox_end);
 }
 
-void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t bytes) {
+void FramedTransport::on_read(int peer, const std::error_code& ec, std::size_t bytes) {
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
   if (!c.alive) return;
   if (ec) {
@@ -653,14 +653,14 @@ void TcpTransport::on_read(int peer, const std::error_code& ec, std::size_t byte
   }
 }
 
-std::size_t TcpTransport::take_from_inbox(Connection& c, void* dst, std::size_t bytes) {
+std::size_t FramedTransport::take_from_inbox(Connection& c, void* dst, std::size_t bytes) {
   const std::size_t n = std::min(bytes, c.inbox_end - c.inbox_begin);
   if (n > 0 && dst) std::memcpy(dst, c.inbox + c.inbox_begin, n);
   c.inbox_begin += n;
   return n;
 }
 
-void TcpTransport::on_header(Connection& c) {
+void FramedTransport::on_header(Connection& c) {
   std::string error;
   if (c.recv_seal.on() &&
       le::get_u32(c.recv_header.data() + wire::header_size) != crc32c(0, c.recv_header.data(), wire::header_size)) {
@@ -681,71 +681,84 @@ void TcpTransport::on_header(Connection& c) {
     c.recv_seal.begin();
     c.recv_seal.update(c.recv_header.data(), wire::header_size);
   }
-  switch (header->kind) {
-    case wire::FrameKind::data: {
-      auto ctx = contexts_.find(header->context);
-      if (ctx != contexts_.end() && (ctx->second.failed ||
-                                     (!ctx->second.cancelled.empty() && ctx->second.cancellation(header->seq)))) {
-        read_payload_into(c, nullptr, header->bytes, true);
-        return;
-      }
-      if (TransportOp* op = take_posted(MatchKey{c.peer, MessageKey{header->context, header->seq, header->tag}})) {
-        // The signature first: a different collective usually means a different size too, and naming
-        // both calls says more than naming both sizes.
-        if (const OpSignature theirs{header->call, header->count}; mismatched(*op, theirs)) {
-          read_payload_into(c, nullptr, header->bytes, true);
-          op->complete(code_of(Errc::mismatch), -1, mismatch_reason(op->key.seq, c.peer, theirs, op->signature));
-          return;
-        }
-        if (op->bytes != header->bytes) {
-          read_payload_into(c, nullptr, header->bytes, true);
-          op->complete(code_of(Errc::size_mismatch), -1,
-                       fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, header->bytes, op->bytes));
-          return;
-        }
-        c.current_op = op;
-        read_payload_into(c, op->recv_data, header->bytes, false);
-        return;
-      }
-      note_early_signature(header->context, header->seq, OpSignature{header->call, header->count}, c.peer);
-      if (ctx != contexts_.end() && ctx->second.failed) {  // the signature disagreed with this rank's call
-        read_payload_into(c, nullptr, header->bytes, true);
-        return;
-      }
-      // Bounded before anything is allocated: the length is the peer's word.
-      const std::size_t waiting = early_bytes_;
-      if (header->bytes > early_limit_ || waiting > early_limit_ - header->bytes) {
-        fail_connection(c, fmt::format("protocol error from rank {}: a message of {} bytes arrived before its receive while "
-                                       "{} bytes of early messages wait; the limit is {} bytes (WEFT_MAX_EARLY_BYTES)",
-                                       c.peer, header->bytes, waiting, early_limit_));
-        return;
-      }
-      try {
-        c.incoming = take_buffer(header->bytes);
-      } catch (const std::bad_alloc&) {
-        fail_connection(c, fmt::format("out of memory for an early message of {} bytes from rank {}", header->bytes, c.peer));
-        return;
-      }
-      c.incoming.charge = Charge(&early_bytes_, header->bytes);
-      c.incoming.signature = OpSignature{header->call, header->count};
-      read_payload_into(c, c.incoming.data.get(), header->bytes, false);
+  if (header->kind == wire::FrameKind::data) {
+    on_data_header(c, *header);
+    return;
+  }
+  on_control_header(c, *header);
+}
+
+// A data frame: its receive, if posted (the signature and size checked first), else an early message
+// kept within the early-message bound; dropped for a failed or cancelled operation.
+void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
+  auto ctx = contexts_.find(h.context);
+  if (ctx != contexts_.end() && (ctx->second.failed ||
+                                 (!ctx->second.cancelled.empty() && ctx->second.cancellation(h.seq)))) {
+    read_payload_into(c, nullptr, h.bytes, true);
+    return;
+  }
+  if (TransportOp* op = take_posted(MatchKey{c.peer, MessageKey{h.context, h.seq, h.tag}})) {
+    // The signature first: a different collective usually means a different size too, and naming
+    // both calls says more than naming both sizes.
+    if (const OpSignature theirs{h.call, h.count}; mismatched(*op, theirs)) {
+      read_payload_into(c, nullptr, h.bytes, true);
+      op->complete(code_of(Errc::mismatch), -1, mismatch_reason(op->key.seq, c.peer, theirs, op->signature));
       return;
     }
+    if (op->bytes != h.bytes) {
+      read_payload_into(c, nullptr, h.bytes, true);
+      op->complete(code_of(Errc::size_mismatch), -1,
+                   fmt::format("rank {} sent {} bytes, this rank expected {}", c.peer, h.bytes, op->bytes));
+      return;
+    }
+    c.current_op = op;
+    read_payload_into(c, op->recv_data, h.bytes, false);
+    return;
+  }
+  note_early_signature(h.context, h.seq, OpSignature{h.call, h.count}, c.peer);
+  if (ctx != contexts_.end() && ctx->second.failed) {  // the signature disagreed with this rank's call
+    read_payload_into(c, nullptr, h.bytes, true);
+    return;
+  }
+  // Bounded before anything is allocated: the length is the peer's word.
+  const std::size_t waiting = early_bytes_;
+  if (h.bytes > early_limit_ || waiting > early_limit_ - h.bytes) {
+    fail_connection(c, fmt::format("protocol error from rank {}: a message of {} bytes arrived before its receive while "
+                                   "{} bytes of early messages wait; the limit is {} bytes (WEFT_MAX_EARLY_BYTES)",
+                                   c.peer, h.bytes, waiting, early_limit_));
+    return;
+  }
+  try {
+    c.incoming = take_buffer(h.bytes);
+  } catch (const std::bad_alloc&) {
+    fail_connection(c, fmt::format("out of memory for an early message of {} bytes from rank {}", h.bytes, c.peer));
+    return;
+  }
+  c.incoming.charge = Charge(&early_bytes_, h.bytes);
+  c.incoming.signature = OpSignature{h.call, h.count};
+  read_payload_into(c, c.incoming.data.get(), h.bytes, false);
+}
+
+// A control frame (abort, cancel, heartbeat, goodbye, query, progress).
+void FramedTransport::on_control_header(Connection& c, const wire::Header& h) {
+  switch (h.kind) {
+    case wire::FrameKind::data:
+      return;  // on_data_header's
     case wire::FrameKind::abort:
     case wire::FrameKind::cancel:
-      c.scratch = std::make_unique_for_overwrite<std::byte[]>(header->bytes);
-      c.scratch_size = header->bytes;
-      read_payload_into(c, c.scratch.get(), header->bytes, false);
+      c.scratch = std::make_unique_for_overwrite<std::byte[]>(h.bytes);
+      c.scratch_size = h.bytes;
+      read_payload_into(c, c.scratch.get(), h.bytes, false);
       return;
     case wire::FrameKind::heartbeat:
-      read_payload_into(c, nullptr, header->bytes, true);
+      read_payload_into(c, nullptr, h.bytes, true);
       return;
     case wire::FrameKind::goodbye:
     case wire::FrameKind::query:
     case wire::FrameKind::progress:
-      if (header->kind != wire::FrameKind::goodbye && header->bytes != 0) {
+      if (h.kind != wire::FrameKind::goodbye && h.bytes != 0) {
         fail_connection(c, fmt::format("protocol error from rank {}: a {} frame with a payload of {} bytes", c.peer,
-                                       header->kind == wire::FrameKind::query ? "query" : "progress", header->bytes));
+                                       h.kind == wire::FrameKind::query ? "query" : "progress", h.bytes));
         return;
       }
       if (c.recv_seal.on()) {
@@ -757,7 +770,7 @@ void TcpTransport::on_header(Connection& c) {
   }
 }
 
-void TcpTransport::on_header_only(Connection& c) {
+void FramedTransport::on_header_only(Connection& c) {
   const wire::Header h = c.current;
   if (h.kind == wire::FrameKind::goodbye) {
     peer_departed(c);
@@ -782,7 +795,7 @@ void TcpTransport::on_header_only(Connection& c) {
   if (c.alive) send_control(c, answer);
 }
 
-void TcpTransport::read_trailer(Connection& c, AfterTrailer after) {
+void FramedTransport::read_trailer(Connection& c, AfterTrailer after) {
   c.after_trailer = after;
   const std::size_t size = c.recv_seal.trailer_size();
   const std::size_t got = take_from_inbox(c, c.recv_trailer.data(), size);
@@ -794,7 +807,7 @@ void TcpTransport::read_trailer(Connection& c, AfterTrailer after) {
   c.stream->read(c.recv_trailer.data() + got, size - got, size - got);
 }
 
-void TcpTransport::on_trailer(Connection& c) {
+void FramedTransport::on_trailer(Connection& c) {
   if (!c.recv_seal.check(c.recv_trailer.data())) {
     const wire::Header& h = c.current;
     c.incoming = Unexpected{};  // an early message being read: not to be kept
@@ -811,7 +824,7 @@ void TcpTransport::on_trailer(Connection& c) {
   }
 }
 
-void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard) {
+void FramedTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard) {
   if (c.recv_seal.on()) {
     if (discard) {
       c.recv_seal.update(c.inbox + c.inbox_begin, std::min(bytes, c.inbox_end - c.inbox_begin));
@@ -844,7 +857,7 @@ void TcpTransport::read_payload_into(Connection& c, void* dst, std::size_t bytes
   c.stream->read(dst, bytes, bytes);
 }
 
-void TcpTransport::on_payload(Connection& c, bool discard) {
+void FramedTransport::on_payload(Connection& c, bool discard) {
   if (c.recv_seal.on()) {
     if (!discard) c.recv_seal.update(c.payload_start, c.payload_size);
     read_trailer(c, discard ? AfterTrailer::discarded : AfterTrailer::payload);
@@ -853,7 +866,7 @@ void TcpTransport::on_payload(Connection& c, bool discard) {
   on_frame(c, discard);
 }
 
-void TcpTransport::on_frame(Connection& c, bool discard) {
+void FramedTransport::on_frame(Connection& c, bool discard) {
   const wire::Header h = c.current;
   if (discard) {
     c.current_op = nullptr;
@@ -909,7 +922,7 @@ void TcpTransport::on_frame(Connection& c, bool discard) {
 
 // ---------------------------------------------------------------- failures
 
-void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
+void FramedTransport::fail_connection(Connection& c, const std::string& reason) {
   if (!c.alive) return;
   c.alive = false;
   c.lost_reason = fmt::format("connection to rank {} lost: {}", c.peer, reason);
@@ -950,7 +963,7 @@ void TcpTransport::fail_connection(Connection& c, const std::string& reason) {
 // by what already arrived fail, and so do sends to it; the contexts it belongs to do not fail, because
 // ranks that finished their part of a collective and left are a normal end. A rank that waits on it
 // fails its collective and aborts the context, which tells everybody else.
-void TcpTransport::peer_departed(Connection& c) {
+void FramedTransport::peer_departed(Connection& c) {
   if (!c.alive) return;
   c.alive = false;
   c.lost_reason = fmt::format("rank {} left the group (it closed its connection normally)", c.peer);
@@ -963,7 +976,7 @@ void TcpTransport::peer_departed(Connection& c) {
 // Closes `c` and takes out every operation that can no longer complete on it: queued sends (the one
 // being written completes from its handler), the receive being read into (closing the socket stops the
 // read) and receives posted for the peer. Messages that already arrived stay receivable.
-void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& ops) {
+void FramedTransport::close_connection(Connection& c, std::vector<TransportOp*>& ops) {
   c.stream->close();
   const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
   ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
@@ -981,14 +994,14 @@ void TcpTransport::close_connection(Connection& c, std::vector<TransportOp*>& op
   }
 }
 
-const std::string* TcpTransport::cancellation_of(const MessageKey& key) {
+const std::string* FramedTransport::cancellation_of(const MessageKey& key) {
   if (key.seq == 0) return nullptr;  // point-to-point messages: cancelled one by one, not by seq
   const ContextState* state = find_context(key.context);
   if (!state || state->cancelled.empty()) return nullptr;
   return state->cancellation(key.seq);
 }
 
-void TcpTransport::cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
+void FramedTransport::cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
   ContextState* state = find_context(context);
   if (!state || state->failed || state->cancellation(seq)) return;
   wire::Header h;
@@ -1005,7 +1018,7 @@ void TcpTransport::cancel_operation(std::uint32_t context, std::uint64_t seq, co
   cancel_locally(context, seq, reason);
 }
 
-void TcpTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
+void FramedTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
   ContextState* state = find_context(context);
   if (!state || state->failed || state->cancellation(seq)) return;
   state->cancelled.emplace_back(seq, reason);
@@ -1036,24 +1049,24 @@ void TcpTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, cons
   for (TransportOp* op : ops) op->complete(code_of(Errc::cancelled), -1, reason);
 }
 
-bool TcpTransport::connected(int peer) const {
+bool FramedTransport::connected(int peer) const {
   if (peer == rank_) return true;
   const auto& c = connections_[static_cast<std::size_t>(peer)];
   return c && c->alive;
 }
 
-void TcpTransport::disconnect(int peer, const std::string& reason) {
+void FramedTransport::disconnect(int peer, const std::string& reason) {
   if (peer == rank_) return;
   auto& c = connections_[static_cast<std::size_t>(peer)];
   if (c && c->alive) fail_connection(*c, reason);
 }
 
-void TcpTransport::send_control(Connection& c, const wire::Header& h, std::string payload) {
+void FramedTransport::send_control(Connection& c, const wire::Header& h, std::string payload) {
   c.control_queue.emplace_back(h, std::move(payload));
   if (!c.writing) start_write(c);
 }
 
-void TcpTransport::send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason) {
+void FramedTransport::send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason) {
   wire::Header h;
   h.kind = wire::FrameKind::abort;
   h.context = context;
@@ -1067,7 +1080,7 @@ void TcpTransport::send_abort(std::uint32_t context, const std::vector<int>& mem
   }
 }
 
-void TcpTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
+void FramedTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                                 std::function<void(std::vector<Progress>)> done) {
   auto query = std::make_shared<Query>();
   query->context = context;
@@ -1095,7 +1108,7 @@ void TcpTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std::c
   });
 }
 
-void TcpTransport::on_progress(int peer, const wire::Header& h) {
+void FramedTransport::on_progress(int peer, const wire::Header& h) {
   for (const auto& query : queries_) {
     if (query->context != h.context || query->seq != h.seq) continue;
     for (auto& answer : query->answers) {
@@ -1109,21 +1122,21 @@ void TcpTransport::on_progress(int peer, const wire::Header& h) {
   }
 }
 
-OpSignature TcpTransport::signature_of(std::uint32_t context, std::uint64_t seq) const {
+OpSignature FramedTransport::signature_of(std::uint32_t context, std::uint64_t seq) const {
   const auto it = contexts_.find(context);
   if (it == contexts_.end()) return {};
   const auto* seen = it->second.local.find(seq);
   return seen ? seen->signature : OpSignature{};
 }
 
-void TcpTransport::finish_query(const std::shared_ptr<Query>& query) {
+void FramedTransport::finish_query(const std::shared_ptr<Query>& query) {
   auto it = std::find(queries_.begin(), queries_.end(), query);
   if (it == queries_.end()) return;  // finished already
   queries_.erase(it);
   query->done(query->answers);
 }
 
-void TcpTransport::shutdown() {
+void FramedTransport::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   // A pending liveness timer would keep a borrowed io_context running after the Group is gone.

@@ -1,4 +1,4 @@
-#include "transports/tcp/wire.hpp"
+#include "transports/framed/wire.hpp"
 
 #include <fmt/format.h>
 

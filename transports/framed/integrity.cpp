@@ -1,4 +1,4 @@
-#include "transports/tcp/integrity.hpp"
+#include "transports/framed/integrity.hpp"
 
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>

@@ -1,4 +1,4 @@
-#include "transports/tcp/asio_stream.hpp"
+#include "transports/asio/asio_stream.hpp"
 
 #include <array>
 
