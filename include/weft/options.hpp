@@ -7,6 +7,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace weft {
 
@@ -20,6 +21,16 @@ enum class Integrity : std::uint8_t {
   crc32c = 1,  // a CRC-32C of each frame: corruption is caught, tampering is not
   hmac = 2,    // an HMAC-SHA256 of each frame keyed from the shared secret: corruption and tampering are caught
 };
+
+/// "off", "crc32c", "hmac": as WEFT_INTEGRITY spells them.
+constexpr std::string_view to_string(Integrity mode) noexcept {
+  switch (mode) {
+    case Integrity::off: return "off";
+    case Integrity::crc32c: return "crc32c";
+    case Integrity::hmac: return "hmac";
+  }
+  return "?";
+}
 
 struct Options {
   /// This process's rank and the number of ranks. -1: from the environment.

@@ -82,7 +82,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->transport->open_context(g->context, g->members);
   log().info("rank {} of {}: group ready over {}{}", g->rank, g->size, g->transport->name(),
-             options.integrity == Integrity::off ? "" : fmt::format(", frames sealed with {}", integrity_name(options.integrity)));
+             options.integrity == Integrity::off ? "" : fmt::format(", frames sealed with {}", to_string(options.integrity)));
   co_return Group(std::move(g));
 }
 

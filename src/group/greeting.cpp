@@ -113,15 +113,6 @@ std::vector<std::byte> concat(std::vector<std::byte> a, const std::vector<std::b
 
 std::vector<std::byte> proof_bytes(const std::array<std::byte, proof_size>& p) { return {p.begin(), p.end()}; }
 
-const char* integrity_text(Integrity mode) {
-  switch (mode) {
-    case Integrity::off: return "off";
-    case Integrity::crc32c: return "crc32c";
-    case Integrity::hmac: return "hmac";
-  }
-  return "?";
-}
-
 std::string mismatched_proof(Role theirs, Role mine) {
   return fmt::format("the proof of the shared secret from {} does not match the secret of {} (a different WEFT_SECRET?)",
                      role_name(theirs), role_name(mine));
@@ -151,7 +142,7 @@ std::string details_disagreement(const Local& local, Role their_role, const Deta
   }
   if (theirs.integrity != local.integrity) {
     return fmt::format("{} checks frames with '{}' and {} with '{}' (WEFT_INTEGRITY must be the same on every rank)",
-                       role_name(their_role), integrity_text(theirs.integrity), role_name(local.role), integrity_text(local.integrity));
+                       role_name(their_role), to_string(theirs.integrity), role_name(local.role), to_string(local.integrity));
   }
   return {};
 }

@@ -666,7 +666,7 @@ void FramedTransport::on_header(Connection& c) {
       le::get_u32(c.recv_header.data() + wire::header_size) != crc32c(0, c.recv_header.data(), wire::header_size)) {
     fail_connection(c, fmt::format("frame integrity: the header of frame {} from rank {} does not match its CRC-32C: it was "
                                    "corrupted on the way (WEFT_INTEGRITY={})",
-                                   c.recv_seal.frames(), c.peer, integrity_name(c.recv_seal.mode())));
+                                   c.recv_seal.frames(), c.peer, to_string(c.recv_seal.mode())));
     return;
   }
   wire::HeaderBytes header_bytes{};
@@ -814,7 +814,7 @@ void FramedTransport::on_trailer(Connection& c) {
     fail_connection(c, fmt::format("frame integrity: the {} of frame {} from rank {} (kind {}, context {}, #{}, tag {}, {} bytes) "
                                    "does not match its bytes: they were corrupted or forged on the way (WEFT_INTEGRITY={})",
                                    c.recv_seal.mode() == Integrity::hmac ? "HMAC" : "CRC-32C", c.recv_seal.frames() - 1, c.peer,
-                                   static_cast<int>(h.kind), h.context, h.seq, h.tag, h.bytes, integrity_name(c.recv_seal.mode())));
+                                   static_cast<int>(h.kind), h.context, h.seq, h.tag, h.bytes, to_string(c.recv_seal.mode())));
     return;
   }
   switch (c.after_trailer) {

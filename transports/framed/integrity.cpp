@@ -168,15 +168,6 @@ std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t size) noex
   return crc32c_portable(crc, data, size);
 }
 
-std::string_view integrity_name(Integrity mode) noexcept {
-  switch (mode) {
-    case Integrity::off: return "off";
-    case Integrity::crc32c: return "crc32c";
-    case Integrity::hmac: return "hmac";
-  }
-  return "?";
-}
-
 struct FrameSeal::Mac {
   EVP_MAC* mac = nullptr;
   EVP_MAC_CTX* ctx = nullptr;

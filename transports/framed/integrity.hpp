@@ -29,8 +29,6 @@ struct FrameKeys {
   std::array<std::byte, 32> recv{};
 };
 
-/// "off", "crc32c", "hmac".
-std::string_view integrity_name(Integrity mode) noexcept;
 
 /// The trailer of one direction of one connection: begin() a frame, update() with its bytes in order,
 /// then seal() (sending) or check() (receiving). Frames are counted, so that with hmac a frame replayed,
