@@ -174,7 +174,6 @@ class PendingGreetings {
   void close_all();
   /// Connections greeting and not closed to make room.
   std::size_t size() const { return live_; }
-  RefusalLog& log() { return *log_; }
 
  private:
   std::size_t limit_;
