@@ -19,27 +19,11 @@ namespace weft {
 namespace {
 
 constexpr std::size_t discard_chunk = 1 << 20;
-// Bytes of unexpected-message buffers kept for reuse (docs/DESIGN.md quotes it by name). When full, the
-// oldest go first: sizes in use now stay, sizes of operations long past leave (the 100 000-collective
-// soak's memory settles under it).
-constexpr std::size_t early_buffer_pool_bytes = 32 << 20;
 constexpr int socket_buffer_bytes = 4 << 20;
 
 std::error_code code_of(Errc e) { return make_error_code(e); }
 
 }  // namespace
-
-std::size_t FramedTransport::MatchKeyHash::operator()(const MatchKey& k) const noexcept {
-  std::uint64_t h = 0x9e3779b97f4a7c15ull;
-  auto mix = [&](std::uint64_t v) {
-    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-  };
-  mix(static_cast<std::uint64_t>(k.peer));
-  mix(k.key.context);
-  mix(k.key.seq);
-  mix(k.key.tag);
-  return static_cast<std::size_t>(h);
-}
 
 namespace {
 // A socket error, said so that the reader knows what to look at: a timeout here is the heartbeat's.
@@ -183,65 +167,33 @@ FramedTransport::~FramedTransport() {
   shutdown();
   alive_.reset();
   for (auto& c : connections_) {
-    if (c) c->incoming = Unexpected{};  // its charge points at early_bytes_
+    if (c) c->incoming = Matcher::Early{};  // its charge points into matcher_
   }
-}
-
-FramedTransport::Unexpected FramedTransport::take_buffer(std::size_t bytes) {
-  for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
-    if (it->capacity >= bytes && it->capacity <= 2 * bytes + 4096) {
-      Unexpected found = std::move(*it);
-      spare_bytes_ -= found.capacity;
-      spare_buffers_.erase(it);
-      found.bytes = bytes;
-      return found;
-    }
-  }
-  return Unexpected{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes, bytes, {}, {}};
-}
-
-void FramedTransport::give_back(Unexpected&& buffer) {
-  buffer.charge.release();
-  if (buffer.capacity < 4096 || buffer.capacity > early_buffer_pool_bytes) return;
-  while (spare_bytes_ + buffer.capacity > early_buffer_pool_bytes && !spare_buffers_.empty()) {
-    spare_bytes_ -= spare_buffers_.front().capacity;
-    spare_buffers_.erase(spare_buffers_.begin());
-  }
-  spare_bytes_ += buffer.capacity;
-  spare_buffers_.push_back(std::move(buffer));
 }
 
 // ---------------------------------------------------------------- contexts
 
 void FramedTransport::open_context(std::uint32_t context, std::vector<int> members) {
-  auto& state = contexts_[context];
+  auto& state = contexts_.at(context);
   state.members = std::move(members);
   // A member that is already gone fails the context from the start.
   for (int m : state.members) {
     if (m == rank_) continue;
     auto& c = connections_[static_cast<std::size_t>(m)];
-    if (c && !c->alive && !state.failed) {
-      state.failed = true;
-      state.code = code_of(Errc::peer_failure);
-      state.failed_peer = m;
-      state.reason = c->lost_reason;
-    }
+    if (c && !c->alive) state.fail(code_of(Errc::peer_failure), m, c->lost_reason);
   }
 }
 
 void FramedTransport::close_context(std::uint32_t context) {
   contexts_.erase(context);
-  cached_state_ = nullptr;
-  std::erase_if(mailboxes_, [&](const auto& entry) {
-    return entry.first.key.context == context && entry.second.posted.empty();
-  });
+  matcher_.forget_context(context);
 }
 
 bool FramedTransport::context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const {
-  auto it = contexts_.find(context);
-  if (it == contexts_.end() || !it->second.failed) return false;
-  if (code) *code = it->second.code;
-  if (reason) *reason = it->second.reason;
+  const ContextState* state = contexts_.find(context);
+  if (!state || !state->failed) return false;
+  if (code) *code = state->code;
+  if (reason) *reason = state->reason;
   return true;
 }
 
@@ -250,25 +202,16 @@ bool FramedTransport::context_usable(std::uint32_t context, TransportOp& op) {
     op.complete(code_of(Errc::group_failed), -1, "the transport was shut down");
     return false;
   }
-  auto it = contexts_.find(context);
-  if (it != contexts_.end() && it->second.failed) {
-    op.complete(it->second.code, it->second.failed_peer, it->second.reason);
+  if (const ContextState* state = contexts_.find(context); state && state->failed) {
+    op.complete(state->code, state->failed_peer, state->reason);
     return false;
   }
   return true;
 }
 
 void FramedTransport::collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out) {
-  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
-    if (it->first.key.context != context) {
-      ++it;
-      continue;
-    }
-    for (TransportOp* op : it->second.posted) out.push_back(op);
-    it->second.posted.clear();
-    // Messages that arrived before the failure stay receivable (close_context drops them).
-    it = it->second.unexpected.empty() ? mailboxes_.erase(it) : std::next(it);
-  }
+  // Messages that arrived before the failure stay receivable (close_context drops them).
+  matcher_.take_posted_if([context](const Matcher::Key& key) { return key.key.context == context; }, out);
   for (auto& c : connections_) {
     if (!c) continue;
     // The operation being written (front, while writing) completes from its write handler.
@@ -287,7 +230,7 @@ void FramedTransport::collect_context_ops(std::uint32_t context, std::vector<Tra
 }
 
 void FramedTransport::complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context) {
-  const auto& state = contexts_[context];
+  const auto& state = contexts_.at(context);
   const auto code = state.code;
   const int peer = state.failed_peer;
   const std::string reason = state.reason;
@@ -295,12 +238,8 @@ void FramedTransport::complete_all(const std::vector<TransportOp*>& ops, std::ui
 }
 
 void FramedTransport::abort_context(std::uint32_t context, Errc code, const std::string& reason) {
-  auto& state = contexts_[context];
-  if (state.failed) return;
-  state.failed = true;
-  state.code = code_of(code);
-  state.reason = reason;
-  state.failed_peer = -1;
+  auto& state = contexts_.at(context);
+  if (!state.fail(code_of(code), -1, reason)) return;
   send_abort(context, state.members, reason);
   std::vector<TransportOp*> ops;
   collect_context_ops(context, ops);
@@ -350,22 +289,13 @@ void FramedTransport::check_stuck_io(std::uint32_t context) {
       again = true;
       continue;
     }
-    const auto state = contexts_.find(context);
+    const ContextState* state = contexts_.find(context);
     fail_connection(c, fmt::format("closed in the middle of {} a frame of an operation that failed ({}): no byte moved for {} ms, "
                                    "so rank {} is stopped or hung; its later operations with this rank fail",
                                    reading ? "reading" : "writing",
-                                   state != contexts_.end() ? state->second.reason : std::string("aborted"), still, c.peer));
+                                   state ? state->reason : std::string("aborted"), still, c.peer));
   }
   if (again) watch_stuck_io(context, false);
-}
-
-FramedTransport::ContextState* FramedTransport::find_context(std::uint32_t context) {
-  if (cached_state_ && cached_context_ == context) return cached_state_;
-  auto it = contexts_.find(context);
-  if (it == contexts_.end()) return nullptr;
-  cached_context_ = context;
-  cached_state_ = &it->second;
-  return cached_state_;
 }
 
 // The searches start at the latest entries and stop once past the seq sought (with a little slack for
@@ -373,10 +303,10 @@ FramedTransport::ContextState* FramedTransport::find_context(std::uint32_t conte
 // RESULTS.md, "Mismatch detection"). An older entry that is not reached can only hide a mismatch from
 // this early check; a receive still compares every frame it takes.
 void FramedTransport::note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
-  ContextState* state = find_context(context);
+  ContextState* state = contexts_.find(context);
   if (state) state->started = std::max(state->started, seq);
   if (!state || state->failed) return;
-  last_noted_ = MessageKey{context, seq, 0};
+  contexts_.note_last(context, seq);
   if (const auto* latest = state->local.latest(); latest && latest->seq == seq) return;
   state->local.push(ContextState::Seen{seq, signature, rank_});
   if (const auto* seen = state->early.disagreeing(seq, signature)) {
@@ -387,7 +317,7 @@ void FramedTransport::note_new_local_signature(std::uint32_t context, std::uint6
 
 void FramedTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
   if (signature.call == 0) return;
-  ContextState* state = find_context(context);
+  ContextState* state = contexts_.find(context);
   if (!state || state->failed) return;
   if (const auto* seen = state->local.disagreeing(seq, signature)) {
     abort_context(context, Errc::mismatch, mismatch_reason(seq, peer, signature, seen->signature));
@@ -399,9 +329,7 @@ void FramedTransport::note_early_signature(std::uint32_t context, std::uint64_t 
 
 std::vector<int> FramedTransport::waiting_on(std::uint32_t context, std::uint64_t seq) const {
   std::vector<int> peers;
-  for (const auto& [key, mailbox] : mailboxes_) {
-    if (key.key.context == context && key.key.seq == seq && !mailbox.posted.empty()) peers.push_back(key.peer);
-  }
+  matcher_.peers_posted(context, seq, peers);
   for (const auto& c : connections_) {
     if (!c) continue;
     for (const TransportOp* op : c->send_queue) {
@@ -516,13 +444,9 @@ void FramedTransport::start_recv(int peer, const MessageKey& key, void* data, st
   op.bytes = bytes;
   note_local_signature(key.context, key.seq, op.signature);
   // A message that already arrived is delivered even when its sender or the context failed since.
-  auto it = mailboxes_.find(MatchKey{peer, key});
-  if (it != mailboxes_.end() && !it->second.unexpected.empty()) {
-    Unexpected message = std::move(it->second.unexpected.front());
-    it->second.unexpected.pop_front();
-    if (it->second.unexpected.empty() && it->second.posted.empty()) mailboxes_.erase(it);
-    deliver(op, peer, message.data.get(), message.bytes, message.signature);
-    give_back(std::move(message));
+  if (auto message = matcher_.take_early(Matcher::Key{peer, key})) {
+    deliver(op, peer, message->data.get(), message->bytes, message->signature);
+    matcher_.give_back(std::move(*message));
     return;
   }
   if (!context_usable(key.context, op)) return;
@@ -537,28 +461,13 @@ void FramedTransport::start_recv(int peer, const MessageKey& key, void* data, st
       return;
     }
   }
-  mailboxes_[MatchKey{peer, key}].posted.push_back(&op);
+  matcher_.post(Matcher::Key{peer, key}, op);
 }
 
 bool FramedTransport::cancel_recv(TransportOp& op) {
-  auto it = mailboxes_.find(MatchKey{op.peer, op.key});
-  if (it == mailboxes_.end()) return false;
-  auto& posted = it->second.posted;
-  auto found = std::find(posted.begin(), posted.end(), &op);
-  if (found == posted.end()) return false;
-  posted.erase(found);
-  if (posted.empty() && it->second.unexpected.empty()) mailboxes_.erase(it);
+  if (!matcher_.withdraw(op)) return false;
   op.complete(code_of(Errc::cancelled), -1, "the receive was cancelled");
   return true;
-}
-
-TransportOp* FramedTransport::take_posted(const MatchKey& key) {
-  auto it = mailboxes_.find(key);
-  if (it == mailboxes_.end() || it->second.posted.empty()) return nullptr;
-  TransportOp* op = it->second.posted.front();
-  it->second.posted.pop_front();
-  if (it->second.posted.empty() && it->second.unexpected.empty()) mailboxes_.erase(it);
-  return op;
 }
 
 std::string FramedTransport::mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const {
@@ -581,14 +490,14 @@ void FramedTransport::deliver(TransportOp& op, int from, const void* data, std::
 }
 
 void FramedTransport::deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
-  if (TransportOp* op = take_posted(MatchKey{rank_, key})) {
+  if (TransportOp* op = matcher_.take_posted(Matcher::Key{rank_, key})) {
     deliver(*op, rank_, data, bytes, signature);
     return;
   }
-  Unexpected message = take_buffer(bytes);
+  Matcher::Early message = matcher_.take_buffer(bytes);
   message.signature = signature;
   if (bytes) std::memcpy(message.data.get(), data, bytes);
-  mailboxes_[MatchKey{rank_, key}].unexpected.push_back(std::move(message));
+  matcher_.keep_early(Matcher::Key{rank_, key}, std::move(message));
 }
 
 void FramedTransport::start_read_header(Connection& c) {
@@ -691,13 +600,12 @@ void FramedTransport::on_header(Connection& c) {
 // A data frame: its receive, if posted (the signature and size checked first), else an early message
 // kept within the early-message bound; dropped for a failed or cancelled operation.
 void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
-  auto ctx = contexts_.find(h.context);
-  if (ctx != contexts_.end() && (ctx->second.failed ||
-                                 (!ctx->second.cancelled.empty() && ctx->second.cancellation(h.seq)))) {
+  const ContextState* ctx = contexts_.find(h.context);
+  if (ctx && (ctx->failed || (!ctx->cancelled.empty() && ctx->cancellation(h.seq)))) {
     read_payload_into(c, nullptr, h.bytes, true);
     return;
   }
-  if (TransportOp* op = take_posted(MatchKey{c.peer, MessageKey{h.context, h.seq, h.tag}})) {
+  if (TransportOp* op = matcher_.take_posted(Matcher::Key{c.peer, MessageKey{h.context, h.seq, h.tag}})) {
     // The signature first: a different collective usually means a different size too, and naming
     // both calls says more than naming both sizes.
     if (const OpSignature theirs{h.call, h.count}; mismatched(*op, theirs)) {
@@ -716,25 +624,24 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     return;
   }
   note_early_signature(h.context, h.seq, OpSignature{h.call, h.count}, c.peer);
-  if (ctx != contexts_.end() && ctx->second.failed) {  // the signature disagreed with this rank's call
+  if (ctx && ctx->failed) {  // the signature disagreed with this rank's call
     read_payload_into(c, nullptr, h.bytes, true);
     return;
   }
   // Bounded before anything is allocated: the length is the peer's word.
-  const std::size_t waiting = early_bytes_;
-  if (h.bytes > early_limit_ || waiting > early_limit_ - h.bytes) {
+  if (!matcher_.fits(h.bytes)) {
     fail_connection(c, fmt::format("protocol error from rank {}: a message of {} bytes arrived before its receive while "
                                    "{} bytes of early messages wait; the limit is {} bytes (WEFT_MAX_EARLY_BYTES)",
-                                   c.peer, h.bytes, waiting, early_limit_));
+                                   c.peer, h.bytes, matcher_.charged(), matcher_.limit()));
     return;
   }
   try {
-    c.incoming = take_buffer(h.bytes);
+    c.incoming = matcher_.take_buffer(h.bytes);
   } catch (const std::bad_alloc&) {
     fail_connection(c, fmt::format("out of memory for an early message of {} bytes from rank {}", h.bytes, c.peer));
     return;
   }
-  c.incoming.charge = Charge(&early_bytes_, h.bytes);
+  c.incoming.charge = matcher_.charge(h.bytes);
   c.incoming.signature = OpSignature{h.call, h.count};
   read_payload_into(c, c.incoming.data.get(), h.bytes, false);
 }
@@ -786,7 +693,7 @@ void FramedTransport::on_header_only(Connection& c) {
   answer.kind = wire::FrameKind::progress;
   answer.context = h.context;
   answer.seq = h.seq;
-  const ContextState* state = find_context(h.context);
+  const ContextState* state = contexts_.find(h.context);
   answer.tag = state ? state->started : 0;
   // How this rank called the operation asked about: the asker compares it with its own call.
   const OpSignature mine = signature_of(h.context, h.seq);
@@ -810,7 +717,7 @@ void FramedTransport::read_trailer(Connection& c, AfterTrailer after) {
 void FramedTransport::on_trailer(Connection& c) {
   if (!c.recv_seal.check(c.recv_trailer.data())) {
     const wire::Header& h = c.current;
-    c.incoming = Unexpected{};  // an early message being read: not to be kept
+    c.incoming = Matcher::Early{};  // an early message being read: not to be kept
     fail_connection(c, fmt::format("frame integrity: the {} of frame {} from rank {} (kind {}, context {}, #{}, tag {}, {} bytes) "
                                    "does not match its bytes: they were corrupted or forged on the way (WEFT_INTEGRITY={})",
                                    c.recv_seal.mode() == Integrity::hmac ? "HMAC" : "CRC-32C", c.recv_seal.frames() - 1, c.peer,
@@ -886,12 +793,7 @@ void FramedTransport::on_frame(Connection& c, bool discard) {
     c.scratch.reset();
     c.scratch_size = 0;
     start_read_header(c);
-    auto& state = contexts_[h.context];
-    if (state.failed) return;
-    state.failed = true;
-    state.code = code_of(Errc::aborted);
-    state.failed_peer = c.peer;
-    state.reason = fmt::format("rank {} aborted: {}", c.peer, reason);
+    if (!contexts_.at(h.context).fail(code_of(Errc::aborted), c.peer, fmt::format("rank {} aborted: {}", c.peer, reason))) return;
     std::vector<TransportOp*> ops;
     collect_context_ops(h.context, ops);
     complete_all(ops, h.context);
@@ -900,24 +802,23 @@ void FramedTransport::on_frame(Connection& c, bool discard) {
   }
   if (TransportOp* op = std::exchange(c.current_op, nullptr)) {
     start_read_header(c);
-    auto ctx = contexts_.find(op->key.context);
-    if (ctx != contexts_.end() && ctx->second.failed) {
-      op->complete(ctx->second.code, ctx->second.failed_peer, ctx->second.reason);
+    if (const ContextState* ctx = contexts_.find(op->key.context); ctx && ctx->failed) {
+      op->complete(ctx->code, ctx->failed_peer, ctx->reason);
     } else {
       op->complete();
     }
     return;
   }
   // An unexpected message: a receive may have been posted while its payload was arriving.
-  Unexpected message = std::move(c.incoming);
+  Matcher::Early message = std::move(c.incoming);
   start_read_header(c);
-  const MatchKey key{c.peer, MessageKey{h.context, h.seq, h.tag}};
-  if (TransportOp* op = take_posted(key)) {
+  const Matcher::Key key{c.peer, MessageKey{h.context, h.seq, h.tag}};
+  if (TransportOp* op = matcher_.take_posted(key)) {
     deliver(*op, c.peer, message.data.get(), message.bytes, message.signature);
-    give_back(std::move(message));
+    matcher_.give_back(std::move(message));
     return;
   }
-  mailboxes_[key].unexpected.push_back(std::move(message));
+  matcher_.keep_early(key, std::move(message));
 }
 
 // ---------------------------------------------------------------- failures
@@ -926,8 +827,7 @@ void FramedTransport::fail_connection(Connection& c, const std::string& reason) 
   if (!c.alive) return;
   c.alive = false;
   c.lost_reason = fmt::format("connection to rank {} lost: {}", c.peer, reason);
-  bool pending = !c.send_queue.empty() || c.current_op;
-  for (const auto& [key, box] : mailboxes_) pending = pending || !box.posted.empty();
+  const bool pending = !c.send_queue.empty() || c.current_op || matcher_.any_posted();
   // A peer that leaves while nothing waits on it is a normal end of a job; one that leaves mid-operation
   // is the news every rank's log should carry.
   if (!shut_down_) {
@@ -943,13 +843,9 @@ void FramedTransport::fail_connection(Connection& c, const std::string& reason) 
   // Every context the peer belongs to fails: its other members may be waiting on a rank that waits on
   // the dead one, and would otherwise hang.
   for (auto& [context, state] : contexts_) {
-    if (state.failed) continue;
     if (std::find(state.members.begin(), state.members.end(), c.peer) == state.members.end()) continue;
+    if (!state.fail(code_of(Errc::peer_failure), c.peer, c.lost_reason)) continue;
     failed_now.push_back(context);
-    state.failed = true;
-    state.code = code_of(Errc::peer_failure);
-    state.failed_peer = c.peer;
-    state.reason = c.lost_reason;
     collect_context_ops(context, ops);
     // Tell the other members the root cause: if this rank stops before they notice the loss themselves,
     // they learn which rank failed rather than only that this one went away.
@@ -983,26 +879,18 @@ void FramedTransport::close_connection(Connection& c, std::vector<TransportOp*>&
   c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
   c.control_queue.clear();
   if (c.current_op) ops.push_back(std::exchange(c.current_op, nullptr));
-  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
-    if (it->first.peer == c.peer) {
-      ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
-      it->second.posted.clear();
-      it = it->second.unexpected.empty() ? mailboxes_.erase(it) : std::next(it);
-    } else {
-      ++it;
-    }
-  }
+  matcher_.take_posted_if([peer = c.peer](const Matcher::Key& key) { return key.peer == peer; }, ops);
 }
 
 const std::string* FramedTransport::cancellation_of(const MessageKey& key) {
   if (key.seq == 0) return nullptr;  // point-to-point messages: cancelled one by one, not by seq
-  const ContextState* state = find_context(key.context);
+  const ContextState* state = contexts_.find(key.context);
   if (!state || state->cancelled.empty()) return nullptr;
   return state->cancellation(key.seq);
 }
 
 void FramedTransport::cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
-  ContextState* state = find_context(context);
+  ContextState* state = contexts_.find(context);
   if (!state || state->failed || state->cancellation(seq)) return;
   wire::Header h;
   h.kind = wire::FrameKind::cancel;
@@ -1019,20 +907,11 @@ void FramedTransport::cancel_operation(std::uint32_t context, std::uint64_t seq,
 }
 
 void FramedTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
-  ContextState* state = find_context(context);
+  ContextState* state = contexts_.find(context);
   if (!state || state->failed || state->cancellation(seq)) return;
-  state->cancelled.emplace_back(seq, reason);
-  if (state->cancelled.size() > 64) state->cancelled.pop_front();
+  state->note_cancelled(seq, reason);
   std::vector<TransportOp*> ops;
-  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
-    if (it->first.key.context != context || it->first.key.seq != seq) {
-      ++it;
-      continue;
-    }
-    ops.insert(ops.end(), it->second.posted.begin(), it->second.posted.end());
-    for (auto& message : it->second.unexpected) give_back(std::move(message));
-    it = mailboxes_.erase(it);
-  }
+  matcher_.take_all_if([&](const Matcher::Key& key) { return key.key.context == context && key.key.seq == seq; }, ops);
   for (auto& c : connections_) {
     if (!c) continue;
     // The send being written completes from its write handler (the receiver drops it).
@@ -1090,7 +969,7 @@ void FramedTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std
   ask.kind = wire::FrameKind::query;
   ask.context = context;
   ask.seq = seq;
-  const ContextState* state = find_context(context);
+  const ContextState* state = contexts_.find(context);
   for (int m : state ? state->members : std::vector<int>{}) {
     if (m == rank_) continue;
     query->answers.push_back(Progress{m, false, 0});
@@ -1123,9 +1002,9 @@ void FramedTransport::on_progress(int peer, const wire::Header& h) {
 }
 
 OpSignature FramedTransport::signature_of(std::uint32_t context, std::uint64_t seq) const {
-  const auto it = contexts_.find(context);
-  if (it == contexts_.end()) return {};
-  const auto* seen = it->second.local.find(seq);
+  const ContextState* state = contexts_.find(context);
+  if (!state) return {};
+  const auto* seen = state->local.find(seq);
   return seen ? seen->signature : OpSignature{};
 }
 
@@ -1174,9 +1053,9 @@ void FramedTransport::shutdown() {
   }
   std::size_t stranded = 0;
   std::size_t stranded_bytes = 0;
-  for (auto& [key, box] : mailboxes_) {
+  for (const auto& [key, box] : matcher_.mailboxes()) {
     ops.insert(ops.end(), box.posted.begin(), box.posted.end());
-    for (const auto& message : box.unexpected) {
+    for (const auto& message : box.early) {
       ++stranded;
       stranded_bytes += message.bytes;
       log().debug("rank {}: a message from rank {} (context {}, #{}, tag {}, {} bytes) was never received", rank_, key.peer,
@@ -1184,7 +1063,7 @@ void FramedTransport::shutdown() {
     }
   }
   if (stranded) log().info("rank {}: {} messages ({} bytes) arrived that no receive took", rank_, stranded, stranded_bytes);
-  mailboxes_.clear();
+  matcher_.clear();
   for (TransportOp* op : ops) {
     if (!op->done()) op->complete(code_of(Errc::group_failed), -1, "the transport was shut down");
   }

@@ -1,6 +1,7 @@
 #pragma once
-// The framed transport: one connection per peer pair, framed messages (wire.hpp), tag matching, early
-// messages, contexts with their failures, cancels and signatures, sealed frames (integrity.hpp). It moves
+// The framed transport: one connection per peer pair, framed messages (wire.hpp), tag matching and early
+// messages (matcher.hpp), contexts with their failures, cancels and signatures (contexts.hpp), sealed
+// frames (integrity.hpp). It moves
 // its bytes through a Stream (stream.hpp): Asio's reactor (transports/asio) or io_uring
 // (transports/uring); transports/select.hpp picks one.
 #include <array>
@@ -13,7 +14,9 @@
 
 #include <asio.hpp>
 
+#include "transports/framed/contexts.hpp"
 #include "transports/framed/integrity.hpp"
+#include "transports/framed/matcher.hpp"
 #include "transports/framed/stream.hpp"
 #include "transports/framed/wire.hpp"
 #include "weft/loop.hpp"
@@ -59,7 +62,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   /// (Options::max_early_bytes). A frame that would go beyond fails its connection with a protocol error
   /// naming the sizes: a forged or runaway length must not drive an allocation. Default 4 GiB here; Group
   /// sets Options::max_early_bytes (default half the physical memory).
-  void set_early_limit(std::size_t bytes) noexcept { early_limit_ = bytes; }
+  void set_early_limit(std::size_t bytes) noexcept { matcher_.set_limit(bytes); }
 
   /// Frame integrity (Options::integrity): from now on every frame written ends with a trailer and every
   /// frame read must end with a matching one (integrity.hpp), else its connection fails, naming the peer
@@ -83,58 +86,6 @@ class FramedTransport final : public Transport, private StreamEvents {
   void watch_liveness(std::chrono::milliseconds interval);
 
  private:
-  struct MatchKey {
-    int peer;
-    MessageKey key;
-    friend bool operator==(const MatchKey&, const MatchKey&) = default;
-  };
-  struct MatchKeyHash {
-    std::size_t operator()(const MatchKey& k) const noexcept;
-  };
-  // Bytes counted against the early-message limit while an Unexpected holds them. The counter is the
-  // transport's early_bytes_, declared before every container of Unexpecteds (so it outlives them); the
-  // destructor releases the charge of a connection's message in flight, as a Connection may outlive the
-  // transport in a pending Asio handler.
-  class Charge {
-   public:
-    Charge() = default;
-    Charge(std::size_t* total, std::size_t bytes) noexcept : total_(total), bytes_(bytes) { *total_ += bytes_; }
-    Charge(Charge&& other) noexcept : total_(std::exchange(other.total_, nullptr)), bytes_(other.bytes_) {}
-    Charge& operator=(Charge&& other) noexcept {
-      release();
-      total_ = std::exchange(other.total_, nullptr);
-      bytes_ = other.bytes_;
-      return *this;
-    }
-    ~Charge() { release(); }
-    void release() noexcept {
-      if (total_) *total_ -= bytes_;
-      total_ = nullptr;
-    }
-
-   private:
-    std::size_t* total_ = nullptr;
-    std::size_t bytes_ = 0;
-  };
-  struct Unexpected {
-    std::unique_ptr<std::byte[]> data;
-    std::size_t bytes = 0;
-    std::size_t capacity = 0;
-    OpSignature signature{};  // of the operation it belongs to
-    Charge charge;            // for messages from peers (early_bytes_)
-  };
-  std::size_t early_limit_ = std::size_t{4} << 30;
-  std::size_t early_bytes_ = 0;
-  // Buffers for messages that arrive before their receive, reused: a pipelined collective produces many
-  // of the same size, and fresh large allocations cost an mmap and page faults each.
-  Unexpected take_buffer(std::size_t bytes);
-  void give_back(Unexpected&& buffer);
-  std::vector<Unexpected> spare_buffers_;
-  std::size_t spare_bytes_ = 0;
-  struct Mailbox {
-    std::deque<TransportOp*> posted;       // receives waiting for a message, oldest first
-    std::deque<Unexpected> unexpected;     // messages waiting for a receive, oldest first
-  };
   enum class Reading : std::uint8_t { header, payload, discard, trailer };
   // What a frame's trailer, once checked, lets go on (seal_frames).
   enum class AfterTrailer : std::uint8_t { payload, discarded, header_only };
@@ -165,7 +116,7 @@ class FramedTransport final : public Transport, private StreamEvents {
     TransportOp* current_op = nullptr;  // the receive the payload is read into, if any
     std::unique_ptr<std::byte[]> scratch;  // control payloads and discarded bytes
     std::size_t scratch_size = 0;
-    Unexpected incoming;                   // an unexpected message being read
+    Matcher::Early incoming;               // an early message being read
     // Integrity (seal_frames): the trailer of every frame, sealed when written, checked when read.
     FrameSeal send_seal;
     FrameSeal recv_seal;
@@ -175,60 +126,6 @@ class FramedTransport final : public Transport, private StreamEvents {
     std::size_t payload_size = 0;
     std::size_t discard_chunk = 0;  // Reading::discard: the bytes of the chunk being read into scratch
     AfterTrailer after_trailer = AfterTrailer::payload;
-  };
-  static constexpr std::uint64_t interleaving = 2;  // how far behind the seq sought a signature search looks
-  struct ContextState {
-    std::vector<int> members;
-    bool failed = false;
-    std::error_code code;
-    std::string reason;
-    int failed_peer = -1;
-    // The signatures of the latest operations seen in this context: this rank's own (`local`) and those
-    // of messages that arrived before their receive (`early`). A mismatch that no receive would meet
-    // (two ranks that both think they are the root of a broadcast only send) is caught by comparing the
-    // two. Fixed rings of the latest `signatures_kept`: a check runs per message and must cost little.
-    struct Seen {
-      std::uint64_t seq = 0;
-      OpSignature signature{};
-      int peer = -1;
-    };
-    struct Recent {
-      std::array<Seen, 64> ring{};
-      std::size_t pushed = 0;  // ring[(pushed - 1) % size] is the latest
-      void push(const Seen& seen) noexcept { ring[pushed++ % ring.size()] = seen; }
-      const Seen* latest() const noexcept { return pushed ? &ring[(pushed - 1) % ring.size()] : nullptr; }
-      // The entry for `seq` whose signature differs from `signature`, searching from the latest back while
-      // entries are at most `interleaving` behind `seq`.
-      // This rank's entry for `seq`, if still kept.
-      const Seen* find(std::uint64_t seq) const noexcept {
-        const std::size_t kept = pushed < ring.size() ? pushed : ring.size();
-        for (std::size_t back = 1; back <= kept; ++back) {
-          const Seen& seen = ring[(pushed - back) % ring.size()];
-          if (seen.seq == seq) return &seen;
-        }
-        return nullptr;
-      }
-      const Seen* disagreeing(std::uint64_t seq, const OpSignature& signature) const noexcept {
-        const std::size_t kept = pushed < ring.size() ? pushed : ring.size();
-        for (std::size_t back = 1; back <= kept; ++back) {
-          const Seen& seen = ring[(pushed - back) % ring.size()];
-          if (seen.seq + interleaving < seq) break;
-          if (seen.seq == seq && !(seen.signature == signature)) return &seen;
-        }
-        return nullptr;
-      }
-    };
-    Recent local, early;
-    std::uint64_t started = 0;  // the latest operation this rank started here (answers progress queries)
-    // Operations cancelled here (the latest 64), with the reason: their later operations fail and their
-    // arriving messages are dropped.
-    std::deque<std::pair<std::uint64_t, std::string>> cancelled;
-    const std::string* cancellation(std::uint64_t seq) const noexcept {
-      for (const auto& [s, reason] : cancelled) {
-        if (s == seq) return &reason;
-      }
-      return nullptr;
-    }
   };
   // Fails operation (context, seq) here: its posted receives, queued sends and kept early messages.
   void cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason);
@@ -246,15 +143,11 @@ class FramedTransport final : public Transport, private StreamEvents {
   void on_progress(int peer, const wire::Header& h);
   void finish_query(const std::shared_ptr<Query>& query);
   void send_control(Connection& c, const wire::Header& h, std::string payload = {});
-  MessageKey last_noted_{};                        // the (context, seq) note_local_signature saw last
-  ContextState* find_context(std::uint32_t context);  // contexts_.find, remembering the last one
-  std::uint32_t cached_context_ = 0;
-  ContextState* cached_state_ = nullptr;
   // Records a signature of `context` (this rank's own operation, or a message from `peer` that came
   // early) and aborts the context with Errc::mismatch when the other side disagrees for the same seq.
   void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
     // Once per operation: its later messages return here.
-    if (signature.call == 0 || (context == last_noted_.context && seq == last_noted_.seq)) return;
+    if (signature.call == 0 || contexts_.noted_last(context, seq)) return;
     note_new_local_signature(context, seq, signature);
   }
   void note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
@@ -286,8 +179,6 @@ class FramedTransport final : public Transport, private StreamEvents {
   void read_trailer(Connection& c, AfterTrailer after);
   void on_trailer(Connection& c);
   void deliver_local(const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature);
-  // The oldest receive posted for `key`, taken out of its mailbox (erased when empty); null if none.
-  TransportOp* take_posted(const MatchKey& key);
   // Completes `op` with `bytes` bytes from rank `from`: copied when the sizes agree, else failed with
   // size_mismatch (nothing is truncated).
   void deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature);
@@ -309,11 +200,11 @@ class FramedTransport final : public Transport, private StreamEvents {
   std::string backend_;
   int rank_;
   int size_;
+  Matcher matcher_;  // before connections_: a connection's early message in flight is charged to it
   // shared_ptr: every pending Asio handler holds its connection, so that a socket outlives the handlers
   // (and composed reads) still queued for it when the transport goes away.
   std::vector<std::shared_ptr<Connection>> connections_;
-  std::unordered_map<MatchKey, Mailbox, MatchKeyHash> mailboxes_;
-  std::unordered_map<std::uint32_t, ContextState> contexts_;
+  ContextTable contexts_;
   bool shut_down_ = false;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // handlers check it after we are gone
   // After a context fails, its I/O that is in the middle of a frame (the write in flight, the payload

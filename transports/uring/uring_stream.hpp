@@ -1,131 +1,19 @@
 #pragma once
-// The io_uring backend of Stream (liburing). One ring per transport; its completions reach the weft loop
-// through an eventfd the loop watches (Loop::watch_readable), so no thread of its own. Submissions are
-// batched: queued SQEs go to the kernel in one io_uring_enter per loop turn. Small frames arrive through
-// one multishot receive per connection into a ring of provided buffers; large payloads are received
-// straight into the caller's memory. Where the loop runs on one thread only, the ring is set up for a
-// single issuer with deferred task work, and the loop's busy-poll runs that work (docs/DESIGN.md).
-#include <liburing.h>
-
+// The io_uring backend of Stream: the operations (writes, reads, the multishot receive) of one
+// connection, run on a UringRing (uring_ring.hpp). Small frames arrive through one multishot receive per
+// connection into a ring of provided buffers; large payloads are received straight into the caller's
+// memory.
 #include <cstdint>
 #include <deque>
-#include <initializer_list>
 #include <memory>
-#include <thread>
-#include <string>
-#include <vector>
+#include <string_view>
 
 #include <asio.hpp>
 
 #include "transports/framed/stream.hpp"
-#include "weft/loop.hpp"
+#include "transports/uring/uring_ring.hpp"
 
 namespace weft {
-
-class UringRing;
-
-/// One request in flight on a ring: `complete` runs on the loop thread with the CQE's result.
-struct UringRequest {
-  virtual void complete(int result, std::uint32_t flags) = 0;
-  bool in_kernel = false;  // its SQE was prepared and its CQE not seen yet
-
- protected:
-  ~UringRequest() = default;
-};
-
-class UringRing : public std::enable_shared_from_this<UringRing> {
- public:
-  /// Sets up a ring and registers its eventfd with `loop`. Returns null and fills `why` when io_uring
-  /// cannot be used here (disabled by sysctl, blocked by seccomp, too old, or WEFT_URING_SETUP_FAIL=1,
-  /// the tests' way to force the fallback).
-  static std::shared_ptr<UringRing> create(Loop& loop, std::string& why);
-  /// Whether create() could make a ring here (a small ring is set up and torn down); `why` if not.
-  static bool available(std::string& why);
-  ~UringRing();
-  UringRing(const UringRing&) = delete;
-  UringRing& operator=(const UringRing&) = delete;
-
-  /// An SQE to fill, with user_data set to `request`; it goes to the kernel at the end of this loop turn.
-  io_uring_sqe* prepare(UringRequest* request);
-  /// Asks the kernel to cancel `request` (at the end of this loop turn); the request's own completion
-  /// follows.
-  void cancel(UringRequest* request);
-  Loop& loop() noexcept { return loop_; }
-  /// Submits what was prepared (one io_uring_enter).
-  void flush();
-  /// Runs the completions that arrived.
-  void reap();
-  /// Returns once the kernel is done with `a` and `b` (either may be null): they are cancelled and their
-  /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
-  /// any others seen meanwhile, run at the next reap, from the loop's queue.
-  void settle(std::initializer_list<UringRequest*> requests);
-  /// Whether multishot receives fill provided buffers (set up, and supported by the kernel).
-  bool provided_buffers() const noexcept { return buffer_ring_ != nullptr && !multishot_off_; }
-  /// Registered staging: slots of `staging_bytes` in one buffer registered with the ring (fixed buffer
-  /// 0), for the transports' read-ahead buffers, read with READ_FIXED. Null when none is left or
-  /// registration failed (RLIMIT_MEMLOCK, WEFT_URING_REGISTERED=0).
-  static constexpr std::size_t staging_bytes = 4096;
-  static constexpr std::size_t staging_slots = 256;
-  std::byte* take_staging();
-  void give_back_staging(std::byte* slot);
-  /// The registered buffer's index when [data, data + size) lies inside it, else -1.
-  int fixed_index(const void* data, std::size_t size) const noexcept;
-  /// The ring's settings in words, for the log (a test reads them there).
-  std::string settings() const;
-
-  // The provided-buffer ring (buffer group 0) that multishot receives fill: `buffer_bytes` each.
-  static constexpr std::uint32_t buffer_count = 128;
-  static constexpr std::uint32_t buffer_bytes = 4096;
-  static constexpr std::uint16_t buffer_group = 0;
-  const std::byte* buffer(std::uint16_t id) const noexcept { return buffers_.get() + std::size_t{id} * buffer_bytes; }
-  /// Hands buffer `id` back to the kernel once its bytes were taken.
-  void recycle(std::uint16_t id);
-  /// Multishot receive turned out unsupported (its first completion said EINVAL): direct receives only.
-  void multishot_unsupported();
-  /// Sends of at least this many bytes use SENDMSG_ZC (the kernel sends from the caller's pages and
-  /// says when it is done with them); 0: never (no SENDMSG_ZC in this kernel, or off). Default 64 KiB,
-  /// but off towards a loopback peer, where the kernel copies anyway and holds the notification until
-  /// the receiver has read (2 MiB all_reduce 10 ms instead of 0.8 ms, bench/RESULTS.md).
-  /// WEFT_URING_ZC_BYTES sets it for every peer (0 turns zero-copy off).
-  std::size_t zero_copy_bytes(bool loopback_peer) const noexcept {
-    return loopback_peer && !zero_copy_set_ ? 0 : zero_copy_bytes_;
-  }
-
- private:
-  explicit UringRing(Loop& loop) : loop_(loop) {}
-  void set_up_buffers();
-  void set_up_staging();
-  void run_deferred_work();
-  io_uring_sqe* next_sqe();  // an SQE, with this turn's flush posted
-  bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }
-  Loop& loop_;
-  io_uring ring_{};
-  bool ring_ready_ = false;
-  // IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN: completions need the loop's thread to enter the kernel
-  // (reap and the busy-poll do), and only that thread may submit. The ring starts disabled and the
-  // first flush, on the loop's thread, enables it and so makes that thread its issuer.
-  bool defer_ = false;
-  bool enabled_ = false;
-  std::thread::id issuer_{};
-  std::uint64_t poller_ = 0;
-  io_uring_buf_ring* buffer_ring_ = nullptr;
-  std::unique_ptr<std::byte[]> buffers_;
-  bool multishot_off_ = false;
-  std::byte* staging_ = nullptr;  // staging_slots * staging_bytes, page-aligned, registered
-  std::vector<std::byte*> free_staging_;
-  int event_fd_ = -1;
-  std::uint64_t watch_ = 0;
-  bool flush_posted_ = false;
-  std::size_t zero_copy_bytes_ = 0;
-  bool zero_copy_set_ = false;  // by WEFT_URING_ZC_BYTES
-  struct Seen {
-    UringRequest* request;
-    int result;
-    std::uint32_t flags;
-  };
-  std::vector<Seen> deferred_;  // completions seen by settle(), run by the next reap()
-  bool see(io_uring_cqe* cqe);  // records a CQE as seen; false for our own cancellations
-};
 
 class UringStream final : public Stream, public std::enable_shared_from_this<UringStream> {
  public:

@@ -1,0 +1,94 @@
+#include "transports/framed/matcher.hpp"
+
+#include <algorithm>
+
+namespace weft {
+namespace {
+
+// Bytes of early-message buffers kept for reuse (docs/DESIGN.md quotes it by name). When full, the
+// oldest go first: sizes in use now stay, sizes of operations long past leave (the 100 000-collective
+// soak's memory settles under it).
+constexpr std::size_t early_buffer_pool_bytes = 32 << 20;
+
+}  // namespace
+
+std::size_t Matcher::KeyHash::operator()(const Key& k) const noexcept {
+  std::uint64_t h = 0x9e3779b97f4a7c15ull;
+  auto mix = [&](std::uint64_t v) {
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  };
+  mix(static_cast<std::uint64_t>(k.peer));
+  mix(k.key.context);
+  mix(k.key.seq);
+  mix(k.key.tag);
+  return static_cast<std::size_t>(h);
+}
+
+Matcher::Early Matcher::take_buffer(std::size_t bytes) {
+  for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
+    if (it->capacity >= bytes && it->capacity <= 2 * bytes + 4096) {
+      Early found = std::move(*it);
+      spare_bytes_ -= found.capacity;
+      spare_buffers_.erase(it);
+      found.bytes = bytes;
+      return found;
+    }
+  }
+  return Early{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes, bytes, {}, {}};
+}
+
+void Matcher::give_back(Early&& buffer) {
+  buffer.charge.release();
+  if (buffer.capacity < 4096 || buffer.capacity > early_buffer_pool_bytes) return;
+  while (spare_bytes_ + buffer.capacity > early_buffer_pool_bytes && !spare_buffers_.empty()) {
+    spare_bytes_ -= spare_buffers_.front().capacity;
+    spare_buffers_.erase(spare_buffers_.begin());
+  }
+  spare_bytes_ += buffer.capacity;
+  spare_buffers_.push_back(std::move(buffer));
+}
+
+TransportOp* Matcher::take_posted(const Key& key) {
+  auto it = mailboxes_.find(key);
+  if (it == mailboxes_.end() || it->second.posted.empty()) return nullptr;
+  TransportOp* op = it->second.posted.front();
+  it->second.posted.pop_front();
+  erase_if_empty(it);
+  return op;
+}
+
+std::optional<Matcher::Early> Matcher::take_early(const Key& key) {
+  auto it = mailboxes_.find(key);
+  if (it == mailboxes_.end() || it->second.early.empty()) return std::nullopt;
+  Early message = std::move(it->second.early.front());
+  it->second.early.pop_front();
+  erase_if_empty(it);
+  return message;
+}
+
+bool Matcher::withdraw(TransportOp& op) {
+  auto it = mailboxes_.find(Key{op.peer, op.key});
+  if (it == mailboxes_.end()) return false;
+  auto& posted = it->second.posted;
+  auto found = std::find(posted.begin(), posted.end(), &op);
+  if (found == posted.end()) return false;
+  posted.erase(found);
+  erase_if_empty(it);
+  return true;
+}
+
+void Matcher::forget_context(std::uint32_t context) {
+  std::erase_if(mailboxes_, [&](const auto& entry) { return entry.first.key.context == context && entry.second.posted.empty(); });
+}
+
+bool Matcher::any_posted() const noexcept {
+  return std::any_of(mailboxes_.begin(), mailboxes_.end(), [](const auto& entry) { return !entry.second.posted.empty(); });
+}
+
+void Matcher::peers_posted(std::uint32_t context, std::uint64_t seq, std::vector<int>& out) const {
+  for (const auto& [key, mailbox] : mailboxes_) {
+    if (key.key.context == context && key.key.seq == seq && !mailbox.posted.empty()) out.push_back(key.peer);
+  }
+}
+
+}  // namespace weft

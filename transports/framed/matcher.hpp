@@ -1,0 +1,141 @@
+#pragma once
+// Tag matching of the framed transport: per (peer, message key), the receives posted before their message
+// and the messages that arrived before their receive (early messages), each oldest first, so that two
+// messages with one key meet their receives in the order both were issued. The early messages' memory is
+// charged against a limit (Options::max_early_bytes) and pooled for reuse. Loop thread only.
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "weft/transport.hpp"
+
+namespace weft {
+
+class Matcher {
+ public:
+  struct Key {
+    int peer;
+    MessageKey key;
+    friend bool operator==(const Key&, const Key&) = default;
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const noexcept;
+  };
+
+  // Bytes counted against the early-message limit while an Early holds them. The counter is the
+  // matcher's, declared before every container of Earlies (so it outlives them); the transport's
+  // destructor releases the charge of a connection's message in flight, as a connection may outlive the
+  // transport in a pending Asio handler.
+  class Charge {
+   public:
+    Charge() = default;
+    Charge(std::size_t* total, std::size_t bytes) noexcept : total_(total), bytes_(bytes) { *total_ += bytes_; }
+    Charge(Charge&& other) noexcept : total_(std::exchange(other.total_, nullptr)), bytes_(other.bytes_) {}
+    Charge& operator=(Charge&& other) noexcept {
+      release();
+      total_ = std::exchange(other.total_, nullptr);
+      bytes_ = other.bytes_;
+      return *this;
+    }
+    ~Charge() { release(); }
+    void release() noexcept {
+      if (total_) *total_ -= bytes_;
+      total_ = nullptr;
+    }
+
+   private:
+    std::size_t* total_ = nullptr;
+    std::size_t bytes_ = 0;
+  };
+
+  // A message that arrived before its receive (or the buffer it is being read into).
+  struct Early {
+    std::unique_ptr<std::byte[]> data;
+    std::size_t bytes = 0;
+    std::size_t capacity = 0;
+    OpSignature signature{};  // of the operation it belongs to
+    Charge charge;            // for messages from peers
+  };
+
+  struct Mailbox {
+    std::deque<TransportOp*> posted;  // receives waiting for a message, oldest first
+    std::deque<Early> early;          // messages waiting for a receive, oldest first
+  };
+
+  // ---- the early-message limit and the buffer pool
+  void set_limit(std::size_t bytes) noexcept { limit_ = bytes; }
+  std::size_t limit() const noexcept { return limit_; }
+  std::size_t charged() const noexcept { return charged_; }
+  // Whether `bytes` more of early messages fit under the limit (checked before anything is allocated).
+  bool fits(std::size_t bytes) const noexcept { return bytes <= limit_ && charged_ <= limit_ - bytes; }
+  Charge charge(std::size_t bytes) noexcept { return Charge(&charged_, bytes); }
+  // A buffer of `bytes`, from the pool when one of a close size is kept; may throw std::bad_alloc.
+  Early take_buffer(std::size_t bytes);
+  // Releases the message's charge and keeps its buffer for reuse (up to early_buffer_pool_bytes).
+  void give_back(Early&& buffer);
+
+  // ---- matching
+  void post(const Key& key, TransportOp& op) { mailboxes_[key].posted.push_back(&op); }
+  void keep_early(const Key& key, Early&& message) { mailboxes_[key].early.push_back(std::move(message)); }
+  // The oldest receive posted for `key`, taken out; null if none.
+  TransportOp* take_posted(const Key& key);
+  // The oldest early message for `key`, taken out; none if none.
+  std::optional<Early> take_early(const Key& key);
+  // Takes `op` out of its mailbox; false when it is not posted there (matched already).
+  bool withdraw(TransportOp& op);
+
+  // ---- sweeps (failures, cancels, shutdown)
+  // Moves every posted receive whose key satisfies `pred` to `out`. Early messages stay receivable.
+  template <class Pred>
+  void take_posted_if(Pred pred, std::vector<TransportOp*>& out) {
+    for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
+      if (!pred(it->first)) {
+        ++it;
+        continue;
+      }
+      out.insert(out.end(), it->second.posted.begin(), it->second.posted.end());
+      it->second.posted.clear();
+      it = it->second.early.empty() ? mailboxes_.erase(it) : std::next(it);
+    }
+  }
+  // The same, and drops the early messages of those keys as well.
+  template <class Pred>
+  void take_all_if(Pred pred, std::vector<TransportOp*>& out) {
+    for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
+      if (!pred(it->first)) {
+        ++it;
+        continue;
+      }
+      out.insert(out.end(), it->second.posted.begin(), it->second.posted.end());
+      for (auto& message : it->second.early) give_back(std::move(message));
+      it = mailboxes_.erase(it);
+    }
+  }
+  // Drops the early messages of `context` that no receive waits on (the context is closed).
+  void forget_context(std::uint32_t context);
+  bool any_posted() const noexcept;
+  // The peers with a receive posted for operation (context, seq).
+  void peers_posted(std::uint32_t context, std::uint64_t seq, std::vector<int>& out) const;
+  const std::unordered_map<Key, Mailbox, KeyHash>& mailboxes() const noexcept { return mailboxes_; }
+  void clear() noexcept { mailboxes_.clear(); }
+
+ private:
+  void erase_if_empty(std::unordered_map<Key, Mailbox, KeyHash>::iterator it) {
+    if (it->second.posted.empty() && it->second.early.empty()) mailboxes_.erase(it);
+  }
+
+  std::size_t limit_ = std::size_t{4} << 30;
+  std::size_t charged_ = 0;  // before every container of Earlies: their charges point here
+  // Buffers for messages that arrive before their receive, reused: a pipelined collective produces many
+  // of the same size, and fresh large allocations cost an mmap and page faults each.
+  std::vector<Early> spare_buffers_;
+  std::size_t spare_bytes_ = 0;
+  std::unordered_map<Key, Mailbox, KeyHash> mailboxes_;
+};
+
+}  // namespace weft

@@ -1,0 +1,310 @@
+#include "transports/uring/uring_ring.hpp"
+
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "src/core/log.hpp"
+#include "weft/error.hpp"
+
+namespace weft {
+
+// ---------------------------------------------------------------- the ring
+
+namespace {
+// A 0/1 switch from the environment; unset or empty: `fallback`. Anything else is an error.
+bool env_switch(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  const std::string_view text(v);
+  if (text == "0" || text == "1") return text == "1";
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
+              fmt::format("{}='{}' is not a switch (valid: 0, 1)", name, text));
+}
+}  // namespace
+
+bool UringRing::available(std::string& why) {
+  if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
+    why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
+    return false;
+  }
+  io_uring ring{};
+  if (const int rc = io_uring_queue_init(2, &ring, 0); rc < 0) {
+    why = fmt::format("io_uring_queue_init: {}", std::strerror(-rc));
+    return false;
+  }
+  io_uring_queue_exit(&ring);
+  return true;
+}
+
+std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
+  if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
+    why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
+    return nullptr;
+  }
+  std::shared_ptr<UringRing> ring(new UringRing(loop));
+  // A single-issuer ring with deferred task work needs every submission from one thread: only a loop
+  // that runs on one thread gives that. WEFT_URING_DEFER=0 turns it off; a kernel without it (before
+  // 6.1) refuses the flags and gets a plain ring.
+  unsigned flags = 0;
+  if (loop.single_thread() && env_switch("WEFT_URING_DEFER", true)) {
+    flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
+  }
+  int rc = io_uring_queue_init(256, &ring->ring_, flags);
+  if (rc == -EINVAL && flags != 0) {
+    flags = 0;
+    rc = io_uring_queue_init(256, &ring->ring_, flags);
+  }
+  if (rc < 0) {
+    why = fmt::format("io_uring_queue_init: {}", std::strerror(-rc));
+    return nullptr;
+  }
+  ring->ring_ready_ = true;
+  ring->defer_ = flags != 0;
+  ring->enabled_ = !ring->defer_;
+  if (io_uring_probe* probe = io_uring_get_probe_ring(&ring->ring_)) {
+    if (io_uring_opcode_supported(probe, IORING_OP_SENDMSG_ZC)) {
+      ring->zero_copy_bytes_ = 64 << 10;
+      if (const char* v = std::getenv("WEFT_URING_ZC_BYTES"); v && *v) {
+        const std::string_view text(v);
+        if (text.find_first_not_of("0123456789") != std::string_view::npos || text.size() > 18) {
+          io_uring_free_probe(probe);
+          throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
+                      fmt::format("WEFT_URING_ZC_BYTES='{}' is not a byte count (digits; 0 turns zero-copy off)", text));
+        }
+        ring->zero_copy_bytes_ = std::strtoull(v, nullptr, 10);
+        ring->zero_copy_set_ = true;
+      }
+    }
+    io_uring_free_probe(probe);
+  }
+  ring->event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (ring->event_fd_ < 0) {
+    why = fmt::format("eventfd: {}", std::strerror(errno));
+    return nullptr;
+  }
+  if (const int rc = io_uring_register_eventfd(&ring->ring_, ring->event_fd_); rc < 0) {
+    why = fmt::format("io_uring_register_eventfd: {}", std::strerror(-rc));
+    return nullptr;
+  }
+  // Completions wake the loop through the eventfd; the handler reaps every CQE there is.
+  ring->watch_ = loop.watch_readable(ring->event_fd_, [weak = std::weak_ptr<UringRing>(ring)] {
+    auto self = weak.lock();
+    if (!self) return;
+    std::uint64_t count = 0;
+    [[maybe_unused]] const auto n = ::read(self->event_fd_, &count, sizeof count);
+    self->reap();
+  });
+  // Multishot receives are off unless asked for: in weft they measured no faster than direct receives
+  // for small frames, and slower with caller-driven progress, where the long-lived receive stays tied
+  // to the thread that armed it (bench/RESULTS.md, "io_uring features").
+  if (env_switch("WEFT_URING_MULTISHOT", false)) ring->set_up_buffers();
+  if (env_switch("WEFT_URING_REGISTERED", true)) ring->set_up_staging();
+  return ring;
+}
+
+// The provided buffers of the multishot receives (WEFT_URING_MULTISHOT=1). Without them (the default,
+// or a kernel before 5.19) every read is a direct receive.
+void UringRing::set_up_buffers() {
+  const std::size_t ring_bytes = buffer_count * sizeof(io_uring_buf);
+  void* memory = ::mmap(nullptr, ring_bytes, PROT_READ | PROT_WRITE, MAP_ANONYMOUS | MAP_PRIVATE, -1, 0);
+  if (memory == MAP_FAILED) return;
+  io_uring_buf_reg registration{};
+  registration.ring_addr = reinterpret_cast<std::uintptr_t>(memory);
+  registration.ring_entries = buffer_count;
+  registration.bgid = buffer_group;
+  if (io_uring_register_buf_ring(&ring_, &registration, 0) < 0) {
+    ::munmap(memory, ring_bytes);
+    return;
+  }
+  buffer_ring_ = static_cast<io_uring_buf_ring*>(memory);
+  io_uring_buf_ring_init(buffer_ring_);
+  buffers_ = std::make_unique_for_overwrite<std::byte[]>(std::size_t{buffer_count} * buffer_bytes);
+  for (std::uint32_t id = 0; id < buffer_count; ++id) recycle(static_cast<std::uint16_t>(id));  // all to the kernel
+}
+
+// Registered staging for the read-ahead buffers: the kernel maps a registered buffer once, where a plain
+// receive walks the destination's pages on every call.
+void UringRing::set_up_staging() {
+  const std::size_t bytes = staging_slots * staging_bytes;
+  void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_ANONYMOUS | MAP_PRIVATE, -1, 0);
+  if (memory == MAP_FAILED) return;
+  const iovec whole{memory, bytes};
+  if (const int rc = io_uring_register_buffers(&ring_, &whole, 1); rc < 0) {
+    log().info("io_uring: no registered staging ({})", std::strerror(-rc));
+    ::munmap(memory, bytes);
+    return;
+  }
+  staging_ = static_cast<std::byte*>(memory);
+  for (std::size_t i = staging_slots; i-- > 0;) free_staging_.push_back(staging_ + i * staging_bytes);
+}
+
+std::byte* UringRing::take_staging() {
+  if (free_staging_.empty()) return nullptr;
+  std::byte* slot = free_staging_.back();
+  free_staging_.pop_back();
+  return slot;
+}
+
+void UringRing::give_back_staging(std::byte* slot) { free_staging_.push_back(slot); }
+
+int UringRing::fixed_index(const void* data, std::size_t size) const noexcept {
+  const auto* p = static_cast<const std::byte*>(data);
+  if (!staging_ || p < staging_ || p + size > staging_ + staging_slots * staging_bytes) return -1;
+  return 0;
+}
+
+std::string UringRing::settings() const {
+  return fmt::format("deferred task work {}, multishot receive {}, registered staging {}, zero-copy sends {}",
+                     defer_ ? "on" : "off", provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
+                     zero_copy_bytes_ == 0 ? std::string("off")
+                     : zero_copy_set_      ? fmt::format("from {} bytes", zero_copy_bytes_)
+                                           : fmt::format("from {} bytes (not towards loopback peers)", zero_copy_bytes_));
+}
+
+void UringRing::recycle(std::uint16_t id) {
+  io_uring_buf_ring_add(buffer_ring_, buffers_.get() + std::size_t{id} * buffer_bytes, buffer_bytes, id,
+                        io_uring_buf_ring_mask(buffer_count), 0);
+  io_uring_buf_ring_advance(buffer_ring_, 1);
+}
+
+void UringRing::multishot_unsupported() {
+  if (!buffer_ring_) return;
+  log().info("io_uring: multishot receive is not supported here; receiving directly");
+  // The registration stays (the kernel owns it until the ring goes); only new receives stop using it.
+  multishot_off_ = true;
+}
+
+UringRing::~UringRing() {
+  if (watch_) loop_.unwatch(watch_);
+  if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
+  if (event_fd_ >= 0) ::close(event_fd_);
+  if (buffer_ring_) ::munmap(buffer_ring_, buffer_count * sizeof(io_uring_buf));
+  if (staging_) ::munmap(staging_, staging_slots * staging_bytes);
+}
+
+io_uring_sqe* UringRing::prepare(UringRequest* request) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_sqe_set_data(sqe, request);
+  request->in_kernel = true;
+  return sqe;
+}
+
+void UringRing::cancel(UringRequest* request) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_prep_cancel(sqe, request, 0);
+  io_uring_sqe_set_data(sqe, nullptr);  // its own completion is ignored; the request's last one follows
+}
+
+io_uring_sqe* UringRing::next_sqe() {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (!sqe) {  // the submission queue is full: hand it over now
+    flush();
+    sqe = io_uring_get_sqe(&ring_);
+  }
+  if (!flush_posted_) {
+    // Everything prepared during this turn of the loop goes in one io_uring_enter, after the handlers
+    // already queued.
+    flush_posted_ = true;
+    loop_.post([weak = weak_from_this()] {
+      if (auto self = weak.lock()) self->flush();
+    });
+  }
+  return sqe;
+}
+
+void UringRing::flush() {
+  flush_posted_ = false;
+  if (!enabled_) {
+    // The first submission, on the loop's thread: that thread becomes the ring's one issuer.
+    if (const long rc = ::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0); rc < 0) {
+      log().error("io_uring: enabling the ring: {}", std::strerror(errno));
+    }
+    enabled_ = true;
+    issuer_ = std::this_thread::get_id();
+  }
+  if (!issuer_thread()) {
+    log().error("io_uring: a submission from a thread other than the ring's issuer was dropped");
+    return;
+  }
+  if (const int rc = io_uring_submit(&ring_); rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
+}
+
+// With deferred task work, completions wait in the kernel until the issuer asks for them; the kernel
+// flags the ring when some are waiting, so that asking costs a system call only then.
+void UringRing::run_deferred_work() {
+  if (defer_ && enabled_ && issuer_thread() && (IO_URING_READ_ONCE(*ring_.sq.kflags) & IORING_SQ_TASKRUN)) {
+    io_uring_get_events(&ring_);
+  }
+}
+
+bool UringRing::see(io_uring_cqe* cqe) {
+  auto* request = static_cast<UringRequest*>(io_uring_cqe_get_data(cqe));
+  const int result = cqe->res;
+  const std::uint32_t flags = cqe->flags;
+  io_uring_cqe_seen(&ring_, cqe);
+  if (!request) return false;  // the answer to a cancellation
+  // Its last CQE (a zero-copy send has a notification to come) hands the request back.
+  if (!(flags & IORING_CQE_F_MORE)) request->in_kernel = false;
+  deferred_.push_back(Seen{request, result, flags});
+  return true;
+}
+
+void UringRing::reap() {
+  run_deferred_work();
+  io_uring_cqe* cqe = nullptr;
+  while (io_uring_peek_cqe(&ring_, &cqe) == 0) see(cqe);
+  // Completions may prepare new requests (and see more): take the batch first.
+  std::vector<Seen> batch;
+  batch.swap(deferred_);
+  for (const Seen& s : batch) s.request->complete(s.result, s.flags);
+}
+
+void UringRing::settle(std::initializer_list<UringRequest*> requests) {
+  auto busy = [&] {
+    for (UringRequest* r : requests) {
+      if (r && r->in_kernel) return true;
+    }
+    return false;
+  };
+  if (!busy()) return;
+  if (!issuer_thread()) {
+    // Only the issuer may cancel or wait; this happens only when the ring outlives its loop's thread
+    // (a Loop's last drain), where closing the ring cancels everything anyway.
+    log().debug("io_uring: requests not settled (not on the ring's thread); the ring's exit cancels them");
+    return;
+  }
+  for (UringRequest* r : requests) {
+    if (r && r->in_kernel) cancel(r);
+  }
+  flush();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (busy()) {
+    __kernel_timespec wait{0, 10'000'000};
+    io_uring_cqe* cqe = nullptr;
+    if (io_uring_wait_cqe_timeout(&ring_, &cqe, &wait) == 0) see(cqe);
+    if (std::chrono::steady_clock::now() > deadline) {
+      log().error("io_uring: a request did not finish within 1 s of its cancellation");
+      break;
+    }
+  }
+  if (!deferred_.empty()) {
+    loop_.post([weak = weak_from_this()] {
+      if (auto self = weak.lock()) self->reap();
+    });
+  }
+}
+
+}  // namespace weft
