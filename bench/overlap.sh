@@ -20,5 +20,5 @@ for transport in tcp uring; do
 done
 for transport in tcp uring; do
   echo "== $transport: /ping while 32 MiB /sum all_reduces run"
-  WEFT_TRANSPORT=$transport python3 "$(dirname "$0")/../tests/http_server_test.py" "$build/tools/weft-run" "$build/examples/example-http-server" 2 --measure | grep -E "/ping|ok: 2 servers"
+  WEFT_TRANSPORT=$transport python3 "$(dirname "$0")/../tests/system/http_server_test.py" "$build/tools/weft-run" "$build/examples/example-http-server" 2 --measure | grep -E "/ping|ok: 2 servers"
 done

@@ -19,7 +19,7 @@
 #include <fmt/format.h>
 #include <weft/weft.hpp>
 
-#include "bench/check_data.hpp"
+#include "support/check_data.hpp"
 
 namespace {
 

@@ -11,7 +11,7 @@
 //   GET /quit                 waits for every rank's /quit (a barrier), answers "bye", and the server ends
 //
 // Run: weft-run -n 2 -- example-http-server BASE_PORT     (rank r listens on 127.0.0.1:BASE_PORT + r)
-// tests/http_server_test.py drives it with real HTTP clients.
+// tests/system/http_server_test.py drives it with real HTTP clients.
 #include <dirent.h>
 
 #include <algorithm>

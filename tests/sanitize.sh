@@ -46,5 +46,5 @@ for transport in tcp uring; do
     "$out/tools/weft-run" -n 4 --timeout 300 -- "$t/weft-test-worker" soak 2000
 done
 run "security" "$t/test_security"
-run "4 ranks, kill -9 of one (processes)" bash "$src/tests/processes.sh" "$out" kill-peer
+run "4 ranks, kill -9 of one (processes)" bash "$src/tests/system/processes.sh" "$out" kill-peer
 exit $rc

@@ -1,4 +1,4 @@
-#include "src/algorithms/reduction.hpp"
+#include "algorithms/reduction.hpp"
 
 #include <cstring>
 

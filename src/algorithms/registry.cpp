@@ -1,4 +1,4 @@
-#include "src/algorithms/registry.hpp"
+#include "algorithms/registry.hpp"
 
 #include <array>
 #include <stdexcept>

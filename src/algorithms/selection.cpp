@@ -1,4 +1,4 @@
-#include "src/algorithms/selection.hpp"
+#include "algorithms/selection.hpp"
 
 #include <algorithm>
 #include <charconv>

@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "src/algorithms/registry.hpp"
+#include "algorithms/registry.hpp"
 
 namespace weft::algorithms {
 

@@ -1,4 +1,4 @@
-#include "src/core/host.hpp"
+#include "core/host.hpp"
 
 #include <cstdlib>
 #include <initializer_list>

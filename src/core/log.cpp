@@ -1,4 +1,4 @@
-#include "src/core/log.hpp"
+#include "core/log.hpp"
 
 #include <cstdlib>
 #include <mutex>

@@ -19,7 +19,7 @@
 #include "weft/error.hpp"
 #include "weft/future.hpp"
 #include "weft/offload.hpp"
-#include "src/core/host.hpp"
+#include "core/host.hpp"
 
 namespace weft {
 namespace {

@@ -1,4 +1,4 @@
-#include "src/core/signature.hpp"
+#include "core/signature.hpp"
 
 #include <algorithm>
 #include <array>

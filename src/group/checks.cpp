@@ -1,4 +1,4 @@
-#include "src/group/checks.hpp"
+#include "group/checks.hpp"
 
 #include <fmt/format.h>
 

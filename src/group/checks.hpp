@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "src/group/state.hpp"
+#include "group/state.hpp"
 #include "weft/buffer.hpp"
 #include "weft/dtype.hpp"
 #include "weft/reduce_op.hpp"

@@ -11,12 +11,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "src/algorithms/reduction.hpp"
-#include "src/algorithms/registry.hpp"
-#include "src/core/signature.hpp"
-#include "src/group/checks.hpp"
-#include "src/group/staging.hpp"
-#include "src/group/state.hpp"
+#include "algorithms/reduction.hpp"
+#include "algorithms/registry.hpp"
+#include "core/signature.hpp"
+#include "group/checks.hpp"
+#include "group/staging.hpp"
+#include "group/state.hpp"
 
 namespace weft {
 namespace {

@@ -9,10 +9,10 @@
 #include <asio.hpp>
 #include <fmt/format.h>
 
-#include "src/core/host.hpp"
-#include "src/core/log.hpp"
-#include "src/group/bootstrap.hpp"
-#include "src/group/state.hpp"
+#include "core/host.hpp"
+#include "core/log.hpp"
+#include "rendezvous/bootstrap.hpp"
+#include "group/state.hpp"
 #include "transports/select.hpp"
 
 namespace weft {

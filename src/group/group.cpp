@@ -7,8 +7,8 @@
 
 #include <fmt/format.h>
 
-#include "src/algorithms/registry.hpp"
-#include "src/group/state.hpp"
+#include "algorithms/registry.hpp"
+#include "group/state.hpp"
 
 namespace weft {
 

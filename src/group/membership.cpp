@@ -12,10 +12,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "src/core/log.hpp"
-#include "src/group/checks.hpp"
-#include "src/group/staging.hpp"
-#include "src/group/state.hpp"
+#include "core/log.hpp"
+#include "group/checks.hpp"
+#include "group/staging.hpp"
+#include "group/state.hpp"
 
 namespace weft {
 namespace {

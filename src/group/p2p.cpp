@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "src/group/checks.hpp"
-#include "src/group/state.hpp"
+#include "group/checks.hpp"
+#include "group/state.hpp"
 
 namespace weft {
 namespace {

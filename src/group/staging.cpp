@@ -1,4 +1,4 @@
-#include "src/group/staging.hpp"
+#include "group/staging.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "src/algorithms/selection.hpp"
-#include "src/core/signature.hpp"
-#include "src/group/store.hpp"
+#include "algorithms/selection.hpp"
+#include "core/signature.hpp"
+#include "rendezvous/store.hpp"
 #include "weft/algorithms.hpp"
 #include "weft/collective.hpp"
 #include "weft/error.hpp"

@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "src/core/signature.hpp"
-#include "src/group/state.hpp"
+#include "core/signature.hpp"
+#include "group/state.hpp"
 
 namespace weft::detail {
 

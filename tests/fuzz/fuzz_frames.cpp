@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "src/core/log.hpp"
+#include "core/log.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "weft/loop.hpp"
 

@@ -1,11 +1,11 @@
-// libFuzzer harness: the greeting that opens every connection (src/group/greeting.hpp). Decoding any
+// libFuzzer harness: the greeting that opens every connection (src/rendezvous/greeting.hpp). Decoding any
 // bytes must not crash; a hello or details that decode must encode back to the same bytes (the reserved
 // bytes aside); a verdict's reason length must be bounded; a refusal must say why.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "src/group/greeting.hpp"
+#include "rendezvous/greeting.hpp"
 
 using namespace weft;
 

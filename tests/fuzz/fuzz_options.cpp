@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "src/algorithms/selection.hpp"
+#include "algorithms/selection.hpp"
 #include "weft/error.hpp"
 #include "weft/options.hpp"
 

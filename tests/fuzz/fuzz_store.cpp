@@ -1,4 +1,4 @@
-// libFuzzer harness: the rendezvous store's request handling (src/group/store.hpp). The input is a client's
+// libFuzzer harness: the rendezvous store's request handling (src/rendezvous/store.hpp). The input is a client's
 // byte stream: requests are parsed and run against a table as the server would (WAIT's timeout and keys
 // are parsed, not waited on). Nothing may crash or allocate beyond the request limits; a SET is seen by
 // the GET after it.
@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "src/group/store.hpp"
+#include "rendezvous/store.hpp"
 
 using namespace weft;
 

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string_view>
 
+#include "core/frame_keys.hpp"
 #include "weft/options.hpp"
 
 namespace weft {
@@ -22,12 +23,6 @@ namespace weft {
 std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t size) noexcept;
 /// The table version (tests compare the two).
 std::uint32_t crc32c_portable(std::uint32_t crc, const void* data, std::size_t size) noexcept;
-
-/// The keys of one connection's frame MACs, one per direction.
-struct FrameKeys {
-  std::array<std::byte, 32> send{};
-  std::array<std::byte, 32> recv{};
-};
 
 
 /// The trailer of one direction of one connection: begin() a frame, update() with its bytes in order,

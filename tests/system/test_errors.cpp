@@ -10,9 +10,10 @@
 #include <future>
 #include <random>
 
-#include "harness.hpp"
-#include "src/core/bytes.hpp"
+#include "support/harness.hpp"
+#include "core/bytes.hpp"
 #include "transports/framed/integrity.hpp"
+#include "transports/asio/asio_stream.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "transports/framed/wire.hpp"
 
@@ -419,7 +420,7 @@ class RawPeer {
       std::vector<asio::ip::tcp::socket> sockets;
       sockets.emplace_back(loop_.context());
       sockets.emplace_back(acceptor.accept());
-      transport_ = std::make_unique<FramedTransport>(loop_, 0, 2, std::move(sockets));
+      transport_ = std::make_unique<FramedTransport>(loop_, 0, 2, std::move(sockets), "tcp", make_asio_stream);
       transport_->set_early_limit(early_limit);
       transport_->seal_frames(integrity, {FrameKeys{}, keys});
       transport_->open_context(1, {0, 1});

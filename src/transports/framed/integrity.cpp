@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <utility>
 
-#include "src/core/bytes.hpp"
+#include "core/bytes.hpp"
 
 
 #if defined(__x86_64__)

@@ -27,10 +27,8 @@ namespace weft {
 class FramedTransport final : public Transport, private StreamEvents {
  public:
   /// `sockets[peer]` is the connected, handshaken socket to each peer (sockets[rank] is unused). Their
-  /// bytes move through Asio's reactor.
-  FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets);
-  /// The same protocol over streams made by `make_stream(socket, events, peer, alive)` for each peer (the
-  /// io_uring backend); `backend` names it.
+  /// bytes move through the streams made by `make_stream(socket, events, peer, alive)` for each peer
+  /// (make_asio_stream, or the io_uring backend's); `backend` names it.
   using StreamFactory = std::function<std::shared_ptr<Stream>(asio::ip::tcp::socket, StreamEvents*, int, std::weak_ptr<bool>)>;
   FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
                const StreamFactory& make_stream);

@@ -1,4 +1,4 @@
-#include "src/group/store.hpp"
+#include "rendezvous/store.hpp"
 
 #include <functional>
 #include <set>
@@ -7,8 +7,8 @@
 #include <asio/experimental/as_tuple.hpp>
 #include <fmt/format.h>
 
-#include "src/core/bytes.hpp"
-#include "src/core/log.hpp"
+#include "core/bytes.hpp"
+#include "core/log.hpp"
 
 namespace weft::store {
 namespace {

@@ -5,8 +5,8 @@
 
 #include <asio.hpp>
 
-#include "src/group/store.hpp"
-#include "transports/framed/integrity.hpp"
+#include "core/frame_keys.hpp"
+#include "rendezvous/store.hpp"
 #include "weft/options.hpp"
 
 namespace weft {

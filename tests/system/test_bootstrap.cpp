@@ -7,8 +7,8 @@
 
 #include <unistd.h>
 
-#include "harness.hpp"
-#include "src/algorithms/selection.hpp"
+#include "support/harness.hpp"
+#include "algorithms/selection.hpp"
 
 using namespace weft;
 using namespace weft::test;

@@ -1,4 +1,4 @@
-#include "src/group/bootstrap.hpp"
+#include "rendezvous/bootstrap.hpp"
 
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -14,9 +14,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "src/core/log.hpp"
-#include "src/group/deadline.hpp"
-#include "src/group/greeting.hpp"
+#include "core/log.hpp"
+#include "rendezvous/deadline.hpp"
+#include "rendezvous/greeting.hpp"
 #include "weft/error.hpp"
 
 namespace weft {

@@ -11,7 +11,7 @@
 
 #include <asio.hpp>
 
-#include "src/group/greeting.hpp"
+#include "rendezvous/greeting.hpp"
 
 namespace weft::store {
 

@@ -10,10 +10,9 @@
 
 #include <fmt/format.h>
 
-#include "src/core/bytes.hpp"
-#include "src/core/log.hpp"
-#include "src/core/signature.hpp"
-#include "transports/asio/asio_stream.hpp"
+#include "core/bytes.hpp"
+#include "core/log.hpp"
+#include "core/signature.hpp"
 
 namespace weft {
 namespace {
@@ -129,12 +128,6 @@ void FramedTransport::tune_socket(asio::ip::tcp::socket& socket) {
     socket.set_option(asio::socket_base::receive_buffer_size(socket_buffer_bytes), ignored);
   }
 }
-
-FramedTransport::FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets)
-    : FramedTransport(loop, rank, size, std::move(sockets), "tcp",
-                   [](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
-                     return std::make_shared<AsioStream>(std::move(socket), events, peer, std::move(alive));
-                   }) {}
 
 FramedTransport::FramedTransport(Loop& loop, int rank, int size, std::vector<asio::ip::tcp::socket> sockets, std::string_view backend,
                            const StreamFactory& make_stream)

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "src/core/bytes.hpp"
+#include "core/bytes.hpp"
 
 namespace weft::wire {
 

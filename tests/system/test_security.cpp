@@ -17,11 +17,11 @@
 
 #include <spdlog/sinks/ringbuffer_sink.h>
 
-#include "harness.hpp"
-#include "src/core/bytes.hpp"
-#include "src/core/log.hpp"
-#include "src/group/greeting.hpp"
-#include "src/group/store.hpp"
+#include "support/harness.hpp"
+#include "core/bytes.hpp"
+#include "core/log.hpp"
+#include "rendezvous/greeting.hpp"
+#include "rendezvous/store.hpp"
 
 using namespace weft;
 using namespace weft::test;

@@ -1,4 +1,4 @@
-#include "src/group/greeting.hpp"
+#include "rendezvous/greeting.hpp"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -7,9 +7,9 @@
 
 #include <fmt/format.h>
 
-#include "src/core/bytes.hpp"
-#include "src/core/log.hpp"
-#include "src/group/deadline.hpp"
+#include "core/bytes.hpp"
+#include "core/log.hpp"
+#include "rendezvous/deadline.hpp"
 
 namespace weft::greeting {
 namespace {

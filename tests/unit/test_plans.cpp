@@ -11,9 +11,9 @@
 #include <weft/weft.hpp>
 
 #include "kernels/cpu/reduce.hpp"
-#include "src/algorithms/registry.hpp"
-#include "src/algorithms/selection.hpp"
-#include "src/core/signature.hpp"
+#include "algorithms/registry.hpp"
+#include "algorithms/selection.hpp"
+#include "core/signature.hpp"
 
 using namespace weft;
 using namespace weft::algorithms;

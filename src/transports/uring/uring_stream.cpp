@@ -16,7 +16,7 @@
 
 #include <fmt/format.h>
 
-#include "src/core/log.hpp"
+#include "core/log.hpp"
 #include "weft/error.hpp"
 
 namespace weft {

@@ -12,7 +12,7 @@
 #include <weft/weft.hpp>
 
 #include "kernels/cpu/reduce.hpp"
-#include "harness.hpp"
+#include "support/harness.hpp"
 
 using namespace weft;
 using namespace std::chrono_literals;

@@ -31,4 +31,7 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   std::weak_ptr<bool> alive_;
 };
 
+/// A stream factory for FramedTransport (its StreamFactory): Asio streams over the handshaken sockets.
+std::shared_ptr<Stream> make_asio_stream(asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive);
+
 }  // namespace weft

@@ -2,8 +2,8 @@
 // counts 0, 1, 7, 4099 and a little over 1 MiB, in place and out of place. Ranks are threads.
 #include <catch2/catch.hpp>
 
-#include "harness.hpp"
-#include "bench/check_data.hpp"
+#include "support/harness.hpp"
+#include "support/check_data.hpp"
 
 #include <cmath>
 

@@ -2,7 +2,8 @@
 
 #include <mutex>
 
-#include "src/core/log.hpp"
+#include "core/log.hpp"
+#include "transports/asio/asio_stream.hpp"
 #include "weft_config.h"
 #if WEFT_HAVE_URING
 #include "transports/uring/uring_stream.hpp"
@@ -54,7 +55,7 @@ FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice,
     });
   }
 #endif
-  return new FramedTransport(loop, rank, size, std::move(sockets));
+  return new FramedTransport(loop, rank, size, std::move(sockets), "tcp", make_asio_stream);
 }
 
 }  // namespace weft::transports

@@ -52,4 +52,8 @@ void AsioStream::close() {
   socket_.close(ignored);
 }
 
+std::shared_ptr<Stream> make_asio_stream(asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+  return std::make_shared<AsioStream>(std::move(socket), events, peer, std::move(alive));
+}
+
 }  // namespace weft

@@ -9,7 +9,7 @@ if ! /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-data=$src/tests/data
+data=$src/tests/support/data
 for ext in png svg; do
   "$src/bench/plot.py" "$out/plot.$ext" "$data/bench_tcp.json" "$data/bench_uring.json" "$data/peer_sample.csv" --title "plot test"
 done
