@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cerrno>
 #include <cstdlib>
@@ -133,14 +134,18 @@ std::string describe(int status) {
   return "ended";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  int n = -1;
+// What the command line asks for.
+struct Launch {
+  int ranks = -1;
   int port = -1;
   int timeout_s = 0;
   std::string host = "127.0.0.1";
   std::string bind = "auto";
+  char** program = nullptr;  // PROGRAM ARGS..., null-terminated (argv's tail)
+};
+
+Launch parse(int argc, char** argv) {
+  Launch launch;
   int i = 1;
   for (; i < argc; ++i) {
     const std::string a = argv[i];
@@ -148,13 +153,13 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) usage(a + " needs a value");
       return argv[++i];
     };
-    if (a == "-n" || a == "--np" || a == "-np") n = parse_int("-n", value());
-    else if (a == "--port") port = parse_int("--port", value());
-    else if (a == "--host") host = value();
-    else if (a == "--timeout") timeout_s = parse_int("--timeout", value());
+    if (a == "-n" || a == "--np" || a == "-np") launch.ranks = parse_int("-n", value());
+    else if (a == "--port") launch.port = parse_int("--port", value());
+    else if (a == "--host") launch.host = value();
+    else if (a == "--timeout") launch.timeout_s = parse_int("--timeout", value());
     else if (a == "--bind") {
-      bind = value();
-      if (bind != "core" && bind != "none") usage("--bind takes core or none");
+      launch.bind = value();
+      if (launch.bind != "core" && launch.bind != "none") usage("--bind takes core or none");
     }
     else if (a == "-h" || a == "--help") usage("");
     else if (a == "--") {
@@ -163,22 +168,16 @@ int main(int argc, char** argv) {
     } else if (!a.empty() && a[0] == '-') usage("unknown option " + a);
     else break;
   }
-  if (n < 1) usage("-n N (N >= 1) is required");
+  if (launch.ranks < 1) usage("-n N (N >= 1) is required");
   if (i >= argc) usage("no program to run");
-  if (port < 0) port = free_port(host);
-  // One job id and one secret per launch, unless the caller chose them.
-  const std::string job_id = std::getenv("WEFT_JOB_ID") ? std::string() : "weft-run-" + random_hex(8);
-  const std::string secret = std::getenv("WEFT_SECRET") || std::getenv("WEFT_SECRET_FILE") ? std::string() : random_hex(32);
-  const std::string store = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+  if (launch.port < 0) launch.port = free_port(launch.host);
+  launch.program = argv + i;
+  return launch;
+}
 
-  struct sigaction sa{};
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-
-  // CPUs this launcher may use; with one rank per CPU, a rank's threads stay on its core and never
-  // share one with a peer they wait for (two polling ranks on one core take turns in whole time slices).
+// CPUs this launcher may use; with one rank per CPU, a rank's threads stay on its core and never share
+// one with a peer they wait for (two polling ranks on one core take turns in whole time slices).
+std::vector<int> cpus_to_pin(const Launch& launch) {
   std::vector<int> cpus;
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
@@ -187,24 +186,35 @@ int main(int argc, char** argv) {
       if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
     }
   }
-  const bool pin = bind == "core" || (bind == "auto" && !cpus.empty() && n <= static_cast<int>(cpus.size()));
+  const bool pin = launch.bind == "core" || (launch.bind == "auto" && !cpus.empty() && launch.ranks <= static_cast<int>(cpus.size()));
+  return pin ? cpus : std::vector<int>{};
+}
 
+// Starts every rank with weft's environment, its output on pipes. Exits 2 when a rank cannot be started.
+std::vector<Rank> start_ranks(const Launch& launch) {
+  // One job id and one secret per launch, unless the caller chose them.
+  const std::string job_id = std::getenv("WEFT_JOB_ID") ? std::string() : "weft-run-" + random_hex(8);
+  const std::string secret = std::getenv("WEFT_SECRET") || std::getenv("WEFT_SECRET_FILE") ? std::string() : random_hex(32);
+  const std::string store = launch.host.find(':') != std::string::npos ? fmt::format("[{}]:{}", launch.host, launch.port)
+                                                                       : fmt::format("{}:{}", launch.host, launch.port);
+  const std::vector<int> cpus = cpus_to_pin(launch);
+  const int n = launch.ranks;
   std::vector<Rank> ranks(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
     int out[2];
     int err[2];
     if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
       fmt::print(stderr, "weft-run: pipe: {}\n", std::strerror(errno));
-      return 2;
+      std::exit(2);
     }
     const pid_t pid = fork();
     if (pid < 0) {
       fmt::print(stderr, "weft-run: fork: {}\n", std::strerror(errno));
-      return 2;
+      std::exit(2);
     }
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // a rank never outlives its launcher
-      if (pin && !cpus.empty()) {
+      if (!cpus.empty()) {
         cpu_set_t one;
         CPU_ZERO(&one);
         CPU_SET(cpus[static_cast<std::size_t>(r) % cpus.size()], &one);
@@ -219,8 +229,8 @@ int main(int argc, char** argv) {
       setenv("WEFT_STORE", store.c_str(), 1);
       if (!job_id.empty()) setenv("WEFT_JOB_ID", job_id.c_str(), 1);
       if (!secret.empty()) setenv("WEFT_SECRET", secret.c_str(), 1);
-      execvp(argv[i], argv + i);
-      fmt::print(stderr, "weft-run: cannot run {}: {}\n", argv[i], std::strerror(errno));
+      execvp(launch.program[0], launch.program);
+      fmt::print(stderr, "weft-run: cannot run {}: {}\n", launch.program[0], std::strerror(errno));
       _exit(127);
     }
     close(out[1]);
@@ -231,53 +241,76 @@ int main(int argc, char** argv) {
     rank.err_fd = err[0];
     rank.running = true;
   }
+  return ranks;
+}
 
+// Moves every rank's output to ours (one poll, up to 50 ms), line by line with its rank prefix.
+void forward_output(std::vector<Rank>& ranks) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr)
+  for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
+    auto& rank = ranks[static_cast<std::size_t>(r)];
+    if (rank.out_fd >= 0) {
+      fds.push_back({rank.out_fd, POLLIN, 0});
+      owners.emplace_back(r, false);
+    }
+    if (rank.err_fd >= 0) {
+      fds.push_back({rank.err_fd, POLLIN, 0});
+      owners.emplace_back(r, true);
+    }
+  }
+  if (fds.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return;
+  }
+  poll(fds.data(), fds.size(), 50);
+  for (std::size_t k = 0; k < fds.size(); ++k) {
+    if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    auto [r, is_err] = owners[k];
+    auto& rank = ranks[static_cast<std::size_t>(r)];
+    char buffer[65536];
+    const ssize_t got = read(fds[k].fd, buffer, sizeof buffer);
+    if (got > 0) {
+      emit(r, is_err ? rank.err_partial : rank.out_partial, buffer, static_cast<std::size_t>(got), is_err ? stderr : stdout, false);
+    } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+      emit(r, is_err ? rank.err_partial : rank.out_partial, "", 0, is_err ? stderr : stdout, true);
+      close(fds[k].fd);
+      (is_err ? rank.err_fd : rank.out_fd) = -1;
+    }
+  }
+}
+
+// Forwards output and reaps the ranks until all are gone. The first rank that fails (non-zero exit, a
+// signal), an interrupt or the timeout ends the others: SIGTERM, then SIGKILL 3 s later. Returns the exit
+// status weft-run ends with: the failed rank's (128 + signal for a signal), 130 interrupted, 124 timed out.
+int reap(std::vector<Rank>& ranks, const Launch& launch) {
   const auto started = std::chrono::steady_clock::now();
   int failed_rank = -1;
   int failed_status = 0;
+  bool timed_out = false;
   bool ending = false;
   std::chrono::steady_clock::time_point kill_at{};
+  auto running = [&] {
+    return std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.running; });
+  };
   auto end_all = [&](int sig) {
     for (auto& r : ranks) {
       if (r.running) kill(r.pid, sig);
     }
   };
+  auto begin_ending = [&](const std::string& why) {
+    fmt::print(stderr, "weft-run: {}\n", why);
+    ending = true;
+    end_all(SIGTERM);
+    kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  };
 
   for (;;) {
-    std::vector<pollfd> fds;
-    std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr)
-    for (int r = 0; r < n; ++r) {
-      auto& rank = ranks[static_cast<std::size_t>(r)];
-      if (rank.out_fd >= 0) {
-        fds.push_back({rank.out_fd, POLLIN, 0});
-        owners.emplace_back(r, false);
-      }
-      if (rank.err_fd >= 0) {
-        fds.push_back({rank.err_fd, POLLIN, 0});
-        owners.emplace_back(r, true);
-      }
-    }
-    bool any_running = false;
-    for (auto& r : ranks) any_running = any_running || r.running;
-    if (fds.empty() && !any_running) break;
+    const bool any_output = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.out_fd >= 0 || r.err_fd >= 0; });
+    if (!any_output && !running()) break;
+    forward_output(ranks);
 
-    poll(fds.data(), fds.size(), 50);
-    for (std::size_t k = 0; k < fds.size(); ++k) {
-      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      auto [r, is_err] = owners[k];
-      auto& rank = ranks[static_cast<std::size_t>(r)];
-      char buffer[65536];
-      const ssize_t got = read(fds[k].fd, buffer, sizeof buffer);
-      if (got > 0) {
-        emit(r, is_err ? rank.err_partial : rank.out_partial, buffer, static_cast<std::size_t>(got), is_err ? stderr : stdout, false);
-      } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
-        emit(r, is_err ? rank.err_partial : rank.out_partial, "", 0, is_err ? stderr : stdout, true);
-        close(fds[k].fd);
-        (is_err ? rank.err_fd : rank.out_fd) = -1;
-      }
-    }
-
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
       auto& rank = ranks[static_cast<std::size_t>(r)];
       if (!rank.running) continue;
       int status = 0;
@@ -288,33 +321,21 @@ int main(int argc, char** argv) {
         if (!ok && failed_rank < 0 && !ending) {
           failed_rank = r;
           failed_status = status;
-          fmt::print(stderr, "weft-run: rank {} {}; ending the other ranks\n", r, describe(status));
-          ending = true;
-          end_all(SIGTERM);
-          kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+          begin_ending(fmt::format("rank {} {}; ending the other ranks", r, describe(status)));
         }
       }
     }
-
     if (interrupted && !ending) {
-      fmt::print(stderr, "weft-run: interrupted (signal {}); ending every rank\n", static_cast<int>(interrupted));
-      ending = true;
-      end_all(SIGTERM);
-      kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+      begin_ending(fmt::format("interrupted (signal {}); ending every rank", static_cast<int>(interrupted)));
     }
-    if (timeout_s > 0 && !ending && std::chrono::steady_clock::now() - started > std::chrono::seconds(timeout_s)) {
-      fmt::print(stderr, "weft-run: timed out after {} s; ending every rank\n", timeout_s);
-      ending = true;
-      failed_status = -1;
-      end_all(SIGTERM);
-      kill_at = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    if (launch.timeout_s > 0 && !ending && std::chrono::steady_clock::now() - started > std::chrono::seconds(launch.timeout_s)) {
+      timed_out = true;
+      begin_ending(fmt::format("timed out after {} s; ending every rank", launch.timeout_s));
     }
     if (ending && std::chrono::steady_clock::now() > kill_at) {
       end_all(SIGKILL);
       // Stragglers' pipes may be held open by their own children: stop reading once every rank is gone.
-      bool any = false;
-      for (auto& r : ranks) any = any || r.running;
-      if (!any) break;
+      if (!running()) break;
     }
   }
 
@@ -324,6 +345,19 @@ int main(int argc, char** argv) {
     return 128 + WTERMSIG(failed_status);
   }
   if (interrupted) return 130;
-  if (failed_status == -1) return 124;
+  if (timed_out) return 124;
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Launch launch = parse(argc, argv);
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  std::vector<Rank> ranks = start_ranks(launch);
+  return reap(ranks, launch);
 }
