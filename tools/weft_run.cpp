@@ -74,23 +74,16 @@ int parse_int(const char* flag, const char* text) {
 unsigned short free_port(const std::string& host) {
   const bool v6 = host.find(':') != std::string::npos;
   const int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+  // Port 0 on `host`: the kernel picks a free port, which getsockname reports (in the same place for both
+  // families: sin_port and sin6_port share their offset).
+  sockaddr_storage a{};
+  socklen_t len = v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+  a.ss_family = v6 ? AF_INET6 : AF_INET;
+  void* address = v6 ? static_cast<void*>(&reinterpret_cast<sockaddr_in6*>(&a)->sin6_addr) : &reinterpret_cast<sockaddr_in*>(&a)->sin_addr;
+  inet_pton(a.ss_family, host.c_str(), address);
   unsigned short port = 0;
-  if (v6) {
-    sockaddr_in6 a{};
-    a.sin6_family = AF_INET6;
-    inet_pton(AF_INET6, host.c_str(), &a.sin6_addr);
-    socklen_t len = sizeof a;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-      port = ntohs(a.sin6_port);
-    }
-  } else {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    inet_pton(AF_INET, host.c_str(), &a.sin_addr);
-    socklen_t len = sizeof a;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-      port = ntohs(a.sin_port);
-    }
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), len) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(v6 ? reinterpret_cast<sockaddr_in6*>(&a)->sin6_port : reinterpret_cast<sockaddr_in*>(&a)->sin_port);
   }
   ::close(fd);
   if (port == 0) {

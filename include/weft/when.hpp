@@ -159,21 +159,37 @@ Task<WhenAnyResult<T>> when_any(Loop& loop, std::vector<Task<T>> tasks) {
 
 namespace weft {
 
+namespace detail {
+// What when_all and when_any over a vector share: every future watched, each value in its slot, the first
+// to finish (first_wins) or the last cancelling the rest as `Children` says; the index of the first.
 template <class T>
-Task<std::vector<detail::NonVoid<T>>> when_all(std::vector<Future<T>> futures) {
-  using V = detail::NonVoid<T>;
-  std::vector<std::optional<V>> slots(futures.size());
+struct Gathered {
+  std::vector<std::optional<NonVoid<T>>> slots;
+  std::size_t first = 0;
+};
+template <class T>
+Task<Gathered<T>> gather(std::vector<Future<T>>& futures, bool first_wins) {
+  Gathered<T> out{std::vector<std::optional<NonVoid<T>>>(futures.size())};
+  auto& slots = out.slots;
   const std::stop_token token = co_await this_stop_token();
-  detail::Children children(detail::cancel_hooks(futures), token);
+  Children children(cancel_hooks(futures), token);
   for (std::size_t i = 0; i < futures.size(); ++i) {
-    detail::watch_child(futures[i], children.latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
-                        static_cast<long>(i), false).handle.resume();
+    watch_child(futures[i], children.latch, [&slots, i](NonVoid<T>&& v) { slots[i].emplace(std::move(v)); },
+                static_cast<long>(i), first_wins).handle.resume();
   }
   co_await children.all_done();
   children.finish();
-  std::vector<V> out;
-  out.reserve(slots.size());
-  for (auto& s : slots) out.push_back(std::move(*s));
+  if (first_wins) out.first = static_cast<std::size_t>(children.latch->winner.load());
+  co_return out;
+}
+}  // namespace detail
+
+template <class T>
+Task<std::vector<detail::NonVoid<T>>> when_all(std::vector<Future<T>> futures) {
+  auto gathered = co_await detail::gather(futures, false);
+  std::vector<detail::NonVoid<T>> out;
+  out.reserve(gathered.slots.size());
+  for (auto& s : gathered.slots) out.push_back(std::move(*s));
   co_return out;
 }
 
@@ -197,18 +213,8 @@ Task<std::tuple<detail::NonVoid<Ts>...>> when_all(Future<Ts>... futures) {
 
 template <class T>
 Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
-  using V = detail::NonVoid<T>;
-  std::vector<std::optional<V>> slots(futures.size());
-  const std::stop_token token = co_await this_stop_token();
-  detail::Children children(detail::cancel_hooks(futures), token);
-  for (std::size_t i = 0; i < futures.size(); ++i) {
-    detail::watch_child(futures[i], children.latch, [&slots, i](V&& v) { slots[i].emplace(std::move(v)); },
-                        static_cast<long>(i), true).handle.resume();
-  }
-  co_await children.all_done();
-  children.finish();
-  const auto index = static_cast<std::size_t>(children.latch->winner.load());
-  co_return WhenAnyResult<T>{index, std::move(*slots[index])};
+  auto gathered = co_await detail::gather(futures, true);
+  co_return WhenAnyResult<T>{gathered.first, std::move(*gathered.slots[gathered.first])};
 }
 
 }  // namespace weft

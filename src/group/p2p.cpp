@@ -52,59 +52,47 @@ std::uint64_t watch_p2p(GroupState& g, const std::shared_ptr<OpHook>& hook, std:
   return id;
 }
 
-Task<void> send_task(std::shared_ptr<GroupState> g, ConstBufferView data, int dst, std::uint32_t tag, std::uint64_t op_seq,
-                     std::chrono::milliseconds timeout) {
+// One send or receive: started on the transport, watched by its deadline, and cancellable through the
+// awaiting task's stop token. Cancelling a receive withdraws it; a send on the wire cannot be taken back
+// from the receiver's view, so cancelling it aborts the group. `data` is only read by a send.
+Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
+                    std::uint64_t op_seq, std::chrono::milliseconds timeout) {
   TransportOp op;
   auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
   const std::stop_token token = co_await this_stop_token();
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
-  // A send on the wire cannot be taken back from the receiver's view: cancelling it aborts the group.
   if (token.stop_possible()) {
-    on_stop.emplace(token, std::function<void()>([g, hook, tag] {
-      g->loop->post([g, hook, tag] {
-        if (!hook->finished) {
+    on_stop.emplace(token, std::function<void()>([g, hook, sending, tag, &op] {
+      g->loop->post([g, hook, sending, tag, &op] {
+        if (hook->finished) return;
+        if (sending) {
           g->transport->abort_context(g->context, Errc::cancelled, fmt::format("rank {} cancelled a send [tag {}]", g->rank, tag));
+        } else {
+          g->transport->cancel_recv(op);
         }
       });
     }));
   }
-  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, true);
-  g->transport->start_send(g->members[static_cast<std::size_t>(dst)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
+  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, sending);
+  const int transport_peer = g->members[static_cast<std::size_t>(peer)];
+  const MessageKey key{g->context, 0, tag};
+  if (sending) {
+    g->transport->start_send(transport_peer, key, data, bytes, op);
+  } else {
+    g->transport->start_recv(transport_peer, key, data, bytes, op);
+  }
   co_await op.wait();
   hook->finished = true;
   if (watch_id) g->unwatch(watch_id);
   on_stop.reset();
-  if (op.error()) {
-    throw_error(static_cast<Errc>(op.error().value()), g->where("send", static_cast<std::int64_t>(op_seq), dst, tag), op.reason());
-  }
-}
-
-Task<void> recv_task(std::shared_ptr<GroupState> g, BufferView data, int src, std::uint32_t tag, std::uint64_t op_seq,
-                     std::chrono::milliseconds timeout) {
-  TransportOp op;
-  auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
-  const std::stop_token token = co_await this_stop_token();
-  std::optional<std::stop_callback<std::function<void()>>> on_stop;
-  if (token.stop_possible()) {
-    on_stop.emplace(token, std::function<void()>([g, hook, &op] {
-      g->loop->post([g, hook, &op] {
-        if (!hook->finished) g->transport->cancel_recv(op);
-      });
-    }));
-  }
-  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, false);
-  g->transport->start_recv(g->members[static_cast<std::size_t>(src)], MessageKey{g->context, 0, tag}, data.data, data.bytes(), op);
-  co_await op.wait();
-  hook->finished = true;
-  if (watch_id) g->unwatch(watch_id);
-  on_stop.reset();
-  if (hook->timed_out) {
-    throw_error(Errc::timeout, g->where("recv", static_cast<std::int64_t>(op_seq), src, tag),
+  const char* name = sending ? "send" : "recv";
+  if (!sending && hook->timed_out) {
+    throw_error(Errc::timeout, g->where(name, static_cast<std::int64_t>(op_seq), peer, tag),
                 fmt::format("the receive from rank {} [tag {}] passed its deadline ({}) on rank {}; it was withdrawn and the "
-                            "group stays usable", src, tag, GroupState::duration_text(timeout), g->rank));
+                            "group stays usable", peer, tag, GroupState::duration_text(timeout), g->rank));
   }
   if (op.error()) {
-    throw_error(static_cast<Errc>(op.error().value()), g->where("recv", static_cast<std::int64_t>(op_seq), src, tag), op.reason());
+    throw_error(static_cast<Errc>(op.error().value()), g->where(name, static_cast<std::int64_t>(op_seq), peer, tag), op.reason());
   }
 }
 
@@ -115,7 +103,8 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   check_usable(g, "send");
   check_rank(g, "send", "destination", dst);
   check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
-  return spawn(*g.loop, send_task(state_, data, dst, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
+  return spawn(*g.loop, p2p_task(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, 0,
+                                 timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
@@ -123,7 +112,8 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   check_usable(g, "recv");
   check_rank(g, "recv", "source", src);
   check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
-  return spawn(*g.loop, recv_task(state_, data, src, tag, 0, timeout_.count() >= 0 ? timeout_ : g.options.timeout));
+  return spawn(*g.loop, p2p_task(state_, false, data.data, data.bytes(), src, tag, 0,
+                                 timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
 
 }  // namespace weft

@@ -773,19 +773,16 @@ void FramedTransport::on_frame(Connection& c, bool discard) {
     start_read_header(c);
     return;
   }
-  if (h.kind == wire::FrameKind::cancel) {
+  if (h.kind == wire::FrameKind::cancel || h.kind == wire::FrameKind::abort) {
+    // Their payload is the reason, read into scratch.
     std::string reason(reinterpret_cast<const char*>(c.scratch.get()), c.scratch_size);
     c.scratch.reset();
     c.scratch_size = 0;
     start_read_header(c);
-    cancel_locally(h.context, h.seq, reason);
-    return;
-  }
-  if (h.kind == wire::FrameKind::abort) {
-    std::string reason(reinterpret_cast<const char*>(c.scratch.get()), c.scratch_size);
-    c.scratch.reset();
-    c.scratch_size = 0;
-    start_read_header(c);
+    if (h.kind == wire::FrameKind::cancel) {
+      cancel_locally(h.context, h.seq, reason);
+      return;
+    }
     if (!contexts_.at(h.context).fail(code_of(Errc::aborted), c.peer, fmt::format("rank {} aborted: {}", c.peer, reason))) return;
     std::vector<TransportOp*> ops;
     collect_context_ops(h.context, ops);
@@ -904,7 +901,8 @@ void FramedTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, c
   if (!state || state->failed || state->cancellation(seq)) return;
   state->note_cancelled(seq, reason);
   std::vector<TransportOp*> ops;
-  matcher_.take_all_if([&](const Matcher::Key& key) { return key.key.context == context && key.key.seq == seq; }, ops);
+  matcher_.take_posted_if([&](const Matcher::Key& key) { return key.key.context == context && key.key.seq == seq; }, ops,
+                          /*drop_early=*/true);
   for (auto& c : connections_) {
     if (!c) continue;
     // The send being written completes from its write handler (the receiver drops it).

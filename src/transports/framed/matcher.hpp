@@ -90,9 +90,10 @@ class Matcher {
   bool withdraw(TransportOp& op);
 
   // ---- sweeps (failures, cancels, shutdown)
-  // Moves every posted receive whose key satisfies `pred` to `out`. Early messages stay receivable.
+  // Moves every posted receive whose key satisfies `pred` to `out`. The early messages of those keys stay
+  // receivable, or, with `drop_early`, are dropped as well.
   template <class Pred>
-  void take_posted_if(Pred pred, std::vector<TransportOp*>& out) {
+  void take_posted_if(Pred pred, std::vector<TransportOp*>& out, bool drop_early = false) {
     for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
       if (!pred(it->first)) {
         ++it;
@@ -100,20 +101,11 @@ class Matcher {
       }
       out.insert(out.end(), it->second.posted.begin(), it->second.posted.end());
       it->second.posted.clear();
-      it = it->second.early.empty() ? mailboxes_.erase(it) : std::next(it);
-    }
-  }
-  // The same, and drops the early messages of those keys as well.
-  template <class Pred>
-  void take_all_if(Pred pred, std::vector<TransportOp*>& out) {
-    for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
-      if (!pred(it->first)) {
-        ++it;
-        continue;
+      if (drop_early) {
+        for (auto& message : it->second.early) give_back(std::move(message));
+        it->second.early.clear();
       }
-      out.insert(out.end(), it->second.posted.begin(), it->second.posted.end());
-      for (auto& message : it->second.early) give_back(std::move(message));
-      it = mailboxes_.erase(it);
+      it = it->second.early.empty() ? mailboxes_.erase(it) : std::next(it);
     }
   }
   // Drops the early messages of `context` that no receive waits on (the context is closed).
