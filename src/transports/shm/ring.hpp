@@ -1,0 +1,129 @@
+#pragma once
+// One direction of one pair of ranks on a host: a byte ring in shared memory, in a segment the receiver
+// creates (segment.hpp). Every shared word has one writer: `tail` (bytes ever written) the sender's,
+// `head` (bytes ever consumed) and `sleeping` the receiver's; each sits on a cache line of its own, so
+// that the two sides never write the same line. The counters only grow (64 bits do not wrap in any
+// job's life); the capacity is a power of two, so a position is `counter & (capacity - 1)`.
+//
+// Visibility: data, then `tail` with release; the reader loads `tail` with acquire, then the data. The
+// same for `head` and the space it frees. Waking: a receiver about to sleep stores sleeping = 1, then
+// (seq_cst) looks at `tail` once more; a sender stores `tail`, then (seq_cst) loads `sleeping` and
+// signals the receiver's eventfd only when it is 1. One of the two sees the other's store (Dekker), so a
+// message never waits for a wake-up that nobody sends.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace weft::shm {
+
+inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
+inline constexpr std::uint32_t ring_version = 1;
+
+struct alignas(64) RingControl {
+  // Written once by the receiver when it makes the segment, before the segment is passed on.
+  std::uint64_t magic = 0;
+  std::uint32_t version = 0;
+  std::uint32_t capacity_log2 = 0;
+  alignas(64) std::atomic<std::uint64_t> tail{0};      // sender
+  alignas(64) std::atomic<std::uint64_t> head{0};      // receiver
+  alignas(64) std::atomic<std::uint32_t> sleeping{1};  // receiver: 1 while its loop may sleep (starts 1)
+  alignas(64) std::byte data[1];                       // capacity bytes from here
+};
+
+// Bytes a segment holding a ring of `capacity` bytes needs.
+constexpr std::size_t ring_segment_bytes(std::size_t capacity) noexcept { return offsetof(RingControl, data) + capacity; }
+
+// The sender's side of a ring.
+class RingWriter {
+ public:
+  RingWriter() = default;
+  explicit RingWriter(RingControl* ring) noexcept
+      : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), tail_(ring->tail.load(std::memory_order_relaxed)) {}
+
+  // Copies as much of [data, data + size) as the ring has room for; returns how much. Not yet visible:
+  // publish() makes it so.
+  std::size_t put(const void* data, std::size_t size) noexcept {
+    const std::uint64_t head = ring_->head.load(std::memory_order_acquire);
+    const std::size_t room = capacity_ - static_cast<std::size_t>(tail_ - head);
+    const std::size_t n = size < room ? size : room;
+    if (n == 0) return 0;
+    const std::size_t at = static_cast<std::size_t>(tail_) & (capacity_ - 1);
+    const std::size_t first = n < capacity_ - at ? n : capacity_ - at;
+    std::memcpy(ring_->data + at, data, first);
+    if (n > first) std::memcpy(ring_->data, static_cast<const std::byte*>(data) + first, n - first);
+    tail_ += n;
+    return n;
+  }
+  // Makes what put() copied visible; true when the receiver may be asleep (signal it).
+  bool publish() noexcept {
+    ring_->tail.store(tail_, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return ring_->sleeping.load(std::memory_order_relaxed) != 0;
+  }
+  // Whether the receiver's loop may sleep (after a seq_cst fence: the caller stored first).
+  bool receiver_asleep() const noexcept { return ring_->sleeping.load(std::memory_order_relaxed) != 0; }
+  bool full() const noexcept {
+    return static_cast<std::size_t>(tail_ - ring_->head.load(std::memory_order_acquire)) == capacity_;
+  }
+  explicit operator bool() const noexcept { return ring_ != nullptr; }
+
+ private:
+  RingControl* ring_ = nullptr;
+  std::size_t capacity_ = 0;
+  std::uint64_t tail_ = 0;  // the sender's own copy: only it writes tail
+};
+
+// The receiver's side of a ring.
+class RingReader {
+ public:
+  RingReader() = default;
+  explicit RingReader(RingControl* ring) noexcept
+      : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), head_(ring->head.load(std::memory_order_relaxed)) {}
+
+  // Bytes written and not read yet.
+  std::size_t available() const noexcept {
+    return static_cast<std::size_t>(ring_->tail.load(std::memory_order_acquire) - head_);
+  }
+  // Copies up to `size` available bytes to `dst` (null: drops them); returns how many. The space is
+  // handed back to the sender by release().
+  std::size_t take(void* dst, std::size_t size) noexcept {
+    const std::size_t have = available();
+    was_full_ = was_full_ || have == capacity_;
+    const std::size_t n = size < have ? size : have;
+    if (n == 0) return 0;
+    if (dst) {
+      const std::size_t at = static_cast<std::size_t>(head_) & (capacity_ - 1);
+      const std::size_t first = n < capacity_ - at ? n : capacity_ - at;
+      std::memcpy(dst, ring_->data + at, first);
+      if (n > first) std::memcpy(static_cast<std::byte*>(dst) + first, ring_->data, n - first);
+    }
+    head_ += n;
+    return n;
+  }
+  // Hands the bytes taken back to the sender. True when the ring was full before (the sender may be
+  // waiting for room: signal it if it sleeps, after a seq_cst fence, Dekker again).
+  bool release() noexcept {
+    ring_->head.store(head_, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return std::exchange(was_full_, false);
+  }
+
+  // The receiver's sleep announcement (RingControl's comment): arm() returns true when data came.
+  bool arm() noexcept {
+    ring_->sleeping.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return available() > 0;
+  }
+  void disarm() noexcept { ring_->sleeping.store(0, std::memory_order_relaxed); }
+  explicit operator bool() const noexcept { return ring_ != nullptr; }
+
+ private:
+  RingControl* ring_ = nullptr;
+  std::size_t capacity_ = 0;
+  std::uint64_t head_ = 0;  // the receiver's own copy: only it writes head
+  bool was_full_ = false;   // a take since the last release found the ring full
+};
+
+}  // namespace weft::shm
