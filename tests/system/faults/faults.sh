@@ -109,7 +109,9 @@ strike() {
   for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
   wait_ranks 40 "${survivors[@]}"
   # shellcheck disable=SC2059
+  # (A fail inside $(...) ends only the subshell: its FAIL line comes back in the output, and ends us here.)
   times=$(check_survivors $victim "$t0" "$limit" "$(printf "$words" $victim)")
+  case $times in *FAIL:*) echo "$times"; exit 1 ;; esac
   kill -9 "${pids[$victim]}" 2>/dev/null
   kill -CONT "${pids[$victim]}" 2>/dev/null
   wait "${pids[$victim]}" 2>/dev/null
@@ -125,7 +127,7 @@ case $case_name in
     ;;
   stop)
     for c in all_reduce all_gather broadcast all_to_all; do
-      strike STOP 2s "$c" 3000 "not joined: rank %d (no answer"
+      strike STOP 2s "$c" 3000 "rank %d (no answer within"
       echo "ok: SIGSTOP of rank $victim during $c ($transport, WEFT_TIMEOUT=2s): survivors failed after [$times ] ms naming it, shrank to 3 and went on"
     done
     ;;
@@ -135,7 +137,7 @@ case $case_name in
     # srun and torchrun do not). Every survivor must fail within the deadline + 1 s. (No shrink here: after
     # a stop in the middle of 64 MiB frames, shrink() sometimes left live members out; docs/RELIABILITY.md.)
     for c in all_reduce broadcast all_gather; do
-      SHRINK=0 FROM_CALL=1 strike STOP 5s "$c" 6000 "not joined: rank %d (no answer" 8388608
+      SHRINK=0 FROM_CALL=1 strike STOP 5s "$c" 6000 "rank %d (no answer within" 8388608
       echo "ok: SIGSTOP of rank $victim mid-transfer of 64 MiB during $c ($transport, WEFT_TIMEOUT=5s): survivors failed [$times ] ms after the fault or their call, naming it"
     done
     ;;
