@@ -64,8 +64,11 @@ TEST_CASE("a ring carries bytes in order across its wrap, and never more than it
   writer.publish();
   REQUIRE(writer.full());
   std::vector<std::byte> out(100);
+  REQUIRE(!writer.arm_wait());  // full: the writer may sleep, and says so
   REQUIRE(reader.take(out.data(), out.size()) == 100);
-  REQUIRE(reader.release());  // it was full: the writer may be waiting
+  REQUIRE(reader.release());  // ... so the reader that makes room wakes it
+  writer.disarm_wait();
+  REQUIRE(!reader.release());
   REQUIRE(writer.put(fill.data(), fill.size()) == 100);
 }
 

@@ -6,15 +6,17 @@
 // job's life); the capacity is a power of two, so a position is `counter & (capacity - 1)`.
 //
 // Visibility: data, then `tail` with release; the reader loads `tail` with acquire, then the data. The
-// same for `head` and the space it frees. Waking: a receiver about to sleep stores sleeping = 1, then
-// (seq_cst) looks at `tail` once more; a sender stores `tail`, then (seq_cst) loads `sleeping` and
-// signals the receiver's eventfd only when it is 1. One of the two sees the other's store (Dekker), so a
-// message never waits for a wake-up that nobody sends.
+// same for `head` and the space it frees. Waking, both ways the same (Dekker: of two sides that each
+// store, fence, then load, one sees the other's store, so nobody waits for a wake-up that is never sent):
+//   data:  a receiver about to sleep stores sleeping = 1, then looks at `tail` once more; a sender
+//          stores `tail`, then loads `sleeping`, and signals the receiver's eventfd when it is 1;
+//   room:  a sender about to sleep with a write it could not finish stores writer_waiting = 1, then
+//          looks at `head` once more; a receiver stores `head`, then loads writer_waiting, and signals
+//          the sender's eventfd when it is 1.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 
 namespace weft::shm {
 
@@ -27,6 +29,7 @@ struct alignas(64) RingControl {
   std::uint32_t version = 0;
   std::uint32_t capacity_log2 = 0;
   alignas(64) std::atomic<std::uint64_t> tail{0};      // sender
+  alignas(64) std::atomic<std::uint32_t> writer_waiting{0};  // sender: 1 while it sleeps on a full ring
   alignas(64) std::atomic<std::uint64_t> head{0};      // receiver
   alignas(64) std::atomic<std::uint32_t> sleeping{1};  // receiver: 1 while its loop may sleep (starts 1)
   alignas(64) std::byte data[1];                       // capacity bytes from here
@@ -62,8 +65,13 @@ class RingWriter {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     return ring_->sleeping.load(std::memory_order_relaxed) != 0;
   }
-  // Whether the receiver's loop may sleep (after a seq_cst fence: the caller stored first).
-  bool receiver_asleep() const noexcept { return ring_->sleeping.load(std::memory_order_relaxed) != 0; }
+  // The sender's sleep announcement while a write waits for room: true when room came meanwhile.
+  bool arm_wait() noexcept {
+    ring_->writer_waiting.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return !full();
+  }
+  void disarm_wait() noexcept { ring_->writer_waiting.store(0, std::memory_order_relaxed); }
   bool full() const noexcept {
     return static_cast<std::size_t>(tail_ - ring_->head.load(std::memory_order_acquire)) == capacity_;
   }
@@ -90,7 +98,6 @@ class RingReader {
   // handed back to the sender by release().
   std::size_t take(void* dst, std::size_t size) noexcept {
     const std::size_t have = available();
-    was_full_ = was_full_ || have == capacity_;
     const std::size_t n = size < have ? size : have;
     if (n == 0) return 0;
     if (dst) {
@@ -102,12 +109,11 @@ class RingReader {
     head_ += n;
     return n;
   }
-  // Hands the bytes taken back to the sender. True when the ring was full before (the sender may be
-  // waiting for room: signal it if it sleeps, after a seq_cst fence, Dekker again).
+  // Hands the bytes taken back to the sender. True when the sender sleeps waiting for room (signal it).
   bool release() noexcept {
     ring_->head.store(head_, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    return std::exchange(was_full_, false);
+    return ring_->writer_waiting.load(std::memory_order_relaxed) != 0;
   }
 
   // The receiver's sleep announcement (RingControl's comment): arm() returns true when data came.
@@ -123,7 +129,6 @@ class RingReader {
   RingControl* ring_ = nullptr;
   std::size_t capacity_ = 0;
   std::uint64_t head_ = 0;  // the receiver's own copy: only it writes head
-  bool was_full_ = false;   // a take since the last release found the ring full
 };
 
 }  // namespace weft::shm

@@ -171,15 +171,19 @@ bool ShmStream::push_write() {
     ++write_.piece;
     write_.offset = 0;
   }
-  if (moved && out_.publish()) wake_peer();
+  if (moved) {
+    last_sent_ = std::chrono::steady_clock::now();
+    if (out_.publish()) wake_peer();
+  }
   return write_.piece == 3;
 }
 
 bool ShmStream::pull_read() {
   const std::size_t n = in_.take(read_.dst + read_.got, read_.cap - read_.got);
   read_.got += n;
-  // The peer may wait for room to write; wake it if it sleeps.
-  if (n > 0 && in_.release() && out_.receiver_asleep()) wake_peer();
+  if (n > 0) last_received_ = std::chrono::steady_clock::now();
+  // The peer may sleep waiting for room to write: wake it.
+  if (n > 0 && in_.release()) wake_peer();
   return read_.got >= read_.min;
 }
 
@@ -214,10 +218,21 @@ std::size_t ShmStream::progress() {
   return found;
 }
 
+std::optional<std::uint32_t> ShmStream::ms_since_data(bool received) const {
+  const auto since = std::chrono::steady_clock::now() - (received ? last_received_ : last_sent_);
+  return static_cast<std::uint32_t>(std::chrono::duration_cast<std::chrono::milliseconds>(since).count());
+}
+
 bool ShmStream::arm() {
   const bool data = in_.arm();
+  const bool room = write_.active && out_.arm_wait();
   // (A posted progress is the loop's own queue: it does not sleep past it.)
-  return (read_.active && data) || (write_.active && !out_.full());
+  return (read_.active && data) || room;
+}
+
+void ShmStream::disarm() {
+  in_.disarm();
+  out_.disarm_wait();
 }
 
 void ShmStream::write_blocking(const void* data, std::size_t size) {

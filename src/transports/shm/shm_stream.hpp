@@ -8,6 +8,7 @@
 // memory poller (Loop::Poller) that moves every stream's reads and writes while the loop spins, so that
 // an awake rank sends and receives without a system call. A stream whose peer's loop sleeps writes the
 // peer's eventfd (ring.hpp says why no wake-up is lost).
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -73,12 +74,14 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;
   void close() override;
+  /// Since the ring last moved bytes in that direction (this stream's own clock: no TCP_INFO here).
+  std::optional<std::uint32_t> ms_since_data(bool received) const override;
 
   // The hub's calls, on the loop's thread: move the read and the write as far as the rings allow and
   // report what finished; returns how many events it found.
   std::size_t progress();
   bool arm();
-  void disarm() { in_.disarm(); }
+  void disarm();
 
  private:
   void start();
@@ -100,6 +103,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool closed_ = false;
   bool peer_closed_ = false;  // the socket ended: the peer is gone (or shut its side down)
   bool progress_posted_ = false;
+  std::chrono::steady_clock::time_point last_received_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_sent_ = std::chrono::steady_clock::now();
 
   struct Write {
     bool active = false;
