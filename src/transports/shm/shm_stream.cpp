@@ -159,6 +159,15 @@ void ShmStream::read(void* dst, std::size_t min, std::size_t cap) {
 }
 
 bool ShmStream::push_write() {
+  for (;;) {
+    if (push_some()) return true;
+    // A loop that does not spin now (asleep, or a borrowed io_context that weft never arms) must be
+    // woken when room comes: say so, then look once more (the reader may have made room meanwhile).
+    if (awake_ || !out_.arm_wait()) return false;
+  }
+}
+
+bool ShmStream::push_some() {
   bool moved = false;
   while (write_.piece < 3) {
     const ConstBytes& piece = write_.pieces[write_.piece];
@@ -200,6 +209,7 @@ std::size_t ShmStream::progress() {
     }
     if (done || failed) {
       write_.active = false;
+      out_.disarm_wait();
       ++found;
       if (!alive_.expired()) events_->on_written(peer_, failed);
       if (closed_) return found;
@@ -224,6 +234,7 @@ std::optional<std::uint32_t> ShmStream::ms_since_data(bool received) const {
 }
 
 bool ShmStream::arm() {
+  awake_ = false;
   const bool data = in_.arm();
   const bool room = write_.active && out_.arm_wait();
   // (A posted progress is the loop's own queue: it does not sleep past it.)
@@ -231,6 +242,7 @@ bool ShmStream::arm() {
 }
 
 void ShmStream::disarm() {
+  awake_ = true;
   in_.disarm();
   out_.disarm_wait();
 }

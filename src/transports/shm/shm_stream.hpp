@@ -89,6 +89,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   void wake_peer();
   void on_socket_readable();
   bool push_write();  // true when the write in flight is all in the ring
+  bool push_some();   // moves what fits now
   bool pull_read();   // true when the read in flight has its minimum
 
   std::shared_ptr<ShmHub> hub_;
@@ -103,6 +104,10 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool closed_ = false;
   bool peer_closed_ = false;  // the socket ended: the peer is gone (or shut its side down)
   bool progress_posted_ = false;
+  // The loop is spinning (disarmed after its last sleep): its pollers will look again soon, so nothing
+  // needs announcing. False until the first disarm, so that a loop weft never arms (a borrowed
+  // io_context) always has its peers wake it.
+  bool awake_ = false;
   std::chrono::steady_clock::time_point last_received_ = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point last_sent_ = std::chrono::steady_clock::now();
 
