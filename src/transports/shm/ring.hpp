@@ -20,6 +20,18 @@
 
 namespace weft::shm {
 
+// Copies between a ring's bytes at position `at` (wrapping at `capacity`) and flat memory.
+inline void copy_into_ring(std::byte* ring, std::size_t capacity, std::size_t at, const void* from, std::size_t n) noexcept {
+  const std::size_t first = n < capacity - at ? n : capacity - at;
+  std::memcpy(ring + at, from, first);
+  if (n > first) std::memcpy(ring, static_cast<const std::byte*>(from) + first, n - first);
+}
+inline void copy_from_ring(const std::byte* ring, std::size_t capacity, std::size_t at, void* to, std::size_t n) noexcept {
+  const std::size_t first = n < capacity - at ? n : capacity - at;
+  std::memcpy(to, ring + at, first);
+  if (n > first) std::memcpy(static_cast<std::byte*>(to) + first, ring, n - first);
+}
+
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
 inline constexpr std::uint32_t ring_version = 1;
 
@@ -52,10 +64,7 @@ class RingWriter {
     const std::size_t room = capacity_ - static_cast<std::size_t>(tail_ - head);
     const std::size_t n = size < room ? size : room;
     if (n == 0) return 0;
-    const std::size_t at = static_cast<std::size_t>(tail_) & (capacity_ - 1);
-    const std::size_t first = n < capacity_ - at ? n : capacity_ - at;
-    std::memcpy(ring_->data + at, data, first);
-    if (n > first) std::memcpy(ring_->data, static_cast<const std::byte*>(data) + first, n - first);
+    copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, n);
     tail_ += n;
     return n;
   }
@@ -100,12 +109,7 @@ class RingReader {
     const std::size_t have = available();
     const std::size_t n = size < have ? size : have;
     if (n == 0) return 0;
-    if (dst) {
-      const std::size_t at = static_cast<std::size_t>(head_) & (capacity_ - 1);
-      const std::size_t first = n < capacity_ - at ? n : capacity_ - at;
-      std::memcpy(dst, ring_->data + at, first);
-      if (n > first) std::memcpy(static_cast<std::byte*>(dst) + first, ring_->data, n - first);
-    }
+    if (dst) copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, n);
     head_ += n;
     return n;
   }

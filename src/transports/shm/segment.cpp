@@ -103,15 +103,27 @@ Segment adopt_ring(int fd) {
   return s;
 }
 
-bool send_fds(int socket, const int* fds, std::size_t count) {
+namespace {
+// One byte of payload with room for `count` descriptors beside it: what send_fds and receive_fds pass.
+struct FdMessage {
   char byte = 'w';
   iovec iov{&byte, 1};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * count));
+  std::vector<char> control;
   msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control.data();
-  msg.msg_controllen = control.size();
+  explicit FdMessage(std::size_t count) : control(CMSG_SPACE(sizeof(int) * count)) {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+}  // namespace
+
+bool send_fds(int socket, const int* fds, std::size_t count) {
+  FdMessage message(count);
+  msghdr& msg = message.msg;
   cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
   cmsg->cmsg_level = SOL_SOCKET;
   cmsg->cmsg_type = SCM_RIGHTS;
@@ -134,14 +146,8 @@ int receive_fds(int socket, int* fds, std::size_t count, int timeout_ms) {
   for (std::size_t i = 0; i < count; ++i) fds[i] = -1;
   pollfd p{socket, POLLIN, 0};
   if (::poll(&p, 1, timeout_ms) <= 0) return -1;
-  char byte = 0;
-  iovec iov{&byte, 1};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * count));
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control.data();
-  msg.msg_controllen = control.size();
+  FdMessage message(count);
+  msghdr& msg = message.msg;
   ssize_t n;
   do {
     n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
