@@ -103,6 +103,28 @@ class Loop {
   std::uint64_t watch_readable(int fd, std::function<void()> on_readable);
   void unwatch(std::uint64_t id);
 
+  /// An event source that lives in memory (shared-memory rings), looked at without entering the kernel.
+  /// The loop calls `poll()` on every polling turn, entering the kernel (sockets, timers, posts) only
+  /// every few microseconds while pollers are registered, and the source calls it itself when its
+  /// wake-up fd (watch_readable) fires. Before the loop sleeps in the kernel it calls `arm()`: the source
+  /// says that it sleeps (its peers then wake it through that fd), looks once more, and returns true if
+  /// work came meanwhile (the loop then does not sleep); after the sleep, `disarm()`. A loop that never
+  /// sleeps through weft (a borrowed io_context) never arms: a source starts armed, so that its peers
+  /// always wake it there. All three run on the loop's thread.
+  class Poller {
+   public:
+    /// Handles what arrived; returns how many events it found (0: none).
+    virtual std::size_t poll() = 0;
+    virtual bool arm() = 0;
+    virtual void disarm() = 0;
+
+   protected:
+    ~Poller() = default;
+  };
+  /// Registers `poller` (kept alive until remove_poller). Returns an id for remove_poller(). Thread-safe.
+  std::uint64_t add_poller(std::shared_ptr<Poller> poller);
+  void remove_poller(std::uint64_t id);
+
   /// `co_await loop.schedule()` continues the coroutine on the loop's thread.
   auto schedule() noexcept {
     struct Awaiter {

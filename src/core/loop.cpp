@@ -155,6 +155,31 @@ struct Loop::Impl {
     parked_flag.store(false, std::memory_order_release);
   }
 
+  // Memory-only event sources (add_poller), loop thread only.
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<Loop::Poller>>> pollers;
+  Clock::time_point kernel_polled{};  // while pollers spin, the kernel is asked only every kernel_every
+  static constexpr std::chrono::microseconds kernel_every{2};
+
+  std::size_t run_pollers() {
+    std::size_t found = 0;
+    for (std::size_t i = 0; i < pollers.size(); ++i) found += pollers[i].second->poll();
+    return found;
+  }
+  // Before a sleep in the kernel: every poller announces it; false when one found work meanwhile (the
+  // others are disarmed again, and the loop does not sleep).
+  bool arm_pollers() {
+    for (std::size_t i = 0; i < pollers.size(); ++i) {
+      if (pollers[i].second->arm()) {
+        for (std::size_t j = 0; j <= i; ++j) pollers[j].second->disarm();
+        return false;
+      }
+    }
+    return true;
+  }
+  void disarm_pollers() {
+    for (auto& [id, poller] : pollers) poller->disarm();
+  }
+
   // One turn of the loop, split in reap and wait: when `polling`, reap ready handlers without sleeping
   // (poll) until `spin_now` passes without an event; otherwise wait in the kernel for
   // the next one (at most `max_wait`; zero: as long as it takes).
@@ -165,7 +190,14 @@ struct Loop::Impl {
   // that computes between collectives polls for ever shorter stretches.
   void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait) {
     if (polling) {
-      if (io->poll() > 0) {
+      std::size_t found = pollers.empty() ? 0 : run_pollers();
+      // A poll of the kernel costs a system call (about 0.5 us on a VM); memory pollers cost nanoseconds
+      // and must not wait behind it on every turn.
+      if (pollers.empty() || Clock::now() - kernel_polled >= kernel_every) {
+        found += io->poll();
+        kernel_polled = Clock::now();
+      }
+      if (found > 0) {
         const auto now = Clock::now();
         if (now - last_work > spin_now / 2) spin_now = std::min(spin, spin_now * 2);
         last_work = now;
@@ -174,11 +206,20 @@ struct Loop::Impl {
       if (Clock::now() - last_work < spin_now) return;
       spin_now = std::max(spin / 16, spin_now / 2);
     }
+    if (!pollers.empty() && !arm_pollers()) {
+      // Work came while arming: take it now, and what the kernel has ready (a loop that does not poll
+      // would otherwise spin on arm, and handlers posted meanwhile would wait behind it).
+      run_pollers();
+      io->poll();
+      last_work = Clock::now();
+      return;
+    }
     if (max_wait.count() > 0) {
       io->run_one_for(max_wait);
     } else {
       io->run_one();
     }
+    if (!pollers.empty()) disarm_pollers();
     last_work = Clock::now();
   }
 
@@ -342,6 +383,18 @@ void Loop::cancel_timer(std::uint64_t id) {
     } else {
       registry->cancelled_early.insert(id);
     }
+  });
+}
+
+std::uint64_t Loop::add_poller(std::shared_ptr<Poller> poller) {
+  const std::uint64_t id = impl_->next_id.fetch_add(1);
+  impl_->on_loop([impl = impl_.get(), id, poller = std::move(poller)]() mutable { impl->pollers.emplace_back(id, std::move(poller)); });
+  return id;
+}
+
+void Loop::remove_poller(std::uint64_t id) {
+  impl_->on_loop([impl = impl_.get(), id] {
+    std::erase_if(impl->pollers, [id](const auto& entry) { return entry.first == id; });
   });
 }
 

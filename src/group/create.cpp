@@ -74,7 +74,21 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   for (auto& socket : result.sockets) {
     if (socket.is_open()) FramedTransport::set_heartbeat(socket, options.heartbeat);
   }
-  auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets));
+  // The link offers, and shared memory with the peers on this host where both ranks want it.
+  transports::LocalLinks links;
+  try {
+    auto run_links = [&]() -> asio::awaitable<void> {
+      co_await transports::link_local(*loop, result.sockets, options.rank, options.transport,
+                                      std::chrono::steady_clock::now() + options.bootstrap_timeout, links);
+    };
+    co_await AwaitAsio<decltype(run_links)>{loop->context(), run_links};
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
+  }
+  auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets),
+                                       std::move(links));
   transport->seal_frames(options.integrity, result.frame_keys);
   transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : share_of_half_the_memory());
   transport->watch_liveness(options.heartbeat);

@@ -114,12 +114,17 @@ Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
       g->transport->start_send(peer, key, state->view.data(), state->view.size(), x.send);
       g->transport->start_recv(peer, key, x.theirs.data(), x.theirs.size(), x.recv);
     }
-    const auto timer = g->loop->call_after(patience, [g, state, patience](bool fired) {
+    // A member may still be in the previous round, waiting out its own patience for a member that this
+    // rank already dropped (it saw that member's connection close first): round r waits r + 1 patiences,
+    // so that a live member one round behind is not taken for a silent one. (With a single patience a
+    // rank in round 1 gave up on a peer ~0.1 ms before that peer's round-1 view came.)
+    const auto round_patience = patience * static_cast<long>(round + 1);
+    const auto timer = g->loop->call_after(round_patience, [g, state, round_patience](bool fired) {
       if (!fired) return;
       for (Peer& x : state->peers) {
         if (x.recv.done()) continue;
         g->transport->disconnect(g->members[static_cast<std::size_t>(x.rank)],
-                                 fmt::format("left out by shrink on rank {}: no answer within {} ms", g->rank, patience.count()));
+                                 fmt::format("left out by shrink on rank {}: no answer within {} ms", g->rank, round_patience.count()));
       }
     });
     for (Peer& x : state->peers) {

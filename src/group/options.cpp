@@ -148,8 +148,8 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
     if (const char* v = env("WEFT_TRANSPORT")) transport = v;
   }
   if (transport.empty()) transport = "tcp";
-  if (transport != "tcp" && transport != "uring" && transport != "auto") {
-    bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto)", transport));
+  if (transport != "tcp" && transport != "uring" && transport != "auto" && transport != "shm" && transport != "shm+uring") {
+    bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto, shm, shm+uring)", transport));
   }
   if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
   if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = parse_duration("WEFT_HEARTBEAT", v);

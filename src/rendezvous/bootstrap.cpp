@@ -15,7 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "core/log.hpp"
-#include "rendezvous/deadline.hpp"
+#include "core/deadline.hpp"
 #include "rendezvous/greeting.hpp"
 #include "weft/error.hpp"
 

@@ -9,7 +9,7 @@
 
 #include "core/bytes.hpp"
 #include "core/log.hpp"
-#include "rendezvous/deadline.hpp"
+#include "core/deadline.hpp"
 
 namespace weft::greeting {
 namespace {

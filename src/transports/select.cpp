@@ -1,9 +1,11 @@
 #include "transports/select.hpp"
 
+#include <algorithm>
 #include <mutex>
 
 #include "core/log.hpp"
 #include "transports/asio/asio_stream.hpp"
+#include "transports/shm/link.hpp"
 #include "weft_config.h"
 #if WEFT_HAVE_URING
 #include "transports/uring/uring_stream.hpp"
@@ -13,14 +15,14 @@ namespace weft::transports {
 
 std::vector<std::string_view> names() {
 #if WEFT_HAVE_URING
-  return {"tcp", "uring"};
+  return {"tcp", "uring", "shm"};
 #else
-  return {"tcp"};
+  return {"tcp", "shm"};
 #endif
 }
 
 bool available(std::string_view name, std::string* why) {
-  if (name == "tcp") return true;
+  if (name == "tcp" || name == "shm") return true;
 #if WEFT_HAVE_URING
   if (name == "uring") {
     std::string reason;
@@ -33,29 +35,61 @@ bool available(std::string_view name, std::string* why) {
   return false;
 }
 
-FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets) {
+bool wants_shm(std::string_view choice) noexcept { return choice == "shm" || choice == "shm+uring"; }
+
+asio::awaitable<void> link_local(Loop& loop, std::vector<asio::ip::tcp::socket>& sockets, int rank, std::string_view choice,
+                                 std::chrono::steady_clock::time_point deadline, LocalLinks& out) {
+  const bool want = wants_shm(choice);
+  if (want) out.hub = ShmHub::create(loop);
+  out.links = co_await shm::link_local_peers(sockets, rank, want, out.hub ? out.hub->wake_fd() : -1, deadline);
+  std::size_t linked = 0;
+  for (const auto& link : out.links) linked += link ? 1 : 0;
+  if (want) log().info("rank {}: shared memory with {} peer(s) on this host", rank, linked);
+}
+
+FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets,
+                        LocalLinks links) {
+  // The backend for the peers that shared memory does not reach.
+  std::string_view remote = choice == "shm" ? "tcp" : choice == "shm+uring" ? "uring" : choice;
+  std::string name = "tcp";
+  FramedTransport::StreamFactory remote_streams = make_asio_stream;
 #if WEFT_HAVE_URING
-  if (choice == "uring" || choice == "auto") {
+  if (remote == "uring" || remote == "auto") {
     std::string why;
     if (auto ring = UringRing::create(loop, why)) {
       log().info("rank {}: io_uring ring: {}", rank, ring->settings());
-      return new FramedTransport(loop, rank, size, std::move(sockets), "uring",
-                              [ring](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
-                                return std::make_shared<UringStream>(std::move(socket), ring, events, peer, std::move(alive));
-                              });
+      name = "uring";
+      remote_streams = [ring](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+        return std::make_shared<UringStream>(std::move(socket), ring, events, peer, std::move(alive));
+      };
+    } else {
+      static std::once_flag said;
+      std::call_once(said, [&] { log().warn("rank {}: io_uring is not available ({}); using the tcp transport (Asio)", rank, why); });
     }
-    static std::once_flag said;
-    std::call_once(said, [&] { log().warn("rank {}: io_uring is not available ({}); using the tcp transport (Asio)", rank, why); });
   }
 #else
-  if (choice == "uring") {
+  if (remote == "uring") {
     static std::once_flag said;
     std::call_once(said, [&] {
       log().warn("rank {}: this build has no io_uring (liburing was not found); using the tcp transport (Asio)", rank);
     });
   }
 #endif
-  return new FramedTransport(loop, rank, size, std::move(sockets), "tcp", make_asio_stream);
+  const bool any_shm = std::any_of(links.links.begin(), links.links.end(), [](const auto& link) { return link.has_value(); });
+  if (!any_shm) return new FramedTransport(loop, rank, size, std::move(sockets), name, remote_streams);
+  // Peers on this host: their streams are shared memory (their TCP connection closes here, unused).
+  auto shared = std::make_shared<LocalLinks>(std::move(links));
+  auto streams = [shared, remote_streams](asio::ip::tcp::socket socket, StreamEvents* events, int peer,
+                                          std::weak_ptr<bool> alive) -> std::shared_ptr<Stream> {
+    auto& link = shared->links[static_cast<std::size_t>(peer)];
+    if (!link) return remote_streams(std::move(socket), events, peer, std::move(alive));
+    std::error_code ignored;
+    socket.close(ignored);
+    auto stream = ShmStream::make(shared->hub, std::move(*link), events, peer, std::move(alive));
+    link.reset();
+    return stream;
+  };
+  return new FramedTransport(loop, rank, size, std::move(sockets), "shm+" + name, streams);
 }
 
 }  // namespace weft::transports

@@ -32,3 +32,24 @@ run_ranks timeout 120 "$build/bench/weft-bench" -c all_reduce -b 4 -e 4M -f 16 -
 port=29556
 run_ranks WEFT_IFNAME=eth0 timeout 120 "$build/bench/weft-bench" -c all_to_all -b 48 -e 1M -f 16 -w 1 -n 3 --check || { echo "FAIL: all_to_all with WEFT_IFNAME"; exit 1; }
 echo "ok: ranks on separate hosts"
+
+# Two hosts of two ranks each, with shared memory asked for: each rank reaches its host-mate through
+# shared memory and the other host's ranks over TCP (a host is a network namespace here: the link offer
+# names it by boot id and namespace).
+port=29557
+pids=()
+rc=0
+for r in 0 1 2 3; do
+  ip netns exec "${tag}h$((r / 2))" env WEFT_RANK=$r WEFT_WORLD_SIZE=4 WEFT_STORE="${subnet}1:$port" WEFT_TRANSPORT=shm \
+    WEFT_LOG_LEVEL=info timeout 120 "$build/bench/weft-bench" -c all_reduce -b 4 -e 4M -f 16 -w 1 -n 3 --check \
+    > "/tmp/$tag.m$r.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+for r in 0 1 2 3; do
+  grep -q "shared memory with 1 peer(s) on this host" "/tmp/$tag.m$r.log" || { echo "rank $r did not reach exactly its host-mate through shared memory"; rc=1; }
+  grep -q "group ready over shm+tcp" "/tmp/$tag.m$r.log" || { echo "rank $r: no shm+tcp group"; rc=1; }
+done
+[ $rc -eq 0 ] || { for r in 0 1 2 3; do echo "--- rank $r"; cat "/tmp/$tag.m$r.log"; done; rm -f /tmp/$tag.m*.log; echo "FAIL: two hosts of two ranks with shared memory"; exit 1; }
+rm -f /tmp/$tag.m*.log
+echo "ok: two hosts of two ranks: shared memory within each host, TCP between them, all_reduce checked"

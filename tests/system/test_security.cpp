@@ -683,7 +683,13 @@ TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays f
         co_await asio::async_read(peer, asio::buffer(hello), asio::use_awaitable);
         continue;  // closed here, mid-greeting
       }
-      if ((co_await greeting::admit(peer, as_rank0, check, std::chrono::milliseconds(5000))).empty()) admitted.emplace(std::move(peer));
+      if ((co_await greeting::admit(peer, as_rank0, check, std::chrono::milliseconds(5000))).empty()) {
+        // After the greeting every connection carries a link offer (docs/PROTOCOL.md): this rank 0 wants
+        // no shared memory.
+        std::array<char, 64> offer{'w', 'f', 't', 'l', 'i', 'n', 'k', '1'};
+        co_await asio::async_write(peer, asio::buffer(offer), asio::use_awaitable);
+        admitted.emplace(std::move(peer));
+      }
     }
   }, asio::detached);
   std::thread serving([&] { io.run(); });

@@ -29,10 +29,12 @@ ALLOWED = {
     "transports_framed": {"core"},
     "transports_asio": {"core", "transports/framed"},
     "transports_uring": {"core", "transports/framed"},
-    "transports": {"core", "transports/framed", "transports/asio", "transports/uring"},
+    "transports_shm": {"core", "transports/framed"},
+    "transports": {"core", "transports/framed", "transports/asio", "transports/uring", "transports/shm"},
     "algorithms": {"core", "kernels/cpu"},
     "rendezvous": {"core"},
-    "group": {"core", "transports", "transports/framed", "transports/asio", "transports/uring", "algorithms", "rendezvous"},
+    "group": {"core", "transports", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
+              "rendezvous"},
 }
 # The folder each room is (its own headers).
 OWN = {
@@ -41,12 +43,14 @@ OWN = {
     "transports_framed": "transports/framed",
     "transports_asio": "transports/asio",
     "transports_uring": "transports/uring",
+    "transports_shm": "transports/shm",
     "transports": "transports",
     "algorithms": "algorithms",
     "rendezvous": "rendezvous",
     "group": "group",
 }
-FOLDERS = ["core", "kernels/cpu", "transports/framed", "transports/asio", "transports/uring", "algorithms", "rendezvous", "group"]
+FOLDERS = ["core", "kernels/cpu", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
+           "rendezvous", "group"]
 
 failures = []
 

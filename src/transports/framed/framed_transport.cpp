@@ -273,11 +273,10 @@ void FramedTransport::check_stuck_io(std::uint32_t context) {
   for (const auto& connection : connections_) {
     if (!connection || !carries_frame_of(*connection, context)) continue;
     Connection& c = *connection;
-    const auto found = tcp_info_of(c);
-    if (!found) continue;
-    const tcp_info& info = *found;
     const bool reading = c.current_op && c.current_op->key.context == context;
-    const std::uint32_t still = reading ? info.tcpi_last_data_recv : info.tcpi_last_data_sent;
+    const auto since = c.stream->ms_since_data(reading);
+    if (!since) continue;
+    const std::uint32_t still = *since;
     if (still < grace) {
       again = true;
       continue;

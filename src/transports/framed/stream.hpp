@@ -1,11 +1,16 @@
 #pragma once
 // The byte stream under the framed transport: one connection to one peer, with at most one write and
-// one read in flight. Two backends move the bytes: Asio's reactor (asio_stream.hpp) and io_uring
-// (transports/uring). The framing, matching and failure handling above them are the same, so ranks on
+// one read in flight. Three backends move the bytes: Asio's reactor (asio_stream.hpp), io_uring
+// (transports/uring) and shared memory for peers on this host (transports/shm). The framing, matching and failure handling above them are the same, so ranks on
 // either backend talk to each other.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <system_error>
 
@@ -47,6 +52,17 @@ class Stream {
   /// Writes `data` now, blocking (the goodbye frame at shutdown: 48 bytes fit any socket buffer).
   virtual void write_blocking(const void* data, std::size_t size) = 0;
   virtual void shutdown_send() = 0;
+  /// Milliseconds since a byte was last received (`received`) or sent on this connection, as far as the
+  /// backend knows; nullopt when it cannot tell. The transport closes a connection stuck in the middle of
+  /// a frame of a failed operation when this grows (a stopped peer). Default: the kernel's TCP_INFO of
+  /// native_handle().
+  virtual std::optional<std::uint32_t> ms_since_data(bool received) const {
+    const int fd = native_handle();
+    tcp_info info{};
+    socklen_t length = sizeof info;
+    if (fd < 0 || ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) return std::nullopt;
+    return received ? info.tcpi_last_data_recv : info.tcpi_last_data_sent;
+  }
   /// Closes the connection; a read or write in flight ends with an error (its event still comes).
   virtual void close() = 0;
 };

@@ -1,5 +1,6 @@
 #pragma once
-// Races an Asio awaitable against a deadline (bootstrap and the store's greetings).
+// Races an Asio awaitable against a deadline: the control plane's helper (bootstrap, the store's
+// greetings, the shared-memory links).
 #include <chrono>
 #include <exception>
 #include <utility>

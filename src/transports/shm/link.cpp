@@ -1,0 +1,268 @@
+#include "transports/shm/link.hpp"
+
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/bytes.hpp"
+#include "core/deadline.hpp"
+#include "core/log.hpp"
+
+namespace weft::shm {
+namespace {
+
+using asio::awaitable;
+using asio::use_awaitable;
+using Clock = std::chrono::steady_clock;
+using unix_socket = asio::local::stream_protocol;
+
+constexpr std::size_t offer_size = 64;
+constexpr char offer_magic[8] = {'w', 'f', 't', 'l', 'i', 'n', 'k', '1'};
+// A step of the unix handshake waits at most this long (or to the bootstrap's deadline): a peer that
+// fails in the middle leaves the other waiting only this long before both fall back to TCP.
+constexpr std::chrono::seconds step_limit{5};
+
+struct Offer {
+  bool wants = false;
+  std::uint32_t pid = 0;
+  std::uint32_t uid = 0;
+  std::array<std::byte, 24> host{};
+  std::array<std::byte, 16> nonce{};
+};
+
+std::array<std::byte, offer_size> encode(const Offer& o) {
+  std::array<std::byte, offer_size> b{};
+  std::memcpy(b.data(), offer_magic, 8);
+  b[8] = static_cast<std::byte>(o.wants ? 1 : 0);
+  le::put_u32(b.data() + 12, o.pid);
+  le::put_u32(b.data() + 16, o.uid);
+  std::memcpy(b.data() + 24, o.host.data(), o.host.size());
+  std::memcpy(b.data() + 48, o.nonce.data(), o.nonce.size());
+  return b;
+}
+
+std::optional<Offer> decode(const std::array<std::byte, offer_size>& b) {
+  if (std::memcmp(b.data(), offer_magic, 8) != 0) return std::nullopt;
+  Offer o;
+  o.wants = b[8] == std::byte{1};
+  o.pid = le::get_u32(b.data() + 12);
+  o.uid = le::get_u32(b.data() + 16);
+  std::memcpy(o.host.data(), b.data() + 24, o.host.size());
+  std::memcpy(o.nonce.data(), b.data() + 48, o.nonce.size());
+  return o;
+}
+
+unix_socket::endpoint endpoint_of(const std::array<std::byte, 16>& nonce) {
+  std::string name(1, '\0');  // abstract: no file, gone with the socket
+  name += "weft-link-";
+  for (std::byte b : nonce) name += fmt::format("{:02x}", static_cast<unsigned>(b));
+  return unix_socket::endpoint(name);
+}
+
+// The pid and uid at the other end of a connected unix socket, as the kernel saw them.
+bool peer_is(int fd, std::uint32_t pid, std::uint32_t uid) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+  return static_cast<std::uint32_t>(cred.pid) == pid && static_cast<std::uint32_t>(cred.uid) == uid;
+}
+
+Clock::time_point step_deadline(Clock::time_point deadline) { return std::min(deadline, Clock::now() + step_limit); }
+
+// The unix half of linking one pair; returns the Link, or nullopt with `why` set.
+awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, const Offer& mine, const Offer& theirs,
+                                                          std::unique_ptr<unix_socket::acceptor>& listener, int wake_fd,
+                                                          Clock::time_point deadline, std::string& why) {
+  auto executor = co_await asio::this_coro::executor;
+  unix_socket::socket socket(executor);
+  if (rank < peer) {
+    // A stranger may connect first: only the peer's process (the pid its offer declared) is kept.
+    for (;;) {
+      auto accepted = co_await with_deadline(listener->async_accept(use_awaitable), step_deadline(deadline));
+      if (!accepted) {
+        why = "rank " + std::to_string(peer) + " did not connect to the local socket in time";
+        co_return std::nullopt;
+      }
+      if (peer_is(accepted->native_handle(), theirs.pid, theirs.uid)) {
+        socket = std::move(*accepted);
+        break;
+      }
+      log().warn("rank {}: a process that is not rank {} (pid {}) connected to its shared-memory socket; closed", rank, peer,
+                 theirs.pid);
+    }
+  } else {
+    std::error_code ec;
+    auto connected = co_await with_deadline(
+        [&]() -> awaitable<bool> {
+          co_await socket.async_connect(endpoint_of(theirs.nonce), asio::redirect_error(use_awaitable, ec));
+          co_return !ec;
+        }(),
+        step_deadline(deadline));
+    if (!connected || !*connected) {
+      why = fmt::format("cannot connect to rank {}'s local socket ({})", peer, ec ? ec.message() : "timed out");
+      co_return std::nullopt;
+    }
+    if (!peer_is(socket.native_handle(), theirs.pid, theirs.uid)) {
+      why = fmt::format("the local socket of rank {} is held by another process", peer);
+      co_return std::nullopt;
+    }
+  }
+  (void)mine;
+  ShmStream::Link link;
+  try {
+    link.inbound = make_ring(ring_bytes);
+  } catch (const std::exception& e) {
+    why = std::string("cannot make a ring: ") + e.what();
+    co_return std::nullopt;
+  }
+  const int out[2] = {link.inbound.fd(), wake_fd};
+  if (!send_fds(socket.native_handle(), out, 2)) {
+    why = "cannot pass the ring to rank " + std::to_string(peer);
+    co_return std::nullopt;
+  }
+  std::error_code ec;
+  auto readable = co_await with_deadline(
+      [&]() -> awaitable<bool> {
+        co_await socket.async_wait(unix_socket::socket::wait_read, asio::redirect_error(use_awaitable, ec));
+        co_return !ec;
+      }(),
+      step_deadline(deadline));
+  int in[2] = {-1, -1};
+  if (!readable || !*readable || receive_fds(socket.native_handle(), in, 2, 0) != 2) {
+    for (int fd : in) {
+      if (fd >= 0) ::close(fd);
+    }
+    why = "rank " + std::to_string(peer) + " passed no ring";
+    co_return std::nullopt;
+  }
+  try {
+    link.outbound = adopt_ring(in[0]);
+  } catch (const std::exception& e) {
+    ::close(in[1]);
+    why = fmt::format("rank {}'s ring: {}", peer, e.what());
+    co_return std::nullopt;
+  }
+  link.peer_wake_fd = in[1];
+  link.socket = socket.release();
+  co_return link;
+}
+
+// One pair: offers, then (where both want it) the unix half, then the verdicts.
+awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer mine, int wake_fd, Clock::time_point deadline,
+                         std::optional<ShmStream::Link>& out, std::exception_ptr& failure) {
+  try {
+    std::unique_ptr<unix_socket::acceptor> listener;
+    if (mine.wants && rank < peer) {
+      // Listening before the offer goes out: the peer may connect as soon as it has read it.
+      listener = std::make_unique<unix_socket::acceptor>(tcp.get_executor(), endpoint_of(mine.nonce));
+    }
+    const auto bytes = encode(mine);
+    std::array<std::byte, offer_size> got{};
+    auto exchanged = co_await with_deadline(
+        [&]() -> awaitable<bool> {
+          co_await asio::async_write(tcp, asio::buffer(bytes), use_awaitable);
+          co_await asio::async_read(tcp, asio::buffer(got), use_awaitable);
+          co_return true;
+        }(),
+        deadline);
+    if (!exchanged) throw std::runtime_error(fmt::format("rank {} sent no link offer before the bootstrap deadline", peer));
+    const auto theirs = decode(got);
+    if (!theirs) throw std::runtime_error(fmt::format("rank {} sent a malformed link offer", peer));
+    // Both sides decide alike from the same two offers.
+    if (!(mine.wants && theirs->wants && mine.host == theirs->host && mine.uid == theirs->uid)) co_return;
+    std::string why;
+    auto link = co_await connect_locally(rank, peer, mine, *theirs, listener, wake_fd, deadline, why);
+    listener.reset();
+    const std::byte verdict = link ? std::byte{1} : std::byte{0};
+    std::byte their_verdict{0};
+    auto told = co_await with_deadline(
+        [&]() -> awaitable<bool> {
+          co_await asio::async_write(tcp, asio::buffer(&verdict, 1), use_awaitable);
+          co_await asio::async_read(tcp, asio::buffer(&their_verdict, 1), use_awaitable);
+          co_return true;
+        }(),
+        deadline);
+    if (!told) throw std::runtime_error(fmt::format("rank {} did not finish the shared-memory link before the deadline", peer));
+    if (link && their_verdict == std::byte{1}) {
+      out = std::move(link);
+      co_return;
+    }
+    if (link) {
+      ::close(link->socket);
+      ::close(link->peer_wake_fd);
+      why = fmt::format("rank {} could not set it up on its side", peer);
+    }
+    log().warn("rank {}: shared memory with rank {} on this host is not used ({}); using TCP", rank, peer, why);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+}
+
+}  // namespace
+
+std::array<std::byte, 24> host_identity() {
+  std::array<std::byte, 24> id{};
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string text;
+  std::getline(boot, text);
+  std::size_t at = 0;
+  for (std::size_t i = 0; i + 1 < text.size() && at < 16; ++i) {
+    if (text[i] == '-') continue;
+    id[at++] = static_cast<std::byte>(std::stoi(text.substr(i, 2), nullptr, 16));
+    ++i;
+  }
+  struct stat ns {};
+  if (::stat("/proc/self/ns/net", &ns) == 0) le::put_u64(id.data() + 16, static_cast<std::uint64_t>(ns.st_ino));
+  return id;
+}
+
+awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vector<asio::ip::tcp::socket>& sockets, int rank,
+                                                                        bool want, int wake_fd, Clock::time_point deadline) {
+  const auto size = sockets.size();
+  std::vector<std::optional<ShmStream::Link>> links(size);
+  std::vector<std::exception_ptr> failures(size);
+  Offer mine;
+  mine.wants = want;
+  mine.pid = static_cast<std::uint32_t>(::getpid());
+  mine.uid = static_cast<std::uint32_t>(::getuid());
+  mine.host = host_identity();
+  auto executor = co_await asio::this_coro::executor;
+  // Every pair at once: a rank that linked its peers one by one could wait on a peer that waits on another.
+  auto remaining = std::make_shared<std::size_t>(0);
+  asio::steady_timer all_done(executor, Clock::time_point::max());
+  for (std::size_t peer = 0; peer < size; ++peer) {
+    if (static_cast<int>(peer) == rank) continue;
+    Offer offer = mine;
+    if (::getrandom(offer.nonce.data(), offer.nonce.size(), 0) != static_cast<ssize_t>(offer.nonce.size())) {
+      offer.wants = false;  // no nonce, no socket name: this pair stays on TCP
+    }
+    ++*remaining;
+    asio::co_spawn(executor,
+                   link_one(sockets[peer], rank, static_cast<int>(peer), offer, wake_fd, deadline, links[peer], failures[peer]),
+                   [remaining, &all_done](std::exception_ptr) {
+                     if (--*remaining == 0) all_done.cancel();
+                   });
+  }
+  if (*remaining > 0) {
+    std::error_code ignored;
+    co_await all_done.async_wait(asio::redirect_error(use_awaitable, ignored));
+  }
+  for (auto& failure : failures) {
+    if (failure) std::rethrow_exception(failure);
+  }
+  co_return links;
+}
+
+}  // namespace weft::shm

@@ -1,0 +1,34 @@
+#pragma once
+// Linking the ranks of one host (shared memory), right after the bootstrap and before the transport:
+// over every peer's connection (authenticated by the greeting) both ranks send a 64-byte link offer
+// (docs/PROTOCOL.md, "Link offer"): whether they want shared memory, their host (boot id and network
+// namespace), uid and pid, and a nonce. Where both want it and both are on one host as one user, the
+// lower rank listens on an abstract unix socket named by its nonce and the higher connects; each checks
+// the other's credentials (SO_PEERCRED: the pid the offer declared), makes its inbound ring and sends it
+// with its eventfd (SCM_RIGHTS); both say over the TCP connection whether all went well, and the pair
+// uses shared memory only if both did. Anything else keeps the TCP connection, with one log line.
+#include <chrono>
+#include <optional>
+#include <vector>
+
+#include <asio.hpp>
+
+#include "transports/shm/shm_stream.hpp"
+
+namespace weft::shm {
+
+/// Ring capacity per direction (docs/DESIGN.md quotes it by name).
+inline constexpr std::size_t ring_bytes = std::size_t{1} << 20;
+
+/// For every peer of `sockets` (sockets[rank] unused): its Link when the pair uses shared memory, else
+/// nullopt. `want`: this rank offers shared memory; `wake_fd`: its ShmHub's eventfd. Every rank of the
+/// job must call it (the offer is part of every connection's protocol). Runs until `deadline` at most.
+/// Errors: a peer that sends no offer, or a malformed one, throws (the connection is broken).
+asio::awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vector<asio::ip::tcp::socket>& sockets, int rank,
+                                                                              bool want, int wake_fd,
+                                                                              std::chrono::steady_clock::time_point deadline);
+
+/// This host as the offer names it: the kernel's boot id and this process's network namespace.
+std::array<std::byte, 24> host_identity();
+
+}  // namespace weft::shm

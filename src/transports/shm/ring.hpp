@@ -1,0 +1,138 @@
+#pragma once
+// One direction of one pair of ranks on a host: a byte ring in shared memory, in a segment the receiver
+// creates (segment.hpp). Every shared word has one writer: `tail` (bytes ever written) the sender's,
+// `head` (bytes ever consumed) and `sleeping` the receiver's; each sits on a cache line of its own, so
+// that the two sides never write the same line. The counters only grow (64 bits do not wrap in any
+// job's life); the capacity is a power of two, so a position is `counter & (capacity - 1)`.
+//
+// Visibility: data, then `tail` with release; the reader loads `tail` with acquire, then the data. The
+// same for `head` and the space it frees. Waking, both ways the same (Dekker: of two sides that each
+// store, fence, then load, one sees the other's store, so nobody waits for a wake-up that is never sent):
+//   data:  a receiver about to sleep stores sleeping = 1, then looks at `tail` once more; a sender
+//          stores `tail`, then loads `sleeping`, and signals the receiver's eventfd when it is 1;
+//   room:  a sender about to sleep with a write it could not finish stores writer_waiting = 1, then
+//          looks at `head` once more; a receiver stores `head`, then loads writer_waiting, and signals
+//          the sender's eventfd when it is 1.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace weft::shm {
+
+// Copies between a ring's bytes at position `at` (wrapping at `capacity`) and flat memory.
+inline void copy_into_ring(std::byte* ring, std::size_t capacity, std::size_t at, const void* from, std::size_t n) noexcept {
+  const std::size_t first = n < capacity - at ? n : capacity - at;
+  std::memcpy(ring + at, from, first);
+  if (n > first) std::memcpy(ring, static_cast<const std::byte*>(from) + first, n - first);
+}
+inline void copy_from_ring(const std::byte* ring, std::size_t capacity, std::size_t at, void* to, std::size_t n) noexcept {
+  const std::size_t first = n < capacity - at ? n : capacity - at;
+  std::memcpy(to, ring + at, first);
+  if (n > first) std::memcpy(static_cast<std::byte*>(to) + first, ring, n - first);
+}
+
+inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
+inline constexpr std::uint32_t ring_version = 1;
+
+struct alignas(64) RingControl {
+  // Written once by the receiver when it makes the segment, before the segment is passed on.
+  std::uint64_t magic = 0;
+  std::uint32_t version = 0;
+  std::uint32_t capacity_log2 = 0;
+  alignas(64) std::atomic<std::uint64_t> tail{0};      // sender
+  alignas(64) std::atomic<std::uint32_t> writer_waiting{0};  // sender: 1 while it sleeps on a full ring
+  alignas(64) std::atomic<std::uint64_t> head{0};      // receiver
+  alignas(64) std::atomic<std::uint32_t> sleeping{1};  // receiver: 1 while its loop may sleep (starts 1)
+  alignas(64) std::byte data[1];                       // capacity bytes from here
+};
+
+// Bytes a segment holding a ring of `capacity` bytes needs.
+constexpr std::size_t ring_segment_bytes(std::size_t capacity) noexcept { return offsetof(RingControl, data) + capacity; }
+
+// The sender's side of a ring.
+class RingWriter {
+ public:
+  RingWriter() = default;
+  explicit RingWriter(RingControl* ring) noexcept
+      : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), tail_(ring->tail.load(std::memory_order_relaxed)) {}
+
+  // Copies as much of [data, data + size) as the ring has room for; returns how much. Not yet visible:
+  // publish() makes it so.
+  std::size_t put(const void* data, std::size_t size) noexcept {
+    const std::uint64_t head = ring_->head.load(std::memory_order_acquire);
+    const std::size_t room = capacity_ - static_cast<std::size_t>(tail_ - head);
+    const std::size_t n = size < room ? size : room;
+    if (n == 0) return 0;
+    copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, n);
+    tail_ += n;
+    return n;
+  }
+  // Makes what put() copied visible; true when the receiver may be asleep (signal it).
+  bool publish() noexcept {
+    ring_->tail.store(tail_, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return ring_->sleeping.load(std::memory_order_relaxed) != 0;
+  }
+  // The sender's sleep announcement while a write waits for room: true when room came meanwhile.
+  bool arm_wait() noexcept {
+    ring_->writer_waiting.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return !full();
+  }
+  void disarm_wait() noexcept { ring_->writer_waiting.store(0, std::memory_order_relaxed); }
+  bool full() const noexcept {
+    return static_cast<std::size_t>(tail_ - ring_->head.load(std::memory_order_acquire)) == capacity_;
+  }
+  explicit operator bool() const noexcept { return ring_ != nullptr; }
+
+ private:
+  RingControl* ring_ = nullptr;
+  std::size_t capacity_ = 0;
+  std::uint64_t tail_ = 0;  // the sender's own copy: only it writes tail
+};
+
+// The receiver's side of a ring.
+class RingReader {
+ public:
+  RingReader() = default;
+  explicit RingReader(RingControl* ring) noexcept
+      : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), head_(ring->head.load(std::memory_order_relaxed)) {}
+
+  // Bytes written and not read yet.
+  std::size_t available() const noexcept {
+    return static_cast<std::size_t>(ring_->tail.load(std::memory_order_acquire) - head_);
+  }
+  // Copies up to `size` available bytes to `dst` (null: drops them); returns how many. The space is
+  // handed back to the sender by release().
+  std::size_t take(void* dst, std::size_t size) noexcept {
+    const std::size_t have = available();
+    const std::size_t n = size < have ? size : have;
+    if (n == 0) return 0;
+    if (dst) copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, n);
+    head_ += n;
+    return n;
+  }
+  // Hands the bytes taken back to the sender. True when the sender sleeps waiting for room (signal it).
+  bool release() noexcept {
+    ring_->head.store(head_, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return ring_->writer_waiting.load(std::memory_order_relaxed) != 0;
+  }
+
+  // The receiver's sleep announcement (RingControl's comment): arm() returns true when data came.
+  bool arm() noexcept {
+    ring_->sleeping.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return available() > 0;
+  }
+  void disarm() noexcept { ring_->sleeping.store(0, std::memory_order_relaxed); }
+  explicit operator bool() const noexcept { return ring_ != nullptr; }
+
+ private:
+  RingControl* ring_ = nullptr;
+  std::size_t capacity_ = 0;
+  std::uint64_t head_ = 0;  // the receiver's own copy: only it writes head
+};
+
+}  // namespace weft::shm

@@ -1,0 +1,129 @@
+#pragma once
+// The shared-memory backend of Stream, for a peer on the same host. Bytes go through two rings
+// (ring.hpp): the inbound one in a segment this rank made, the outbound one in the peer's. A unix-domain
+// socket stays open beside them for the group's life: the kernel closes it on any death of the peer
+// (SIGKILL included), and that end is how a dead peer is noticed, as a TCP close is.
+//
+// ShmHub is the context (one per transport): the eventfd this rank is woken through, and the loop's
+// memory poller (Loop::Poller) that moves every stream's reads and writes while the loop spins, so that
+// an awake rank sends and receives without a system call. A stream whose peer's loop sleeps writes the
+// peer's eventfd (ring.hpp says why no wake-up is lost).
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "transports/framed/stream.hpp"
+#include "transports/shm/ring.hpp"
+#include "transports/shm/segment.hpp"
+#include "weft/loop.hpp"
+
+namespace weft {
+
+class ShmStream;
+
+class ShmHub : public std::enable_shared_from_this<ShmHub> {
+ public:
+  /// An eventfd watched by `loop` and a poller registered with it. Throws std::system_error.
+  static std::shared_ptr<ShmHub> create(Loop& loop);
+  ~ShmHub();
+  ShmHub(const ShmHub&) = delete;
+  ShmHub& operator=(const ShmHub&) = delete;
+
+  Loop& loop() noexcept { return loop_; }
+  /// The descriptor peers write to wake this rank (sent to them at connect time).
+  int wake_fd() const noexcept { return event_fd_; }
+
+  void attach(const std::shared_ptr<ShmStream>& stream);
+  // The poller's three calls (Loop::Poller), on the loop's thread.
+  std::size_t poll();
+  bool arm();
+  void disarm();
+
+ private:
+  explicit ShmHub(Loop& loop) : loop_(loop) {}
+  Loop& loop_;
+  int event_fd_ = -1;
+  std::uint64_t watch_ = 0;
+  std::uint64_t poller_ = 0;
+  std::vector<std::weak_ptr<ShmStream>> streams_;
+};
+
+class ShmStream final : public Stream, public std::enable_shared_from_this<ShmStream> {
+ public:
+  /// What connecting to a local peer produced (rendezvous with it over the unix socket).
+  struct Link {
+    shm::Segment inbound;   // this rank's: the peer writes, this rank reads
+    shm::Segment outbound;  // the peer's: this rank writes
+    int peer_wake_fd = -1;  // the peer's eventfd (owned)
+    int socket = -1;        // the connected unix socket (owned)
+  };
+  /// Use make(): the stream attaches to the hub and watches its socket once it is shared.
+  static std::shared_ptr<ShmStream> make(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* events, int peer,
+                                         std::weak_ptr<bool> alive);
+  ShmStream(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* events, int peer, std::weak_ptr<bool> alive);
+  ~ShmStream() override;
+
+  std::string_view backend() const noexcept override { return "shm"; }
+  int native_handle() const noexcept override { return socket_; }
+  void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  void read(void* dst, std::size_t min, std::size_t cap) override;
+  void write_blocking(const void* data, std::size_t size) override;
+  void shutdown_send() override;
+  void close() override;
+  /// Since the ring last moved bytes in that direction (this stream's own clock: no TCP_INFO here).
+  std::optional<std::uint32_t> ms_since_data(bool received) const override;
+
+  // The hub's calls, on the loop's thread: move the read and the write as far as the rings allow and
+  // report what finished; returns how many events it found.
+  std::size_t progress();
+  bool arm();
+  void disarm();
+
+ private:
+  void start();
+  void post_progress();
+  void wake_peer();
+  void on_socket_readable();
+  bool push_write();  // true when the write in flight is all in the ring
+  bool push_some();   // moves what fits now
+  bool pull_read();   // true when the read in flight has its minimum
+
+  std::shared_ptr<ShmHub> hub_;
+  Link link_;
+  shm::RingReader in_;
+  shm::RingWriter out_;
+  StreamEvents* events_;
+  int peer_;
+  std::weak_ptr<bool> alive_;
+  int socket_ = -1;
+  std::uint64_t socket_watch_ = 0;
+  bool closed_ = false;
+  bool peer_closed_ = false;  // the socket ended: the peer is gone (or shut its side down)
+  bool progress_posted_ = false;
+  // The loop is spinning (disarmed after its last sleep): its pollers will look again soon, so nothing
+  // needs announcing. False until the first disarm, so that a loop weft never arms (a borrowed
+  // io_context) always has its peers wake it.
+  bool awake_ = false;
+  std::chrono::steady_clock::time_point last_received_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_sent_ = std::chrono::steady_clock::now();
+
+  struct Write {
+    bool active = false;
+    ConstBytes pieces[3];
+    int piece = 0;
+    std::size_t offset = 0;
+  } write_;
+  struct Read {
+    bool active = false;
+    std::byte* dst = nullptr;
+    std::size_t min = 0;
+    std::size_t cap = 0;
+    std::size_t got = 0;
+  } read_;
+};
+
+}  // namespace weft

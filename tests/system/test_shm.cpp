@@ -1,0 +1,240 @@
+// The shared-memory backend of the framed transport (src/transports/shm), in one process: two Loops,
+// each with a transport whose peer is the other over two rings and a unix socket, as two ranks on one
+// host have them. The rings alone first (wrap-around, a stream through a small ring between threads).
+#include <catch2/catch.hpp>
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "support/harness.hpp"
+#include "transports/framed/framed_transport.hpp"
+#include "transports/shm/ring.hpp"
+#include "transports/shm/segment.hpp"
+#include "transports/shm/shm_stream.hpp"
+#include "weft/future.hpp"
+#include "weft/loop.hpp"
+
+using namespace weft;
+
+namespace {
+
+std::vector<std::byte> pattern(std::size_t size, unsigned seed) {
+  std::vector<std::byte> v(size);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("a ring carries bytes in order across its wrap, and never more than its room", "[shm][ring]") {
+  shm::Segment segment = shm::make_ring(4096);
+  auto* control = static_cast<shm::RingControl*>(segment.data());
+  shm::RingWriter writer(control);
+  shm::RingReader reader(control);
+  const auto data = pattern(1 << 20, 1);
+  std::vector<std::byte> got;
+  std::size_t sent = 0;
+  std::mt19937 rng(2);
+  while (got.size() < data.size()) {
+    const std::size_t want = std::min<std::size_t>(data.size() - sent, rng() % 3000);
+    const std::size_t n = writer.put(data.data() + sent, want);
+    REQUIRE(n <= want);
+    sent += n;
+    writer.publish();
+    REQUIRE(reader.available() <= 4096);
+    std::vector<std::byte> chunk(rng() % 3000);
+    const std::size_t m = reader.take(chunk.data(), chunk.size());
+    got.insert(got.end(), chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(m));
+    reader.release();
+  }
+  REQUIRE(got == data);
+  // Full: put refuses more; a take frees exactly what it took.
+  std::vector<std::byte> fill(8192, std::byte{7});
+  REQUIRE(writer.put(fill.data(), fill.size()) == 4096);
+  writer.publish();
+  REQUIRE(writer.full());
+  std::vector<std::byte> out(100);
+  REQUIRE(!writer.arm_wait());  // full: the writer may sleep, and says so
+  REQUIRE(reader.take(out.data(), out.size()) == 100);
+  REQUIRE(reader.release());  // ... so the reader that makes room wakes it
+  writer.disarm_wait();
+  REQUIRE(!reader.release());
+  REQUIRE(writer.put(fill.data(), fill.size()) == 100);
+}
+
+TEST_CASE("a ring streams 64 MiB between two threads through 64 KiB", "[shm][ring]") {
+  shm::Segment segment = shm::make_ring(64 << 10);
+  auto* control = static_cast<shm::RingControl*>(segment.data());
+  const auto data = pattern(64 << 20, 3);
+  std::thread writer_thread([&] {
+    shm::RingWriter writer(control);
+    std::size_t sent = 0;
+    while (sent < data.size()) {
+      sent += writer.put(data.data() + sent, std::min<std::size_t>(data.size() - sent, 100000));
+      writer.publish();
+    }
+  });
+  shm::RingReader reader(control);
+  std::vector<std::byte> got(data.size());
+  std::size_t have = 0;
+  while (have < got.size()) {
+    have += reader.take(got.data() + have, got.size() - have);
+    reader.release();
+  }
+  writer_thread.join();
+  REQUIRE(std::memcmp(got.data(), data.data(), data.size()) == 0);
+}
+
+TEST_CASE("a ring segment from a peer is checked before it is used", "[shm][ring]") {
+  shm::Segment ring = shm::make_ring(4096);
+  REQUIRE(shm::adopt_ring(::dup(ring.fd())).size() == ring.size());
+  // A memfd that is not sealed, or too small, or without the magic, is refused.
+  const int unsealed = ::memfd_create("x", MFD_CLOEXEC);
+  REQUIRE(::ftruncate(unsealed, 1 << 16) == 0);
+  REQUIRE_THROWS_WITH(shm::adopt_ring(unsealed), Catch::Contains("not a sealed memfd"));
+  shm::Segment plain = shm::Segment::create(1 << 16, "plain");
+  REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(plain.fd())), Catch::Contains("not a weft ring"));
+  auto* control = static_cast<shm::RingControl*>(ring.data());
+  control->capacity_log2 = 20;  // a lie: the segment holds 4 KiB
+  REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(ring.fd())), Catch::Contains("claims more bytes"));
+}
+
+namespace {
+
+// Two ranks of one host in one process: rank r's transport on loops[r], its stream to the other rank
+// over the rings and a socketpair.
+class ShmPair {
+ public:
+  explicit ShmPair(std::size_t ring_bytes = 64 << 10) {
+    hubs_[0] = ShmHub::create(loops_[0]);
+    hubs_[1] = ShmHub::create(loops_[1]);
+    int sv[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    shm::Segment in0 = shm::make_ring(ring_bytes);
+    shm::Segment in1 = shm::make_ring(ring_bytes);
+    const int fd0 = in0.fd();
+    const int fd1 = in1.fd();
+    links_[0] = ShmStream::Link{std::move(in0), shm::adopt_ring(::dup(fd1)), ::dup(hubs_[1]->wake_fd()), sv[0]};
+    links_[1] = ShmStream::Link{std::move(in1), shm::adopt_ring(::dup(fd0)), ::dup(hubs_[0]->wake_fd()), sv[1]};
+    for (int r = 0; r < 2; ++r) {
+      std::promise<void> ready;
+      loops_[r].post([&, r] {
+        std::vector<asio::ip::tcp::socket> sockets;
+        sockets.emplace_back(loops_[r].context());
+        sockets.emplace_back(loops_[r].context());
+        transports_[r] = std::make_unique<FramedTransport>(
+            loops_[r], r, 2, std::move(sockets), "shm",
+            [this, r](asio::ip::tcp::socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+              return ShmStream::make(hubs_[r], std::move(links_[r]), events, peer, std::move(alive));
+            });
+        transports_[r]->open_context(1, {0, 1});
+        ready.set_value();
+      });
+      ready.get_future().wait();
+    }
+  }
+  ~ShmPair() {
+    for (int r = 0; r < 2; ++r) end(r);
+  }
+  // Rank r's transport goes away (as at the end of a job, or a crash: see `crash`).
+  void end(int r) {
+    if (!transports_[r]) return;
+    std::promise<void> gone;
+    loops_[r].post([&] {
+      transports_[r].reset();
+      hubs_[r].reset();
+      gone.set_value();
+    });
+    gone.get_future().wait();
+  }
+
+  struct Outcome {
+    std::error_code error;
+    std::string reason;
+  };
+  // Rank `from` sends `data` to the other rank as message (1, seq, tag); returns when the send is done.
+  Future<Outcome> send(int from, std::uint64_t seq, const std::vector<std::byte>& data) {
+    return spawn(loops_[from], [](FramedTransport* t, int to, std::uint64_t seq, const std::vector<std::byte>* data) -> Task<Outcome> {
+      TransportOp op;
+      t->start_send(to, MessageKey{1, seq, 0}, data->data(), data->size(), op);
+      co_await op.wait();
+      co_return Outcome{op.error(), op.reason()};
+    }(transports_[from].get(), 1 - from, seq, &data));
+  }
+  Future<Outcome> receive(int at, std::uint64_t seq, std::vector<std::byte>& into) {
+    return spawn(loops_[at], [](FramedTransport* t, int from, std::uint64_t seq, std::vector<std::byte>* into) -> Task<Outcome> {
+      TransportOp op;
+      t->start_recv(from, MessageKey{1, seq, 0}, into->data(), into->size(), op);
+      co_await op.wait();
+      co_return Outcome{op.error(), op.reason()};
+    }(transports_[at].get(), 1 - at, seq, &into));
+  }
+
+ private:
+  Loop loops_[2];
+  std::shared_ptr<ShmHub> hubs_[2];
+  ShmStream::Link links_[2];
+  std::unique_ptr<FramedTransport> transports_[2];
+};
+
+}  // namespace
+
+TEST_CASE("two ranks exchange messages of every size over shared memory, both ways, early and posted", "[shm][stream]") {
+  const std::size_t ring = GENERATE(std::size_t{4096}, std::size_t{64} << 10);  // smaller and larger than messages
+  ShmPair pair(ring);
+  std::uint64_t seq = 1;
+  for (std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{63}, std::size_t{4096}, std::size_t{65536},
+                           std::size_t{100003}, std::size_t{4} << 20}) {
+    for (int from = 0; from < 2; ++from) {
+      const auto data = pattern(size, static_cast<unsigned>(seq));
+      std::vector<std::byte> into(size);
+      // Posted first, then sent; and sent first (an early message), then posted.
+      auto receive = pair.receive(1 - from, seq, into);
+      auto send = pair.send(from, seq, data);
+      REQUIRE(!send.get().error);
+      REQUIRE(!receive.get().error);
+      REQUIRE(into == data);
+      ++seq;
+      std::vector<std::byte> later(size);
+      auto send2 = pair.send(from, seq, data);
+      REQUIRE(!send2.get().error);
+      REQUIRE(!pair.receive(1 - from, seq, later).get().error);
+      REQUIRE(later == data);
+      ++seq;
+    }
+  }
+}
+
+TEST_CASE("many messages in flight both ways over shared memory arrive intact", "[shm][stream]") {
+  ShmPair pair(16 << 10);  // a small ring: writers wait for room all the time
+  std::vector<std::vector<std::byte>> out, in;
+  std::vector<Future<ShmPair::Outcome>> futures;
+  for (int i = 0; i < 64; ++i) {
+    out.push_back(pattern(static_cast<std::size_t>(i) * 997 + 1, static_cast<unsigned>(i)));
+    in.emplace_back(out.back().size());
+  }
+  for (int i = 0; i < 64; ++i) futures.push_back(pair.receive(i % 2, static_cast<std::uint64_t>(100 + i), in[static_cast<std::size_t>(i)]));
+  for (int i = 0; i < 64; ++i) futures.push_back(pair.send(1 - i % 2, static_cast<std::uint64_t>(100 + i), out[static_cast<std::size_t>(i)]));
+  for (auto& f : futures) REQUIRE(!f.get().error);
+  REQUIRE(in == out);
+}
+
+TEST_CASE("a peer that goes away fails the receive waiting on it, naming the connection", "[shm][stream]") {
+  ShmPair pair;
+  std::vector<std::byte> into(16);
+  auto receive = pair.receive(0, 7, into);
+  pair.end(1);  // its transport says goodbye and closes; the socket ends
+  const auto outcome = receive.get();
+  REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
+  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1"));
+}
