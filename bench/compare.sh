@@ -6,6 +6,8 @@
 # medians: label,bytes,time_us,busbw) and compare.svg (bench/plot.py: busbw and time against size).
 #   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES] [COLLECTIVE] [OUT_DIR]
 # The peers are not installed by tools/quickstart.sh bench; this script says what to install.
+# MPI_BTL picks Open MPI's path (default tcp,self; vader,self is its shared memory on one host, the
+# peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks).
 set -euo pipefail
 build=$1
 ranks=${2:-2}
@@ -25,6 +27,8 @@ if [ "$collective" = all_reduce ] && [ ! -x "$build/bench/gloo-allreduce-bench" 
   echo "compare.sh: Gloo is missing, its columns stay empty (apt-get install libgloo-dev, then reconfigure as above)" >&2
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+btl=${MPI_BTL:-tcp,self}
+export MPI_LABEL="Open MPI ${btl%%,*}"
 for round in $(seq 1 "$rounds"); do
   echo "== round $round: weft" >&2
   "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$collective" -b "$min" -e "$max" -f 4 -w 5 -n 20 \
@@ -32,7 +36,7 @@ for round in $(seq 1 "$rounds"); do
   echo "== round $round: open mpi" >&2
   oversubscribe=""
   [ "$ranks" -le "$(nproc)" ] || oversubscribe=--oversubscribe
-  mpirun -n "$ranks" $oversubscribe --mca btl tcp,self "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 "$collective" > "$out/mpi.$round.txt" 2>/dev/null
+  mpirun -n "$ranks" $oversubscribe --mca btl "$btl" "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 "$collective" > "$out/mpi.$round.txt" 2>/dev/null
   if [ "$collective" = all_reduce ] && [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
     "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 20 > "$out/gloo.$round.txt"
@@ -62,8 +66,9 @@ def size(b):
     for unit, n in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if b >= n: return f"{b // n} {unit}"
     return f"{b} B"
-print(f"{collective} f32, {ranks} ranks, loopback; median of {rounds} rounds (busbw GB/s, time us)\n")
-print("| size | weft time | weft busbw | Open MPI tcp time | Open MPI busbw | Gloo best time | Gloo busbw | weft / MPI busbw | per-round weft / MPI busbw |")
+print(f"{collective} f32, {ranks} ranks, one host; median of {rounds} rounds (busbw GB/s, time us)\n")
+mpi_label = os.environ.get("MPI_LABEL", "Open MPI tcp")
+print(f"| size | weft time | weft busbw | {mpi_label} time | {mpi_label} busbw | Gloo best time | Gloo busbw | weft / MPI busbw | per-round weft / MPI busbw |")
 print("|---|---|---|---|---|---|---|---|---|")
 for b in sorted(weft):
     w, m, g = weft[b], mpi.get(b, []), gloo.get(b, [])
@@ -74,7 +79,7 @@ transport = json.load(open(f"{out}/weft.1.json"))[0].get("transport", "tcp") if 
 with open(f"{out}/compare.csv", "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["label", "bytes", "time_us", "busbw"])
-    for label, data in ((f"weft {transport}", weft), ("Open MPI tcp", mpi), ("Gloo (best)", gloo)):
+    for label, data in ((f"weft {transport}", weft), (mpi_label, mpi), ("Gloo (best)", gloo)):
         for b in sorted(data):
             w.writerow([f"{label}, {ranks} ranks", b, f"{med(data[b], 0):.3f}", f"{med(data[b], 1):.6f}"])
 PY
