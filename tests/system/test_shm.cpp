@@ -72,6 +72,29 @@ TEST_CASE("a ring carries bytes in order across its wrap, and never more than it
   REQUIRE(writer.put(fill.data(), fill.size()) == 100);
 }
 
+TEST_CASE("a ring whose peer writes nonsense counters never copies outside it", "[shm][ring]") {
+  shm::Segment segment = shm::make_ring(4096);
+  auto* control = static_cast<shm::RingControl*>(segment.data());
+  std::vector<std::byte> big(1 << 20);
+  {
+    shm::RingReader reader(control);
+    control->tail.store(std::uint64_t{1} << 40);  // far ahead of anything written
+    REQUIRE(reader.available() == 4096);
+    REQUIRE(reader.take(big.data(), big.size()) == 4096);  // a ring of garbage, not 1 MiB past its end
+    control->tail.store(0);  // behind what the reader took
+    REQUIRE(reader.available() == 4096);
+  }
+  {
+    shm::Segment other = shm::make_ring(4096);
+    auto* c = static_cast<shm::RingControl*>(other.data());
+    shm::RingWriter writer(c);
+    c->head.store(std::uint64_t{1} << 40);  // a reader "ahead" of the writer
+    REQUIRE(writer.put(big.data(), big.size()) == 0);
+    c->head.store(0);
+    REQUIRE(writer.put(big.data(), big.size()) == 4096);
+  }
+}
+
 TEST_CASE("a ring streams 64 MiB between two threads through 64 KiB", "[shm][ring]") {
   shm::Segment segment = shm::make_ring(64 << 10);
   auto* control = static_cast<shm::RingControl*>(segment.data());

@@ -60,9 +60,8 @@ class RingWriter {
   // Copies as much of [data, data + size) as the ring has room for; returns how much. Not yet visible:
   // publish() makes it so.
   std::size_t put(const void* data, std::size_t size) noexcept {
-    const std::uint64_t head = ring_->head.load(std::memory_order_acquire);
-    const std::size_t room = capacity_ - static_cast<std::size_t>(tail_ - head);
-    const std::size_t n = size < room ? size : room;
+    const std::size_t free = room();
+    const std::size_t n = size < free ? size : free;
     if (n == 0) return 0;
     copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, n);
     tail_ += n;
@@ -81,8 +80,12 @@ class RingWriter {
     return !full();
   }
   void disarm_wait() noexcept { ring_->writer_waiting.store(0, std::memory_order_relaxed); }
-  bool full() const noexcept {
-    return static_cast<std::size_t>(tail_ - ring_->head.load(std::memory_order_acquire)) == capacity_;
+  bool full() const noexcept { return room() == 0; }
+  // Bytes that may be written now. The peer's word is not trusted: a head behind what was written, or
+  // ahead of it, gives no room (never more than the capacity, whatever the counters say).
+  std::size_t room() const noexcept {
+    const std::uint64_t used = tail_ - ring_->head.load(std::memory_order_acquire);
+    return used <= capacity_ ? capacity_ - static_cast<std::size_t>(used) : 0;
   }
   explicit operator bool() const noexcept { return ring_ != nullptr; }
 
@@ -100,8 +103,12 @@ class RingReader {
       : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), head_(ring->head.load(std::memory_order_relaxed)) {}
 
   // Bytes written and not read yet.
+  // Bytes written and not read yet, never more than the capacity: a hostile or broken writer's tail
+  // (behind the reader, or too far ahead) yields at most a ring of garbage, which the framing above
+  // refuses, never a read outside the ring.
   std::size_t available() const noexcept {
-    return static_cast<std::size_t>(ring_->tail.load(std::memory_order_acquire) - head_);
+    const std::uint64_t have = ring_->tail.load(std::memory_order_acquire) - head_;
+    return have <= capacity_ ? static_cast<std::size_t>(have) : capacity_;
   }
   // Copies up to `size` available bytes to `dst` (null: drops them); returns how many. The space is
   // handed back to the sender by release().
