@@ -12,6 +12,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <asio.hpp>
@@ -109,6 +110,18 @@ void unregister_loop(Loop* loop) {
 
 }  // namespace
 
+namespace {
+// The loop whose memory pollers this thread is running (outside any Asio handler): for in_loop_thread(),
+// so that code a poller completes (a task that drops the last handle on a transport) knows it runs on
+// the loop, as it would inside a handler. (Seen: a progress thread that waited for itself to delete.)
+thread_local const Loop::Impl* polling_loop = nullptr;
+struct PollingHere {
+  const Loop::Impl* previous;
+  explicit PollingHere(const Loop::Impl* impl) noexcept : previous(std::exchange(polling_loop, impl)) {}
+  ~PollingHere() { polling_loop = previous; }
+};
+}  // namespace
+
 struct Loop::Impl {
   std::unique_ptr<asio::io_context> owned_io;
   asio::io_context* io = nullptr;
@@ -161,6 +174,7 @@ struct Loop::Impl {
   static constexpr std::chrono::microseconds kernel_every{2};
 
   std::size_t run_pollers() {
+    PollingHere here(this);
     std::size_t found = 0;
     for (std::size_t i = 0; i < pollers.size(); ++i) found += pollers[i].second->poll();
     return found;
@@ -168,6 +182,7 @@ struct Loop::Impl {
   // Before a sleep in the kernel: every poller announces it; false when one found work meanwhile (the
   // others are disarmed again, and the loop does not sleep).
   bool arm_pollers() {
+    PollingHere here(this);
     for (std::size_t i = 0; i < pollers.size(); ++i) {
       if (pollers[i].second->arm()) {
         for (std::size_t j = 0; j <= i; ++j) pollers[j].second->disarm();
@@ -177,6 +192,7 @@ struct Loop::Impl {
     return true;
   }
   void disarm_pollers() {
+    PollingHere here(this);
     for (auto& [id, poller] : pollers) poller->disarm();
   }
 
@@ -296,7 +312,9 @@ Loop::~Loop() {
 
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
-bool Loop::in_loop_thread() const noexcept { return impl_->io->get_executor().running_in_this_thread(); }
+bool Loop::in_loop_thread() const noexcept {
+  return impl_->io->get_executor().running_in_this_thread() || polling_loop == impl_.get();
+}
 Loop* Loop::current() noexcept {
   std::lock_guard lock(loops_mutex);
   for (Loop* loop : live_loops()) {
