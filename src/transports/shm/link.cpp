@@ -82,7 +82,7 @@ bool peer_is(int fd, std::uint32_t pid, std::uint32_t uid) {
 Clock::time_point step_deadline(Clock::time_point deadline) { return std::min(deadline, Clock::now() + step_limit); }
 
 // The unix half of linking one pair; returns the Link, or nullopt with `why` set.
-awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, const Offer& mine, const Offer& theirs,
+awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, const Offer& theirs,
                                                           std::unique_ptr<unix_socket::acceptor>& listener, int wake_fd,
                                                           Clock::time_point deadline, std::string& why) {
   auto executor = co_await asio::this_coro::executor;
@@ -119,7 +119,6 @@ awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, co
       co_return std::nullopt;
     }
   }
-  (void)mine;
   ShmStream::Link link;
   try {
     link.inbound = make_ring(ring_bytes);
@@ -183,7 +182,7 @@ awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer m
     // Both sides decide alike from the same two offers.
     if (!(mine.wants && theirs->wants && mine.host == theirs->host && mine.uid == theirs->uid)) co_return;
     std::string why;
-    auto link = co_await connect_locally(rank, peer, mine, *theirs, listener, wake_fd, deadline, why);
+    auto link = co_await connect_locally(rank, peer, *theirs, listener, wake_fd, deadline, why);
     listener.reset();
     const std::byte verdict = link ? std::byte{1} : std::byte{0};
     std::byte their_verdict{0};
