@@ -32,6 +32,15 @@ inline void copy_from_ring(const std::byte* ring, std::size_t capacity, std::siz
   if (n > first) std::memcpy(static_cast<std::byte*>(to) + first, ring, n - first);
 }
 
+// This side's store to its own word, then a full fence: of two sides that each do this and then load the
+// other's word, at least one sees the other's store (Dekker, the comment above). Every wake-up decision
+// of the ring goes through it.
+template <class T>
+inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order order) noexcept {
+  word.store(value, order);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
 inline constexpr std::uint32_t ring_version = 1;
 
@@ -69,14 +78,12 @@ class RingWriter {
   }
   // Makes what put() copied visible; true when the receiver may be asleep (signal it).
   bool publish() noexcept {
-    ring_->tail.store(tail_, std::memory_order_release);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    store_and_fence(ring_->tail, tail_, std::memory_order_release);
     return ring_->sleeping.load(std::memory_order_relaxed) != 0;
   }
   // The sender's sleep announcement while a write waits for room: true when room came meanwhile.
   bool arm_wait() noexcept {
-    ring_->writer_waiting.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    store_and_fence(ring_->writer_waiting, std::uint32_t{1}, std::memory_order_relaxed);
     return !full();
   }
   void disarm_wait() noexcept { ring_->writer_waiting.store(0, std::memory_order_relaxed); }
@@ -122,15 +129,13 @@ class RingReader {
   }
   // Hands the bytes taken back to the sender. True when the sender sleeps waiting for room (signal it).
   bool release() noexcept {
-    ring_->head.store(head_, std::memory_order_release);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    store_and_fence(ring_->head, head_, std::memory_order_release);
     return ring_->writer_waiting.load(std::memory_order_relaxed) != 0;
   }
 
   // The receiver's sleep announcement (RingControl's comment): arm() returns true when data came.
   bool arm() noexcept {
-    ring_->sleeping.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    store_and_fence(ring_->sleeping, std::uint32_t{1}, std::memory_order_relaxed);
     return available() > 0;
   }
   void disarm() noexcept { ring_->sleeping.store(0, std::memory_order_relaxed); }
