@@ -139,6 +139,12 @@ class Transport {
     /// report compares it with this rank's call, which finds mismatches that send no frame to anyone.
     OpSignature signature{};
   };
+  /// Records that this rank started operation `seq` of `context` as `signature` without a message of
+  /// this transport (a collective that runs in shared memory beside it), so that progress queries and
+  /// deadline reports see it as they see the others. Default: nothing.
+  virtual void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+    (void)context, (void)seq, (void)signature;
+  }
   /// How this rank called operation `seq` of `context` (call 0: not yet, or no longer remembered).
   virtual OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const = 0;
   /// Asks every other member of `context` how far it is (a query frame, answered by the member's

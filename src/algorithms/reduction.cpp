@@ -21,4 +21,15 @@ void fold_in_rank_order(std::byte* dst, const std::byte* slots, std::size_t coun
   for (int i = 1; i < ranks; ++i) reduce(dst, dst, slots + static_cast<std::size_t>(i) * bytes, count);
 }
 
+void fold_in_rank_order(std::byte* dst, std::span<const std::byte* const> sources, std::size_t count, DType type, ReduceOp op) {
+  if (count == 0 || sources.empty()) return;
+  if (sources.size() == 1) {
+    if (dst != sources[0]) std::memcpy(dst, sources[0], count * dtype_size(type));
+    return;
+  }
+  const auto reduce = kernels::find_reduce(type, op);
+  reduce(dst, sources[0], sources[1], count);
+  for (std::size_t i = 2; i < sources.size(); ++i) reduce(dst, dst, sources[i], count);
+}
+
 }  // namespace weft::algorithms

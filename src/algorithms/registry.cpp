@@ -16,13 +16,17 @@ constexpr Algorithm entries[] = {
     {C::all_reduce, K::recursive_doubling, "recursive_doubling"},
     {C::all_reduce, K::rabenseifner, "rabenseifner"},
     {C::all_reduce, K::tree, "tree"},
+    {C::all_reduce, K::shm, "shm"},
     {C::all_gather, K::ring, "ring"},
     {C::all_gather, K::bruck, "bruck"},
     {C::all_gather, K::recursive_doubling, "recursive_doubling"},
+    {C::all_gather, K::shm, "shm"},
     {C::reduce_scatter, K::ring, "ring"},
     {C::reduce_scatter, K::recursive_halving, "recursive_halving"},
+    {C::reduce_scatter, K::shm, "shm"},
     {C::broadcast, K::binomial, "binomial"},
     {C::broadcast, K::scatter_all_gather, "scatter_all_gather"},
+    {C::broadcast, K::shm, "shm"},
     {C::reduce, K::binomial, "binomial"},
     {C::reduce, K::reduce_scatter_gather, "reduce_scatter_gather"},
     {C::gather, K::direct, "direct"},
@@ -31,7 +35,9 @@ constexpr Algorithm entries[] = {
     {C::scatter, K::binomial, "binomial"},
     {C::all_to_all, K::pairwise, "pairwise"},
     {C::all_to_all, K::bruck, "bruck"},
+    {C::all_to_all, K::shm, "shm"},
     {C::barrier, K::dissemination, "dissemination"},
+    {C::barrier, K::shm, "shm"},
     // permute and split have one plan each and no choice to make.
 };
 

@@ -27,6 +27,7 @@ enum class Kind : std::uint8_t {
   direct,
   pairwise,
   dissemination,
+  shm,  // the direct shared-memory collectives (group arena): groups whose ranks share one host
 };
 
 struct Algorithm {

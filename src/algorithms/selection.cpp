@@ -103,23 +103,37 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
   }
 }
 
-const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int ranks) const {
+const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int ranks, bool shared_arena) const {
   for (const auto& entry : overrides_) {
     if (entry.collective != collective) continue;
     for (const auto& c : entry.choices) {
       if (bytes >= c.lo && bytes < c.hi) return c.algorithm;
     }
   }
-  return built_in(collective, bytes, ranks);
+  return built_in(collective, bytes, ranks, shared_arena);
 }
 
-std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks) const {
+std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks, bool shared_arena) const {
   const auto known = collective_named(collective);
-  const Algorithm* chosen = known ? choose(*known, bytes, ranks) : nullptr;
+  const Algorithm* chosen = known ? choose(*known, bytes, ranks, shared_arena) : nullptr;
   return chosen ? chosen->name : std::string_view();
 }
 
-const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks) {
+const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, bool shared_arena) {
+  // On a group arena the direct shm algorithms are the defaults for the collectives that have one
+  // (bench/RESULTS.md, "Direct shm collectives"): no frames, no matching, one copy in and the reads
+  // straight from the areas.
+  if (shared_arena && ranks > 1) {
+    switch (collective) {
+      case Collective::all_reduce:
+      case Collective::all_gather:
+      case Collective::reduce_scatter:
+      case Collective::broadcast:
+      case Collective::all_to_all:
+      case Collective::barrier: return &entry(collective, Kind::shm);
+      default: break;
+    }
+  }
   switch (collective) {
     case Collective::all_reduce:
       // From bench/algorithms.sh on this project's VMs (bench/RESULTS.md): recursive doubling while

@@ -23,14 +23,15 @@ class Selection {
   void override_with(std::string_view spec, std::string_view source);
 
   /// The algorithm for `collective` of `bytes` bytes on `ranks` ranks: an entry of the registry. A
-  /// collective without a choice (permute, split) has none: null.
-  const Algorithm* choose(Collective collective, std::size_t bytes, int ranks) const;
+  /// collective without a choice (permute, split) has none: null. `shared_arena`: the group has a group
+  /// arena (all its ranks on one host), where the direct shm algorithms are the defaults.
+  const Algorithm* choose(Collective collective, std::size_t bytes, int ranks, bool shared_arena = false) const;
   /// The same by names, for tools and tests: the algorithm's name, empty when `collective` names no
   /// collective with a choice.
-  std::string_view choose(std::string_view collective, std::size_t bytes, int ranks) const;
+  std::string_view choose(std::string_view collective, std::size_t bytes, int ranks, bool shared_arena = false) const;
 
   /// The built-in table alone (what choose() gives without overrides).
-  static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks);
+  static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks, bool shared_arena = false);
 
  private:
   struct Choice {

@@ -15,6 +15,7 @@
 #include "algorithms/registry.hpp"
 #include "core/signature.hpp"
 #include "group/checks.hpp"
+#include "group/shm_collectives.hpp"
 #include "group/staging.hpp"
 #include "group/state.hpp"
 
@@ -391,9 +392,22 @@ std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& c
   return 0;
 }
 
+Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
+                            const algo::Algorithm& algorithm);
+
+// A direct shm algorithm: on the group arena, or (no arena, or the group left it) the built-in choice
+// over the transport.
+Task<void> on_arena_or_framed(std::shared_ptr<GroupState> g, std::uint64_t seq, detail::CollectiveCall call) {
+  const bool ran = co_await run_on_arena(g, seq, call);
+  if (ran) co_return;
+  const algo::Algorithm& framed = *algo::Selection::built_in(call.collective, selection_bytes(*g, call), g->size);
+  co_await start_collective(std::move(g), seq, call, framed);
+}
+
 // The task of `call`'s collective (not a coroutine: no frame of its own).
 Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
                             const algo::Algorithm& algorithm) {
+  if (algorithm.kind == algo::Kind::shm) return on_arena_or_framed(std::move(g), seq, call);
   switch (call.collective) {
     case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
     case Collective::all_gather: return all_gather_task(std::move(g), seq, call.in, call.out, algorithm);
@@ -445,7 +459,7 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
   check_usable(g, name);
   validate(g, call);
   // Chosen on the caller's thread, where override_algorithms changes the table.
-  const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size);
+  const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size, g.arena != nullptr);
   return spawn(*g.loop, start_collective(state_, take_seq(g, timeout_), call, algorithm));
 }
 

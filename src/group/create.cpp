@@ -87,6 +87,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   } catch (const std::exception& e) {
     throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
   }
+  g->arena = links.arena;
   auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets),
                                        std::move(links));
   transport->seal_frames(options.integrity, result.frame_keys);

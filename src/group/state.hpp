@@ -10,6 +10,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <coroutine>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -31,6 +33,10 @@
 #include "weft/transport.hpp"
 
 namespace weft {
+
+namespace shm {
+class Arena;
+}
 
 namespace algo = algorithms;
 
@@ -75,6 +81,9 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   int size = 1;
   std::vector<int> members;  // group rank -> transport rank
   Options options;
+  // The group arena of the direct shm collectives (group/shm_collectives.cpp): the world group of a job
+  // whose ranks all share one host; null otherwise (split and shrunk groups run over the transport).
+  std::shared_ptr<shm::Arena> arena;
 
   // ---- callers: the threads that call collectives
   algo::Selection selection;                        // which algorithm runs what (override_algorithms)
@@ -105,6 +114,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   bool watchdog_armed = false;
   std::uint64_t p2p_ids = std::uint64_t{1} << 63;
   std::vector<std::uint64_t> reporting;  // operations whose progress query is out
+  // The arena runs one collective at a time, in the order they started: the others wait here.
+  bool arena_busy = false;
+  std::deque<std::coroutine_handle<>> arena_queue;
+  std::uint64_t arena_seq = 0;  // the operation in the arena now (0: none), for deadline reports
 
   ~GroupState() {
     if (!transport) return;

@@ -1,5 +1,7 @@
 #include "transports/select.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <mutex>
 
@@ -45,6 +47,16 @@ asio::awaitable<void> link_local(Loop& loop, std::vector<asio::ip::tcp::socket>&
   std::size_t linked = 0;
   for (const auto& link : out.links) linked += link ? 1 : 0;
   if (want) log().info("rank {}: shared memory with {} peer(s) on this host", rank, linked);
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  out.arena = shm::share_arena(out.links, rank, static_cast<int>(std::clamp<std::int64_t>(left.count(), 1, 5000)));
+  if (out.arena) {
+    std::vector<int> wake_fds(out.links.size(), -1);
+    for (std::size_t peer = 0; peer < out.links.size(); ++peer) {
+      if (out.links[peer]) wake_fds[peer] = ::dup(out.links[peer]->peer_wake_fd);
+    }
+    out.arena->attach(loop, std::move(wake_fds));
+    log().info("rank {}: the {} ranks share a group arena ({} KiB per area)", rank, out.links.size(), out.arena->area_bytes() >> 10);
+  }
 }
 
 FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets,

@@ -14,6 +14,7 @@
 #include <asio.hpp>
 
 #include "transports/framed/framed_transport.hpp"
+#include "transports/shm/arena.hpp"
 #include "transports/shm/shm_stream.hpp"
 #include "weft/loop.hpp"
 
@@ -33,6 +34,9 @@ bool wants_shm(std::string_view choice) noexcept;
 struct LocalLinks {
   std::shared_ptr<ShmHub> hub;
   std::vector<std::optional<ShmStream::Link>> links;  // [peer]
+  /// The group arena, when every rank of the job is linked to every other (for the direct shm
+  /// collectives of the world group); attached to the loop, which wakes through the hub's eventfd.
+  std::shared_ptr<shm::Arena> arena;
 };
 
 /// Right after the bootstrap, over every peer's greeted connection: the link offers (docs/PROTOCOL.md),

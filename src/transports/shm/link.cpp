@@ -1,5 +1,6 @@
 #include "transports/shm/link.hpp"
 
+#include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -19,6 +20,7 @@
 #include "core/bytes.hpp"
 #include "core/deadline.hpp"
 #include "core/log.hpp"
+#include "transports/shm/arena.hpp"
 
 namespace weft::shm {
 namespace {
@@ -262,6 +264,95 @@ awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vec
     if (failure) std::rethrow_exception(failure);
   }
   co_return links;
+}
+
+namespace {
+
+// One byte over a unix socket, both ways, within `timeout_ms`.
+bool send_byte(int socket, char byte) {
+  for (;;) {
+    const ssize_t n = ::send(socket, &byte, 1, MSG_NOSIGNAL);
+    if (n == 1) return true;
+    if (n < 0 && errno == EINTR) continue;
+    return false;
+  }
+}
+int receive_byte(int socket, int timeout_ms) {
+  pollfd p{socket, POLLIN, 0};
+  if (::poll(&p, 1, timeout_ms) <= 0) return -1;
+  char byte = 0;
+  ssize_t n;
+  do {
+    n = ::recv(socket, &byte, 1, 0);
+  } while (n < 0 && errno == EINTR);
+  return n == 1 ? static_cast<unsigned char>(byte) : -1;
+}
+
+}  // namespace
+
+std::shared_ptr<Arena> share_arena(std::vector<std::optional<ShmStream::Link>>& links, int rank, int timeout_ms) {
+  const int size = static_cast<int>(links.size());
+  if (size < 2) return nullptr;
+  bool all_linked = true;
+  for (int peer = 0; peer < size; ++peer) all_linked = all_linked && (peer == rank || links[static_cast<std::size_t>(peer)]);
+  if (rank != 0) {
+    auto& to_root = links[0];
+    if (!to_root) return nullptr;  // rank 0 is not linked to this rank either: it makes no arena
+    if (!send_byte(to_root->socket, all_linked ? 'A' : 'N')) return nullptr;
+    int fd = -1;
+    const int got = receive_fds(to_root->socket, &fd, 1, timeout_ms);
+    if (got != 1) return nullptr;  // 'N' (a byte without a descriptor), or nothing in time
+    std::shared_ptr<Arena> arena;
+    try {
+      arena = Arena::adopt(fd, size, rank);
+    } catch (const std::exception& e) {
+      log().warn("rank {}: the group's shared-memory arena from rank 0 is unusable ({})", rank, e.what());
+    }
+    // Every rank must have it, or none uses it (the others would wait for this rank in vain).
+    if (!send_byte(to_root->socket, arena ? 'Y' : 'N')) return nullptr;
+    return receive_byte(to_root->socket, timeout_ms) == 'Y' ? arena : nullptr;
+  }
+  // Rank 0: every linked peer votes; an arena only if every rank is linked to every other.
+  bool all_voted_yes = all_linked;
+  for (int peer = 1; peer < size; ++peer) {
+    auto& link = links[static_cast<std::size_t>(peer)];
+    if (!link) continue;
+    all_voted_yes = receive_byte(link->socket, timeout_ms) == 'A' && all_voted_yes;
+  }
+  std::shared_ptr<Arena> arena;
+  if (all_voted_yes) {
+    try {
+      arena = Arena::create(size, rank);
+    } catch (const std::exception& e) {
+      log().warn("rank 0: cannot make the group's shared-memory arena ({}); collectives run over the rings", e.what());
+    }
+  }
+  // The arena to every peer (or 'N'), then the confirmations, then the verdict: the arena is used only
+  // if every rank mapped it.
+  bool everyone = arena != nullptr;
+  std::vector<bool> sent(static_cast<std::size_t>(size), false);
+  for (int peer = 1; peer < size; ++peer) {
+    auto& link = links[static_cast<std::size_t>(peer)];
+    if (!link) continue;
+    const int fd = arena ? arena->fd() : -1;
+    sent[static_cast<std::size_t>(peer)] = arena && send_fds(link->socket, &fd, 1);
+    if (!sent[static_cast<std::size_t>(peer)]) {
+      send_byte(link->socket, 'N');
+      everyone = false;
+    }
+  }
+  for (int peer = 1; peer < size; ++peer) {
+    if (sent[static_cast<std::size_t>(peer)]) everyone = receive_byte(links[static_cast<std::size_t>(peer)]->socket, timeout_ms) == 'Y' && everyone;
+  }
+  for (int peer = 1; peer < size; ++peer) {
+    if (sent[static_cast<std::size_t>(peer)]) send_byte(links[static_cast<std::size_t>(peer)]->socket, everyone ? 'Y' : 'N');
+  }
+  if (!arena) return nullptr;
+  if (!everyone) {
+    log().warn("rank 0: a rank could not map the group's shared-memory arena; collectives run over the rings");
+    return nullptr;
+  }
+  return arena;
 }
 
 }  // namespace weft::shm

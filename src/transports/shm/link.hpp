@@ -8,6 +8,7 @@
 // with its eventfd (SCM_RIGHTS); both say over the TCP connection whether all went well, and the pair
 // uses shared memory only if both did. Anything else keeps the TCP connection, with one log line.
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -27,6 +28,15 @@ inline constexpr std::size_t ring_bytes = std::size_t{1} << 20;
 asio::awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vector<asio::ip::tcp::socket>& sockets, int rank,
                                                                               bool want, int wake_fd,
                                                                               std::chrono::steady_clock::time_point deadline);
+
+class Arena;
+
+/// After link_local_peers, over the unix sockets of `links`: the group arena (arena.hpp) of a job whose
+/// every rank is linked to every other. Each rank tells rank 0 whether it is linked to all; rank 0 makes
+/// the arena only if all are, and passes it (SCM_RIGHTS); each rank confirms it mapped it, and rank 0
+/// says whether every rank did (docs/PROTOCOL.md, "Group arena"). Null where there is none; every step
+/// waits at most `timeout_ms`. Every rank linked to rank 0 must call it.
+std::shared_ptr<Arena> share_arena(std::vector<std::optional<ShmStream::Link>>& links, int rank, int timeout_ms);
 
 /// This host as the offer names it: the kernel's boot id and this process's network namespace.
 std::array<std::byte, 24> host_identity();

@@ -1,0 +1,175 @@
+#include "transports/shm/arena.hpp"
+
+#include <unistd.h>
+
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "transports/shm/ring.hpp"
+
+namespace weft::shm {
+namespace {
+
+constexpr std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 1) / to * to; }
+
+std::size_t controls_offset() noexcept { return round_up(sizeof(ArenaHeader), 64); }
+std::size_t areas_offset(int ranks) noexcept {
+  return round_up(controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(ranks), 4096);
+}
+std::size_t stride_of(std::size_t area_bytes) noexcept { return round_up(sizeof(AreaHeader) + area_bytes, 4096); }
+std::size_t segment_bytes(int ranks, std::size_t area_bytes) noexcept {
+  return areas_offset(ranks) + 2 * static_cast<std::size_t>(ranks) * stride_of(area_bytes);
+}
+
+// The loop holds the arena through this, so that the arena goes with its group (not with the loop).
+struct ArenaPoller final : Loop::Poller {
+  std::weak_ptr<Arena> arena;
+  std::size_t poll() override {
+    auto a = arena.lock();
+    return a ? a->poll() : 0;
+  }
+  bool arm() override {
+    auto a = arena.lock();
+    return a && a->arm();
+  }
+  void disarm() override {
+    if (auto a = arena.lock()) a->disarm();
+  }
+};
+
+}  // namespace
+
+std::size_t Arena::area_bytes_for(int ranks) noexcept {
+  if (ranks <= 16) return std::size_t{1} << 20;
+  return std::max<std::size_t>(std::size_t{64} << 10, (std::size_t{16} << 20) / static_cast<std::size_t>(ranks) & ~std::size_t{4095});
+}
+
+Arena::Arena(Segment segment, int ranks, int rank)
+    : segment_(std::move(segment)), ranks_(ranks), rank_(rank) {
+  auto* base = static_cast<std::byte*>(segment_.data());
+  area_bytes_ = static_cast<std::size_t>(reinterpret_cast<ArenaHeader*>(base)->area_bytes);
+  area_stride_ = stride_of(area_bytes_);
+  controls_ = reinterpret_cast<RankControl*>(base + controls_offset());
+  areas_ = base + areas_offset(ranks);
+  count_ = control(rank).count.load(std::memory_order_relaxed);
+}
+
+std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
+  const std::size_t area = area_bytes_for(ranks);
+  Segment segment = Segment::create(segment_bytes(ranks, area), "weft-arena");
+  auto* base = static_cast<std::byte*>(segment.data());
+  auto* header = new (base) ArenaHeader{arena_magic, arena_version, static_cast<std::uint32_t>(ranks), area};
+  (void)header;
+  for (int r = 0; r < ranks; ++r) new (base + controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(r)) RankControl{};
+  return std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
+}
+
+std::shared_ptr<Arena> Arena::adopt(int fd, int ranks, int rank) {
+  Segment segment = Segment::adopt(fd, controls_offset());
+  const auto* header = static_cast<const ArenaHeader*>(segment.data());
+  if (header->magic != arena_magic || header->version != arena_version) {
+    throw std::runtime_error("the group arena is not one (wrong magic or version)");
+  }
+  if (header->ranks != static_cast<std::uint32_t>(ranks)) {
+    throw std::runtime_error("the group arena is for " + std::to_string(header->ranks) + " ranks, not " + std::to_string(ranks));
+  }
+  if (header->area_bytes == 0 || header->area_bytes > (std::uint64_t{1} << 30) ||
+      segment.size() < segment_bytes(ranks, static_cast<std::size_t>(header->area_bytes))) {
+    throw std::runtime_error("the group arena is smaller than its header says");
+  }
+  return std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
+}
+
+Arena::~Arena() {
+  if (loop_) loop_->remove_poller(poller_);
+  for (int fd : wake_fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
+  loop_ = &loop;
+  wake_fds_ = std::move(wake_fds);
+  auto poller = std::make_shared<ArenaPoller>();
+  poller->arena = weak_from_this();
+  poller_ = loop.add_poller(std::move(poller));
+}
+
+RankControl& Arena::control(int r) const noexcept { return controls_[r]; }
+
+std::byte* Arena::area_at(int r, std::uint64_t parity) const noexcept {
+  const std::size_t index = static_cast<std::size_t>(r) * 2 + static_cast<std::size_t>(parity);
+  return areas_ + index * area_stride_ + sizeof(AreaHeader);
+}
+
+AreaHeader& Arena::header_at(int r, std::uint64_t parity) const noexcept {
+  return *reinterpret_cast<AreaHeader*>(area_at(r, parity) - sizeof(AreaHeader));
+}
+
+void Arena::publish() noexcept {
+  ++count_;
+  store_and_fence(control(rank_).count, count_, std::memory_order_release);
+  wake_sleepers();
+}
+
+void Arena::wake_sleepers() noexcept {
+  for (int r = 0; r < ranks_; ++r) {
+    if (r == rank_ || control(r).sleeping.load(std::memory_order_relaxed) == 0) continue;
+    const std::uint64_t one = 1;
+    if (static_cast<std::size_t>(r) < wake_fds_.size() && wake_fds_[static_cast<std::size_t>(r)] >= 0) {
+      [[maybe_unused]] const auto n = ::write(wake_fds_[static_cast<std::size_t>(r)], &one, sizeof one);
+    }
+  }
+}
+
+bool Arena::reached() const noexcept {
+  for (int r = 0; r < ranks_; ++r) {
+    if (control(r).count.load(std::memory_order_acquire) < count_) return false;
+  }
+  return true;
+}
+
+std::vector<int> Arena::behind() const {
+  std::vector<int> out;
+  for (int r = 0; r < ranks_; ++r) {
+    if (control(r).count.load(std::memory_order_acquire) < count_) out.push_back(r);
+  }
+  return out;
+}
+
+void Arena::retire(std::uint64_t seq) noexcept {
+  // Not a superstep: the count stays, so that nobody reads this rank's area as if it were one.
+  store_and_fence(control(rank_).retired, seq == 0 ? std::uint64_t{1} : seq, std::memory_order_release);
+  wake_sleepers();
+}
+
+bool Arena::retired() const noexcept { return control(rank_).retired.load(std::memory_order_relaxed) != 0; }
+
+int Arena::retired_peer(std::uint64_t* seq) const noexcept {
+  for (int r = 0; r < ranks_; ++r) {
+    if (r == rank_) continue;
+    if (const auto s = control(r).retired.load(std::memory_order_acquire); s != 0) {
+      if (seq) *seq = s;
+      return r;
+    }
+  }
+  return -1;
+}
+
+std::size_t Arena::poll() {
+  if (!waiter_ || !ready_or_interrupted()) return 0;
+  auto handle = std::exchange(waiter_, nullptr)->handle;
+  handle.resume();
+  return 1;
+}
+
+bool Arena::arm() {
+  if (!waiter_) return false;  // nothing to wait for: nobody needs to wake this rank
+  store_and_fence(control(rank_).sleeping, std::uint32_t{1}, std::memory_order_relaxed);
+  return ready_or_interrupted();
+}
+
+void Arena::disarm() { control(rank_).sleeping.store(0, std::memory_order_relaxed); }
+
+}  // namespace weft::shm

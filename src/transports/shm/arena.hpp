@@ -1,0 +1,148 @@
+#pragma once
+// The group arena: one shared segment that every rank of a group on one host maps, for the direct
+// shared-memory collectives (group/shm_collectives.cpp). It knows nothing of collectives. It holds, per
+// rank, a control line and two areas, and moves the ranks through supersteps, as a BSP machine does:
+//
+//   write into my area (the one of parity count % 2), publish (count + 1), wait until every rank's count
+//   reached mine, read the other ranks' areas of that parity.
+//
+// Why two areas and no "done reading" word: a rank reads parity b's areas between its wait for count
+// x + 1 and its next publish (x + 2); a writer writes parity b again only at count x + 2, after it has
+// waited for every rank to reach x + 2, so every reader has left. Every word has one writer (its rank);
+// what a rank reads of another (counts, headers, data) only decides what it computes or reports, never
+// an address or a length: a peer writing garbage gets garbage results or a mismatch error, no access
+// outside the segment.
+//
+// Waking (ring.hpp's Dekker pair): a waiting rank about to sleep stores sleeping = 1, fences, and looks at
+// the counts once more; a publishing rank stores its count, fences, and writes the eventfd of every peer
+// whose sleeping word it finds set.
+//
+// Leaving: a rank whose collective is cancelled halfway leaves the arena for good (`retire`, naming the
+// operation), since the others cannot step without it; they see it, fail that operation as cancelled if
+// it is the one it left, and leave too, running their later collectives over the framed transport.
+#include <atomic>
+#include <coroutine>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "transports/shm/segment.hpp"
+#include "weft/loop.hpp"
+
+namespace weft::shm {
+
+inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
+inline constexpr std::uint32_t arena_version = 1;
+
+struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
+  std::uint64_t magic = 0;
+  std::uint32_t version = 0;
+  std::uint32_t ranks = 0;
+  std::uint64_t area_bytes = 0;
+};
+
+struct alignas(64) RankControl {
+  std::atomic<std::uint64_t> count{0};    // supersteps published
+  std::atomic<std::uint64_t> retired{0};  // the seq of the operation it left the arena in; 0: still in
+  alignas(64) std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
+};
+
+struct alignas(64) AreaHeader {  // what the area holds: which operation (seq, signature), which step
+  std::uint64_t seq = 0;
+  std::uint64_t count = 0;  // the signature's element count
+  std::uint32_t call = 0;   // the signature's call word
+  std::uint32_t step = 0;   // the operation's superstep
+};
+
+class Arena : public std::enable_shared_from_this<Arena> {
+ public:
+  /// Bytes of each area for a group of `ranks` (two areas per rank): 1 MiB up to 16 ranks, less beyond.
+  static std::size_t area_bytes_for(int ranks) noexcept;
+  /// A new arena for `ranks` ranks (this one `rank`). Throws std::system_error.
+  static std::shared_ptr<Arena> create(int ranks, int rank);
+  /// Maps an arena a peer made (adopt), checking its header against `ranks`. Takes over `fd`. Throws
+  /// std::runtime_error naming what is wrong.
+  static std::shared_ptr<Arena> adopt(int fd, int ranks, int rank);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  int fd() const noexcept { return segment_.fd(); }
+  int ranks() const noexcept { return ranks_; }
+  int rank() const noexcept { return rank_; }
+  std::size_t area_bytes() const noexcept { return area_bytes_; }
+
+  /// The eventfds that wake the other ranks (owned; -1 for this rank), and the loop that waits here.
+  void attach(Loop& loop, std::vector<int> wake_fds);
+
+  // ---- one superstep: write, publish, wait (until_reached), read
+  std::uint64_t count() const noexcept { return count_; }
+  /// This rank's area for the next superstep (written before publish()), and its header.
+  std::byte* next_area() const noexcept { return area_at(rank_, count_ & 1); }
+  AreaHeader& next_header() const noexcept { return header_at(rank_, count_ & 1); }
+  /// Rank r's area of the superstep last published (read after the wait), and its header.
+  const std::byte* area(int r) const noexcept { return area_at(r, (count_ - 1) & 1); }
+  const AreaHeader& header(int r) const noexcept { return header_at(r, (count_ - 1) & 1); }
+  /// Makes this rank's area visible (count + 1) and wakes the ranks that sleep.
+  void publish() noexcept;
+  /// Whether every rank has published as many supersteps as this one.
+  bool reached() const noexcept;
+  /// The ranks that have not (for reports).
+  std::vector<int> behind() const;
+
+  // ---- leaving
+  void retire(std::uint64_t seq) noexcept;
+  bool retired() const noexcept;
+  /// A rank that left the arena, with the seq it left in; -1 when none has.
+  int retired_peer(std::uint64_t* seq) const noexcept;
+
+  /// What waits for the superstep: resumed when every rank reached it, or when interrupted() (a failure,
+  /// a deadline, a cancel: it decides) becomes true. Loop thread only; one at a time.
+  struct Waiter {
+    virtual bool interrupted() = 0;
+    std::coroutine_handle<> handle;
+
+   protected:
+    ~Waiter() = default;
+  };
+  struct Awaiter {
+    Arena* arena;
+    Waiter* waiter;
+    bool await_ready() const noexcept { return arena->reached() || waiter->interrupted(); }
+    void await_suspend(std::coroutine_handle<> h) noexcept {
+      waiter->handle = h;
+      arena->waiter_ = waiter;
+    }
+    void await_resume() const noexcept {}
+  };
+  Awaiter until_reached(Waiter& waiter) noexcept { return Awaiter{this, &waiter}; }
+
+  // The loop's poller calls, on its thread.
+  std::size_t poll();
+  bool arm();
+  void disarm();
+
+ private:
+  Arena(Segment segment, int ranks, int rank);
+  RankControl& control(int r) const noexcept;
+  std::byte* area_at(int r, std::uint64_t parity) const noexcept;
+  AreaHeader& header_at(int r, std::uint64_t parity) const noexcept;
+  void wake_sleepers() noexcept;
+  bool ready_or_interrupted() const noexcept { return reached() || (waiter_ && waiter_->interrupted()); }
+
+  Segment segment_;
+  int ranks_ = 0;
+  int rank_ = 0;
+  std::size_t area_bytes_ = 0;
+  std::size_t area_stride_ = 0;
+  std::byte* areas_ = nullptr;
+  RankControl* controls_ = nullptr;
+  std::uint64_t count_ = 0;  // this rank's, as published
+  Waiter* waiter_ = nullptr;
+  Loop* loop_ = nullptr;
+  std::uint64_t poller_ = 0;
+  std::vector<int> wake_fds_;
+};
+
+}  // namespace weft::shm
