@@ -39,8 +39,19 @@ class ArenaRun final : public shm::Arena::Waiter {
       : g_(g), arena_(*g.arena), seq_(seq), op_(op), signature_(signature), hook_(std::move(hook)) {}
 
   bool interrupted() override {
-    return hook_->cancelled || arena_.retired_peer(nullptr) >= 0 || g_.failed.load(std::memory_order_relaxed) ||
-           g_.transport->context_failed(g_.context, nullptr, nullptr);
+    if (hook_->cancelled || arena_.retired_peer(nullptr) >= 0 || g_.failed.load(std::memory_order_relaxed) ||
+        g_.transport->context_failed(g_.context, nullptr, nullptr)) {
+      return true;
+    }
+    // A rank that left the group normally (its Group closed) does not fail the context by itself: a
+    // rank that waits on it must (the framed transport fails such a receive the same way).
+    for (int r = 0; r < g_.size; ++r) {
+      if (r != g_.rank && arena_.behind(r) && !g_.transport->connected(g_.members[static_cast<std::size_t>(r)])) {
+        departed_ = r;
+        return true;
+      }
+    }
+    return false;
   }
 
   shm::Arena& arena() noexcept { return arena_; }
@@ -93,6 +104,12 @@ class ArenaRun final : public shm::Arena::Waiter {
     }
     std::error_code code;
     std::string reason;
+    if (departed_ >= 0 && !g_.transport->context_failed(g_.context, nullptr, nullptr)) {
+      reason = fmt::format("rank {} left the group (its connection closed) while rank {} waited for it in {} #{}", departed_,
+                           g_.rank, op_, seq_);
+      g_.transport->abort_context(g_.context, Errc::peer_failure, reason);
+      throw_error(Errc::peer_failure, g_.where(op_, static_cast<std::int64_t>(seq_), departed_), reason);
+    }
     if (g_.transport->context_failed(g_.context, &code, &reason)) {
       throw_error(static_cast<Errc>(code.value()), g_.where(op_, static_cast<std::int64_t>(seq_)), reason);
     }
@@ -128,6 +145,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   const char* op_;
   OpSignature signature_;
   std::shared_ptr<Hook> hook_;
+  int departed_ = -1;
 };
 
 // Elements per chunk when each rank writes `pieces` pieces of a chunk into its area.

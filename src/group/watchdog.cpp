@@ -8,6 +8,7 @@
 
 #include "core/signature.hpp"
 #include "group/state.hpp"
+#include "transports/shm/arena.hpp"
 
 namespace weft::detail {
 
@@ -81,7 +82,12 @@ void GroupState::time_out(std::uint64_t seq, const char* op, std::chrono::millis
   if (std::find(reporting.begin(), reporting.end(), seq) != reporting.end()) return;
   reporting.push_back(seq);
   std::vector<std::string> names;
-  for (int peer : transport->waiting_on(context, seq)) names.push_back(std::to_string(group_rank(peer)));
+  std::vector<int> peers = transport->waiting_on(context, seq);
+  // A collective in the group arena waits on the ranks that have not published its step yet.
+  if (peers.empty() && arena && arena_seq == seq) {
+    for (int r : arena->behind()) peers.push_back(members[static_cast<std::size_t>(r)]);
+  }
+  for (int peer : peers) names.push_back(std::to_string(group_rank(peer)));
   const std::string after = duration_text(timeout);
   const std::string whom = names.empty() ? std::string("no peer (the operation had not reached the network)")
                                          : fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "));

@@ -130,6 +130,8 @@ bool Arena::reached() const noexcept {
   return true;
 }
 
+bool Arena::behind(int r) const noexcept { return control(r).count.load(std::memory_order_acquire) < count_; }
+
 std::vector<int> Arena::behind() const {
   std::vector<int> out;
   for (int r = 0; r < ranks_; ++r) {

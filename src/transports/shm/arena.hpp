@@ -88,7 +88,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void publish() noexcept;
   /// Whether every rank has published as many supersteps as this one.
   bool reached() const noexcept;
-  /// The ranks that have not (for reports).
+  /// Whether rank r has not; the ranks that have not (for reports).
+  bool behind(int r) const noexcept;
   std::vector<int> behind() const;
 
   // ---- leaving
