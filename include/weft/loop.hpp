@@ -124,6 +124,9 @@ class Loop {
   /// Registers `poller` (kept alive until remove_poller). Returns an id for remove_poller(). Thread-safe.
   std::uint64_t add_poller(std::shared_ptr<Poller> poller);
   void remove_poller(std::uint64_t id);
+  /// Runs every poller's poll() now: for a wake-up fd that several sources share (the shared-memory
+  /// streams and the group arena of one rank are woken through one eventfd). Loop thread only.
+  void poll_memory();
 
   /// `co_await loop.schedule()` continues the coroutine on the loop's thread.
   auto schedule() noexcept {

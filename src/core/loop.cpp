@@ -410,6 +410,8 @@ std::uint64_t Loop::add_poller(std::shared_ptr<Poller> poller) {
   return id;
 }
 
+void Loop::poll_memory() { impl_->run_pollers(); }
+
 void Loop::remove_poller(std::uint64_t id) {
   impl_->on_loop([impl = impl_.get(), id] {
     std::erase_if(impl->pollers, [id](const auto& entry) { return entry.first == id; });

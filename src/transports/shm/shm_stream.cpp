@@ -43,7 +43,8 @@ std::shared_ptr<ShmHub> ShmHub::create(Loop& loop) {
     if (!self) return;
     std::uint64_t count = 0;
     [[maybe_unused]] const auto n = ::read(self->event_fd_, &count, sizeof count);
-    self->poll();
+    // The eventfd wakes every memory source of this rank (the streams and the group arena).
+    self->loop().poll_memory();
   });
   auto poller = std::make_shared<HubPoller>();
   poller->hub = hub;
