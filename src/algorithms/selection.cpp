@@ -120,10 +120,12 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
 }
 
 const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, bool shared_arena) {
-  // On a group arena the direct shm algorithms are the defaults for the collectives that have one
-  // (bench/RESULTS.md, "Direct shm collectives"): no frames, no matching, one copy in and the reads
-  // straight from the areas.
-  if (shared_arena && ranks > 1) {
+  // On a group arena the direct shm algorithms are the defaults below 256 KiB for the collectives that
+  // have one (bench/RESULTS.md, "Direct shm collectives"): no frames, no matching, one copy in and the
+  // reads straight from the areas; 2 ranks, all_reduce 8 B .. 64 KiB: 6-20 us against 11-170 us over
+  // the rings. From 256 KiB the pipelined plans over the rings move 5-7 GB/s where the arena's
+  // supersteps (copy in, wait, read) stay near 4 GB/s, so they keep those sizes.
+  if (shared_arena && ranks > 1 && (bytes < (std::size_t{256} << 10) || collective == Collective::barrier)) {
     switch (collective) {
       case Collective::all_reduce:
       case Collective::all_gather:
