@@ -9,7 +9,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <algorithm>
 #include <future>
+#include <new>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -17,13 +19,16 @@
 
 #include "support/harness.hpp"
 #include "transports/framed/framed_transport.hpp"
+#include "transports/shm/arena.hpp"
 #include "transports/shm/ring.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/shm/shm_stream.hpp"
 #include "weft/future.hpp"
+#include "weft/group.hpp"
 #include "weft/loop.hpp"
 
 using namespace weft;
+using namespace weft::test;
 
 namespace {
 
@@ -260,4 +265,84 @@ TEST_CASE("a peer that goes away fails the receive waiting on it, naming the con
   const auto outcome = receive.get();
   REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
   REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1"));
+}
+
+// ---------------------------------------------------------------- the group arena
+
+TEST_CASE("arena supersteps: three threads step together 20000 times, each reading every other's area", "[shm][arena]") {
+  constexpr int p = 3;
+  std::vector<std::shared_ptr<shm::Arena>> arenas;
+  arenas.push_back(shm::Arena::create(p, 0));
+  for (int r = 1; r < p; ++r) arenas.push_back(shm::Arena::adopt(::dup(arenas[0]->fd()), p, r));
+  std::atomic<long> wrong{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r) {
+    threads.emplace_back([&, r] {
+      shm::Arena& a = *arenas[static_cast<std::size_t>(r)];
+      for (std::uint64_t step = 1; step <= 20000; ++step) {
+        // Enough bytes that a torn read (a writer one step ahead on the same area) would show.
+        auto* mine = reinterpret_cast<std::uint64_t*>(a.next_area());
+        for (int i = 0; i < 512; ++i) mine[i] = step * 1000 + static_cast<std::uint64_t>(r);
+        a.next_header().seq = step;
+        a.publish();
+        while (!a.reached()) std::this_thread::yield();
+        for (int q = 0; q < p; ++q) {
+          const auto* theirs = reinterpret_cast<const std::uint64_t*>(a.area(q));
+          if (a.header(q).seq != step) ++wrong;
+          for (int i = 0; i < 512; i += 97) wrong += theirs[i] != step * 1000 + static_cast<std::uint64_t>(q);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  REQUIRE(wrong.load() == 0);
+}
+
+TEST_CASE("an arena from a peer is checked before it is used", "[shm][arena]") {
+  auto arena = shm::Arena::create(4, 0);
+  REQUIRE(shm::Arena::adopt(::dup(arena->fd()), 4, 2)->area_bytes() == arena->area_bytes());
+  REQUIRE_THROWS_WITH(shm::Arena::adopt(::dup(arena->fd()), 3, 1), Catch::Contains("for 4 ranks, not 3"));
+  const int unsealed = ::memfd_create("x", MFD_CLOEXEC);
+  REQUIRE(::ftruncate(unsealed, 1 << 16) == 0);
+  REQUIRE_THROWS_WITH(shm::Arena::adopt(unsealed, 4, 1), Catch::Contains("not a sealed memfd"));
+  shm::Segment plain = shm::Segment::create(1 << 16, "plain");
+  REQUIRE_THROWS_WITH(shm::Arena::adopt(::dup(plain.fd()), 4, 1), Catch::Contains("not one"));
+  // A header that claims larger areas than the segment holds.
+  shm::Segment small = shm::Segment::create(1 << 16, "small");
+  new (small.data()) shm::ArenaHeader{shm::arena_magic, shm::arena_version, 2, std::uint64_t{1} << 20};
+  REQUIRE_THROWS_WITH(shm::Arena::adopt(::dup(small.fd()), 2, 1), Catch::Contains("smaller than its header says"));
+}
+
+TEST_CASE("ranks of one host share a group arena, and its collectives match the reference", "[shm][arena]") {
+  Options options;
+  options.transport = "shm";
+  for (int p : {2, 3, 4}) {
+    const long before = checks_made.load();
+    run_ranks(p, [&](Group& g) {
+      check(g.algorithm_for("all_reduce", 1024) == "shm", "the arena's all_reduce is not the default");
+      check(g.algorithm_for("all_reduce", 1 << 20) != "shm", "1 MiB should run over the rings");
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{300001}}) {
+        std::vector<float> x(count);
+        for (std::size_t i = 0; i < count; ++i) x[i] = static_cast<float>(g.rank() + 1) * static_cast<float>(i % 13);
+        g.override_algorithms("all_reduce:shm;all_gather:shm;broadcast:shm");
+        g.all_reduce(x).get();
+        const float ranks_sum = static_cast<float>(g.size() * (g.size() + 1) / 2);
+        bool ok = true;
+        for (std::size_t i = 0; i < count; ++i) ok = ok && x[i] == ranks_sum * static_cast<float>(i % 13);
+        check(ok, fmt::format("all_reduce of {} floats on the arena", count));
+        std::vector<std::int32_t> mine(count, g.rank()), all(count * static_cast<std::size_t>(g.size()));
+        g.all_gather(ConstBufferView(mine.data(), count, DType::i32), BufferView(all.data(), all.size(), DType::i32)).get();
+        for (int r = 0; r < g.size(); ++r) {
+          check(std::all_of(all.begin() + static_cast<long>(count) * r, all.begin() + static_cast<long>(count) * (r + 1),
+                            [r](std::int32_t v) { return v == r; }),
+                fmt::format("all_gather block {} of {} elements", r, count));
+        }
+        std::vector<std::int32_t> data(count, g.rank() == 1 ? 42 : -1);
+        g.broadcast(BufferView(data.data(), count, DType::i32), 1).get();
+        check(std::all_of(data.begin(), data.end(), [](std::int32_t v) { return v == 42; }), "broadcast from rank 1");
+        g.barrier().get();
+      }
+    }, options);
+    REQUIRE(checks_made.load() > before);
+  }
 }
