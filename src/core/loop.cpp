@@ -168,10 +168,54 @@ struct Loop::Impl {
     parked_flag.store(false, std::memory_order_release);
   }
 
+  // Posted from other threads to a loop that owns its thread: taken by the next turn without entering
+  // the kernel (an Asio post is only seen by io_context::poll, and every poll is an epoll_wait: a system
+  // call per collective started from a waiting thread, about a third of a small all_reduce's cycles,
+  // bench/RESULTS.md). A turn about to sleep in the kernel says so (`asleep`, then a look at `ready_any`:
+  // Dekker with the poster, which stores `ready_any`, then looks at `asleep` and wakes the loop with an
+  // Asio post when it is set).
+  std::mutex ready_mutex;
+  std::vector<std::function<void()>> ready;  // guarded by ready_mutex
+  std::vector<std::function<void()>> running;  // the loop's: the batch being run
+  std::atomic<bool> ready_any{false};
+  std::atomic<bool> asleep{false};
+
+  void post_ready(std::function<void()> fn) {
+    {
+      std::lock_guard lock(ready_mutex);
+      ready.push_back(std::move(fn));
+      ready_any.store(true, std::memory_order_seq_cst);
+    }
+    if (asleep.load(std::memory_order_seq_cst)) asio::post(*io, [] {});
+  }
+  std::size_t run_ready() {
+    if (!ready_any.load(std::memory_order_acquire)) return 0;
+    {
+      std::lock_guard lock(ready_mutex);
+      running.swap(ready);
+      ready_any.store(false, std::memory_order_relaxed);
+    }
+    PollingHere here(this);
+    const std::size_t n = running.size();
+    for (auto& fn : running) fn();
+    running.clear();
+    return n;
+  }
+  // Before a sleep in the kernel: false (and not asleep) when something was posted meanwhile.
+  bool fall_asleep() {
+    asleep.store(true, std::memory_order_seq_cst);
+    if (ready_any.load(std::memory_order_seq_cst)) {
+      asleep.store(false, std::memory_order_relaxed);
+      return false;
+    }
+    return true;
+  }
+
   // Memory-only event sources (add_poller), loop thread only.
   std::vector<std::pair<std::uint64_t, std::shared_ptr<Loop::Poller>>> pollers;
   Clock::time_point kernel_polled{};  // while pollers spin, the kernel is asked only every kernel_every
-  static constexpr std::chrono::microseconds kernel_every{2};
+  static constexpr std::chrono::microseconds kernel_every{10};
+  static constexpr std::chrono::microseconds kernel_at_most{50};
 
   std::size_t run_pollers() {
     PollingHere here(this);
@@ -206,21 +250,30 @@ struct Loop::Impl {
   // that computes between collectives polls for ever shorter stretches.
   void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait) {
     if (polling) {
-      std::size_t found = pollers.empty() ? 0 : run_pollers();
-      // A poll of the kernel costs a system call (about 0.5 us on a VM); memory pollers cost nanoseconds
-      // and must not wait behind it on every turn.
-      if (pollers.empty() || Clock::now() - kernel_polled >= kernel_every) {
+      std::size_t found = run_ready();
+      found += pollers.empty() ? 0 : run_pollers();
+      // A poll of the kernel costs a system call (about 0.5 us on a VM); posted work and memory pollers
+      // cost nanoseconds and must not wait behind it on every turn. So the kernel is asked when the
+      // turn found nothing else (with pollers, at most every kernel_every), and at least every
+      // kernel_at_most whatever the others find, so that sockets and timers are never starved.
+      // (One clock read per turn: a spinning turn is a few loads, and the clock is a good share of it.)
+      const auto now = Clock::now();
+      const auto since = now - kernel_polled;
+      if (since >= kernel_at_most || (found == 0 && (pollers.empty() || since >= kernel_every))) {
         found += io->poll();
-        kernel_polled = Clock::now();
+        kernel_polled = now;
       }
       if (found > 0) {
-        const auto now = Clock::now();
         if (now - last_work > spin_now / 2) spin_now = std::min(spin, spin_now * 2);
         last_work = now;
         return;
       }
-      if (Clock::now() - last_work < spin_now) return;
+      if (now - last_work < spin_now) return;
       spin_now = std::max(spin / 16, spin_now / 2);
+    }
+    if (run_ready() > 0) {
+      last_work = Clock::now();
+      return;
     }
     if (!pollers.empty() && !arm_pollers()) {
       // Work came while arming: take it now, and what the kernel has ready (a loop that does not poll
@@ -230,11 +283,15 @@ struct Loop::Impl {
       last_work = Clock::now();
       return;
     }
-    if (max_wait.count() > 0) {
-      io->run_one_for(max_wait);
-    } else {
-      io->run_one();
+    if (fall_asleep()) {
+      if (max_wait.count() > 0) {
+        io->run_one_for(max_wait);
+      } else {
+        io->run_one();
+      }
+      asleep.store(false, std::memory_order_relaxed);
     }
+    run_ready();
     if (!pollers.empty()) disarm_pollers();
     last_work = Clock::now();
   }
@@ -261,7 +318,7 @@ struct Loop::Impl {
   // set up for a single issuer refuses any other); the destructor repeats it for what came later.
   void drain() {
     io->restart();
-    for (int round = 0; round < 100 && io->poll() > 0; ++round) {
+    for (int round = 0; round < 100 && run_ready() + io->poll() > 0; ++round) {
     }
   }
 
@@ -368,7 +425,15 @@ bool Loop::drive_until(const std::function<bool()>& done) {
 void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::memory_order_relaxed); }
 void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }
 
-void Loop::post(std::function<void()> fn) { asio::post(*impl_->io, std::move(fn)); }
+void Loop::post(std::function<void()> fn) {
+  // An owned loop takes posts from other threads through its ready queue (no kernel entry to find
+  // them); its own thread, and a borrowed io_context (whose turns are the user's), through Asio.
+  if (impl_->progress_thread.joinable() && !in_loop_thread()) {
+    impl_->post_ready(std::move(fn));
+  } else {
+    asio::post(*impl_->io, std::move(fn));
+  }
+}
 
 std::uint64_t Loop::call_after(std::chrono::nanoseconds delay, std::function<void(bool)> fn) {
   const std::uint64_t id = impl_->next_id.fetch_add(1);

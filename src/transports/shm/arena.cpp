@@ -91,9 +91,9 @@ Arena::~Arena() {
 void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
   loop_ = &loop;
   wake_fds_ = std::move(wake_fds);
-  // Armed until the loop first disarms (Loop::Poller): a loop that never sleeps through weft (a
-  // borrowed io_context) never polls either, and must be woken on every step.
-  control(rank_).sleeping.store(1, std::memory_order_release);
+  // A loop with a thread of its own arms before every sleep, so it starts awake; a borrowed io_context
+  // never polls nor arms (Loop::Poller), so it stays armed and is woken on every step.
+  control(rank_).sleeping.store(loop.owns_thread() ? 0 : 1, std::memory_order_release);
   auto poller = std::make_shared<ArenaPoller>();
   poller->arena = weak_from_this();
   poller_ = loop.add_poller(std::move(poller));

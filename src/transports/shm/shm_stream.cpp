@@ -115,6 +115,14 @@ ShmStream::~ShmStream() {
 }
 
 void ShmStream::start() {
+  // A loop with a thread of its own arms its pollers before every sleep: until then it is awake, and
+  // peers need not wake it (they did, on every message, where the caller drives the loop and it never
+  // sleeps: a write and a read of the eventfd per message). A borrowed io_context never arms: its
+  // streams stay armed (ring.hpp's `sleeping` starts 1), so that peers always wake it.
+  if (hub_->loop().owns_thread()) {
+    awake_ = true;
+    in_.disarm();
+  }
   hub_->attach(shared_from_this());
   socket_watch_ = hub_->loop().watch_readable(link_.socket, [weak = weak_from_this()] {
     if (auto self = weak.lock()) self->on_socket_readable();
