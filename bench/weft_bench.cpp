@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <map>
 #include <vector>
 
 #include <fmt/format.h>
@@ -614,6 +615,16 @@ int main(int argc, char** argv) {
       fmt::print("# weft-bench: {} on {} ranks, transport {}, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
                  info.name, p, group.transport_name(), to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
                  args.warmup, args.iters, std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : ""));
+      // The transport per peer class: how many peers each backend reaches, and whether the group arena runs
+      // the collectives that have a direct shm algorithm.
+      std::map<std::string, int> classes;
+      for (int peer = 0; peer < p; ++peer) {
+        if (peer != group.rank()) ++classes[std::string(group.transport_to(peer))];
+      }
+      std::string links;
+      for (const auto& [backend, count] : classes) links += fmt::format("{}{} to {} peer{}", links.empty() ? "" : ", ", backend, count, count == 1 ? "" : "s");
+      fmt::print("# links of rank {}: {}; group arena: {}\n", group.rank(), links.empty() ? "none (one rank)" : links,
+                 group.has_shared_arena() ? "yes (shm collectives)" : "no");
       if (args.overlap) {
         fmt::print("# overlap: t_pure = the collective alone, t_cpu = compute alone, t_ovrl = start, compute, wait;\n"
                    "# overlap% = 100 max(0, min(1, (t_pure + t_cpu - t_ovrl) / min(t_pure, t_cpu))) (IMB-NBC);\n"

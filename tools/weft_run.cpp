@@ -55,7 +55,8 @@ std::string random_hex(std::size_t bytes) {
              "usage: weft-run -n N [--host ADDR] [--port P] [--timeout SECONDS] [--bind core|none] [--] PROGRAM [ARGS...]\n"
              "  Starts N ranks of PROGRAM with WEFT_RANK, WEFT_WORLD_SIZE, WEFT_LOCAL_RANK and WEFT_STORE set, and, unless\n"
              "  already set, a fresh WEFT_JOB_ID and a fresh random WEFT_SECRET for this launch (so its ranks\n"
-             "  authenticate each other and no other process can join them).\n"
+             "  authenticate each other and no other process can join them), and WEFT_TRANSPORT=shm unless set (its\n"
+             "  ranks share this host: shared memory and the direct shm collectives).\n"
              "  --host ADDR      address of the store rank 0 serves (default 127.0.0.1)\n"
              "  --port P         its port (default: a free one)\n"
              "  --timeout S      end every rank and fail after S seconds (default: none)\n"
@@ -220,6 +221,8 @@ std::vector<Rank> start_ranks(const Launch& launch) {
       setenv("WEFT_LOCAL_RANK", std::to_string(r).c_str(), 1);
       setenv("WEFT_LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       setenv("WEFT_STORE", store.c_str(), 1);
+      // Every rank of this launcher shares this host: shared memory, unless the user chose otherwise.
+      setenv("WEFT_TRANSPORT", "shm", 0);
       if (!job_id.empty()) setenv("WEFT_JOB_ID", job_id.c_str(), 1);
       if (!secret.empty()) setenv("WEFT_SECRET", secret.c_str(), 1);
       execvp(launch.program[0], launch.program);

@@ -70,8 +70,15 @@ class Group {
   bool valid() const noexcept { return static_cast<bool>(state_); }
   int rank() const noexcept;
   int size() const noexcept;
-  /// How this rank's bytes move: "tcp" (Asio) or "uring" (Options::transport, after any fallback).
+  /// How this rank's bytes move: "tcp" (Asio) or "uring" (Options::transport, after any fallback), with
+  /// "shm+" before it where some peers are reached through shared memory.
   std::string_view transport_name() const noexcept;
+  /// How this rank's bytes move to group rank `peer`: "shm", "tcp" or "uring"; "self" for this rank.
+  /// Errors: weft::Error (invalid_argument) for a rank outside the group.
+  std::string_view transport_to(int peer) const;
+  /// Whether the group's collectives can run in a group arena (every rank on this host, over shm: the
+  /// registry's "shm" algorithms; docs/DESIGN.md, "Direct shm collectives").
+  bool has_shared_arena() const noexcept;
   Loop& loop() const;
 
   // ---- point to point ----

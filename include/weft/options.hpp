@@ -58,10 +58,14 @@ struct Options {
   /// size and message size. all_reduce and reduce_scatter then exchange blocks (the same traffic as the
   /// ring) and reduce locally; reduce runs a deterministic all_reduce. Cost: bench/RESULTS.md.
   bool deterministic = false;
-  /// How bytes move between ranks (WEFT_TRANSPORT): "tcp" (Asio's reactor), "uring" (io_uring), or
-  /// "auto" (io_uring where it works, else tcp). Both speak the same protocol, so ranks may differ. When
-  /// io_uring cannot be set up, weft uses tcp and says so once in the log. Empty: WEFT_TRANSPORT, else
-  /// "tcp". Any other value is an error naming the valid ones.
+  /// How bytes move between ranks (WEFT_TRANSPORT): "tcp" (Asio's reactor), "uring" (io_uring), "shm"
+  /// (shared memory with the ranks of this host that ask for it too, tcp with the others; when every
+  /// rank of the job is on this host, also the group arena of the direct shm collectives), "shm+uring"
+  /// (the same with io_uring for the others), or "auto" (shared memory where it can, io_uring where it
+  /// works with the others, else tcp). They speak the same protocol, so ranks may differ. When io_uring
+  /// cannot be set up, weft uses tcp and says so once in the log; a pair that cannot share memory stays
+  /// on TCP with one log line. Empty: WEFT_TRANSPORT, else "tcp" (weft-run sets "shm" for its ranks).
+  /// Any other value is an error naming the valid ones.
   std::string transport;
   /// Every collective's deadline (WEFT_TIMEOUT: "500ms", "30s", "2m", "1h"; a bare number is seconds;
   /// 0: none). When it passes, the operation fails on this rank with Errc::timeout and a report of the

@@ -155,6 +155,9 @@ class Transport {
 
   /// Whether the connection to `peer` (a transport rank) is up. Always true for this rank.
   virtual bool connected(int peer) const = 0;
+  /// What carries the bytes to `peer` (a transport rank): "shm", "tcp", "uring"; "self" for this rank.
+  /// Default: name().
+  virtual std::string_view backend_to(int peer) const { return peer == rank() ? "self" : name(); }
   /// Closes the connection to `peer` as failed with `reason` (its pending operations and contexts fail
   /// as for a lost connection). For ranks left out by shrink.
   virtual void disconnect(int peer, const std::string& reason) = 0;

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "algorithms/registry.hpp"
+#include "group/checks.hpp"
 #include "group/state.hpp"
 
 namespace weft {
@@ -37,6 +38,12 @@ std::string Group::algorithm_for(std::string_view collective, std::size_t bytes)
 int Group::rank() const noexcept { return state_ ? state_->rank : -1; }
 int Group::size() const noexcept { return state_ ? state_->size : 0; }
 std::string_view Group::transport_name() const noexcept { return state_ ? state_->transport->name() : std::string_view(); }
+std::string_view Group::transport_to(int peer) const {
+  const auto& g = live("transport_to");
+  detail::check_rank(g, "transport_to", "peer", peer);
+  return g.transport->backend_to(g.members[static_cast<std::size_t>(peer)]);
+}
+bool Group::has_shared_arena() const noexcept { return state_ && state_->arena != nullptr; }
 Loop& Group::loop() const { return *live("loop").loop; }
 
 Group Group::with_timeout(std::chrono::milliseconds timeout) const {

@@ -37,7 +37,7 @@ bool available(std::string_view name, std::string* why) {
   return false;
 }
 
-bool wants_shm(std::string_view choice) noexcept { return choice == "shm" || choice == "shm+uring"; }
+bool wants_shm(std::string_view choice) noexcept { return choice == "shm" || choice == "shm+uring" || choice == "auto"; }
 
 asio::awaitable<void> link_local(Loop& loop, std::vector<asio::ip::tcp::socket>& sockets, int rank, std::string_view choice,
                                  std::chrono::steady_clock::time_point deadline, LocalLinks& out) {

@@ -27,7 +27,7 @@ std::vector<std::string_view> names();
 /// Whether `name` can run here (io_uring: the kernel lets this process make a ring). `why` says why not.
 bool available(std::string_view name, std::string* why = nullptr);
 
-/// Whether `choice` asks for shared memory between the ranks of a host ("shm", "shm+uring").
+/// Whether `choice` asks for shared memory between the ranks of a host ("shm", "shm+uring", "auto").
 bool wants_shm(std::string_view choice) noexcept;
 
 /// The peers this rank reaches through shared memory, and the hub their streams share.
@@ -47,7 +47,7 @@ asio::awaitable<void> link_local(Loop& loop, std::vector<asio::ip::tcp::socket>&
                                  std::chrono::steady_clock::time_point deadline, LocalLinks& out);
 
 /// The framed transport over `sockets` (one per peer, greeted) with the backend `choice` names ("tcp",
-/// "uring", or "auto": uring where it works; "shm": shared memory with the peers `links` holds, tcp with
+/// "uring", or "auto": shared memory with the peers `links` holds and uring where it works with the others; "shm": shared memory with the peers `links` holds, tcp with
 /// the others; "shm+uring": the same with uring). uring that cannot be set up, or that this build lacks,
 /// gives tcp, with one log line per process.
 /// Errors: none of its own (the choice was validated with the options).

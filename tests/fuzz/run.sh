@@ -21,7 +21,7 @@ case $budget in
   *) limit=-max_total_time=$budget ;;
 esac
 rc=0
-for h in frames greeting store options; do
+for h in frames greeting store options shm; do
   work=$(mktemp -d)
   # The corpus in the repo is read, not written: new inputs go to a scratch directory.
   corpus=$src/tests/fuzz/corpus/$h

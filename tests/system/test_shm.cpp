@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -345,4 +346,49 @@ TEST_CASE("ranks of one host share a group arena, and its collectives match the 
     }, options);
     REQUIRE(checks_made.load() > before);
   }
+}
+
+TEST_CASE("idle ranks over shared memory use no CPU, and the first collective after idling still arrives", "[shm][idle]") {
+  Options options;
+  options.transport = "shm";
+  const long before_checks = checks_made.load();
+  run_ranks(2, [&](Group& g) {
+    std::vector<float> x(2, 1.0f);
+    g.all_reduce(x).get();
+    // Both ranks idle for a second (their loops with nothing in flight): a loop or poller that spun would
+    // take about a whole core of CPU (1000 ms) here. The bound is generous for a loaded machine.
+    g.barrier().get();
+    rusage before{};
+    ::getrusage(RUSAGE_SELF, &before);
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    rusage after{};
+    ::getrusage(RUSAGE_SELF, &after);
+    const auto cpu_us = [](const rusage& u) {
+      return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1000000L + u.ru_utime.tv_usec + u.ru_stime.tv_usec;
+    };
+    const long used_ms = (cpu_us(after) - cpu_us(before)) / 1000;
+    check(used_ms < 200, fmt::format("the process (2 idle ranks and this test) used {} ms of CPU in 1 s of idling", used_ms));
+    if (g.rank() == 0) fmt::print("idle: 2 ranks used {} ms of CPU in 1 s\n", used_ms);
+    // After 10 ms of idling: the next collective completes with the right value (its time is for the bench).
+    // After 10 ms of idling, a message from the other rank wakes this one: rank 1 waits with its receive
+    // posted while rank 0 idles, then rank 0 sends the time it sent (steady_clock is one clock for all
+    // threads). The latency is reported, not asserted (a timing is the bench's business).
+    std::int64_t slowest_us = 0;
+    for (int round = 0; round < 5; ++round) {
+      std::int64_t sent_ns = 0;
+      if (g.rank() == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        sent_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+        g.send(ConstBufferView(&sent_ns, 1, DType::i64), 1, 7).get();
+      } else {
+        g.recv(BufferView(&sent_ns, 1, DType::i64), 0, 7).get();
+        const std::int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+        check(sent_ns > 0 && now >= sent_ns, "the message after 10 ms of idling");
+        slowest_us = std::max<std::int64_t>(slowest_us, (now - sent_ns) / 1000);
+      }
+      g.barrier().get();
+    }
+    if (g.rank() == 1) fmt::print("idle: the slowest message after 10 ms idle took {} us\n", slowest_us);
+  }, options);
+  REQUIRE(checks_made.load() > before_checks);
 }

@@ -918,6 +918,14 @@ void FramedTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, c
   for (TransportOp* op : ops) op->complete(code_of(Errc::cancelled), -1, reason);
 }
 
+std::string_view FramedTransport::backend_to(int peer) const {
+  if (peer == rank_) return "self";
+  const auto& c = connections_[static_cast<std::size_t>(peer)];
+  if (!c || !c->stream) return name();
+  const std::string_view backend = c->stream->backend();
+  return backend;
+}
+
 bool FramedTransport::connected(int peer) const {
   if (peer == rank_) return true;
   const auto& c = connections_[static_cast<std::size_t>(peer)];

@@ -53,6 +53,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   void ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                     std::function<void(std::vector<Progress>)> done) override;
   OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const override;
+  std::string_view backend_to(int peer) const override;
   void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) override {
     note_local_signature(context, seq, signature);
   }

@@ -1,0 +1,134 @@
+// libFuzzer harness: a hostile peer on the same host writing garbage into a shared-memory ring. Rank 0's
+// FramedTransport reads "rank 1" through a real ShmStream whose inbound ring the input fills: the input
+// is a script of writes (raw bytes at the writer's position) and of tail stores (any 64-bit value,
+// behind the reader or far ahead of it), with a few receives posted. Whatever it says, nothing may read
+// or write outside the ring (ASan), allocations stay bounded (early messages: 1 MiB), and once the
+// peer's socket ends every receive has completed (nothing hangs). The group arena's header check is fed
+// the same bytes (Arena::adopt on a segment whose header they make).
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "core/log.hpp"
+#include "transports/framed/framed_transport.hpp"
+#include "transports/shm/arena.hpp"
+#include "transports/shm/ring.hpp"
+#include "transports/shm/segment.hpp"
+#include "transports/shm/shm_stream.hpp"
+#include "weft/loop.hpp"
+
+using namespace weft;
+
+namespace {
+
+void drain(asio::io_context& io, Loop& loop) {
+  for (int round = 0; round < 64; ++round) {
+    loop.poll_memory();
+    if (io.poll() == 0) break;
+  }
+  io.restart();
+}
+
+struct Reader {
+  std::uint64_t u64(const std::uint8_t*& p, const std::uint8_t* end) {
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8 && p < end; ++i) v |= static_cast<std::uint64_t>(*p++) << (8 * i);
+    return v;
+  }
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  static asio::io_context io;
+  static Loop loop(io);
+  static const bool quiet = [] {
+    log().set_level(spdlog::level::off);
+    return true;
+  }();
+  (void)quiet;
+  constexpr std::size_t capacity = 4096;
+
+  {
+    // The arena's header from the input: refused or accepted, never mapped past its segment.
+    shm::Segment segment = shm::Segment::create(1 << 16, "fuzz-arena");
+    std::memcpy(segment.data(), data, std::min<std::size_t>(size, sizeof(shm::ArenaHeader)));
+    try {
+      auto arena = shm::Arena::adopt(::dup(segment.fd()), 2, 1);
+      (void)arena->reached();
+    } catch (const std::exception&) {
+    }
+  }
+
+  auto hub = ShmHub::create(loop);
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return 0;
+  shm::Segment inbound = shm::make_ring(capacity);
+  shm::Segment outbound = shm::make_ring(capacity);
+  auto* ring = static_cast<shm::RingControl*>(inbound.data());
+  ShmStream::Link link{std::move(inbound), std::move(outbound), ::dup(hub->wake_fd()), sv[0]};
+
+  std::vector<asio::ip::tcp::socket> sockets;
+  sockets.emplace_back(io);
+  sockets.emplace_back(io);
+  auto transport = std::make_unique<FramedTransport>(
+      loop, 0, 2, std::move(sockets), "shm",
+      [&](asio::ip::tcp::socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+        return ShmStream::make(hub, std::move(link), events, peer, std::move(alive));
+      });
+  transport->set_early_limit(1 << 20);
+  transport->open_context(1, {0, 1});
+
+  // A few receives, their sizes from the input's first bytes.
+  std::vector<std::unique_ptr<TransportOp>> ops;
+  std::vector<std::vector<std::byte>> buffers;
+  const std::uint8_t* p = data;
+  const std::uint8_t* end = data + size;
+  for (int i = 0; i < 3 && p + 2 <= end; ++i) {
+    const std::size_t bytes = (static_cast<std::size_t>(p[0]) | static_cast<std::size_t>(p[1]) << 8) % 8192;
+    p += 2;
+    buffers.emplace_back(bytes);
+    ops.push_back(std::make_unique<TransportOp>());
+    transport->start_recv(1, MessageKey{1, static_cast<std::uint64_t>(i), 0}, buffers.back().data(), bytes, *ops.back());
+  }
+
+  // The hostile writer's script: 0 = write the next n bytes at its tail and publish, 1 = store a tail
+  // of any value, else = let the reader run.
+  Reader r;
+  std::uint64_t tail = 0;
+  while (p < end) {
+    const std::uint8_t what = *p++ % 3;
+    if (what == 0 && p < end) {
+      const std::size_t n = std::min<std::size_t>(*p++, static_cast<std::size_t>(end - p));
+      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), p, std::min(n, capacity));
+      p += n;
+      tail += std::min(n, capacity);
+      ring->tail.store(tail, std::memory_order_release);
+    } else if (what == 1) {
+      tail = r.u64(p, end);
+      ring->tail.store(tail, std::memory_order_release);
+    }
+    drain(io, loop);
+  }
+  // The peer goes: every receive must complete.
+  ::close(sv[1]);
+  for (int round = 0; round < 1000; ++round) {
+    drain(io, loop);
+    bool all = true;
+    for (const auto& op : ops) all = all && op->done();
+    if (all) break;
+  }
+  for (const auto& op : ops) {
+    if (!op->done()) __builtin_trap();  // a receive hangs after the peer's end
+  }
+  transport.reset();
+  hub.reset();
+  drain(io, loop);
+  return 0;
+}
