@@ -120,12 +120,13 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
 }
 
 const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, bool shared_arena) {
-  // On a group arena the direct shm algorithms are the defaults below 256 KiB for the collectives that
+  // On a group arena the direct shm algorithms are the defaults below 128 KiB for the collectives that
   // have one (bench/RESULTS.md, "Direct shm collectives"): no frames, no matching, one copy in and the
-  // reads straight from the areas; 2 ranks, all_reduce 8 B .. 64 KiB: 6-20 us against 11-170 us over
-  // the rings. From 256 KiB the pipelined plans over the rings move 5-7 GB/s where the arena's
-  // supersteps (copy in, wait, read) stay near 4 GB/s, so they keep those sizes.
-  if (shared_arena && ranks > 1 && (bytes < (std::size_t{256} << 10) || collective == Collective::barrier)) {
+  // reads straight from the areas; 2 ranks, all_reduce 16-64 KiB: 7-12 us against 12-19 us for the
+  // best plan over the rings. From 128 KiB the plans over the rings win (128 KiB: 21-37 us on the
+  // arena against 21-29; 256 KiB: 70-74 against 36-40): their copies pipeline, the arena's supersteps
+  // (copy in, wait, read) do not.
+  if (shared_arena && ranks > 1 && (bytes < (std::size_t{128} << 10) || collective == Collective::barrier)) {
     switch (collective) {
       case Collective::all_reduce:
       case Collective::all_gather:

@@ -325,11 +325,16 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
       g->unwatch(seq);
     }
   } catch (const Error& e) {
-    hook->finished = true;
-    g->unwatch(seq);
     if (e.errc() != Errc::cancelled) g->mark_failed(e.what());
     failure = std::current_exception();
+  } catch (...) {
+    failure = std::current_exception();
   }
+  if (failure) {
+    hook->finished = true;
+    g->unwatch(seq);
+  }
+  // Whatever happened, the next collective waiting for the arena gets its turn.
   pass_turn(*g);
   if (failure) std::rethrow_exception(failure);
   co_return ran;
