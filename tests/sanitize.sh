@@ -1,11 +1,35 @@
 #!/usr/bin/env bash
 # The test suite built with ASan + UBSan (g++), in BUILD_DIR: the suites that exercise failure paths,
 # hostile input and concurrency. `all` runs every test of the suite there instead (docs/RELIABILITY.md).
-# usage: sanitize.sh SOURCE_DIR BUILD_DIR [all]
+# usage: sanitize.sh SOURCE_DIR BUILD_DIR [all | tsan]
 set -u
 src=$(cd "$1" && pwd)
 out=$2
 scope=${3:-ci}
+# `tsan`: ThreadSanitizer over the shared-memory suites (the rings, the arena, the collectives and the
+# error suites over WEFT_TRANSPORT=shm, ranks as threads of one process, so that TSan sees both sides of
+# every shared word). Run by hand (docs/RELIABILITY.md, "Sanitizers"): it is not CI's.
+if [ "$scope" = tsan ]; then
+  if [ ! -f "$out/build.ninja" ]; then
+    meson setup "$out" "$src" -Db_sanitize=thread --buildtype=debugoptimized -Dcuda=disabled -Dpeers=disabled \
+      -Ddefault_library=static >/dev/null || exit 1
+  fi
+  ninja -C "$out" -j2 tests/test_shm tests/test_collectives tests/test_errors >/dev/null || exit 1
+  export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+  rc=0
+  for t in "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" "test_errors [cancel]" \
+           "test_errors [peer]" "test_errors [timeout]" "test_errors [mismatch]" "test_errors [abort]"; do
+    start=$SECONDS
+    if log=$(WEFT_TRANSPORT=shm "$out/tests/"$t 2>&1); then
+      echo "ok: $t over shm ($((SECONDS - start)) s)"
+    else
+      echo "$log" | tail -60
+      echo "FAIL: $t over shm"
+      rc=1
+    fi
+  done
+  exit $rc
+fi
 # CI's share compiles at -O0: four times faster to build here (Asio's coroutine-heavy files take 80 s
 # each at -O2 under ASan), and its tests are short. The whole suite runs optimized.
 buildtype=debug
