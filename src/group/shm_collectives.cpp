@@ -148,9 +148,15 @@ class ArenaRun final : public shm::Arena::Waiter {
   int departed_ = -1;
 };
 
-// Elements per chunk when each rank writes `pieces` pieces of a chunk into its area.
-std::size_t chunk_elements(const shm::Arena& arena, std::size_t esize, std::size_t pieces) {
-  return std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces));
+// The chunks of `n` elements a script goes through when each rank writes `pieces` pieces of a chunk into
+// its area: at least one, empty for n = 0 (every collective takes at least one superstep, so that its
+// header is compared and the ranks stay in step).
+std::vector<algo::Range> chunks_of(const shm::Arena& arena, std::size_t n, std::size_t esize, std::size_t pieces) {
+  const std::size_t chunk = std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces));
+  std::vector<algo::Range> out;
+  for (std::size_t off = 0; off < n; off += chunk) out.push_back(algo::Range{off, std::min(chunk, n - off)});
+  if (out.empty()) out.push_back(algo::Range{0, 0});
+  return out;
 }
 
 Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
@@ -159,12 +165,13 @@ Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
   const auto p = static_cast<std::size_t>(g.size);
   const std::byte* in = call.in.bytes_ptr();
   std::byte* out = call.out.bytes_ptr();
-  const std::size_t chunk = chunk_elements(run.arena(), esize, 1);
   const bool everywhere = n * esize < reduce_everywhere_below;
   std::vector<const std::byte*> sources(p);
   std::uint32_t step = 0;
-  for (std::size_t off = 0; off == 0 || off < n; off += chunk) {
-    const std::size_t c = std::min(chunk, n - off);
+  const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, 1);
+  for (const algo::Range& chunk : chunks) {
+    const std::size_t off = chunk.offset;
+    const std::size_t c = chunk.count;
     std::memcpy(run.area(), in + off * esize, c * esize);
     co_await run.step(step++);
     if (everywhere) {
@@ -183,7 +190,6 @@ Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
         std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r) + theirs.offset * esize, theirs.count * esize);
       }
     }
-    if (n == 0) break;
   }
   algo::finish_reduction(call.op, out, n, call.out.dtype, g.size);
 }
@@ -191,16 +197,16 @@ Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
 Task<void> all_gather(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
   const std::size_t esize = dtype_size(call.in.dtype);
   const std::size_t n = call.in.count;
-  const std::size_t chunk = chunk_elements(run.arena(), esize, 1);
   std::uint32_t step = 0;
-  for (std::size_t off = 0; off == 0 || off < n; off += chunk) {
-    const std::size_t c = std::min(chunk, n - off);
+  const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, 1);
+  for (const algo::Range& chunk : chunks) {
+    const std::size_t off = chunk.offset;
+    const std::size_t c = chunk.count;
     std::memcpy(run.area(), call.in.bytes_ptr() + off * esize, c * esize);
     co_await run.step(step++);
     for (int r = 0; r < g.size; ++r) {
       std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r), c * esize);
     }
-    if (n == 0) break;
   }
 }
 
@@ -210,11 +216,12 @@ Task<void> pieces_exchange(ArenaRun& run, GroupState& g, const CollectiveCall& c
   const std::size_t esize = dtype_size(call.in.dtype);
   const auto p = static_cast<std::size_t>(g.size);
   const std::size_t n = call.in.count / p;  // elements per block
-  const std::size_t chunk = chunk_elements(run.arena(), esize, p);
   std::vector<const std::byte*> sources(p);
   std::uint32_t step = 0;
-  for (std::size_t off = 0; off == 0 || off < n; off += chunk) {
-    const std::size_t c = std::min(chunk, n - off);
+  const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, p);
+  for (const algo::Range& chunk : chunks) {
+    const std::size_t off = chunk.offset;
+    const std::size_t c = chunk.count;
     for (std::size_t q = 0; q < p; ++q) {
       std::memcpy(run.area() + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
     }
@@ -228,22 +235,20 @@ Task<void> pieces_exchange(ArenaRun& run, GroupState& g, const CollectiveCall& c
         std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r)) + mine, c * esize);
       }
     }
-    if (n == 0) break;
   }
   if (reducing) algo::finish_reduction(call.op, call.out.data, call.out.count, call.out.dtype, g.size);
 }
 
 Task<void> broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
   const std::size_t esize = dtype_size(call.out.dtype);
-  const std::size_t n = call.out.count;
-  const std::size_t chunk = chunk_elements(run.arena(), esize, 1);
   std::uint32_t step = 0;
-  for (std::size_t off = 0; off == 0 || off < n; off += chunk) {
-    const std::size_t c = std::min(chunk, n - off);
+  const std::vector<algo::Range> chunks = chunks_of(run.arena(), call.out.count, esize, 1);
+  for (const algo::Range& chunk : chunks) {
+    const std::size_t off = chunk.offset;
+    const std::size_t c = chunk.count;
     if (g.rank == call.root) std::memcpy(run.area(), call.out.bytes_ptr() + off * esize, c * esize);
     co_await run.step(step++);
     if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root), c * esize);
-    if (n == 0) break;
   }
 }
 
