@@ -465,7 +465,10 @@ TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter, all_to_all, gath
                          "reduce_scatter:recursive_halving;gather:binomial;scatter:binomial",
                          "all_gather:ring;broadcast:binomial;reduce:binomial;all_to_all:pairwise;reduce_scatter:ring;"
                          "gather:direct;scatter:direct",
-                         "all_gather:recursive_doubling"};
+                         "all_gather:recursive_doubling",
+                         // The direct shm algorithms: on the group arena over WEFT_TRANSPORT=shm, the built-in
+                         // framed choice elsewhere (no arena).
+                         "all_gather:shm;broadcast:shm;all_to_all:shm;reduce_scatter:shm"};
   for (const char* spec : specs) {
     for (int p : {1, 2, 3, 4, 5, 8}) {
       Options options;
