@@ -304,8 +304,10 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
   SECTION("root of a reduce: no rank sends anything to a rank that would notice, so the deadline says it") {
     // Ranks 0 and 1 say root 0, rank 2 says root 2: rank 0 waits for rank 2, rank 2 for the others, and no
     // frame meets a receive of another call. At the deadline the progress answers carry each rank's call.
-    std::vector<float> out(8);
-    expect_mismatch([&](Group& g) { return g.with_timeout(1500ms).reduce(f, out, g.rank() == 2 ? 2 : 0); },
+    // One output per rank: two ranks believe they are the root and both write theirs (ThreadSanitizer
+    // caught the shared one).
+    std::vector<std::vector<float>> out(3, std::vector<float>(8));
+    expect_mismatch([&](Group& g) { return g.with_timeout(1500ms).reduce(f, out[static_cast<std::size_t>(g.rank())], g.rank() == 2 ? 2 : 0); },
                     {"reduce #1", "the ranks called it differently", "root 2", "root 0"}, true, 3);
   }
   SECTION("collective") {
