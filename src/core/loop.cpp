@@ -426,9 +426,10 @@ void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::mem
 void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }
 
 void Loop::post(std::function<void()> fn) {
-  // An owned loop takes posts from other threads through its ready queue (no kernel entry to find
-  // them); its own thread, and a borrowed io_context (whose turns are the user's), through Asio.
-  if (impl_->progress_thread.joinable() && !in_loop_thread()) {
+  // An owned loop takes every post through its ready queue: from other threads, and from its own (the
+  // shm streams post their completions), which would otherwise wait for the next kernel poll (up to
+  // kernel_every while pollers spin). A borrowed io_context, whose turns are the user's, through Asio.
+  if (impl_->progress_thread.joinable()) {
     impl_->post_ready(std::move(fn));
   } else {
     asio::post(*impl_->io, std::move(fn));
