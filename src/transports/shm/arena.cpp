@@ -7,6 +7,7 @@
 #include <string>
 
 #include "transports/shm/ring.hpp"
+#include "transports/shm/weak_poller.hpp"
 
 namespace weft::shm {
 namespace {
@@ -21,22 +22,6 @@ std::size_t stride_of(std::size_t area_bytes) noexcept { return round_up(sizeof(
 std::size_t segment_bytes(int ranks, std::size_t area_bytes) noexcept {
   return areas_offset(ranks) + 2 * static_cast<std::size_t>(ranks) * stride_of(area_bytes);
 }
-
-// The loop holds the arena through this, so that the arena goes with its group (not with the loop).
-struct ArenaPoller final : Loop::Poller {
-  std::weak_ptr<Arena> arena;
-  std::size_t poll() override {
-    auto a = arena.lock();
-    return a ? a->poll() : 0;
-  }
-  bool arm() override {
-    auto a = arena.lock();
-    return a && a->arm();
-  }
-  void disarm() override {
-    if (auto a = arena.lock()) a->disarm();
-  }
-};
 
 }  // namespace
 
@@ -94,9 +79,7 @@ void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
   // A loop with a thread of its own arms before every sleep, so it starts awake; a borrowed io_context
   // never polls nor arms (Loop::Poller), so it stays armed and is woken on every step.
   control(rank_).sleeping.store(loop.owns_thread() ? 0 : 1, std::memory_order_release);
-  auto poller = std::make_shared<ArenaPoller>();
-  poller->arena = weak_from_this();
-  poller_ = loop.add_poller(std::move(poller));
+  poller_ = loop.add_poller(std::make_shared<WeakPoller<Arena>>(weak_from_this()));
 }
 
 RankControl& Arena::control(int r) const noexcept { return controls_[r]; }

@@ -1,4 +1,5 @@
 #include "transports/shm/shm_stream.hpp"
+#include "transports/shm/weak_poller.hpp"
 
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -12,25 +13,6 @@
 #include <asio/error.hpp>
 
 namespace weft {
-namespace {
-
-// The loop holds the hub through this, so that the hub goes when its transport does (not with the loop).
-struct HubPoller final : Loop::Poller {
-  std::weak_ptr<ShmHub> hub;
-  std::size_t poll() override {
-    auto h = hub.lock();
-    return h ? h->poll() : 0;
-  }
-  bool arm() override {
-    auto h = hub.lock();
-    return h && h->arm();
-  }
-  void disarm() override {
-    if (auto h = hub.lock()) h->disarm();
-  }
-};
-
-}  // namespace
 
 // ---------------------------------------------------------------- the hub
 
@@ -46,9 +28,7 @@ std::shared_ptr<ShmHub> ShmHub::create(Loop& loop) {
     // The eventfd wakes every memory source of this rank (the streams and the group arena).
     self->loop().poll_memory();
   });
-  auto poller = std::make_shared<HubPoller>();
-  poller->hub = hub;
-  hub->poller_ = loop.add_poller(std::move(poller));
+  hub->poller_ = loop.add_poller(std::make_shared<shm::WeakPoller<ShmHub>>(hub));
   return hub;
 }
 
