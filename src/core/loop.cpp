@@ -168,10 +168,10 @@ struct Loop::Impl {
     parked_flag.store(false, std::memory_order_release);
   }
 
-  // Posted from other threads to a loop that owns its thread: taken by the next turn without entering
-  // the kernel (an Asio post is only seen by io_context::poll, and every poll is an epoll_wait: a system
-  // call per collective started from a waiting thread, about a third of a small all_reduce's cycles,
-  // bench/RESULTS.md). A turn about to sleep in the kernel says so (`asleep`, then a look at `ready_any`:
+  // What is posted to a loop that owns its thread (Loop::post, from any thread): taken by the next turn
+  // without entering the kernel (an Asio post is only seen by io_context::poll, and every poll is an
+  // epoll_wait: a system call per collective started from a waiting thread, about a third of a small
+  // all_reduce's cycles, bench/RESULTS.md). A turn about to sleep in the kernel says so (`asleep`, then a look at `ready_any`:
   // Dekker with the poster, which stores `ready_any`, then looks at `asleep` and wakes the loop with an
   // Asio post when it is set).
   std::mutex ready_mutex;
