@@ -68,7 +68,7 @@ class ArenaRun final : public shm::Arena::Waiter {
     mine.step = step;
     arena_.publish();
     co_await arena_.until_reached(*this);
-    if (!arena_.reached() || interrupted()) throw_interruption();
+    if (!arena_.reached() || interrupted()) throw_interruption(step);
     check_headers(step);
   }
 
@@ -90,7 +90,7 @@ class ArenaRun final : public shm::Arena::Waiter {
                 fmt::format("rank {} cancelled {} #{}", who, op_, seq_));
   }
 
-  [[noreturn]] void throw_interruption() {
+  [[noreturn]] void throw_interruption(std::uint32_t step) {
     if (hook_->cancelled) {
       arena_.retire(seq_);
       throw_error(Errc::cancelled, g_.where(op_, static_cast<std::int64_t>(seq_)),
@@ -99,7 +99,10 @@ class ArenaRun final : public shm::Arena::Waiter {
     std::uint64_t left_in = 0;
     if (const int who = arena_.retired_peer(&left_in); who >= 0) {
       arena_.retire(left_in);
-      if (left_in == seq_) throw_cancelled_by(who);
+      // A rank that left in an earlier collective never published this one's first step, so only there
+      // can the framed algorithm take over (nobody read this rank's area yet); past it, the leaver was in
+      // this very collective.
+      if (left_in == seq_ || step > 0) throw_cancelled_by(who);
       throw FallBack{};
     }
     std::error_code code;
