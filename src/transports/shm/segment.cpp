@@ -28,7 +28,7 @@ Segment Segment::create(std::size_t bytes, const char* name) {
   if (s.fd_ < 0) throw std::system_error(errno, std::generic_category(), "memfd_create");
   if (::ftruncate(s.fd_, static_cast<off_t>(bytes)) != 0) throw std::system_error(errno, std::generic_category(), "ftruncate");
   if (::fcntl(s.fd_, F_ADD_SEALS, required_seals) != 0) throw std::system_error(errno, std::generic_category(), "F_ADD_SEALS");
-  s.data_ = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd_, 0);
+  s.data_ = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, s.fd_, 0);
   if (s.data_ == MAP_FAILED) {
     s.data_ = nullptr;
     throw std::system_error(errno, std::generic_category(), "mmap");
@@ -49,7 +49,7 @@ Segment Segment::adopt(int fd, std::size_t min_bytes) {
     throw std::runtime_error("the peer's segment is smaller than a ring needs");
   }
   s.size_ = static_cast<std::size_t>(st.st_size);
-  s.data_ = ::mmap(nullptr, s.size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  s.data_ = ::mmap(nullptr, s.size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (s.data_ == MAP_FAILED) {
     s.data_ = nullptr;
     throw std::runtime_error(std::string("cannot map the peer's segment: ") + std::strerror(errno));

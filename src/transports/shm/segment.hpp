@@ -12,6 +12,8 @@ class Segment {
  public:
   Segment() = default;
   /// A new segment of `bytes`, zeroed, sealed (no shrink, no grow, no more seals), mapped read-write.
+  /// Both mappings (here and the peer's adopt) are populated at once (MAP_POPULATE): the first megabytes
+  /// through a fresh ring otherwise fault page by page (bench/RESULTS.md, "first use").
   /// Throws std::system_error where memfd_create or mmap fails.
   static Segment create(std::size_t bytes, const char* name);
   /// Maps a segment received from a peer, after checking that it is a sealed memfd of at least
