@@ -35,13 +35,12 @@ void drain(asio::io_context& io, Loop& loop) {
   io.restart();
 }
 
-struct Reader {
-  std::uint64_t u64(const std::uint8_t*& p, const std::uint8_t* end) {
-    std::uint64_t v = 0;
-    for (int i = 0; i < 8 && p < end; ++i) v |= static_cast<std::uint64_t>(*p++) << (8 * i);
-    return v;
-  }
-};
+// The next (up to) 8 bytes of the input, little-endian.
+std::uint64_t take_u64(const std::uint8_t*& p, const std::uint8_t* end) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8 && p < end; ++i) v |= static_cast<std::uint64_t>(*p++) << (8 * i);
+  return v;
+}
 
 }  // namespace
 
@@ -100,18 +99,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   // The hostile writer's script: 0 = write the next n bytes at its tail and publish, 1 = store a tail
   // of any value, else = let the reader run.
-  Reader r;
   std::uint64_t tail = 0;
   while (p < end) {
     const std::uint8_t what = *p++ % 3;
     if (what == 0 && p < end) {
-      const std::size_t n = std::min<std::size_t>(*p++, static_cast<std::size_t>(end - p));
+      const std::size_t wanted = *p++;
+      const std::size_t n = std::min<std::size_t>(wanted, static_cast<std::size_t>(end - p));
       shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), p, std::min(n, capacity));
       p += n;
       tail += std::min(n, capacity);
       ring->tail.store(tail, std::memory_order_release);
     } else if (what == 1) {
-      tail = r.u64(p, end);
+      tail = take_u64(p, end);
       ring->tail.store(tail, std::memory_order_release);
     }
     drain(io, loop);
