@@ -44,8 +44,7 @@ std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
   const std::size_t area = area_bytes_for(ranks);
   Segment segment = Segment::create(segment_bytes(ranks, area), "weft-arena");
   auto* base = static_cast<std::byte*>(segment.data());
-  auto* header = new (base) ArenaHeader{arena_magic, arena_version, static_cast<std::uint32_t>(ranks), area};
-  (void)header;
+  new (base) ArenaHeader{arena_magic, arena_version, static_cast<std::uint32_t>(ranks), area};
   for (int r = 0; r < ranks; ++r) new (base + controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(r)) RankControl{};
   return std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
 }
@@ -111,7 +110,7 @@ void Arena::wake_sleepers() noexcept {
 
 bool Arena::reached() const noexcept {
   for (int r = 0; r < ranks_; ++r) {
-    if (control(r).count.load(std::memory_order_acquire) < count_) return false;
+    if (behind(r)) return false;
   }
   return true;
 }
@@ -121,7 +120,7 @@ bool Arena::behind(int r) const noexcept { return control(r).count.load(std::mem
 std::vector<int> Arena::behind() const {
   std::vector<int> out;
   for (int r = 0; r < ranks_; ++r) {
-    if (control(r).count.load(std::memory_order_acquire) < count_) out.push_back(r);
+    if (behind(r)) out.push_back(r);
   }
   return out;
 }
