@@ -7,7 +7,8 @@
 #   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES] [COLLECTIVE] [OUT_DIR]
 # The peers are not installed by tools/quickstart.sh bench; this script says what to install.
 # MPI_BTL picks Open MPI's path (default tcp,self; vader,self is its shared memory on one host, the
-# peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks).
+# peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks). ITERS (default 20) sets the
+# timed iterations per size of every side (more steadies the small sizes).
 set -euo pipefail
 build=$1
 ranks=${2:-2}
@@ -16,6 +17,7 @@ min=${4:-1024}
 max=${5:-268435456}
 collective=${6:-all_reduce}
 out=${7:-$(mktemp -d)}
+iters=${ITERS:-20}
 mkdir -p "$out"
 if ! command -v mpirun >/dev/null || [ ! -x "$build/bench/mpi-allreduce-bench" ]; then
   echo "compare.sh: Open MPI is missing (no mpirun, or $build/bench/mpi-allreduce-bench was not built). Install it with" >&2
@@ -31,15 +33,15 @@ btl=${MPI_BTL:-tcp,self}
 export MPI_LABEL="Open MPI ${btl%%,*}"
 for round in $(seq 1 "$rounds"); do
   echo "== round $round: weft" >&2
-  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$collective" -b "$min" -e "$max" -f 4 -w 5 -n 20 \
+  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$collective" -b "$min" -e "$max" -f 4 -w 5 -n "$iters" \
     --json "$out/weft.$round.json" > "$out/weft.$round.txt"
   echo "== round $round: open mpi" >&2
   oversubscribe=""
   [ "$ranks" -le "$(nproc)" ] || oversubscribe=--oversubscribe
-  mpirun -n "$ranks" $oversubscribe --mca btl "$btl" "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 20 "$collective" > "$out/mpi.$round.txt" 2>/dev/null
+  mpirun -n "$ranks" $oversubscribe --mca btl "$btl" "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 "$iters" "$collective" > "$out/mpi.$round.txt" 2>/dev/null
   if [ "$collective" = all_reduce ] && [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
-    "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 20 > "$out/gloo.$round.txt"
+    "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 "$iters" > "$out/gloo.$round.txt"
   fi
 done
 python3 - "$out" "$rounds" "$ranks" "$collective" <<'PY' | tee "$out/compare.md"

@@ -31,7 +31,7 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes) {
 
 using namespace weft;
 
-enum class Kind { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, barrier };
+enum class Kind { all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, barrier, ping_pong, stream };
 
 struct CollectiveInfo {
   Kind kind;
@@ -50,7 +50,14 @@ constexpr CollectiveInfo collectives[] = {
     {Kind::scatter, "scatter", true, false},
     {Kind::all_to_all, "all_to_all", false, false},
     {Kind::barrier, "barrier", false, false},
+    // Point to point between ranks 0 and 1 (the others wait): half a round trip; and a window of sends
+    // in flight at once (time per message), as OSU's osu_latency and osu_bw measure them.
+    {Kind::ping_pong, "ping_pong", false, false},
+    {Kind::stream, "stream", false, false},
 };
+
+// Messages in flight per iteration of `stream` (osu_bw's window).
+constexpr int stream_window = 64;
 
 struct Args {
   const CollectiveInfo* collective = &collectives[0];
@@ -83,6 +90,8 @@ struct Args {
              "  --tune: time every algorithm of the collective at every size and write the fastest, as\n"
              "          WEFT_ALGO ranges, to FILE (default weft-tuning.txt); load it with WEFT_TUNING=FILE\n"
              "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
+             "              ping_pong (ranks 0 and 1: half the round trip) stream (rank 0 to 1, 64 sends in flight:\n"
+             "              time per message)\n"
              "  sizes take K, M, G suffixes (powers of 1024); DTYPE: bool i8 u8 i16 u16 i32 u32 i64 u64 f16 bf16 f32 f64\n"
              "  (or nccl-tests names: float, half, bfloat16, int32, ...); OP: sum prod min max avg land lor band bor bxor\n");
   std::exit(2);
@@ -180,7 +189,9 @@ double bus_factor(Kind c, int n) {
     case Kind::gather:
     case Kind::scatter: return (p - 1) / p;
     case Kind::broadcast:
-    case Kind::reduce: return 1;
+    case Kind::reduce:
+    case Kind::ping_pong:
+    case Kind::stream: return 1;
     case Kind::barrier: return 0;
   }
   return 1;
@@ -223,6 +234,10 @@ struct Case {
         }
         break;
       case Kind::barrier: input.clear(); break;
+      case Kind::ping_pong:
+      case Kind::stream:
+        input = reference::make_input(t, op, 0, count);
+        break;
     }
     const std::size_t out_blocks =
         (args.collective->kind == Kind::all_gather || args.collective->kind == Kind::gather ||
@@ -264,8 +279,40 @@ struct Case {
         if (in_place) return group.all_to_all(ConstBufferView(out, count * pn, t), BufferView(out, count * pn, t));
         return group.all_to_all(ConstBufferView(input.data(), count * pn, t), BufferView(out, count * pn, t));
       case Kind::barrier: return group.barrier();
+      // Point to point has no in-place form: both columns send `input` and receive into `output`.
+      case Kind::ping_pong: return spawn(group.loop(), ping_pong(input.data(), out));
+      case Kind::stream: return spawn(group.loop(), stream(input.data(), out));
     }
     return group.barrier();
+  }
+
+  // Rank 0 sends and waits for the echo; rank 1 echoes what it received.
+  Task<void> ping_pong(const std::byte* send_from, std::byte* receive_into) {
+    const auto t = args.dtype;
+    if (r() == 0) {
+      co_await group.send(ConstBufferView(send_from, count, t), 1);
+      co_await group.recv(BufferView(receive_into, count, t), 1);
+    } else if (r() == 1) {
+      co_await group.recv(BufferView(receive_into, count, t), 0);
+      co_await group.send(ConstBufferView(receive_into, count, t), 0);
+    }
+  }
+
+  // Rank 0 starts a window of sends, rank 1 the receives; rank 1 acknowledges the whole window with an
+  // empty message once it has them all.
+  Task<void> stream(const std::byte* send_from, std::byte* receive_into) {
+    const auto t = args.dtype;
+    std::vector<Future<void>> window;
+    window.reserve(stream_window);
+    if (r() == 0) {
+      for (int i = 0; i < stream_window; ++i) window.push_back(group.send(ConstBufferView(send_from, count, t), 1));
+      for (std::size_t i = 0; i < window.size(); ++i) co_await std::move(window[i]);
+      co_await group.recv(BufferView(receive_into, 0, t), 1);
+    } else if (r() == 1) {
+      for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t), 0));
+      for (std::size_t i = 0; i < window.size(); ++i) co_await std::move(window[i]);
+      co_await group.send(ConstBufferView(receive_into, 0, t), 0);
+    }
   }
 
   // Prepares the buffers of an in-place run from the inputs (in-place runs consume their input).
@@ -332,6 +379,10 @@ struct Case {
         return bad;
       }
       case Kind::barrier: return 0;
+      case Kind::ping_pong:
+        return r() <= 1 ? count_wrong(output.data(), reference::make_input(t, ReduceOp::sum, 0, count), count) : 0;
+      case Kind::stream:
+        return r() == 1 ? count_wrong(output.data(), reference::make_input(t, ReduceOp::sum, 0, count), count) : 0;
     }
     return 0;
   }
@@ -374,7 +425,10 @@ Measurement measure(Case& c, bool in_place, std::size_t bytes) {
   const auto t0 = std::chrono::steady_clock::now();
   run_calls(c, in_place, a.iters);
   const auto t1 = std::chrono::steady_clock::now();
-  const double local_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / a.iters;
+  double local_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / a.iters;
+  // A ping-pong's time is half its round trip; a stream's, the time per message of its window.
+  if (a.collective->kind == Kind::ping_pong) local_us /= 2;
+  if (a.collective->kind == Kind::stream) local_us /= stream_window;
   m.time_us = reduce_across(c.group, local_us, ReduceOp::max);  // the slowest rank sets the pace
   const double seconds = m.time_us * 1e-6;
   m.algbw = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
@@ -574,6 +628,9 @@ int main(int argc, char** argv) {
     Group group = Group::create(loop).get();
     const int p = group.size();
     if (args.collective->rooted && (args.root < 0 || args.root >= p)) usage(fmt::format("root {} is not a rank of {}", args.root, p));
+    const bool point_to_point = args.collective->kind == Kind::ping_pong || args.collective->kind == Kind::stream;
+    if (point_to_point && p < 2) usage(fmt::format("{} needs 2 ranks at least (it runs between ranks 0 and 1)", args.collective->name));
+    if (point_to_point && !args.tune.empty()) usage("--tune is for collectives, whose algorithms it picks");
     const bool leader = group.rank() == 0;
     const bool tty = isatty(STDOUT_FILENO) != 0;
     const auto& info = *args.collective;
@@ -660,7 +717,7 @@ int main(int argc, char** argv) {
       c.count = bytes / unit;
       c.fill();
       const std::size_t count_column = c.count * (blocked ? static_cast<std::size_t>(p) : 1);
-      const std::string algorithm = group.algorithm_for(info.name, bytes);
+      const std::string algorithm = point_to_point ? std::string("p2p") : group.algorithm_for(info.name, bytes);
       const std::string root = root_text ? root_text : std::to_string(args.root);
       const std::string op_text = info.reduces ? std::string(to_string(args.op)) : "none";
       auto wrong_text = [&](std::int64_t wrong) { return args.check ? std::to_string(wrong) : std::string("N/A"); };

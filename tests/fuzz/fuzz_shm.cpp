@@ -98,11 +98,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
 
   // The hostile writer's script: 0 = write the next n bytes at its tail and publish, 1 = store a tail
-  // of any value, else = let the reader run.
+  // of any value, 2 = write the next n bytes as one well-formed inline record (so that the frames
+  // behind the records are reached too), else = let the reader run.
   std::uint64_t tail = 0;
   while (p < end) {
-    const std::uint8_t what = *p++ % 3;
-    if (what == 0 && p < end) {
+    const std::uint8_t what = *p++ % 4;
+    if (what == 2 && p < end) {
+      const std::size_t wanted = *p++;
+      const std::size_t n = std::min({wanted, static_cast<std::size_t>(end - p), capacity - shm::record_header_bytes});
+      std::byte header[shm::record_header_bytes];
+      shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(n)});
+      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), header, sizeof header);
+      tail += sizeof header;
+      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), p, n);
+      p += n;
+      tail += n;
+      ring->tail.store(tail, std::memory_order_release);
+    } else if (what == 0 && p < end) {
       const std::size_t wanted = *p++;
       const std::size_t n = std::min<std::size_t>(wanted, static_cast<std::size_t>(end - p));
       shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), p, std::min(n, capacity));

@@ -8,8 +8,12 @@
 //                             shrinks and runs 20 checked all_reduces on the survivors (tests/faults).
 //   worker soak N             N random collectives (every kind, sizes 0 to 64 Ki elements), each checked;
 //                             prints resident memory after the first 1000 and at the end.
+// WEFT_TEST_UNDUMPABLE=1 makes the rank's process non-dumpable (PR_SET_DUMPABLE 0) before it joins: a
+// peer without CAP_SYS_PTRACE cannot read its memory, even as the same user (the
+// single-copy fallback, tests/processes.sh single-copy).
 #include <malloc.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -143,6 +147,10 @@ std::string run_checked(Group& g, const std::string& name, std::size_t count, lo
 int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   const std::string mode = argc > 1 ? argv[1] : "sum";
+  if (const char* v = std::getenv("WEFT_TEST_UNDUMPABLE"); v && std::string(v) == "1" && ::prctl(PR_SET_DUMPABLE, 0) != 0) {
+    std::perror("prctl(PR_SET_DUMPABLE)");
+    return 1;
+  }
   weft::Loop loop;
   weft::Group group;
   try {

@@ -105,6 +105,35 @@ case $case_name in
     [ $victim -eq 137 ] || { echo "FAIL: the victim exited $victim, not by SIGKILL"; rc=1; }
     exit $rc
     ;;
+  single-copy)
+    # WEFT_SHM_CMA_BYTES: large writes go by single copy (the receiver reads the sender's memory with
+    # process_vm_readv). Every collective and point to point, checked, with it on; then, as a user without
+    # CAP_SYS_PTRACE, a rank whose memory cannot be read (PR_SET_DUMPABLE 0): its peer says so and its
+    # messages come through the ring, while its own reads of the peer still go by single copy.
+    for c in all_reduce all_gather reduce_scatter broadcast all_to_all ping_pong stream; do
+      out=$(WEFT_TRANSPORT=shm WEFT_SHM_CMA_BYTES=4096 "$run" -n 3 --timeout 120 -- "$bench" -c "$c" -b 0 -e 4M -f 9 -w 1 -n 3 --check 2>&1) || { echo "$out"; echo "FAIL: $c"; exit 1; }
+      echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $c wrong values"; exit 1; }
+      echo "$out" | grep -q "links of rank 0: shm+cma to 2 peers" || { echo "$out"; echo "FAIL: $c did not go by single copy"; exit 1; }
+      echo "ok: $c by single copy"
+    done
+    if ! setpriv --reuid=65534 --regid=65534 --clear-groups test -x "$worker"; then
+      echo "skipped: user nobody cannot run $worker (the build folder is not open to other users)"; exit 77
+    fi
+    port=$(free_port)
+    common="WEFT_WORLD_SIZE=2 WEFT_STORE=127.0.0.1:$port WEFT_TRANSPORT=shm WEFT_SHM_CMA_BYTES=4096 WEFT_LOG_LEVEL=info"
+    setpriv --reuid=65534 --regid=65534 --clear-groups env $common WEFT_RANK=1 WEFT_TEST_UNDUMPABLE=1 \
+      timeout 120 "$worker" loop all_reduce 20 300000 > /tmp/weft-single-copy.$$.1 2>&1 & r1=$!
+    out=$(cd / && setpriv --reuid=65534 --regid=65534 --clear-groups env $common WEFT_RANK=0 timeout 120 "$worker" loop all_reduce 20 300000 2>&1); rc=$?
+    wait $r1; rc1=$?
+    out1=$(cat /tmp/weft-single-copy.$$.1); rm -f /tmp/weft-single-copy.$$.1
+    echo "$out"; echo "$out1"
+    [ $rc -eq 0 ] && [ $rc1 -eq 0 ] || { echo "FAIL: exit statuses $rc and $rc1"; exit 1; }
+    echo "$out" | grep -q "rank 0: completed 20" && echo "$out1" | grep -q "rank 1: completed 20" || { echo "FAIL: not completed"; exit 1; }
+    echo "$out" | grep -q "rank 0: cannot read rank 1's memory (pid [0-9]*: Operation not permitted); its large messages come through the ring" \
+      || { echo "FAIL: rank 0 did not say it cannot read rank 1"; exit 1; }
+    if echo "$out1" | grep -q "cannot read rank 0's memory"; then echo "FAIL: rank 1 could not read rank 0 either"; exit 1; fi
+    echo "ok: a non-dumpable rank's messages come through the ring, checked"
+    ;;
   mixed-transports)
     # Even ranks on io_uring, odd ranks on Asio: one protocol, so every collective checks out.
     for c in all_reduce all_gather broadcast all_to_all; do

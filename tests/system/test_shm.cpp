@@ -144,7 +144,9 @@ namespace {
 // over the rings and a socketpair.
 class ShmPair {
  public:
-  explicit ShmPair(std::size_t ring_bytes = 64 << 10) {
+  // `single_copy_from`: writes of at least this many bytes go by single copy (0: never), each rank
+  // reading the other's memory with process_vm_readv (here: its own process).
+  explicit ShmPair(std::size_t ring_bytes = 64 << 10, std::size_t single_copy_from = 0) {
     hubs_[0] = ShmHub::create(loops_[0]);
     hubs_[1] = ShmHub::create(loops_[1]);
     int sv[2];
@@ -155,6 +157,11 @@ class ShmPair {
     const int fd1 = in1.fd();
     links_[0] = ShmStream::Link{std::move(in0), shm::adopt_ring(::dup(fd1)), ::dup(hubs_[1]->wake_fd()), sv[0]};
     links_[1] = ShmStream::Link{std::move(in1), shm::adopt_ring(::dup(fd0)), ::dup(hubs_[0]->wake_fd()), sv[1]};
+    for (auto& link : links_) {
+      inbound_[&link - links_] = static_cast<shm::RingControl*>(link.inbound.data());
+      link.single_copy_from = single_copy_from;
+      link.peer_pid = single_copy_from ? static_cast<int>(::getpid()) : 0;
+    }
     for (int r = 0; r < 2; ++r) {
       std::promise<void> ready;
       loops_[r].post([&, r] {
@@ -200,6 +207,8 @@ class ShmPair {
       co_return Outcome{op.error(), op.reason()};
     }(transports_[from].get(), 1 - from, seq, &data));
   }
+  // The ring rank r reads (for a test that plays a hostile writer into it).
+  shm::RingControl* inbound(int r) const { return inbound_[r]; }
   Future<Outcome> receive(int at, std::uint64_t seq, std::vector<std::byte>& into) {
     return spawn(loops_[at], [](FramedTransport* t, int from, std::uint64_t seq, std::vector<std::byte>* into) -> Task<Outcome> {
       TransportOp op;
@@ -213,6 +222,7 @@ class ShmPair {
   Loop loops_[2];
   std::shared_ptr<ShmHub> hubs_[2];
   ShmStream::Link links_[2];
+  shm::RingControl* inbound_[2] = {nullptr, nullptr};
   std::unique_ptr<FramedTransport> transports_[2];
 };
 
@@ -220,7 +230,9 @@ class ShmPair {
 
 TEST_CASE("two ranks exchange messages of every size over shared memory, both ways, early and posted", "[shm][stream]") {
   const std::size_t ring = GENERATE(std::size_t{4096}, std::size_t{64} << 10);  // smaller and larger than messages
-  ShmPair pair(ring);
+  const std::size_t single_copy = GENERATE(std::size_t{0}, std::size_t{1}, std::size_t{4096});  // off, every payload, large ones
+  CAPTURE(ring, single_copy);
+  ShmPair pair(ring, single_copy);
   std::uint64_t seq = 1;
   for (std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{63}, std::size_t{4096}, std::size_t{65536},
                            std::size_t{100003}, std::size_t{4} << 20}) {
@@ -245,7 +257,9 @@ TEST_CASE("two ranks exchange messages of every size over shared memory, both wa
 }
 
 TEST_CASE("many messages in flight both ways over shared memory arrive intact", "[shm][stream]") {
-  ShmPair pair(16 << 10);  // a small ring: writers wait for room all the time
+  const std::size_t single_copy = GENERATE(std::size_t{0}, std::size_t{2000});
+  CAPTURE(single_copy);
+  ShmPair pair(16 << 10, single_copy);  // a small ring: writers wait for room all the time
   std::vector<std::vector<std::byte>> out, in;
   std::vector<Future<ShmPair::Outcome>> futures;
   for (int i = 0; i < 64; ++i) {
@@ -266,6 +280,30 @@ TEST_CASE("a peer that goes away fails the receive waiting on it, naming the con
   const auto outcome = receive.get();
   REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
   REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1"));
+}
+
+TEST_CASE("a reference record that points nowhere fails the connection, and nothing is read", "[shm][stream]") {
+  // The peer says "read 100 bytes at address 16 of my memory": process_vm_readv refuses (EFAULT); the
+  // receive fails naming the peer, as any broken stream does.
+  const bool reference_allowed = GENERATE(true, false);  // a peer this rank may read, or one it may not
+  ShmPair pair(64 << 10, reference_allowed ? 1 : 0);
+  std::vector<std::byte> into(100);
+  auto receive = pair.receive(0, 9, into);
+  std::byte record[shm::reference_record_bytes];
+  shm::encode_record_header(record, {shm::RecordKind::reference, 0});
+  const std::uint64_t address = 16, length = 100;
+  std::memcpy(record + shm::record_header_bytes, &address, 8);
+  std::memcpy(record + shm::record_header_bytes + 8, &length, 8);
+  shm::RingControl* ring = pair.inbound(0);
+  const std::uint64_t tail = ring->tail.load();
+  shm::copy_into_ring(ring->data, std::size_t{1} << ring->capacity_log2, static_cast<std::size_t>(tail) & ((std::size_t{1} << ring->capacity_log2) - 1),
+                      record, sizeof record);
+  ring->tail.store(tail + sizeof record, std::memory_order_release);
+  const auto outcome = receive.get();
+  REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
+  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1"));
+  REQUIRE_THAT(outcome.reason, Catch::Contains(reference_allowed ? "the single-copy read of the peer's memory failed: Bad address"
+                                                         : "a single-copy reference from a peer whose memory this rank cannot read"));
 }
 
 // ---------------------------------------------------------------- the group arena

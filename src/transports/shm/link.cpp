@@ -4,6 +4,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -14,6 +15,8 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <cstdlib>
 
 #include <fmt/format.h>
 
@@ -83,8 +86,82 @@ bool peer_is(int fd, std::uint32_t pid, std::uint32_t uid) {
 
 Clock::time_point step_deadline(Clock::time_point deadline) { return std::min(deadline, Clock::now() + step_limit); }
 
+// The smallest write sent by single copy (ring.hpp's reference records): WEFT_SHM_CMA_BYTES, 0 or "off"
+// (the default, link.hpp says why) for never.
+std::size_t single_copy_from() {
+  static const std::size_t bytes = [] {
+    const char* v = std::getenv("WEFT_SHM_CMA_BYTES");
+    if (!v || !*v || std::string_view(v) == "off") return default_single_copy_bytes;
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(v, &end, 10);
+    if (*end != '\0') {
+      log().warn("WEFT_SHM_CMA_BYTES='{}' is not a byte count or 'off'; single copy stays off", v);
+      return default_single_copy_bytes;
+    }
+    return static_cast<std::size_t>(n);
+  }();
+  return bytes;
+}
+
+// Whether this process can read `size` bytes at `address` in process `pid` and finds `expected` there
+// (the link's probe: Yama, a non-dumpable peer, seccomp or a container may forbid it). `why`: errno's
+// words when it cannot.
+bool can_read_memory_of(int pid, std::uint64_t address, const std::array<std::byte, 16>& expected, std::string& why) {
+  std::array<std::byte, 16> got{};
+  iovec local{got.data(), got.size()};
+  iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), got.size()};
+  const ssize_t n = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
+  if (n != static_cast<ssize_t>(got.size())) {
+    why = n < 0 ? std::strerror(errno) : "a short read";
+    return false;
+  }
+  if (got != expected) {
+    why = "it read other bytes than the peer's nonce";
+    return false;
+  }
+  return true;
+}
+
+// Single copy, both ways at once: each side sends the address of its offer's nonce (whose value the peer
+// knows), reads the peer's with process_vm_readv, and says whether it could. Sets the link's single-copy
+// fields; false when the peer did not take part in time (the link is then not used).
+awaitable<bool> probe_single_copy(unix_socket::socket& socket, int rank, int peer, const std::array<std::byte, 16>& my_nonce,
+                                  const Offer& theirs, Clock::time_point deadline, ShmStream::Link& link) {
+  const bool enabled = single_copy_from() != 0;
+  std::array<std::byte, 8> address{};
+  le::put_u64(address.data(), reinterpret_cast<std::uintptr_t>(my_nonce.data()));
+  std::array<std::byte, 8> their_address{};
+  auto exchanged = co_await with_deadline(
+      [&]() -> awaitable<bool> {
+        co_await asio::async_write(socket, asio::buffer(address), use_awaitable);
+        co_await asio::async_read(socket, asio::buffer(their_address), use_awaitable);
+        co_return true;
+      }(),
+      step_deadline(deadline));
+  if (!exchanged) co_return false;
+  std::string why;
+  const bool can_read = enabled && can_read_memory_of(static_cast<int>(theirs.pid), le::get_u64(their_address.data()), theirs.nonce, why);
+  if (enabled && !can_read) {
+    log().info("rank {}: cannot read rank {}'s memory (pid {}: {}); its large messages come through the ring", rank, peer,
+               theirs.pid, why);
+  }
+  const char verdict = can_read ? 'Y' : 'N';
+  char their_verdict = 'N';
+  auto told = co_await with_deadline(
+      [&]() -> awaitable<bool> {
+        co_await asio::async_write(socket, asio::buffer(&verdict, 1), use_awaitable);
+        co_await asio::async_read(socket, asio::buffer(&their_verdict, 1), use_awaitable);
+        co_return true;
+      }(),
+      step_deadline(deadline));
+  if (!told) co_return false;
+  link.peer_pid = can_read ? static_cast<int>(theirs.pid) : 0;
+  link.single_copy_from = enabled && their_verdict == 'Y' ? single_copy_from() : 0;
+  co_return true;
+}
+
 // The unix half of linking one pair; returns the Link, or nullopt with `why` set.
-awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, const Offer& theirs,
+awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, const Offer& mine, const Offer& theirs,
                                                           std::unique_ptr<unix_socket::acceptor>& listener, int wake_fd,
                                                           Clock::time_point deadline, std::string& why) {
   auto executor = co_await asio::this_coro::executor;
@@ -156,6 +233,17 @@ awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, co
     co_return std::nullopt;
   }
   link.peer_wake_fd = in[1];
+  bool probed = false;
+  try {
+    probed = co_await probe_single_copy(socket, rank, peer, mine.nonce, theirs, deadline, link);
+  } catch (const std::system_error& e) {
+    why = fmt::format("the single-copy probe with rank {} failed ({})", peer, e.what());
+  }
+  if (!probed) {
+    ::close(link.peer_wake_fd);
+    if (why.empty()) why = fmt::format("rank {} did not finish the single-copy probe in time", peer);
+    co_return std::nullopt;
+  }
   link.socket = socket.release();
   co_return link;
 }
@@ -184,7 +272,7 @@ awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer m
     // Both sides decide alike from the same two offers.
     if (!(mine.wants && theirs->wants && mine.host == theirs->host && mine.uid == theirs->uid)) co_return;
     std::string why;
-    auto link = co_await connect_locally(rank, peer, *theirs, listener, wake_fd, deadline, why);
+    auto link = co_await connect_locally(rank, peer, mine, *theirs, listener, wake_fd, deadline, why);
     listener.reset();
     const std::byte verdict = link ? std::byte{1} : std::byte{0};
     std::byte their_verdict{0};

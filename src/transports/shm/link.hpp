@@ -7,6 +7,8 @@
 // the other's credentials (SO_PEERCRED: the pid the offer declared), makes its inbound ring and sends it
 // with its eventfd (SCM_RIGHTS); both say over the TCP connection whether all went well, and the pair
 // uses shared memory only if both did. Anything else keeps the TCP connection, with one log line.
+// Over the unix socket each also probes whether it can read the other's memory (process_vm_readv):
+// large writes then go by single copy (ring.hpp's reference records), else through the ring.
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -20,6 +22,10 @@ namespace weft::shm {
 
 /// Ring capacity per direction (docs/DESIGN.md quotes it by name).
 inline constexpr std::size_t ring_bytes = std::size_t{1} << 20;
+/// Single copy is off unless WEFT_SHM_CMA_BYTES names the smallest write to send by it: on these
+/// machines it measured slower than the rings at every size and in every pattern (ping-pong, streaming,
+/// all_reduce: bench/RESULTS.md, "Single copy"), so the rings are the default.
+inline constexpr std::size_t default_single_copy_bytes = 0;
 
 /// For every peer of `sockets` (sockets[rank] unused): its Link when the pair uses shared memory, else
 /// nullopt. `want`: this rank offers shared memory; `wake_fd`: its ShmHub's eventfd. Every rank of the

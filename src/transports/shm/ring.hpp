@@ -11,8 +11,17 @@
 //   data:  a receiver about to sleep stores sleeping = 1, then looks at `tail` once more; a sender
 //          stores `tail`, then loads `sleeping`, and signals the receiver's eventfd when it is 1;
 //   room:  a sender about to sleep with a write it could not finish stores writer_waiting = 1, then
-//          looks at `head` once more; a receiver stores `head`, then loads writer_waiting, and signals
-//          the sender's eventfd when it is 1.
+//          looks at `head` (and `referenced_read`) once more; a receiver stores `head` (or
+//          `referenced_read`), then loads writer_waiting, and signals the sender's eventfd when it is 1.
+//
+// Records. The bytes in the ring are records, each an 8-byte header (`RecordHeader`) and then:
+//   inline:    `length` bytes of the stream, in the ring;
+//   reference: 16 bytes, an address and a length in the sender's memory: the receiver copies them
+//              straight into its read (process_vm_readv, one copy: "single copy", CMA) and counts them
+//              in `referenced_read`; the sender's write is done once the receiver has read them all.
+// A sender publishes a header with its whole record (never half a header), so a reader that sees fewer
+// bytes than a header waits. Reference records are sent only to a receiver that said at connect time it
+// can read the sender's memory (docs/PROTOCOL.md, "Link offer"); any other gets inline records only.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -42,7 +51,36 @@ inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order ord
 }
 
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
-inline constexpr std::uint32_t ring_version = 1;
+inline constexpr std::uint32_t ring_version = 2;
+
+// A record's first 8 bytes: a marker (catches a reader out of step with its writer at once), the kind,
+// and for an inline record the length of what follows.
+enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2 };
+inline constexpr std::uint16_t record_marker = 0x7772;  // "rw"
+inline constexpr std::size_t record_header_bytes = 8;
+inline constexpr std::size_t reference_record_bytes = record_header_bytes + 16;
+
+struct RecordHeader {
+  RecordKind kind{};
+  std::uint32_t length = 0;  // inline: the bytes that follow
+};
+inline void encode_record_header(std::byte* out, RecordHeader h) noexcept {
+  const std::uint16_t marker = record_marker;
+  std::memcpy(out, &marker, 2);
+  out[2] = static_cast<std::byte>(h.kind);
+  out[3] = std::byte{0};
+  std::memcpy(out + 4, &h.length, 4);
+}
+// False when the bytes are no record header (a broken or hostile writer).
+inline bool decode_record_header(const std::byte* in, RecordHeader& h) noexcept {
+  std::uint16_t marker = 0;
+  std::memcpy(&marker, in, 2);
+  const auto kind = static_cast<std::uint8_t>(in[2]);
+  if (marker != record_marker || in[3] != std::byte{0} || kind < 1 || kind > 2) return false;
+  h.kind = static_cast<RecordKind>(kind);
+  std::memcpy(&h.length, in + 4, 4);
+  return true;
+}
 
 struct alignas(64) RingControl {
   // Written once by the receiver when it makes the segment, before the segment is passed on.
@@ -53,6 +91,7 @@ struct alignas(64) RingControl {
   alignas(64) std::atomic<std::uint32_t> writer_waiting{0};  // sender: 1 while it sleeps on a full ring
   alignas(64) std::atomic<std::uint64_t> head{0};      // receiver
   alignas(64) std::atomic<std::uint32_t> sleeping{1};  // receiver: 1 while its loop may sleep (starts 1)
+  alignas(64) std::atomic<std::uint64_t> referenced_read{0};  // receiver: bytes of reference records read
   alignas(64) std::byte data[1];                       // capacity bytes from here
 };
 
@@ -87,6 +126,15 @@ class RingWriter {
     return !full();
   }
   void disarm_wait() noexcept { ring_->writer_waiting.store(0, std::memory_order_relaxed); }
+  // The sender's sleep announcement while a write waits for the receiver to read its reference
+  // records: true when it has read up to `issued` meanwhile.
+  bool arm_wait_referenced(std::uint64_t issued) noexcept {
+    store_and_fence(ring_->writer_waiting, std::uint32_t{1}, std::memory_order_relaxed);
+    return referenced_read() >= issued;
+  }
+  // Bytes of reference records the receiver has read (its word: a value beyond what was issued only
+  // completes the write early, which harms nobody but the liar).
+  std::uint64_t referenced_read() const noexcept { return ring_->referenced_read.load(std::memory_order_acquire); }
   bool full() const noexcept { return room() == 0; }
   // Bytes that may be written now. The peer's word is not trusted: a head behind what was written, or
   // ahead of it, gives no room (never more than the capacity, whatever the counters say).
@@ -127,11 +175,24 @@ class RingReader {
     head_ += n;
     return n;
   }
+  // Copies `size` bytes at the reader's position without taking them; false when fewer are there.
+  bool peek(void* dst, std::size_t size) const noexcept {
+    if (available() < size) return false;
+    copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, size);
+    return true;
+  }
   // Hands the bytes taken back to the sender. True when the sender sleeps waiting for room (signal it).
   bool release() noexcept {
     store_and_fence(ring_->head, head_, std::memory_order_release);
     return ring_->writer_waiting.load(std::memory_order_relaxed) != 0;
   }
+  // Tells the sender how many bytes of its reference records this receiver has read in all. True when
+  // the sender sleeps waiting for it (signal it).
+  bool referenced(std::uint64_t total) noexcept {
+    store_and_fence(ring_->referenced_read, total, std::memory_order_release);
+    return ring_->writer_waiting.load(std::memory_order_relaxed) != 0;
+  }
+  std::size_t capacity() const noexcept { return capacity_; }
 
   // The receiver's sleep announcement (RingControl's comment): arm() returns true when data came.
   bool arm() noexcept {

@@ -3,16 +3,59 @@
 
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <string>
 #include <chrono>
 #include <thread>
 #include <utility>
 
 #include <asio/error.hpp>
 
+#include "core/bytes.hpp"
+
 namespace weft {
+namespace {
+
+// What a peer wrote into the ring that this rank cannot take (the connection fails with these words).
+enum class RingError { not_a_record = 1, bad_length, unreadable_reference, empty_reference };
+
+class RingErrorCategory final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "weft-shm-ring"; }
+  std::string message(int value) const override {
+    switch (static_cast<RingError>(value)) {
+      case RingError::not_a_record: return "protocol error: the peer wrote bytes into the ring that are not a record";
+      case RingError::bad_length: return "protocol error: a record in the ring has a length of 0 or more than the ring";
+      case RingError::unreadable_reference:
+        return "protocol error: a single-copy reference from a peer whose memory this rank cannot read (it said so at connect time)";
+      case RingError::empty_reference: return "protocol error: a single-copy reference with a length of 0";
+    }
+    return "unknown ring error";
+  }
+};
+
+std::error_code make_error(RingError e) {
+  static const RingErrorCategory category;
+  return {static_cast<int>(e), category};
+}
+
+// process_vm_readv's errno, said as what failed.
+class SingleCopyCategory final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "weft-shm-single-copy"; }
+  std::string message(int value) const override {
+    return std::string("the single-copy read of the peer's memory failed: ") + std::generic_category().message(value);
+  }
+  static const std::error_category& get() {
+    static const SingleCopyCategory category;
+    return category;
+  }
+};
+
+}  // namespace
 
 // ---------------------------------------------------------------- the hub
 
@@ -149,25 +192,80 @@ void ShmStream::read(void* dst, std::size_t min, std::size_t cap) {
 
 bool ShmStream::push_write() {
   for (;;) {
-    if (push_some()) return true;
+    if (push_some() && write_settled()) return true;
     // A loop that does not spin now (asleep, or a borrowed io_context that weft never arms) must be
-    // woken when room comes: say so, then look once more (the reader may have made room meanwhile).
-    if (awake_ || !out_.arm_wait()) return false;
+    // woken when the write can move: say so, then look once more (the reader may have moved meanwhile).
+    if (awake_ || !arm_write_wait()) return false;
   }
+}
+
+bool ShmStream::arm_write_wait() {
+  // Pieces left: waiting for room. All in the ring: waiting for the reader to read the references.
+  return write_.piece < 3 ? out_.arm_wait() : out_.arm_wait_referenced(referenced_written_);
+}
+
+bool ShmStream::write_settled() {
+  if (referenced_written_ == referenced_seen_) return true;
+  const std::uint64_t read = out_.referenced_read();
+  if (read != referenced_seen_) {
+    referenced_seen_ = read;
+    last_sent_ = std::chrono::steady_clock::now();  // the receiver is reading: the write moves
+  }
+  return read >= referenced_written_;
+}
+
+bool ShmStream::by_reference(const ConstBytes& piece) const noexcept {
+  return link_.single_copy_from != 0 && piece.size >= link_.single_copy_from;
 }
 
 bool ShmStream::push_some() {
   bool moved = false;
   while (write_.piece < 3) {
     const ConstBytes& piece = write_.pieces[write_.piece];
-    if (write_.offset < piece.size) {
-      const std::size_t n = out_.put(static_cast<const std::byte*>(piece.data) + write_.offset, piece.size - write_.offset);
-      write_.offset += n;
-      moved = moved || n > 0;
-      if (write_.offset < piece.size) break;  // the ring is full
+    if (write_.offset >= piece.size) {
+      ++write_.piece;
+      write_.offset = 0;
+      continue;
     }
-    ++write_.piece;
-    write_.offset = 0;
+    if (by_reference(piece)) {
+      // A reference record: the receiver copies the piece out of this process; the write stays in
+      // flight (the piece must live) until it has (write_settled).
+      if (out_.room() < shm::reference_record_bytes) break;
+      std::byte record[shm::reference_record_bytes];
+      shm::encode_record_header(record, {shm::RecordKind::reference, 0});
+      le::put_u64(record + shm::record_header_bytes, reinterpret_cast<std::uintptr_t>(piece.data));
+      le::put_u64(record + shm::record_header_bytes + 8, piece.size);
+      out_.put(record, sizeof record);
+      referenced_written_ += piece.size;
+      write_.offset = piece.size;
+      moved = true;
+      continue;
+    }
+    // An inline record: as much of this piece and the inline pieces after it as fits.
+    const std::size_t room = out_.room();
+    if (room <= shm::record_header_bytes) break;
+    std::size_t length = 0;
+    for (int i = write_.piece; i < 3; ++i) {
+      const ConstBytes& next = write_.pieces[i];
+      if (i != write_.piece && by_reference(next)) break;
+      length += next.size - (i == write_.piece ? write_.offset : 0);
+    }
+    length = std::min({length, room - shm::record_header_bytes, std::size_t{UINT32_MAX}});
+    std::byte header[shm::record_header_bytes];
+    shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(length)});
+    out_.put(header, sizeof header);
+    while (length > 0) {
+      const ConstBytes& current = write_.pieces[write_.piece];
+      const std::size_t n = std::min(length, current.size - write_.offset);
+      out_.put(static_cast<const std::byte*>(current.data) + write_.offset, n);
+      write_.offset += n;
+      length -= n;
+      if (write_.offset == current.size) {
+        ++write_.piece;
+        write_.offset = 0;
+      }
+    }
+    moved = true;
   }
   if (moved) {
     last_sent_ = std::chrono::steady_clock::now();
@@ -177,12 +275,105 @@ bool ShmStream::push_some() {
 }
 
 bool ShmStream::pull_read() {
-  const std::size_t n = in_.take(read_.dst + read_.got, read_.cap - read_.got);
-  read_.got += n;
-  if (n > 0) last_received_ = std::chrono::steady_clock::now();
-  // The peer may sleep waiting for room to write: wake it.
-  if (n > 0 && in_.release()) wake_peer();
+  if (read_error_) return false;
+  bool ring_moved = false;
+  while (read_.got < read_.cap) {
+    if (record_.left == 0) {
+      std::byte header[shm::reference_record_bytes];
+      if (!in_.peek(header, shm::record_header_bytes)) break;
+      shm::RecordHeader h;
+      if (!shm::decode_record_header(header, h)) {
+        read_error_ = make_error(RingError::not_a_record);
+        break;
+      }
+      if (h.kind == shm::RecordKind::inline_bytes) {
+        if (h.length == 0 || h.length > in_.capacity() - shm::record_header_bytes) {
+          read_error_ = make_error(RingError::bad_length);
+          break;
+        }
+        in_.take(nullptr, shm::record_header_bytes);
+        record_ = Record{shm::RecordKind::inline_bytes, h.length, 0};
+      } else {
+        // Only from a peer this rank said it can read (the link's probe); never trusted further than
+        // that: a bad address fails the read (process_vm_readv checks it), it cannot touch this process.
+        if (link_.peer_pid == 0) {
+          read_error_ = make_error(RingError::unreadable_reference);
+          break;
+        }
+        if (!in_.peek(header, shm::reference_record_bytes)) break;
+        const std::uint64_t length = le::get_u64(header + shm::record_header_bytes + 8);
+        if (length == 0) {
+          read_error_ = make_error(RingError::empty_reference);
+          break;
+        }
+        in_.take(nullptr, shm::reference_record_bytes);
+        record_ = Record{shm::RecordKind::reference, length, le::get_u64(header + shm::record_header_bytes)};
+      }
+      ring_moved = true;
+    }
+    if (record_.kind == shm::RecordKind::inline_bytes) {
+      const std::size_t n = in_.take(read_.dst + read_.got, std::min<std::uint64_t>(record_.left, read_.cap - read_.got));
+      if (n == 0) break;
+      read_.got += n;
+      record_.left -= n;
+      ring_moved = true;
+      continue;
+    }
+    // A reference: read ahead only into a read that still needs bytes (its bytes go straight into the
+    // read that wants them, the posted receive), and one chunk per turn of the loop.
+    if (read_.got >= read_.min) break;
+    read_referenced(read_.cap - read_.got);
+    break;
+  }
+  if (ring_moved) {
+    last_received_ = std::chrono::steady_clock::now();
+    // The peer may sleep waiting for room to write: wake it.
+    if (in_.release()) wake_peer();
+  }
   return read_.got >= read_.min;
+}
+
+std::size_t ShmStream::read_referenced(std::size_t limit) {
+  // Bounded per call, so that the loop's other work (deadlines, failures, other peers) runs between chunks.
+  constexpr std::uint64_t chunk_limit = std::uint64_t{256} << 10;
+  const std::size_t chunk = static_cast<std::size_t>(std::min({record_.left, static_cast<std::uint64_t>(limit), chunk_limit}));
+  iovec local{read_.dst + read_.got, chunk};
+  iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(record_.address)), chunk};
+  ssize_t n;
+  do {
+    n = ::process_vm_readv(link_.peer_pid, &local, 1, &remote, 1, 0);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) {
+    const int error = n < 0 ? errno : EFAULT;
+    // The peer's process is gone (or going: its memory is being torn down): its end, as a socket's.
+    if (error == ESRCH || !peer_still_there()) {
+      read_error_ = asio::error::eof;
+    } else {
+      read_error_ = std::error_code(error, SingleCopyCategory::get());
+    }
+    return 0;
+  }
+  // The peer shuts its socket down before it lets go of what it lent (close()): still there after the
+  // copy means the bytes were still its write's.
+  if (!peer_still_there()) {
+    read_error_ = asio::error::eof;
+    return 0;
+  }
+  const auto got = static_cast<std::size_t>(n);
+  read_.got += got;
+  record_.address += got;
+  record_.left -= got;
+  referenced_read_ += got;
+  last_received_ = std::chrono::steady_clock::now();
+  if (in_.referenced(referenced_read_)) wake_peer();
+  return got;
+}
+
+bool ShmStream::peer_still_there() const noexcept {
+  if (peer_closed_) return false;
+  char byte;
+  const ssize_t n = ::recv(socket_, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
+  return n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
 }
 
 std::size_t ShmStream::progress() {
@@ -191,11 +382,15 @@ std::size_t ShmStream::progress() {
   if (write_.active) {
     std::error_code failed;
     bool done = false;
+    const std::uint64_t referenced_before = referenced_seen_;
     if (peer_closed_) {
       failed = std::make_error_code(std::errc::broken_pipe);
     } else {
       done = push_write();
     }
+    // The receiver reading this write's references is this rank's progress too: it keeps the loop
+    // polling (a loop that found nothing for a while sleeps, and its wake-up costs more than the wait).
+    if (!done && !failed && referenced_seen_ != referenced_before) ++found;
     if (done || failed) {
       write_.active = false;
       out_.disarm_wait();
@@ -205,13 +400,16 @@ std::size_t ShmStream::progress() {
     }
   }
   if (read_.active) {
+    const std::size_t before = read_.got;
     const bool done = pull_read();
-    if (done || peer_closed_) {
+    if (done || peer_closed_ || read_error_) {
       read_.active = false;
       ++found;
       // The peer's end comes after what it wrote: a read that has its minimum completes first.
-      const std::error_code ec = done ? std::error_code{} : std::error_code(asio::error::eof);
+      const std::error_code ec = done ? std::error_code{} : read_error_ ? read_error_ : std::error_code(asio::error::eof);
       if (!alive_.expired()) events_->on_read(peer_, ec, read_.got);
+    } else if (read_.got != before && record_.left > 0 && record_.kind == shm::RecordKind::reference) {
+      ++found;  // a reference being read: more to copy at once, no reason to look at the kernel
     }
   }
   return found;
@@ -225,9 +423,11 @@ std::optional<std::uint32_t> ShmStream::ms_since_data(bool received) const {
 bool ShmStream::arm() {
   awake_ = false;
   const bool data = in_.arm();
-  const bool room = write_.active && out_.arm_wait();
+  const bool room = write_.active && arm_write_wait();
+  // A reference half read needs no word from the peer to go on.
+  const bool referenced = record_.left > 0 && record_.kind == shm::RecordKind::reference && read_.got < read_.min;
   // (A posted progress is the loop's own queue: it does not sleep past it.)
-  return (read_.active && data) || room;
+  return (read_.active && (data || referenced)) || room;
 }
 
 void ShmStream::disarm() {
@@ -237,14 +437,18 @@ void ShmStream::disarm() {
 }
 
 void ShmStream::write_blocking(const void* data, std::size_t size) {
+  // One inline record, put whole or not at all (the goodbye frame: 48 bytes): a reader never sees half.
+  if (size == 0 || size > UINT32_MAX) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  std::size_t done = 0;
-  while (done < size && !peer_closed_ && std::chrono::steady_clock::now() < until) {
-    const std::size_t n = out_.put(static_cast<const std::byte*>(data) + done, size - done);
-    done += n;
-    if (n == 0) std::this_thread::yield();
+  while (out_.room() < shm::record_header_bytes + size) {
+    if (peer_closed_ || std::chrono::steady_clock::now() >= until) return;
+    std::this_thread::yield();
   }
-  if (done > 0 && out_.publish()) wake_peer();
+  std::byte header[shm::record_header_bytes];
+  shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(size)});
+  out_.put(header, sizeof header);
+  out_.put(data, size);
+  if (out_.publish()) wake_peer();
 }
 
 void ShmStream::shutdown_send() {

@@ -60,6 +60,12 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     shm::Segment outbound;  // the peer's: this rank writes
     int peer_wake_fd = -1;  // the peer's eventfd (owned)
     int socket = -1;        // the connected unix socket (owned)
+    // Single copy (ring.hpp's reference records): writes of at least `single_copy_from` bytes go to the
+    // peer as references when it can read this process's memory (0: never); reference records from the
+    // peer are read from process `peer_pid` (0: this rank cannot read the peer's memory, and a reference
+    // record from it is a protocol error).
+    std::size_t single_copy_from = 0;
+    int peer_pid = 0;
   };
   /// Use make(): the stream attaches to the hub and watches its socket once it is shared.
   static std::shared_ptr<ShmStream> make(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* events, int peer,
@@ -67,7 +73,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   ShmStream(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* events, int peer, std::weak_ptr<bool> alive);
   ~ShmStream() override;
 
-  std::string_view backend() const noexcept override { return "shm"; }
+  /// "shm", or "shm+cma" where large writes to the peer go by single copy (the peer reads them).
+  std::string_view backend() const noexcept override { return link_.single_copy_from ? "shm+cma" : "shm"; }
   int native_handle() const noexcept override { return socket_; }
   void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
@@ -88,9 +95,14 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   void post_progress();
   void wake_peer();
   void on_socket_readable();
-  bool push_write();  // true when the write in flight is all in the ring
-  bool push_some();   // moves what fits now
-  bool pull_read();   // true when the read in flight has its minimum
+  bool push_write();  // true when the write in flight is all in the ring (and its references read)
+  bool push_some();   // moves what fits now; true when every piece is in the ring
+  bool write_settled();  // the receiver has read every reference record of the write
+  bool arm_write_wait();  // the write's sleep announcement: true when it can move meanwhile
+  bool by_reference(const ConstBytes& piece) const noexcept;
+  bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
+  std::size_t read_referenced(std::size_t limit);  // from the current reference record into the read
+  bool peer_still_there() const noexcept;
 
   std::shared_ptr<ShmHub> hub_;
   Link link_;
@@ -117,6 +129,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     int piece = 0;
     std::size_t offset = 0;
   } write_;
+  // Bytes of reference records written, in all; the receiver's ring word counts those it has read.
+  std::uint64_t referenced_written_ = 0;
+  std::uint64_t referenced_seen_ = 0;  // its last value seen: progress for ms_since_data
   struct Read {
     bool active = false;
     std::byte* dst = nullptr;
@@ -124,6 +139,14 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     std::size_t cap = 0;
     std::size_t got = 0;
   } read_;
+  std::error_code read_error_;
+  // The record being read: what is left of an inline one, or where the rest of a reference one is.
+  struct Record {
+    shm::RecordKind kind = shm::RecordKind::inline_bytes;
+    std::uint64_t left = 0;
+    std::uint64_t address = 0;
+  } record_;
+  std::uint64_t referenced_read_ = 0;  // bytes of the peer's reference records read, in all
 };
 
 }  // namespace weft
