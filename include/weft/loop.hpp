@@ -38,9 +38,8 @@ class Loop {
     /// before it sleeps in the kernel (owned mode only). A sleeping thread takes tens of microseconds to
     /// wake on a VM, more than a small collective's messages take to arrive; polling only while something
     /// is in flight leaves the cores to the application (and the waiting threads) the rest of the time.
-    /// Zero turns polling off (use it when ranks oversubscribe the cores). Default: WEFT_SPIN_US, else 0
-    /// when the launcher's local rank count (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE,
-    /// OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE) exceeds the cores, else 1000 us.
+    /// Zero turns polling off. Default: WEFT_SPIN_US, else 1000 us (when ranks oversubscribe the cores
+    /// too: they poll yielding, below; with WEFT_SPIN_YIELD=0 they do not poll at all).
     /// The bound adapts between spin/16 and spin: halved after a poll that found nothing, doubled after
     /// an event that came late in it.
     std::chrono::microseconds spin{1000};
@@ -51,6 +50,13 @@ class Loop {
     /// WEFT_DRIVE is unset and WEFT_TRANSPORT=uring, `Loop()` turns it off, so that the io_uring ring can
     /// be single-issuer with deferred task work (faster there at every size, bench/RESULTS.md).
     bool caller_drives = true;
+    /// Polling gives the core away after every look that found nothing (sched_yield), so that a rank
+    /// waiting for another on the same core lets it run instead of taking its time slice. For ranks that
+    /// oversubscribe the cores, where sleeping instead costs a wake-up through the kernel per message
+    /// (bench/RESULTS.md, "4 ranks on 2 cores"). Default: WEFT_SPIN_YIELD (0 or 1), else on when the
+    /// launcher's local rank count (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE,
+    /// SLURM_NTASKS_PER_NODE) exceeds the cores; with WEFT_SPIN_YIELD=0 such ranks do not poll at all.
+    bool yield_while_polling = false;
   };
 
   /// Owned mode: an io_context of its own and a progress thread that runs it.

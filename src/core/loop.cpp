@@ -38,12 +38,23 @@ struct Registry {
   std::unordered_map<std::uint64_t, std::unique_ptr<Watch>> watches;
 };
 
-// Polling pays only while every polling rank has a core: with more local ranks than cores, a poller
-// takes whole time slices from the rank it waits for. The launchers say how many ranks share the host.
+// Polling pays only while every polling rank has a core, or while it gives the core away between looks:
+// with more local ranks than cores, a poller that does not yield takes whole time slices from the rank it
+// waits for, and one that sleeps pays a kernel wake-up per message. The launchers say how many ranks
+// share the host.
+bool oversubscribed() {
+  const unsigned cores = std::thread::hardware_concurrency();
+  return cores > 0 && host::local_ranks() > static_cast<int>(cores);
+}
+
+bool default_yield() {
+  if (const char* v = std::getenv("WEFT_SPIN_YIELD"); v && *v) return std::string_view(v) != "0";
+  return oversubscribed();
+}
+
 std::chrono::microseconds default_spin() {
   if (const char* v = std::getenv("WEFT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores > 0 && host::local_ranks() > static_cast<int>(cores)) return std::chrono::microseconds(0);
+  if (oversubscribed() && !default_yield()) return std::chrono::microseconds(0);
   return Loop::Options{}.spin;
 }
 
@@ -131,6 +142,7 @@ struct Loop::Impl {
   std::chrono::microseconds spin{0};      // the polling bound's ceiling (Options::spin)
   std::chrono::microseconds spin_now{0};  // the bound now: adapted by turn(), touched by the driving thread
   bool caller_drives = false;
+  bool yields = false;  // Options::yield_while_polling
   std::shared_ptr<Registry> registry = std::make_shared<Registry>();
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<int> in_flight{0};
@@ -268,7 +280,10 @@ struct Loop::Impl {
         last_work = now;
         return;
       }
-      if (now - last_work < spin_now) return;
+      if (now - last_work < spin_now) {
+        if (yields) std::this_thread::yield();  // the rank this one waits for may need this core
+        return;
+      }
       spin_now = std::max(spin / 16, spin_now / 2);
     }
     if (run_ready() > 0) {
@@ -332,7 +347,7 @@ struct Loop::Impl {
   }
 };
 
-Loop::Loop() : Loop(Options{default_spin(), default_caller_drives()}) {}
+Loop::Loop() : Loop(Options{default_spin(), default_caller_drives(), default_yield()}) {}
 
 Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
@@ -340,6 +355,7 @@ Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->spin = options.spin;
   impl_->spin_now = options.spin;
   impl_->caller_drives = options.caller_drives;
+  impl_->yields = options.yield_while_polling;
   impl_->keep_running.emplace(impl_->io->get_executor());
   impl_->progress_thread = std::thread([impl = impl_.get()] { impl->run_progress(); });
   register_loop(this);
