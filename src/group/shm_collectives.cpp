@@ -169,7 +169,8 @@ Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
   const std::byte* in = call.in.bytes_ptr();
   std::byte* out = call.out.bytes_ptr();
   const bool everywhere = n * esize < reduce_everywhere_below;
-  std::vector<const std::byte*> sources(p);
+  std::vector<const std::byte*>& sources = g.arena_sources;
+  sources.resize(p);
   std::uint32_t step = 0;
   const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, 1);
   for (const algo::Range& chunk : chunks) {
@@ -281,6 +282,22 @@ struct TakeTurn {
   void await_resume() const noexcept {}
 };
 
+// A cancel of the Future: from any thread, handled on the loop. (A callable of its own, not a
+// std::function: registered on every collective, it must not allocate.)
+struct CancelOnArena {
+  std::shared_ptr<GroupState> g;
+  std::shared_ptr<Hook> hook;
+  std::uint64_t seq;
+  const char* op;
+  void operator()() const {
+    g->loop->post([g = g, hook = hook, seq = seq, op = op] {
+      if (hook->finished) return;
+      hook->cancelled = true;
+      g->transport->cancel_operation(g->context, seq, fmt::format("rank {} cancelled {} #{}", g->rank, op, seq));
+    });
+  }
+};
+
 void pass_turn(GroupState& g) {
   g.arena_seq = 0;
   if (g.arena_queue.empty()) {
@@ -310,16 +327,8 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
   try {
     if (run.usable()) {
       const std::stop_token token = co_await this_stop_token();
-      std::optional<std::stop_callback<std::function<void()>>> on_stop;
-      if (token.stop_possible()) {
-        on_stop.emplace(token, std::function<void()>([g, hook, seq, op] {
-          g->loop->post([g, hook, seq, op] {
-            if (hook->finished) return;
-            hook->cancelled = true;
-            g->transport->cancel_operation(g->context, seq, fmt::format("rank {} cancelled {} #{}", g->rank, op, seq));
-          });
-        }));
-      }
+      std::optional<std::stop_callback<CancelOnArena>> on_stop;
+      if (token.stop_possible()) on_stop.emplace(token, CancelOnArena{g, hook, seq, op});
       g->arena_seq = seq;
       g->transport->note_started(g->context, seq, signature);
       g->watch(seq, op);

@@ -118,6 +118,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   bool arena_busy = false;
   std::deque<std::coroutine_handle<>> arena_queue;
   std::uint64_t arena_seq = 0;  // the operation in the arena now (0: none), for deadline reports
+  std::vector<const std::byte*> arena_sources;  // the scripts' fold inputs (one collective at a time: no allocation per call)
 
   ~GroupState() {
     if (!transport) return;

@@ -202,11 +202,21 @@ int main(int argc, char** argv) {
     const std::string name = argc > 2 ? argv[2] : "all_reduce";
     const long iterations = argc > 3 ? std::atol(argv[3]) : 1000;
     const std::size_t count = argc > 4 ? static_cast<std::size_t>(std::atol(argv[4])) : 65536;
+    // WEFT_TEST_PAUSE=R:N:MS: rank R sleeps MS ms before its collective #N, while the others wait in it
+    // (their loops asleep: tests/system/faults kill-fast).
+    int pause_rank = -1;
+    long pause_before = -1, pause_ms = 0;
+    if (const char* v = std::getenv("WEFT_TEST_PAUSE")) std::sscanf(v, "%d:%ld:%ld", &pause_rank, &pause_before, &pause_ms);
     const long long start = epoch_ms();
     std::printf("rank %d: started at %lld\n", group.rank(), start);
     std::fflush(stdout);
     try {
       for (long it = 0; it < iterations; ++it) {
+        if (pause_rank == group.rank() && pause_before == it) {
+          std::printf("rank %d: pausing at %lld\n", group.rank(), epoch_ms());
+          std::fflush(stdout);
+          std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+        }
         const auto wrong = run_checked(group, name, count, it);
         if (!wrong.empty()) {
           std::printf("rank %d: WRONG %s\n", group.rank(), wrong.c_str());

@@ -5,6 +5,10 @@
 #                        must fail naming it within the deadline + 1 s, shrink, and run checked collectives
 #   stop TRANSPORT       SIGSTOP one random rank of 4 during a collective: every survivor's error must name
 #                        it (the deadline's straggler report) within the deadline + 1 s; then shrink
+#   kill-fast TRANSPORT  kill -9 of one rank of 4 in a loop of small all_reduces, in the middle of a 64 MiB
+#                        all_reduce, and while the others wait for it asleep: every survivor must fail naming
+#                        it within 100 ms (400 ms for 64 MiB; no deadline involved: WEFT_TIMEOUT=60s), and nothing is left in
+#                        /dev/shm (shared memory: the unix socket's end is the signal)
 #   strangers            strangers connect to the store and to every rank's listening port during the
 #                        bootstrap (garbage, silence, a hang-up); the job must not notice, the ranks log them
 #   secret               a rank with another WEFT_SECRET is refused; the others name it
@@ -140,6 +144,37 @@ case $case_name in
       SHRINK=0 FROM_CALL=1 strike STOP 5s "$c" 6000 "rank %d (no answer within" 8388608
       echo "ok: SIGSTOP of rank $victim mid-transfer of 64 MiB during $c ($transport, WEFT_TIMEOUT=5s): survivors failed [$times ] ms after the fault or their call, naming it"
     done
+    ;;
+  kill-fast)
+    before=$(ls -A /dev/shm 2>/dev/null | sort)
+    strike KILL 60s all_reduce 100 "connection to rank %d lost" 16
+    echo "ok: kill -9 of rank $victim in a loop of 128-byte all_reduces ($transport): survivors failed after [$times ] ms"
+    # (From the later of the kill and the call: a survivor may be filling or checking its 64 MiB then.
+    # 400 ms, not 100: the kernel frees a killed process's memory before it closes its descriptors, and
+    # the victim's hundreds of MiB took 57-161 ms of that here; its socket's end is the first sign.)
+    FROM_CALL=1 strike KILL 60s all_reduce 400 "connection to rank %d lost" 8388608
+    echo "ok: kill -9 of rank $victim in the middle of 64 MiB all_reduces ($transport): survivors failed [$times ] ms after the kill or their call"
+    # The victim pauses before its collective #5 while the others wait in it, their loops asleep.
+    victim=$(( RANDOM % 4 ))
+    port=$(free_port)
+    worker_args="loop all_reduce 1000000 1001"
+    start_ranks 4 "$port" WEFT_TIMEOUT=60s WEFT_FAULT_SHRINK=1 WEFT_TEST_PAUSE="$victim:5:30000"
+    wait_started 4
+    for try in $(seq 1 100); do grep -q "pausing at" "$tmp/$victim.log" && break; sleep 0.05; done
+    grep -q "pausing at" "$tmp/$victim.log" || fail "rank $victim did not pause"
+    sleep 0.5  # long past any polling: the others sleep in the kernel
+    t0=$(now_ms)
+    kill -KILL "${pids[$victim]}"
+    survivors=()
+    for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
+    wait_ranks 40 "${survivors[@]}"
+    times=$(check_survivors $victim "$t0" 100 "connection to rank $victim lost")
+    case $times in *FAIL:*) echo "$times"; exit 1 ;; esac
+    wait "${pids[$victim]}" 2>/dev/null
+    echo "ok: kill -9 of rank $victim while the others slept waiting for it ($transport): survivors failed after [$times ] ms"
+    after=$(ls -A /dev/shm 2>/dev/null | sort)
+    [ "$before" = "$after" ] || fail "/dev/shm changed: before [$before], after [$after]"
+    echo "ok: nothing left in /dev/shm"
     ;;
   strangers)
     port=$(free_port)
