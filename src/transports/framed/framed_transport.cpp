@@ -244,7 +244,9 @@ bool FramedTransport::carries_frame_of(const Connection& c, std::uint32_t contex
   if (!c.alive) return false;
   const bool writing = c.writing && !c.writing_control && !c.send_queue.empty() && c.send_queue.front()->key.context == context;
   const bool reading = c.current_op && c.current_op->key.context == context;
-  return writing || reading;
+  // A lent send's payload is still being read by the peer: a frame in flight as much as a write is.
+  const bool lent = std::any_of(c.lent.begin(), c.lent.end(), [context](const TransportOp* op) { return op->key.context == context; });
+  return writing || reading || lent;
 }
 
 void FramedTransport::watch_stuck_io(std::uint32_t context, bool at_once) {
@@ -407,6 +409,30 @@ void FramedTransport::start_write(Connection& c) {
 }
 
 void FramedTransport::on_written(int peer, const std::error_code& ec) { on_write_done(*connections_[static_cast<std::size_t>(peer)], ec); }
+
+// The send's frame is out, its payload lent: it completes when the peer has read it (on_released), or
+// fails with the connection (close_connection, after the stream's close).
+void FramedTransport::on_lent(int peer) {
+  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  c.writing = false;
+  if (c.writing_control || c.send_queue.empty()) {  // only data frames lend; nothing else to do
+    c.writing_control = false;
+    c.control_payload.clear();
+  } else {
+    c.lent.push_back(c.send_queue.front());
+    c.send_queue.pop_front();
+  }
+  if (c.alive) start_write(c);
+}
+
+void FramedTransport::on_released(int peer, std::size_t writes) {
+  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  for (std::size_t i = 0; i < writes && !c.lent.empty(); ++i) {
+    TransportOp* done = c.lent.front();
+    c.lent.pop_front();
+    done->complete();
+  }
+}
 
 void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
   c.writing = false;
@@ -816,7 +842,7 @@ void FramedTransport::fail_connection(Connection& c, const std::string& reason) 
   if (!c.alive) return;
   c.alive = false;
   c.lost_reason = fmt::format("connection to rank {} lost: {}", c.peer, reason);
-  const bool pending = !c.send_queue.empty() || c.current_op || matcher_.any_posted();
+  const bool pending = !c.send_queue.empty() || !c.lent.empty() || c.current_op || matcher_.any_posted();
   // A peer that leaves while nothing waits on it is a normal end of a job; one that leaves mid-operation
   // is the news every rank's log should carry.
   if (!shut_down_) {
@@ -863,6 +889,9 @@ void FramedTransport::peer_departed(Connection& c) {
 // read) and receives posted for the peer. Messages that already arrived stay receivable.
 void FramedTransport::close_connection(Connection& c, std::vector<TransportOp*>& ops) {
   c.stream->close();
+  // Closed: the peer reads no lent buffer any more (Stream::close), so the lent sends may end.
+  ops.insert(ops.end(), c.lent.begin(), c.lent.end());
+  c.lent.clear();
   const std::size_t skip = c.writing && !c.writing_control && !c.send_queue.empty() ? 1 : 0;
   ops.insert(ops.end(), c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
   c.send_queue.erase(c.send_queue.begin() + static_cast<std::ptrdiff_t>(skip), c.send_queue.end());
@@ -1045,6 +1074,8 @@ void FramedTransport::shutdown() {
     c->alive = false;
     c->lost_reason = "the transport was shut down";
     c->stream->close();
+    ops.insert(ops.end(), c->lent.begin(), c->lent.end());
+    c->lent.clear();
     ops.insert(ops.end(), c->send_queue.begin(), c->send_queue.end());
     c->send_queue.clear();
     if (c->current_op) ops.push_back(std::exchange(c->current_op, nullptr));

@@ -98,6 +98,7 @@ class FramedTransport final : public Transport, private StreamEvents {
     std::string lost_reason;
     // Writer: one write at a time, the rest queued in order.
     std::deque<TransportOp*> send_queue;
+    std::deque<TransportOp*> lent;  // sends written whose buffers the peer still reads (StreamEvents::on_lent)
     std::deque<std::pair<wire::Header, std::string>> control_queue;  // abort frames, sent before data
     bool writing = false;
     bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
@@ -156,6 +157,8 @@ class FramedTransport final : public Transport, private StreamEvents {
   void note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer);
 
   void on_written(int peer, const std::error_code& ec) override;
+  void on_lent(int peer) override;
+  void on_released(int peer, std::size_t writes) override;
   void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
   void start_write(Connection& c);
   void on_write_done(Connection& c, const std::error_code& ec);

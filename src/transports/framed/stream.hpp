@@ -26,6 +26,12 @@ struct ConstBytes {
 class StreamEvents {
  public:
   virtual void on_written(int peer, const std::error_code& ec) = 0;
+  /// The write is done as far as the stream goes (the next may start), but its buffers are lent: the
+  /// peer still reads them from this process's memory (shared memory's single copy). They stay the
+  /// caller's to keep alive until on_released; or, if the connection fails first, until close().
+  virtual void on_lent(int peer) = 0;
+  /// The oldest `writes` lent writes (in the order they were lent) are read: their buffers are free.
+  virtual void on_released(int peer, std::size_t writes) = 0;
   virtual void on_read(int peer, const std::error_code& ec, std::size_t bytes) = 0;
 
  protected:
@@ -63,7 +69,9 @@ class Stream {
     if (fd < 0 || ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) != 0) return std::nullopt;
     return received ? info.tcpi_last_data_recv : info.tcpi_last_data_sent;
   }
-  /// Closes the connection; a read or write in flight ends with an error (its event still comes).
+  /// Closes the connection; a read or write in flight ends with an error (its event still comes). Once it
+  /// returns, the peer can no longer read lent buffers (it checks the connection after every read of
+  /// them), so the caller may end the lent writes with the failure.
   virtual void close() = 0;
 };
 

@@ -195,26 +195,26 @@ void ShmStream::read(void* dst, std::size_t min, std::size_t cap) {
 
 bool ShmStream::push_write() {
   for (;;) {
-    if (push_some() && write_settled()) return true;
+    if (push_some()) return true;
     // A loop that does not spin now (asleep, or a borrowed io_context that weft never arms) must be
-    // woken when the write can move: say so, then look once more (the reader may have moved meanwhile).
-    if (awake_ || !arm_write_wait()) return false;
+    // woken when room comes: say so, then look once more (the reader may have made room meanwhile).
+    if (awake_ || !out_.arm_wait()) return false;
   }
 }
 
-bool ShmStream::arm_write_wait() {
-  // Pieces left: waiting for room. All in the ring: waiting for the reader to read the references.
-  return write_.piece < 3 ? out_.arm_wait() : out_.arm_wait_referenced(referenced_written_);
-}
-
-bool ShmStream::write_settled() {
-  if (referenced_written_ == referenced_seen_) return true;
+std::size_t ShmStream::take_released() {
+  if (lent_.empty()) return 0;
   const std::uint64_t read = out_.referenced_read();
   if (read != referenced_seen_) {
     referenced_seen_ = read;
-    last_sent_ = std::chrono::steady_clock::now();  // the receiver is reading: the write moves
+    last_lent_read_ = std::chrono::steady_clock::now();  // the receiver is reading what was lent: it moves
   }
-  return read >= referenced_written_;
+  std::size_t released = 0;
+  while (!lent_.empty() && lent_.front() <= read) {
+    lent_.pop_front();
+    ++released;
+  }
+  return released;
 }
 
 bool ShmStream::by_reference(const ConstBytes& piece) const noexcept {
@@ -231,8 +231,8 @@ bool ShmStream::push_some() {
       continue;
     }
     if (by_reference(piece)) {
-      // A reference record: the receiver copies the piece out of this process; the write stays in
-      // flight (the piece must live) until it has (write_settled).
+      // A reference record: the receiver copies the piece out of this process; the write is lent (the
+      // piece must live) until it has (take_released).
       if (out_.room() < shm::reference_record_bytes) break;
       std::byte record[shm::reference_record_bytes];
       shm::encode_record_header(record, {shm::RecordKind::reference, 0});
@@ -338,7 +338,7 @@ bool ShmStream::pull_read() {
 
 std::size_t ShmStream::read_referenced(std::size_t limit) {
   // Bounded per call, so that the loop's other work (deadlines, failures, other peers) runs between chunks.
-  constexpr std::uint64_t chunk_limit = std::uint64_t{256} << 10;
+  constexpr std::uint64_t chunk_limit = std::uint64_t{1} << 20;
   const std::size_t chunk = static_cast<std::size_t>(std::min({record_.left, static_cast<std::uint64_t>(limit), chunk_limit}));
   iovec local{read_.dst + read_.got, chunk};
   iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(record_.address)), chunk};
@@ -385,22 +385,35 @@ std::size_t ShmStream::progress() {
   if (write_.active) {
     std::error_code failed;
     bool done = false;
-    const std::uint64_t referenced_before = referenced_seen_;
     if (peer_closed_) {
       failed = std::make_error_code(std::errc::broken_pipe);
     } else {
       done = push_write();
     }
-    // The receiver reading this write's references is this rank's progress too: it keeps the loop
-    // polling (a loop that found nothing for a while sleeps, and its wake-up costs more than the wait).
-    if (!done && !failed && referenced_seen_ != referenced_before) ++found;
     if (done || failed) {
       write_.active = false;
       out_.disarm_wait();
       ++found;
-      if (!alive_.expired()) events_->on_written(peer_, failed);
+      // Its references not all read yet: lent (the transport keeps the buffers until released).
+      const bool lent = done && out_.referenced_read() < referenced_written_;
+      if (lent) {
+        if (lent_.empty()) last_lent_read_ = std::chrono::steady_clock::now();
+        lent_.push_back(referenced_written_);
+      }
+      if (!alive_.expired()) {
+        if (lent) {
+          events_->on_lent(peer_);
+        } else {
+          events_->on_written(peer_, failed);
+        }
+      }
       if (closed_) return found;
     }
+  }
+  if (const std::size_t released = take_released(); released > 0) {
+    ++found;
+    if (!alive_.expired()) events_->on_released(peer_, released);
+    if (closed_) return found;
   }
   if (read_.active) {
     const std::size_t before = read_.got;
@@ -419,18 +432,23 @@ std::size_t ShmStream::progress() {
 }
 
 std::optional<std::uint32_t> ShmStream::ms_since_data(bool received) const {
-  const auto since = std::chrono::steady_clock::now() - (received ? last_received_ : last_sent_);
+  // While writes are lent, what moves on the way out is the receiver reading them (it reads the ring in
+  // order: nothing after a reference moves before it), not this side's later writes into the ring.
+  const auto last = received ? last_received_ : !lent_.empty() ? last_lent_read_ : last_sent_;
+  const auto since = std::chrono::steady_clock::now() - last;
   return static_cast<std::uint32_t>(std::chrono::duration_cast<std::chrono::milliseconds>(since).count());
 }
 
 bool ShmStream::arm() {
   awake_ = false;
   const bool data = in_.arm();
-  const bool room = write_.active && arm_write_wait();
+  const bool room = write_.active && out_.arm_wait();
+  // Lent writes wait for the reader's word like a write waits for room (the same writer_waiting flag).
+  const bool released = !lent_.empty() && out_.arm_wait_referenced(lent_.front());
   // A reference half read needs no word from the peer to go on.
   const bool referenced = record_.left > 0 && record_.kind == shm::RecordKind::reference && read_.got < read_.min;
   // (A posted progress is the loop's own queue: it does not sleep past it.)
-  return (read_.active && (data || referenced)) || room;
+  return (read_.active && (data || referenced)) || room || released;
 }
 
 void ShmStream::disarm() {
@@ -461,6 +479,7 @@ void ShmStream::shutdown_send() {
 void ShmStream::close() {
   if (closed_) return;
   closed_ = true;
+  lent_.clear();  // the transport ends them (StreamEvents::on_lent): after the shutdown below, nothing reads them
   if (socket_watch_) hub_->loop().unwatch(std::exchange(socket_watch_, 0));
   ::shutdown(socket_, SHUT_RDWR);
   // What is in flight ends with an error, reported from the loop (never inline).

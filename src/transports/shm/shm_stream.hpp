@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string_view>
 #include <system_error>
@@ -95,10 +96,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   void post_progress();
   void wake_peer();
   void on_socket_readable();
-  bool push_write();  // true when the write in flight is all in the ring (and its references read)
+  bool push_write();  // true when the write in flight is all in the ring
   bool push_some();   // moves what fits now; true when every piece is in the ring
-  bool write_settled();  // the receiver has read every reference record of the write
-  bool arm_write_wait();  // the write's sleep announcement: true when it can move meanwhile
+  std::size_t take_released();  // lent writes whose references the receiver has read all of
   bool by_reference(const ConstBytes& piece) const noexcept;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
   std::size_t read_referenced(std::size_t limit);  // from the current reference record into the read
@@ -132,6 +132,10 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // Bytes of reference records written, in all; the receiver's ring word counts those it has read.
   std::uint64_t referenced_written_ = 0;
   std::uint64_t referenced_seen_ = 0;  // its last value seen: progress for ms_since_data
+  // The writes lent (StreamEvents::on_lent), oldest first: each is released once the receiver has read
+  // up to the value here (referenced_written_ at its end).
+  std::deque<std::uint64_t> lent_;
+  std::chrono::steady_clock::time_point last_lent_read_;  // since the receiver last read lent bytes
   struct Read {
     bool active = false;
     std::byte* dst = nullptr;
