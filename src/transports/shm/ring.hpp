@@ -18,7 +18,7 @@
 //   inline:    `length` bytes of the stream, in the ring;
 //   reference: 16 bytes, an address and a length in the sender's memory: the receiver copies them
 //              straight into its read (process_vm_readv, one copy: "single copy", CMA) and counts them
-//              in `referenced_read`; the sender's write is done once the receiver has read them all.
+//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them.
 // A sender publishes a header with its whole record (never half a header), so a reader that sees fewer
 // bytes than a header waits. Reference records are sent only to a receiver that said at connect time it
 // can read the sender's memory (docs/PROTOCOL.md, "Link offer"); any other gets inline records only.

@@ -336,7 +336,7 @@ bool ShmStream::pull_read() {
   return read_.got >= read_.min;
 }
 
-std::size_t ShmStream::read_referenced(std::size_t limit) {
+void ShmStream::read_referenced(std::size_t limit) {
   // Bounded per call, so that the loop's other work (deadlines, failures, other peers) runs between chunks.
   constexpr std::uint64_t chunk_limit = std::uint64_t{1} << 20;
   const std::size_t chunk = static_cast<std::size_t>(std::min({record_.left, static_cast<std::uint64_t>(limit), chunk_limit}));
@@ -354,13 +354,13 @@ std::size_t ShmStream::read_referenced(std::size_t limit) {
     } else {
       read_error_ = std::error_code(error, SingleCopyCategory::get());
     }
-    return 0;
+    return;
   }
   // The peer shuts its socket down before it lets go of what it lent (close()): still there after the
   // copy means the bytes were still its write's.
   if (!peer_still_there()) {
     read_error_ = asio::error::eof;
-    return 0;
+    return;
   }
   const auto got = static_cast<std::size_t>(n);
   read_.got += got;
@@ -369,7 +369,6 @@ std::size_t ShmStream::read_referenced(std::size_t limit) {
   referenced_read_ += got;
   last_received_ = std::chrono::steady_clock::now();
   if (in_.referenced(referenced_read_)) wake_peer();
-  return got;
 }
 
 bool ShmStream::peer_still_there() const noexcept {

@@ -101,7 +101,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   std::size_t take_released();  // lent writes whose references the receiver has read all of
   bool by_reference(const ConstBytes& piece) const noexcept;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
-  std::size_t read_referenced(std::size_t limit);  // from the current reference record into the read
+  void read_referenced(std::size_t limit);  // from the current reference record into the read (read_error_ on failure)
   bool peer_still_there() const noexcept;
 
   std::shared_ptr<ShmHub> hub_;
