@@ -221,7 +221,14 @@ Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) 
     state->set_error(std::current_exception());
   }
   loop.operation_finished();
-  state->finish();
+  // A task whose last step ran on another thread (it awaited another loop's Future) completes through
+  // its own loop: a thread blocked in wait() may be driving that loop, asleep in the kernel, and only
+  // work on the loop wakes it.
+  if (loop.in_loop_thread()) {
+    state->finish();
+  } else {
+    loop.post([state] { state->finish(); });
+  }
 }
 }  // namespace detail
 

@@ -5,6 +5,7 @@
 
 #include <asio.hpp>
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -90,6 +91,25 @@ TEST_CASE("a Future can be awaited from a Task", "[core][future]") {
     co_return co_await std::move(inner) + 1;
   };
   CHECK(sync_wait(loop, outer(loop)) == 21);
+}
+
+TEST_CASE("a Task that finishes on another loop's thread wakes the thread blocked on its Future", "[core][future]") {
+  // The outer task runs on `home` but its last step runs on `away`'s thread (it awaits a Future of
+  // `away`). The thread blocked in get() drives `home`, asleep in the kernel: the completion must come
+  // through `home` and wake it, not wait for the sleep's safety tick (50 ms). Without that each round took
+  // the tick; the bound is half of it, on the median of 15 rounds (a loaded machine delays a few).
+  Loop home(Loop::Options{0us, true});
+  Loop away;
+  auto outer = [](Loop& a) -> Task<int> { co_return co_await spawn(a, sleepy(a, 1ms, 5)) + 1; };
+  std::vector<double> took_ms;
+  for (int round = 0; round < 15; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    CHECK(spawn(home, outer(away)).get() == 6);
+    took_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(took_ms.begin(), took_ms.end());
+  INFO("median " << took_ms[7] << " ms");
+  CHECK(took_ms[7] < 25.0);
 }
 
 TEST_CASE("cancelling a sleeping Future fails it with CancelledError", "[core][cancel]") {
