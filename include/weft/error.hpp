@@ -21,6 +21,7 @@ enum class Errc : int {
   mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation
   refused,               ///< the store or a rank refused this rank (wrong secret, another job, a duplicate rank, a world-size disagreement)
   would_deadlock,        ///< a blocking wait on the thread that runs the operation's loop (it would wait for itself)
+  device_failure,        ///< a device failed (a CUDA error, or the simulated device's injected failure); sticky
 };
 
 const std::error_category& error_category() noexcept;

@@ -22,6 +22,7 @@ class Category final : public std::error_category {
       case Errc::mismatch: return "mismatched collective";
       case Errc::refused: return "refused";
       case Errc::would_deadlock: return "would deadlock";
+      case Errc::device_failure: return "device failure";
     }
     return "unknown weft error";
   }

@@ -31,6 +31,7 @@ ALLOWED = {
     "transports_uring": {"core", "transports/framed"},
     "transports_shm": {"core", "transports/framed"},
     "transports": {"core", "transports/framed", "transports/asio", "transports/uring", "transports/shm"},
+    "devices": {"core", "kernels/cpu", "kernels/cuda"},
     "algorithms": {"core", "kernels/cpu"},
     "rendezvous": {"core"},
     "group": {"core", "transports", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
@@ -45,11 +46,12 @@ OWN = {
     "transports_uring": "transports/uring",
     "transports_shm": "transports/shm",
     "transports": "transports",
+    "devices": "devices",
     "algorithms": "algorithms",
     "rendezvous": "rendezvous",
     "group": "group",
 }
-FOLDERS = ["core", "kernels/cpu", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
+FOLDERS = ["core", "kernels/cpu", "kernels/cuda", "devices", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
            "rendezvous", "group"]
 
 failures = []

@@ -1,0 +1,143 @@
+// weft-gpu-bench: the device layer's numbers (issue 16's performance list), on whichever backend WEFT_GPU
+// picks. Prints a table and, with --json FILE, the same as JSON.
+//
+//   completion  a small device reduce queued and its Future awaited by a coroutine on the loop: the time
+//               from the enqueue to the coroutine running again, p50 / p99 over --runs (10^4 by default)
+//   copy        64 MiB (--bytes) host to device and device to host through weft's Stream::copy, from pinned
+//               and from pageable host memory, against the raw runtime (cudaMemcpyAsync + synchronize on a
+//               stream of its own) where the backend is CUDA
+//
+// Usage: weft-gpu-bench [--runs N] [--bytes B] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <weft/gpu.hpp>
+#include <weft/weft.hpp>
+
+#include "weft_config.h"
+#if WEFT_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+using namespace weft;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(p * static_cast<double>(v.size())))];
+}
+
+Task<std::vector<double>> completion_latency(gpu::Stream& stream, gpu::DeviceBuffer& a, gpu::DeviceBuffer& b, int runs) {
+  std::vector<double> us;
+  us.reserve(static_cast<std::size_t>(runs));
+  for (int i = 0; i < runs; ++i) {
+    const auto start = Clock::now();
+    co_await stream.reduce(a.view(DType::f32), b.view(DType::f32), ReduceOp::sum);
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+  }
+  co_return us;
+}
+
+struct CopyResult {
+  std::string name;
+  double gbps;
+};
+
+template <class Fn>
+double best_gbps(std::size_t bytes, int repeats, Fn&& fn) {
+  double best = 0;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = Clock::now();
+    fn();
+    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    best = std::max(best, static_cast<double>(bytes) / s / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int runs = 10000;
+  std::size_t bytes = std::size_t(64) << 20;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
+    else if (arg == "--bytes" && i + 1 < argc) bytes = std::strtoull(argv[++i], nullptr, 10);
+    else if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: weft-gpu-bench [--runs N] [--bytes B] [--json FILE]\n");
+      return 2;
+    }
+  }
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  gpu::Stream stream(loop, d0);
+  std::string json = fmt::format("{{\"backend\": \"{}\", \"devices\": {}", gpu::backend_name(), gpu::device_count());
+
+  // Completion: a one-element reduce (a real kernel under CUDA) awaited by a coroutine on the loop.
+  auto a = gpu::DeviceBuffer::allocate(d0, 4);
+  auto b = gpu::DeviceBuffer::allocate(d0, 4);
+  const std::vector<double> us = sync_wait(loop, completion_latency(stream, a, b, runs));
+  const double p50 = percentile(us, 0.50);
+  const double p99 = percentile(us, 0.99);
+  fmt::print("backend {} ({} devices)\n", gpu::backend_name(), gpu::device_count());
+  fmt::print("completion (reduce of 1 element -> coroutine resumed on the loop), {} runs: p50 {:.1f} us, p99 {:.1f} us\n",
+             runs, p50, p99);
+  json += fmt::format(", \"completion_us\": {{\"runs\": {}, \"p50\": {:.2f}, \"p99\": {:.2f}}}", runs, p50, p99);
+
+  // Copies of `bytes`, best of 5.
+  auto device_buffer = gpu::DeviceBuffer::allocate(d0, bytes);
+  auto pinned = gpu::PinnedBuffer::allocate(bytes);
+  std::vector<std::byte> pageable(bytes, std::byte{1});
+  std::memset(pinned.data(), 1, bytes);
+  const BufferView dev = device_buffer.view(DType::u8);
+  std::vector<CopyResult> results;
+  results.push_back({"h2d pinned (weft)", best_gbps(bytes, 5, [&] { stream.copy(dev, pinned.view(DType::u8)).get(); })});
+  results.push_back({"d2h pinned (weft)", best_gbps(bytes, 5, [&] { stream.copy(pinned.view(DType::u8), dev).get(); })});
+  results.push_back({"h2d pageable (weft)", best_gbps(bytes, 5, [&] {
+                       stream.copy(dev, ConstBufferView(pageable.data(), bytes, DType::u8)).get();
+                     })});
+  results.push_back({"d2h pageable (weft)", best_gbps(bytes, 5, [&] {
+                       stream.copy(BufferView(pageable.data(), bytes, DType::u8), dev).get();
+                     })});
+#if WEFT_HAVE_CUDA
+  if (gpu::backend() == gpu::Backend::cuda) {
+    cudaStream_t raw = nullptr;
+    cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking);
+    auto raw_copy = [&](void* dst, const void* src) {
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, raw);
+      cudaStreamSynchronize(raw);
+    };
+    results.push_back({"h2d pinned (raw cudaMemcpyAsync)", best_gbps(bytes, 5, [&] { raw_copy(dev.data, pinned.data()); })});
+    results.push_back({"d2h pinned (raw cudaMemcpyAsync)", best_gbps(bytes, 5, [&] { raw_copy(pinned.data(), dev.data); })});
+    results.push_back({"h2d pageable (raw cudaMemcpyAsync)", best_gbps(bytes, 5, [&] { raw_copy(dev.data, pageable.data()); })});
+    results.push_back({"d2h pageable (raw cudaMemcpyAsync)", best_gbps(bytes, 5, [&] { raw_copy(pageable.data(), dev.data); })});
+    cudaStreamDestroy(raw);
+  }
+#endif
+  json += ", \"copy_gbps\": {";
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    fmt::print("copy {} bytes, {}: {:.2f} GB/s\n", bytes, results[i].name, results[i].gbps);
+    json += fmt::format("{}\"{}\": {:.3f}", i ? ", " : "", results[i].name, results[i].gbps);
+  }
+  json += "}}\n";
+  if (!json_path.empty()) {
+    if (FILE* f = std::fopen(json_path.c_str(), "w")) {
+      std::fputs(json.c_str(), f);
+      std::fclose(f);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,171 @@
+#pragma once
+/// weft::gpu: devices, device and pinned memory, streams and fences, with every completion delivered on a
+/// weft::Loop like any other operation of weft.
+///
+/// Two backends sit behind one interface, chosen once per process from WEFT_GPU (auto | cuda | sim):
+/// - **cuda**: built when nvcc is found (meson -Dcuda=auto|enabled|disabled) and used when a device answers.
+/// - **sim**: always built. "Device memory" is host memory held in a registry (so a host pointer passed as
+///   device memory, or freed device memory, is caught and named), freed blocks are poisoned, and every
+///   stream is a worker thread of its own, so the work is asynchronous for real. Knobs: WEFT_SIM_DEVICES
+///   (device count, default 2), WEFT_SIM_DELAY_US (each operation first sleeps a random 0..N us),
+///   WEFT_SIM_FAIL=<n> (the n-th operation of the process fails, and its device with it, as a sticky CUDA
+///   error does), WEFT_SIM_P2P=0 (devices cannot access each other; a device can always access itself).
+///
+/// A device is a weft::Device{Device::Kind::cuda, index} (buffer.hpp); a BufferView whose `device` says so
+/// holds device memory. Errors (every function below): weft::Error with Errc::invalid_argument for a bad
+/// argument (named), Errc::device_failure when the device failed (the device, the operation and the
+/// backend's words).
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "weft/buffer.hpp"
+#include "weft/future.hpp"
+#include "weft/loop.hpp"
+#include "weft/reduce_op.hpp"
+
+namespace weft::gpu {
+
+enum class Backend : std::uint8_t { cuda, sim };
+
+/// The backend of this process (chosen at first use). WEFT_GPU=cuda where CUDA was not built, or where no
+/// device answers, throws weft::Error (invalid_argument) saying which; auto falls back to sim.
+Backend backend();
+std::string_view backend_name();  ///< "cuda" or "sim"
+
+/// The number of devices of the backend (sim: WEFT_SIM_DEVICES).
+int device_count();
+/// Device{cuda, index}. Errors: invalid_argument when index is not in [0, device_count()).
+Device device(int index);
+/// Whether kernels on `a` can read and write `b`'s memory (peer to peer). A device with itself: true.
+bool can_access_peer(Device a, Device b);
+
+namespace detail {
+class StreamImpl;
+}
+
+/// Device memory: an owning allocation on one device. Move-only; freeing waits for the device's streams
+/// to finish the work already queued (as cudaFree does), then releases (sim: poisons) the memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  /// `bytes` may be 0 (a valid, empty buffer). Errors: invalid_argument (not a device, index out of
+  /// range), device_failure (out of memory, failed device).
+  static DeviceBuffer allocate(Device device, std::size_t bytes);
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  Device device() const noexcept { return device_; }
+  /// The whole buffer as bytes() / dtype_size(dtype) elements of `dtype` (a remainder is left out).
+  BufferView view(DType dtype) const noexcept;
+  template <class T>
+  BufferView view() const noexcept { return view(dtype_of<T>); }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  Device device_{Device::Kind::cuda, 0};
+};
+
+/// Page-locked host memory (sim: ordinary host memory): the fast path for copies between host and device,
+/// and the staging memory of device collectives. Move-only.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  static PinnedBuffer allocate(std::size_t bytes);
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer();
+
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  BufferView view(DType dtype) const noexcept;
+  template <class T>
+  BufferView view() const noexcept { return view(dtype_of<T>); }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+/// A point in a stream's order: reached once everything queued on the stream before it has run.
+/// Copyable; keeps its stream's state alive.
+class Fence {
+ public:
+  Fence() = default;
+  /// Whether the stream got here (false for a default-constructed Fence).
+  bool reached() const;
+  /// Completes on the stream's loop once the fence is reached.
+  /// Errors: device_failure when the stream's device failed before it got here.
+  /// Cancellation: cancel() completes the Future with CancelledError at once; the device work goes on.
+  Future<void> done() const;
+
+ private:
+  friend class Stream;
+  Fence(std::shared_ptr<detail::StreamImpl> stream, std::uint64_t seq) : stream_(std::move(stream)), seq_(seq) {}
+  std::shared_ptr<detail::StreamImpl> stream_;
+  std::uint64_t seq_ = 0;
+};
+
+/// A FIFO of device work on one device; what is queued runs in order, asynchronously to the host.
+/// Enqueueing is thread-safe. Completions (every Future below) resume on `loop`.
+///
+/// Lifetime: the views given to copy/reduce must stay valid until the returned Future completes (or a
+/// later fence of the stream is reached). Dropping the Stream lets queued work finish.
+class Stream {
+ public:
+  /// Errors: invalid_argument (not a device, index out of range).
+  Stream(Loop& loop, Device device);
+  ~Stream();
+  Stream(Stream&&) noexcept;
+  Stream& operator=(Stream&&) noexcept;
+
+  Device device() const noexcept;
+  Loop& loop() const noexcept;
+
+  /// Copies src into dst; host to device, device to host, device to device (peer devices too) or host to
+  /// host, from the views' devices. Pageable host memory is staged through pinned memory (cuda).
+  /// Errors: invalid_argument at once when the sizes differ, when a view's memory is not what its
+  /// `device` says (a host pointer passed as device memory, freed device memory, a buffer too short),
+  /// or when the stream's device is not one of the views' devices; device_failure through the Future.
+  Future<void> copy(BufferView dst, ConstBufferView src);
+
+  /// inout[i] = inout[i] op src[i] on the device (avg: the sum; dividing is the caller's). Both views on
+  /// this stream's device, same dtype and count, op defined on the dtype (weft::is_defined).
+  Future<void> reduce(BufferView inout, ConstBufferView src, ReduceOp op);
+
+  /// A fence after everything queued so far.
+  Fence record();
+  /// Later work on this stream waits (on the device, the host does not block) until `fence` is reached.
+  /// A fence of this stream is a no-op. Errors: invalid_argument for a default-constructed Fence.
+  void wait(const Fence& fence);
+  /// record().done().
+  Future<void> synchronize();
+
+  /// The backend's stream (a cudaStream_t under cuda, for the user's own kernels; nullptr under sim).
+  void* native_handle() const noexcept;
+
+  /// For tests and the sim only: queue `fn` as if it were a kernel (under cuda it runs on a host thread in
+  /// stream order through cudaLaunchHostFunc). It must not call weft::gpu.
+  Future<void> enqueue_host(std::function<void()> fn);
+
+ private:
+  std::shared_ptr<detail::StreamImpl> impl_;
+  Loop* loop_;
+};
+
+/// Copies `host` to a new device buffer on `device`, through `stream` (which must be on `device`).
+Future<DeviceBuffer> to_device(ConstBufferView host, Device device, Stream& stream);
+/// Copies `device_view` to host memory, through `stream` (on the view's device).
+Future<std::vector<std::byte>> to_host(ConstBufferView device_view, Stream& stream);
+
+}  // namespace weft::gpu

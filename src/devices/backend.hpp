@@ -1,0 +1,94 @@
+#pragma once
+// The device layer's inside: one interface that the CUDA and the simulated backends implement, so that
+// the public weft::gpu types (device.cpp) and everything above them hold no backend code.
+//
+// A stream's work is numbered: every queued item gets the next sequence number, a fence is a number, and
+// a fence is reached once the item with that number ran (or the stream failed first). Completions come
+// back through `notify`, called once from the backend's own thread; the public layer turns them into a
+// Loop::post, so both backends complete through the same path into the loop.
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "weft/buffer.hpp"
+#include "weft/loop.hpp"
+#include "weft/reduce_op.hpp"
+
+namespace weft::gpu::detail {
+
+enum class CopyKind : std::uint8_t { host_to_host, host_to_device, device_to_host, device_to_device };
+std::string_view to_string(CopyKind kind) noexcept;
+
+/// Called once when the fence is reached: with "" when it was, else with the failure's words.
+using Notify = std::function<void(const std::string& failure)>;
+
+class StreamImpl {
+ public:
+  StreamImpl(Loop& loop, int device) : loop_(&loop), device_(device) {}
+  virtual ~StreamImpl() = default;
+  StreamImpl(const StreamImpl&) = delete;
+  StreamImpl& operator=(const StreamImpl&) = delete;
+
+  Loop& loop() const noexcept { return *loop_; }
+  int device() const noexcept { return device_; }
+
+  // Each queues one item and returns its sequence number. Arguments were checked by the caller.
+  virtual std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int src_device,
+                             int dst_device) = 0;
+  virtual std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) = 0;
+  virtual std::uint64_t host(std::function<void()> fn) = 0;
+  /// Later items wait until `other` reaches `seq` (other != this).
+  virtual std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) = 0;
+  /// The number of the last item queued (0 before the first): a fence after everything queued.
+  virtual std::uint64_t last() = 0;
+
+  /// Whether `seq` was reached or the stream failed first; `failure` gets the words in that case.
+  virtual bool poll(std::uint64_t seq, std::string& failure) = 0;
+  /// Calls `fn` once `seq` is reached (or failed), from the backend's thread, or at once from this one.
+  virtual void notify(std::uint64_t seq, Notify fn) = 0;
+
+  virtual void* native() noexcept { return nullptr; }
+
+ private:
+  Loop* loop_;
+  int device_;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const noexcept = 0;
+  virtual int device_count() = 0;
+  virtual bool can_access_peer(int a, int b) = 0;
+
+  virtual void* allocate(int device, std::size_t bytes) = 0;
+  /// Waits for the device's queued work (as cudaFree), then frees.
+  virtual void free(int device, void* data, std::size_t bytes) noexcept = 0;
+  virtual void* allocate_pinned(std::size_t bytes) = 0;
+  virtual void free_pinned(void* data, std::size_t bytes) noexcept = 0;
+
+  /// Throws weft::Error (invalid_argument) unless [data, data + bytes) is memory of the kind `device`
+  /// says (host memory, or memory of that device); `what` names the argument ("copy: dst").
+  virtual void check_memory(const void* data, std::size_t bytes, Device device, const std::string& what) = 0;
+  /// Whether host memory at `data` is pinned (copies from pageable memory are staged).
+  virtual bool is_pinned(const void* data, std::size_t bytes) = 0;
+
+  virtual std::shared_ptr<StreamImpl> make_stream(Loop& loop, int device) = 0;
+  /// "" while the device works, else why it failed (sticky).
+  virtual std::string failure(int device) = 0;
+};
+
+/// The process's backend (WEFT_GPU, chosen at first use).
+Backend& backend();
+
+std::unique_ptr<Backend> make_sim_backend();
+/// nullptr, with the reason in `why_not`, where CUDA was not built or no device answers.
+std::unique_ptr<Backend> make_cuda_backend(std::string& why_not);
+
+/// "device 1 (sim)": how errors name a device.
+std::string device_name(int device);
+
+}  // namespace weft::gpu::detail

@@ -1,0 +1,389 @@
+// The CUDA backend: devices, memory and streams of the CUDA runtime, with completions brought back to the
+// host off the driver's threads.
+//
+// Every queued item is followed by an event (cudaEventDisableTiming | cudaEventBlockingSync): the item's
+// sequence number is that event. One completion thread per stream takes the events in order, polls
+// cudaEventQuery for a short while (a completion soon after it is asked for costs no sleep), then blocks
+// in cudaEventSynchronize (which sleeps, with the blocking-sync flag), marks the item done and calls the
+// notifications, which post to the loop (device.cpp). No CUDA call runs inside a host function: the only
+// host functions are Stream::enqueue_host's, which run the user's callable and nothing else.
+//
+// A CUDA error while queueing or completing fails the stream from that item on, with the error's words;
+// a sticky error (the context is lost: illegal address, launch failure, ...) fails the device, and with
+// it every later item of its streams.
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "devices/backend.hpp"
+#include "kernels/cuda/reduce.cuh"
+#include "weft/error.hpp"
+
+namespace weft::gpu::detail {
+namespace {
+
+std::string words(cudaError_t e) { return fmt::format("{} ({})", cudaGetErrorString(e), cudaGetErrorName(e)); }
+
+/// Errors that leave the context unusable (the CUDA runtime documents these as sticky).
+bool sticky(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorAssert:
+      return true;
+    default:
+      return false;
+  }
+}
+
+class CudaBackend;
+
+class CudaStream final : public StreamImpl {
+ public:
+  CudaStream(CudaBackend& backend, Loop& loop, int device);
+  ~CudaStream() override;
+
+  std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int src_device,
+                     int dst_device) override {
+    return enqueue(fmt::format("copy {} of {} bytes", to_string(kind), bytes), [&] {
+      if (bytes == 0) return cudaSuccess;
+      if (kind == CopyKind::device_to_device && src_device != dst_device) {
+        return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, stream_);
+      }
+      return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_);
+    });
+  }
+  std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) override {
+    return enqueue(fmt::format("reduce {} {} of {} elements", to_string(op), to_string(dtype), count), [&] {
+      return static_cast<cudaError_t>(kernels::cuda::launch_reduce(inout, inout, src, count, static_cast<int>(dtype),
+                                                                   static_cast<int>(op), stream_));
+    });
+  }
+  std::uint64_t host(std::function<void()> fn) override {
+    return enqueue("host function", [&] {
+      auto* call = new std::function<void()>(std::move(fn));
+      const cudaError_t e = cudaLaunchHostFunc(
+          stream_,
+          [](void* p) {
+            std::unique_ptr<std::function<void()>> f(static_cast<std::function<void()>*>(p));
+            (*f)();
+          },
+          call);
+      if (e != cudaSuccess) delete call;
+      return e;
+    });
+  }
+  std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
+    auto& waited = static_cast<CudaStream&>(*other);
+    cudaEvent_t event = waited.event_of(seq);  // null: reached (or failed) already
+    return enqueue(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq), [&] {
+      if (!event) return cudaSuccess;
+      const cudaError_t e = cudaStreamWaitEvent(stream_, event, 0);
+      cudaEventDestroy(event);  // the wait holds what it needs; destruction is deferred by CUDA
+      return e;
+    });
+  }
+  std::uint64_t last() override {
+    std::lock_guard lock(mutex_);
+    return queued_;
+  }
+  bool poll(std::uint64_t seq, std::string& failure) override {
+    std::lock_guard lock(mutex_);
+    return reached_locked(seq, failure);
+  }
+  void notify(std::uint64_t seq, Notify fn) override {
+    std::string failure;
+    {
+      std::lock_guard lock(mutex_);
+      if (!reached_locked(seq, failure)) {
+        waiters_.emplace(seq, std::move(fn));
+        return;
+      }
+    }
+    fn(failure);
+  }
+  void* native() noexcept override { return stream_; }
+
+ private:
+  struct Pending {
+    std::uint64_t seq;
+    cudaEvent_t event;
+  };
+
+  /// Queues one item (`launch`, under the stream's device) and its event; the number is the item's.
+  template <class Launch>
+  std::uint64_t enqueue(std::string what, Launch&& launch);
+  /// An event that is reached no earlier than `seq` (destroyed by the caller), or null when it was reached.
+  cudaEvent_t event_of(std::uint64_t seq);
+
+  bool reached_locked(std::uint64_t seq, std::string& failure) const {
+    if (failed_at_ != 0 && seq >= failed_at_) {
+      failure = failure_;
+      return true;
+    }
+    return done_ >= seq;
+  }
+  void fail_locked(std::uint64_t seq, const std::string& why);
+  void run_completions();
+  void finish(std::uint64_t seq, const std::string& failure);
+
+  CudaBackend& backend_;
+  cudaStream_t stream_ = nullptr;
+  std::thread completer_;
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::deque<Pending> pending_;  // guarded: events not yet reached, in order
+  std::uint64_t queued_ = 0;     // guarded
+  std::uint64_t done_ = 0;       // guarded
+  std::uint64_t failed_at_ = 0;  // guarded
+  std::string failure_;          // guarded
+  std::multimap<std::uint64_t, Notify> waiters_;  // guarded
+  bool stopping_ = false;        // guarded
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int devices) : devices_(devices), failures_(static_cast<std::size_t>(devices)) {}
+
+  std::string_view name() const noexcept override { return "cuda"; }
+  int device_count() override { return devices_; }
+  bool can_access_peer(int a, int b) override {
+    if (a == b) return true;  // a device with itself: yes (cudaDeviceCanAccessPeer says no)
+    int can = 0;
+    return cudaDeviceCanAccessPeer(&can, a, b) == cudaSuccess && can != 0;
+  }
+
+  void* allocate(int device, std::size_t bytes) override {
+    if (auto why = failure(device); !why.empty()) {
+      throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{} failed earlier: {}", device_name(device), why));
+    }
+    void* p = nullptr;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+    if (e != cudaSuccess) {
+      note(device, e);
+      throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{}: cudaMalloc of {} bytes: {}", device_name(device), bytes, words(e)));
+    }
+    return p;
+  }
+  void free(int device, void* data, std::size_t) noexcept override {
+    if (!data) return;
+    cudaSetDevice(device);
+    cudaFree(data);  // synchronises the device first, as DeviceBuffer promises
+  }
+  void* allocate_pinned(std::size_t bytes) override {
+    void* p = nullptr;
+    const cudaError_t e = cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      throw Error(Errc::device_failure, {.op = "allocate_pinned"}, fmt::format("cudaHostAlloc of {} bytes: {}", bytes, words(e)));
+    }
+    return p;
+  }
+  void free_pinned(void* data, std::size_t) noexcept override {
+    if (data) cudaFreeHost(data);
+  }
+
+  void check_memory(const void* data, std::size_t, Device device, const std::string& what) override {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it
+      attributes.type = cudaMemoryTypeUnregistered;
+    }
+    const bool on_device = attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+    if (device.kind == Device::Kind::host) {
+      if (attributes.type == cudaMemoryTypeDevice) {
+        throw Error(Errc::invalid_argument, {.op = what},
+                    fmt::format("the view says host memory, but {} is memory of {}", data, device_name(attributes.device)));
+      }
+      return;
+    }
+    if (!on_device) {
+      throw Error(Errc::invalid_argument, {.op = what},
+                  fmt::format("the view says {}, but {} is not device memory (a host pointer?)", device_name(device.index), data));
+    }
+    if (attributes.type == cudaMemoryTypeDevice && attributes.device != device.index) {
+      throw Error(Errc::invalid_argument, {.op = what},
+                  fmt::format("the view says {}, but {} is memory of {}", device_name(device.index), data,
+                              device_name(attributes.device)));
+    }
+  }
+  bool is_pinned(const void* data, std::size_t) override {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return attributes.type == cudaMemoryTypeHost;
+  }
+
+  std::shared_ptr<StreamImpl> make_stream(Loop& loop, int device) override {
+    return std::make_shared<CudaStream>(*this, loop, device);
+  }
+
+  std::string failure(int device) override {
+    std::lock_guard lock(mutex_);
+    return failures_.at(static_cast<std::size_t>(device));
+  }
+  /// Remembers a sticky error as the device's failure.
+  void note(int device, cudaError_t e) {
+    if (!sticky(e)) return;
+    std::lock_guard lock(mutex_);
+    auto& failure = failures_.at(static_cast<std::size_t>(device));
+    if (failure.empty()) failure = words(e);
+  }
+
+ private:
+  const int devices_;
+  std::mutex mutex_;
+  std::vector<std::string> failures_;  // guarded
+};
+
+CudaStream::CudaStream(CudaBackend& backend, Loop& loop, int device) : StreamImpl(loop, device), backend_(backend) {
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    backend_.note(device, e);
+    throw Error(Errc::device_failure, {.op = "Stream"}, fmt::format("{}: cudaStreamCreate: {}", device_name(device), words(e)));
+  }
+  completer_ = std::thread([this] { run_completions(); });
+}
+
+CudaStream::~CudaStream() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  // The completion thread never holds the stream: the last reference goes on a loop or user thread.
+  if (completer_.joinable()) completer_.join();
+  cudaStreamDestroy(stream_);  // queued work still runs; the call does not wait for it
+}
+
+template <class Launch>
+std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch) {
+  std::lock_guard lock(mutex_);
+  const std::uint64_t seq = ++queued_;
+  if (failed_at_ != 0) return seq;  // reached at once, with the stream's failure
+  std::string why = backend_.failure(device());
+  cudaEvent_t event = nullptr;
+  if (why.empty()) {
+    cudaError_t e = cudaSetDevice(device());
+    if (e == cudaSuccess) e = launch();
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync);
+    if (e == cudaSuccess) e = cudaEventRecord(event, stream_);
+    if (e != cudaSuccess) {
+      backend_.note(device(), e);
+      if (event) cudaEventDestroy(event);
+      why = words(e);
+    }
+  }
+  if (!why.empty()) {
+    fail_locked(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
+    return seq;
+  }
+  pending_.push_back(Pending{seq, event});
+  work_cv_.notify_one();
+  return seq;
+}
+
+cudaEvent_t CudaStream::event_of(std::uint64_t seq) {
+  std::lock_guard lock(mutex_);
+  std::string failure;
+  if (reached_locked(seq, failure)) return nullptr;
+  // A fresh event recorded now orders after every item queued so far, `seq` among them (it may also
+  // wait for later ones: that delays, never reorders). The item's own event is the completion thread's,
+  // which destroys it once reached, so it cannot be handed out.
+  cudaEvent_t event = nullptr;
+  if (cudaSetDevice(device()) != cudaSuccess || cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+    return nullptr;
+  }
+  if (cudaEventRecord(event, stream_) != cudaSuccess) {
+    cudaEventDestroy(event);
+    return nullptr;
+  }
+  return event;
+}
+
+void CudaStream::fail_locked(std::uint64_t seq, const std::string& why) {
+  if (failed_at_ == 0) {
+    failed_at_ = seq;
+    failure_ = why;
+  }
+}
+
+void CudaStream::run_completions() {
+  for (;;) {
+    Pending next{};
+    {
+      std::unique_lock lock(mutex_);
+      work_cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+      if (pending_.empty()) return;
+      next = pending_.front();
+    }
+    // Poll first: a completion that comes within a few tens of microseconds costs no sleep.
+    cudaError_t e = cudaEventQuery(next.event);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+    while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < until) {
+      std::this_thread::yield();
+      e = cudaEventQuery(next.event);
+    }
+    if (e == cudaErrorNotReady) e = cudaEventSynchronize(next.event);
+    cudaEventDestroy(next.event);
+    std::string failure;
+    if (e != cudaSuccess) {
+      backend_.note(device(), e);
+      failure = fmt::format("{} failed: {}", device_name(device()), words(e));
+    }
+    finish(next.seq, failure);
+  }
+}
+
+void CudaStream::finish(std::uint64_t seq, const std::string& failure) {
+  std::vector<std::pair<Notify, std::string>> ready;
+  {
+    std::lock_guard lock(mutex_);
+    pending_.pop_front();
+    done_ = seq;
+    if (!failure.empty()) fail_locked(seq, failure);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      std::string why;
+      if (!reached_locked(it->first, why)) break;
+      ready.emplace_back(std::move(it->second), std::move(why));
+      it = waiters_.erase(it);
+    }
+  }
+  for (auto& [fn, why] : ready) fn(why);
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(std::string& why_not) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    why_not = fmt::format("no CUDA device answers: {}", words(e));
+    return nullptr;
+  }
+  if (count == 0) {
+    why_not = "the CUDA runtime sees no device";
+    return nullptr;
+  }
+  return std::make_unique<CudaBackend>(count);
+}
+
+}  // namespace weft::gpu::detail

@@ -1,0 +1,321 @@
+// The public device layer (weft/gpu.hpp) over the process's backend (backend.hpp): argument checks,
+// the backend's choice, and completions turned into Futures that resume on the stream's loop.
+#include <atomic>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/log.hpp"
+#include "devices/backend.hpp"
+#include "weft/error.hpp"
+#include "weft/gpu.hpp"
+
+namespace weft::gpu {
+namespace detail {
+
+std::string_view to_string(CopyKind kind) noexcept {
+  switch (kind) {
+    case CopyKind::host_to_host: return "host to host";
+    case CopyKind::host_to_device: return "host to device";
+    case CopyKind::device_to_host: return "device to host";
+    case CopyKind::device_to_device: return "device to device";
+  }
+  return "?";
+}
+
+namespace {
+
+Backend* choose_backend() {
+  const char* v = std::getenv("WEFT_GPU");
+  const std::string mode = v && *v ? v : "auto";
+  if (mode != "auto" && mode != "cuda" && mode != "sim") {
+    throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("WEFT_GPU={} is not one of auto, cuda, sim", mode));
+  }
+  if (mode == "sim") return make_sim_backend().release();
+  std::string why_not;
+  if (auto cuda = make_cuda_backend(why_not)) return cuda.release();
+  if (mode == "cuda") throw Error(Errc::invalid_argument, {.op = "gpu"}, "WEFT_GPU=cuda, but " + why_not);
+  log().debug("gpu: no CUDA ({}); the simulated device runs device work", why_not);
+  return make_sim_backend().release();
+}
+
+}  // namespace
+
+Backend& backend() {
+  // Never destroyed: stream workers may still be finishing queued work while the process exits.
+  static Backend* const chosen = choose_backend();
+  return *chosen;
+}
+
+std::string device_name(int device) { return fmt::format("device {} ({})", device, backend().name()); }
+
+}  // namespace detail
+
+namespace {
+
+using detail::StreamImpl;
+
+void check_device(Device d, const char* op, const char* what) {
+  if (d.kind != Device::Kind::cuda) {
+    throw Error(Errc::invalid_argument, {.op = op}, fmt::format("{} is not a device (Device::Kind::host)", what));
+  }
+  const int n = device_count();
+  if (d.index < 0 || d.index >= n) {
+    throw Error(Errc::invalid_argument, {.op = op},
+                fmt::format("{}: device {} does not exist ({} has {} device{})", what, d.index, backend_name(), n,
+                            n == 1 ? "" : "s"));
+  }
+}
+
+void check_view(const void* data, std::size_t bytes, Device d, const char* op, const char* what) {
+  if (bytes == 0) return;
+  if (data == nullptr) {
+    throw Error(Errc::invalid_argument, {.op = op}, fmt::format("{} is null and holds {} bytes", what, bytes));
+  }
+  if (d.kind == Device::Kind::cuda) check_device(d, op, what);
+  detail::backend().check_memory(data, bytes, d, fmt::format("{}: {}", op, what));
+}
+
+/// Suspends until `seq` of `stream` is reached, and resumes on the stream's loop. The first of the
+/// stream's notification and a cancel wins; the other finds `fired` set and does nothing.
+struct FenceAwait {
+  struct Outcome {
+    std::atomic<bool> fired{false};
+    std::string failure;
+    bool cancelled = false;
+  };
+
+  std::shared_ptr<StreamImpl> stream;
+  std::uint64_t seq;
+  std::stop_token token;
+  std::shared_ptr<Outcome> outcome;
+  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+
+  bool await_ready() { return stream->poll(seq, outcome->failure); }
+  void await_suspend(std::coroutine_handle<> waiter) {
+    auto fire = [outcome = outcome, waiter, loop = &stream->loop()](const std::string& failure, bool cancelled) {
+      if (outcome->fired.exchange(true)) return;
+      outcome->failure = failure;
+      outcome->cancelled = cancelled;
+      loop->post([waiter] { waiter.resume(); });
+    };
+    stream->notify(seq, [fire](const std::string& failure) { fire(failure, false); });
+    if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([fire] { fire({}, true); }));
+  }
+  void await_resume() { on_stop.reset(); }
+};
+
+Task<void> await_fence(std::shared_ptr<StreamImpl> stream, std::uint64_t seq, const char* op) {
+  const std::stop_token token = co_await this_stop_token();
+  FenceAwait wait{stream, seq, token, std::make_shared<FenceAwait::Outcome>(), std::nullopt};
+  co_await wait;
+  if (wait.outcome->cancelled) {
+    throw CancelledError({.op = op}, "cancelled; the device work queued before it goes on");
+  }
+  if (!wait.outcome->failure.empty()) throw Error(Errc::device_failure, {.op = op}, wait.outcome->failure);
+}
+
+detail::CopyKind copy_kind(Device dst, Device src) {
+  const bool from_device = src.kind == Device::Kind::cuda;
+  const bool to_device = dst.kind == Device::Kind::cuda;
+  if (from_device && to_device) return detail::CopyKind::device_to_device;
+  if (from_device) return detail::CopyKind::device_to_host;
+  if (to_device) return detail::CopyKind::host_to_device;
+  return detail::CopyKind::host_to_host;
+}
+
+}  // namespace
+
+Backend backend() { return detail::backend().name() == "cuda" ? Backend::cuda : Backend::sim; }
+std::string_view backend_name() { return detail::backend().name(); }
+int device_count() { return detail::backend().device_count(); }
+
+Device device(int index) {
+  const Device d{Device::Kind::cuda, index};
+  check_device(d, "gpu::device", "the index");
+  return d;
+}
+
+bool can_access_peer(Device a, Device b) {
+  check_device(a, "can_access_peer", "a");
+  check_device(b, "can_access_peer", "b");
+  return a.index == b.index || detail::backend().can_access_peer(a.index, b.index);
+}
+
+// ---- DeviceBuffer / PinnedBuffer ----
+
+DeviceBuffer DeviceBuffer::allocate(Device device, std::size_t bytes) {
+  check_device(device, "DeviceBuffer::allocate", "the device");
+  DeviceBuffer buffer;
+  buffer.data_ = detail::backend().allocate(device.index, bytes);
+  buffer.bytes_ = bytes;
+  buffer.device_ = device;
+  return buffer;
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)), device_(other.device_) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    DeviceBuffer old(std::move(*this));
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_) detail::backend().free(device_.index, data_, bytes_);
+}
+
+BufferView DeviceBuffer::view(DType dtype) const noexcept {
+  return BufferView(data_, bytes_ / dtype_size(dtype), dtype, device_);
+}
+
+PinnedBuffer PinnedBuffer::allocate(std::size_t bytes) {
+  PinnedBuffer buffer;
+  buffer.data_ = detail::backend().allocate_pinned(bytes);
+  buffer.bytes_ = bytes;
+  return buffer;
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    PinnedBuffer old(std::move(*this));
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_) detail::backend().free_pinned(data_, bytes_);
+}
+
+BufferView PinnedBuffer::view(DType dtype) const noexcept { return BufferView(data_, bytes_ / dtype_size(dtype), dtype); }
+
+// ---- Fence ----
+
+bool Fence::reached() const {
+  if (!stream_) return false;
+  std::string failure;
+  return stream_->poll(seq_, failure);
+}
+
+Future<void> Fence::done() const {
+  if (!stream_) throw Error(Errc::invalid_argument, {.op = "Fence::done"}, "a default-constructed Fence belongs to no stream");
+  return spawn(stream_->loop(), await_fence(stream_, seq_, "fence"));
+}
+
+// ---- Stream ----
+
+Stream::Stream(Loop& loop, Device device) : loop_(&loop) {
+  check_device(device, "Stream", "the device");
+  impl_ = detail::backend().make_stream(loop, device.index);
+}
+
+Stream::~Stream() = default;
+Stream::Stream(Stream&&) noexcept = default;
+Stream& Stream::operator=(Stream&&) noexcept = default;
+
+Device Stream::device() const noexcept { return Device{Device::Kind::cuda, impl_->device()}; }
+Loop& Stream::loop() const noexcept { return *loop_; }
+void* Stream::native_handle() const noexcept { return impl_->native(); }
+
+Future<void> Stream::copy(BufferView dst, ConstBufferView src) {
+  if (dst.bytes() != src.bytes()) {
+    throw Error(Errc::invalid_argument, {.op = "copy"},
+                fmt::format("dst holds {} bytes and src {}: a copy moves equal sizes", dst.bytes(), src.bytes()));
+  }
+  check_view(dst.data, dst.bytes(), dst.device, "copy", "dst");
+  check_view(src.data, src.bytes(), src.device, "copy", "src");
+  const Device mine = device();
+  const bool involves_device = dst.device.kind == Device::Kind::cuda || src.device.kind == Device::Kind::cuda;
+  if (involves_device && !(dst.device == mine) && !(src.device == mine)) {
+    throw Error(Errc::invalid_argument, {.op = "copy"},
+                fmt::format("the stream is on {}, which is neither the source's nor the destination's device",
+                            detail::device_name(mine.index)));
+  }
+  const std::uint64_t seq = impl_->copy(dst.data, src.data, src.bytes(), copy_kind(dst.device, src.device),
+                                        src.device.index, dst.device.index);
+  return spawn(*loop_, await_fence(impl_, seq, "copy"));
+}
+
+Future<void> Stream::reduce(BufferView inout, ConstBufferView src, ReduceOp op) {
+  const Device mine = device();
+  if (!(inout.device == mine) || !(src.device == mine)) {
+    throw Error(Errc::invalid_argument, {.op = "reduce"},
+                fmt::format("both views must be on the stream's device ({})", detail::device_name(mine.index)));
+  }
+  if (inout.dtype != src.dtype || inout.count != src.count) {
+    throw Error(Errc::invalid_argument, {.op = "reduce"},
+                fmt::format("inout is {} x {} and src {} x {}: they must match", inout.count, to_string(inout.dtype),
+                            src.count, to_string(src.dtype)));
+  }
+  if (!is_defined(inout.dtype, op)) {
+    throw Error(Errc::invalid_argument, {.op = "reduce"},
+                fmt::format("{} is not defined on {}", to_string(op), to_string(inout.dtype)));
+  }
+  check_view(inout.data, inout.bytes(), inout.device, "reduce", "inout");
+  check_view(src.data, src.bytes(), src.device, "reduce", "src");
+  const std::uint64_t seq =
+      impl_->reduce(inout.data, src.data, inout.count, inout.dtype, op == ReduceOp::avg ? ReduceOp::sum : op);
+  return spawn(*loop_, await_fence(impl_, seq, "reduce"));
+}
+
+Fence Stream::record() { return Fence(impl_, impl_->last()); }
+
+void Stream::wait(const Fence& fence) {
+  if (!fence.stream_) throw Error(Errc::invalid_argument, {.op = "Stream::wait"}, "a default-constructed Fence belongs to no stream");
+  if (fence.stream_ == impl_) return;  // FIFO already orders it
+  impl_->wait(fence.stream_, fence.seq_);
+}
+
+Future<void> Stream::synchronize() { return record().done(); }
+
+Future<void> Stream::enqueue_host(std::function<void()> fn) {
+  const std::uint64_t seq = impl_->host(std::move(fn));
+  return spawn(*loop_, await_fence(impl_, seq, "enqueue_host"));
+}
+
+// ---- to_device / to_host ----
+
+namespace {
+Task<DeviceBuffer> finish_to_device(Future<void> copied, DeviceBuffer buffer) {
+  co_await std::move(copied);
+  co_return std::move(buffer);
+}
+Task<std::vector<std::byte>> finish_to_host(Future<void> copied, std::vector<std::byte> host) {
+  co_await std::move(copied);
+  co_return std::move(host);
+}
+}  // namespace
+
+Future<DeviceBuffer> to_device(ConstBufferView host, Device device, Stream& stream) {
+  if (host.device.kind != Device::Kind::host) {
+    throw Error(Errc::invalid_argument, {.op = "to_device"}, "the source is not host memory");
+  }
+  DeviceBuffer buffer = DeviceBuffer::allocate(device, host.bytes());
+  // Queued now, in the caller's order on the stream; the Future only waits for it.
+  Future<void> copied = stream.copy(buffer.view(DType::u8), ConstBufferView(host.data, host.bytes(), DType::u8));
+  return spawn(stream.loop(), finish_to_device(std::move(copied), std::move(buffer)));
+}
+
+Future<std::vector<std::byte>> to_host(ConstBufferView device_view, Stream& stream) {
+  if (device_view.device.kind != Device::Kind::cuda) {
+    throw Error(Errc::invalid_argument, {.op = "to_host"}, "the source is not device memory");
+  }
+  std::vector<std::byte> host(device_view.bytes());
+  Future<void> copied = stream.copy(BufferView(host.data(), host.size(), DType::u8),
+                                    ConstBufferView(device_view.data, device_view.bytes(), DType::u8, device_view.device));
+  return spawn(stream.loop(), finish_to_host(std::move(copied), std::move(host)));
+}
+
+}  // namespace weft::gpu

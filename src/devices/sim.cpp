@@ -1,0 +1,395 @@
+// The simulated device: what CI runs every line of GPU host logic on (no GPU there).
+//
+// It is asynchronous for real, so ordering bugs show: every stream is a worker thread that runs its queue
+// in order, after an optional random delay per item (WEFT_SIM_DELAY_US), while the host goes on. Device
+// memory is host memory held in a registry, so that a host pointer passed as device memory, memory of
+// another device, a buffer too short, or freed device memory are caught and named; freed blocks are
+// poisoned and held back for a while (a quarantine) so that a late use reads poison instead of a new
+// allocation. WEFT_SIM_FAIL=<n> fails the n-th item the process runs, and its device with it, for good
+// (a sticky CUDA error): the item, everything after it on the device's streams, and waits on them fail.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "devices/backend.hpp"
+#include "kernels/cpu/reduce.hpp"
+#include "weft/error.hpp"
+
+namespace weft::gpu::detail {
+namespace {
+
+constexpr std::byte poison{0xDB};
+constexpr std::size_t alignment = 256;  // cudaMalloc's guarantee
+constexpr std::size_t quarantine_bytes = 64u << 20;
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 0) {
+    throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("{}={} is not a non-negative integer", name, v));
+  }
+  return n;
+}
+
+class SimBackend;
+
+/// A stream's queue and worker. The worker thread holds the queue (not the stream), so that a stream
+/// can go at any time and from any thread, its queued work still runs, and no thread ever joins another
+/// (a wait item holds the queue it waits on: two streams that waited on each other and went on two
+/// workers would otherwise each join the other).
+class SimQueue : public std::enable_shared_from_this<SimQueue> {
+ public:
+  SimQueue(SimBackend& backend, int device) : backend_(backend), device_(device) {}
+
+  void start() {
+    std::thread([self = shared_from_this()] { self->run_worker(); }).detach();
+  }
+  void stop() {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    work_cv_.notify_all();
+  }
+
+  std::uint64_t push(std::string what, std::function<std::string()> run) {
+    std::lock_guard lock(mutex_);
+    const std::uint64_t seq = ++queued_;
+    queue_.push_back(Item{seq, std::move(what), std::move(run)});
+    work_cv_.notify_one();
+    return seq;
+  }
+  std::uint64_t last() {
+    std::lock_guard lock(mutex_);
+    return queued_;
+  }
+  bool poll(std::uint64_t seq, std::string& failure) {
+    std::lock_guard lock(mutex_);
+    return reached_locked(seq, failure);
+  }
+  void notify(std::uint64_t seq, Notify fn) {
+    std::string failure;
+    {
+      std::lock_guard lock(mutex_);
+      if (!reached_locked(seq, failure)) {
+        waiters_.emplace(seq, std::move(fn));
+        return;
+      }
+    }
+    fn(failure);
+  }
+  /// For a wait item of another stream: blocks that stream's worker until this one reaches `seq`.
+  std::string block_until(std::uint64_t seq) {
+    std::unique_lock lock(mutex_);
+    std::string failure;
+    reached_cv_.wait(lock, [&] { return reached_locked(seq, failure); });
+    return failure.empty() ? std::string() : fmt::format("the stream it waited for failed: {}", failure);
+  }
+  /// Blocks until everything queued so far ran (DeviceBuffer's free).
+  void drain() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = queued_;
+    reached_cv_.wait(lock, [&] { return done_ >= target; });
+  }
+  int device() const noexcept { return device_; }
+
+ private:
+  struct Item {
+    std::uint64_t seq = 0;
+    std::string what;
+    std::function<std::string()> run;  // "" or the failure's words
+  };
+
+  bool reached_locked(std::uint64_t seq, std::string& failure) const {
+    if (failed_at_ != 0 && seq >= failed_at_) {
+      failure = failure_;
+      return true;
+    }
+    return done_ >= seq;
+  }
+
+  void run_worker();
+
+  SimBackend& backend_;
+  const int device_;
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;     // the worker: work queued, or stopping
+  std::condition_variable reached_cv_;  // streams waiting on this one, drain()
+  std::deque<Item> queue_;              // guarded by mutex_
+  std::uint64_t queued_ = 0;            // guarded: the last sequence number given out
+  std::uint64_t done_ = 0;              // guarded: the last item run (successfully or not)
+  std::uint64_t failed_at_ = 0;         // guarded: the first item that failed (0: none)
+  std::string failure_;                 // guarded
+  std::multimap<std::uint64_t, Notify> waiters_;  // guarded
+  bool stopping_ = false;               // guarded
+};
+
+class SimStream final : public StreamImpl {
+ public:
+  SimStream(SimBackend& backend, Loop& loop, int device)
+      : StreamImpl(loop, device), queue_(std::make_shared<SimQueue>(backend, device)) {
+    queue_->start();
+  }
+  ~SimStream() override { queue_->stop(); }
+
+  std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int, int) override {
+    return queue_->push(fmt::format("copy {} of {} bytes", to_string(kind), bytes), [dst, src, bytes] {
+      if (bytes > 0) std::memmove(dst, src, bytes);
+      return std::string();
+    });
+  }
+  std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) override {
+    const kernels::ReduceFn fn = kernels::find_reduce(dtype, op);
+    return queue_->push(fmt::format("reduce {} {} of {} elements", to_string(op), to_string(dtype), count), [=] {
+      if (count > 0) fn(inout, inout, src, count);
+      return std::string();
+    });
+  }
+  std::uint64_t host(std::function<void()> fn) override {
+    return queue_->push("host function", [fn = std::move(fn)] {
+      fn();
+      return std::string();
+    });
+  }
+  std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
+    std::shared_ptr<SimQueue> waited = static_cast<SimStream&>(*other).queue_;
+    return queue_->push(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq),
+                        [waited, seq] { return waited->block_until(seq); });
+  }
+  std::uint64_t last() override { return queue_->last(); }
+  bool poll(std::uint64_t seq, std::string& failure) override { return queue_->poll(seq, failure); }
+  void notify(std::uint64_t seq, Notify fn) override { queue_->notify(seq, std::move(fn)); }
+
+  const std::shared_ptr<SimQueue>& queue() const noexcept { return queue_; }
+
+ private:
+  std::shared_ptr<SimQueue> queue_;
+};
+
+class SimBackend final : public Backend {
+ public:
+  SimBackend()
+      : devices_(static_cast<int>(env_long("WEFT_SIM_DEVICES", 2))),
+        delay_us_(env_long("WEFT_SIM_DELAY_US", 0)),
+        fail_at_(env_long("WEFT_SIM_FAIL", 0)),
+        peer_access_(env_long("WEFT_SIM_P2P", 1) != 0),
+        failures_(static_cast<std::size_t>(std::max(devices_, 0))) {}
+
+  std::string_view name() const noexcept override { return "sim"; }
+  int device_count() override { return devices_; }
+  bool can_access_peer(int a, int b) override { return a == b || peer_access_; }
+
+  void* allocate(int device, std::size_t bytes) override {
+    if (auto why = failure(device); !why.empty()) {
+      throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{} failed earlier: {}", device_name(device), why));
+    }
+    const std::size_t size = std::max<std::size_t>(alignment, (bytes + alignment - 1) / alignment * alignment);
+    void* p = std::aligned_alloc(alignment, size);
+    if (!p) throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{}: out of memory for {} bytes", device_name(device), bytes));
+    std::memset(p, 0xA5, size);  // uninitialised device memory is not zero: nothing may count on it
+    std::lock_guard lock(mutex_);
+    blocks_[reinterpret_cast<std::uintptr_t>(p)] = Block{bytes, device};
+    return p;
+  }
+  void free(int device, void* data, std::size_t bytes) noexcept override {
+    if (!data) return;
+    for (const auto& queue : queues_of(device)) queue->drain();
+    std::lock_guard lock(mutex_);
+    blocks_.erase(reinterpret_cast<std::uintptr_t>(data));
+    std::memset(data, static_cast<int>(poison), std::max<std::size_t>(bytes, 1));
+    quarantine_.push_back({data, bytes, device});
+    quarantined_ += bytes;
+    while (quarantined_ > quarantine_bytes && !quarantine_.empty()) {
+      quarantined_ -= quarantine_.front().bytes;
+      std::free(quarantine_.front().data);
+      quarantine_.pop_front();
+    }
+  }
+  void* allocate_pinned(std::size_t bytes) override {
+    void* p = std::aligned_alloc(alignment, std::max<std::size_t>(alignment, (bytes + alignment - 1) / alignment * alignment));
+    if (!p) throw Error(Errc::device_failure, {.op = "allocate_pinned"}, fmt::format("out of memory for {} bytes", bytes));
+    std::lock_guard lock(mutex_);
+    pinned_[reinterpret_cast<std::uintptr_t>(p)] = bytes;
+    return p;
+  }
+  void free_pinned(void* data, std::size_t) noexcept override {
+    if (!data) return;
+    {
+      std::lock_guard lock(mutex_);
+      pinned_.erase(reinterpret_cast<std::uintptr_t>(data));
+    }
+    std::free(data);
+  }
+
+  void check_memory(const void* data, std::size_t bytes, Device device, const std::string& what) override {
+    const auto at = reinterpret_cast<std::uintptr_t>(data);
+    std::lock_guard lock(mutex_);
+    const Block* block = nullptr;
+    std::uintptr_t base = 0;
+    if (auto it = blocks_.upper_bound(at); it != blocks_.begin()) {
+      --it;
+      if (at < it->first + std::max<std::size_t>(it->second.bytes, 1)) {
+        block = &it->second;
+        base = it->first;
+      }
+    }
+    if (device.kind == Device::Kind::host) {
+      if (block) {
+        throw Error(Errc::invalid_argument, {.op = what},
+                    fmt::format("the view says host memory, but {} is memory of {}", data, device_name(block->device)));
+      }
+      return;
+    }
+    if (!block) {
+      const bool freed = std::any_of(quarantine_.begin(), quarantine_.end(), [&](const Quarantined& q) {
+        const auto b = reinterpret_cast<std::uintptr_t>(q.data);
+        return at >= b && at < b + std::max<std::size_t>(q.bytes, 1);
+      });
+      throw Error(Errc::invalid_argument, {.op = what},
+                  freed ? fmt::format("{} is device memory that was freed", data)
+                        : fmt::format("the view says {}, but {} is not device memory (a host pointer?)",
+                                      device_name(device.index), data));
+    }
+    if (block->device != device.index) {
+      throw Error(Errc::invalid_argument, {.op = what},
+                  fmt::format("the view says {}, but {} is memory of {}", device_name(device.index), data,
+                              device_name(block->device)));
+    }
+    if (at + bytes > base + block->bytes) {
+      throw Error(Errc::invalid_argument, {.op = what},
+                  fmt::format("{} bytes from {} run past the end of its device allocation ({} bytes at {:#x})", bytes,
+                              data, block->bytes, base));
+    }
+  }
+  bool is_pinned(const void* data, std::size_t bytes) override {
+    const auto at = reinterpret_cast<std::uintptr_t>(data);
+    std::lock_guard lock(mutex_);
+    auto it = pinned_.upper_bound(at);
+    if (it == pinned_.begin()) return false;
+    --it;
+    return at >= it->first && at + bytes <= it->first + it->second;
+  }
+
+  std::shared_ptr<StreamImpl> make_stream(Loop& loop, int device) override {
+    auto stream = std::make_shared<SimStream>(*this, loop, device);
+    std::lock_guard lock(mutex_);
+    std::erase_if(queues_, [](const auto& q) { return q.second.expired(); });
+    queues_.emplace_back(device, stream->queue());
+    return stream;
+  }
+
+  std::string failure(int device) override {
+    std::lock_guard lock(mutex_);
+    return failures_.at(static_cast<std::size_t>(device));
+  }
+
+  // --- for the streams' workers ---
+
+  /// A random delay before each item, when WEFT_SIM_DELAY_US asks for one.
+  void delay() {
+    if (delay_us_ <= 0) return;
+    thread_local std::minstd_rand random{std::random_device{}()};
+    std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<long>(0, delay_us_)(random)));
+  }
+  /// Counts the item; "" unless the device failed or this is the item WEFT_SIM_FAIL names.
+  std::string fails(int device, const std::string& what) {
+    const long n = ++items_run_;
+    std::lock_guard lock(mutex_);
+    auto& failure = failures_.at(static_cast<std::size_t>(device));
+    if (failure.empty() && fail_at_ > 0 && n == fail_at_) {
+      failure = fmt::format("injected failure (WEFT_SIM_FAIL={}) in {}", fail_at_, what);
+    }
+    return failure;
+  }
+
+ private:
+  struct Block {
+    std::size_t bytes;
+    int device;
+  };
+  struct Quarantined {
+    void* data;
+    std::size_t bytes;
+    int device;
+  };
+
+  std::vector<std::shared_ptr<SimQueue>> queues_of(int device) {
+    std::vector<std::shared_ptr<SimQueue>> found;
+    std::lock_guard lock(mutex_);
+    for (const auto& [d, weak] : queues_) {
+      if (d != device) continue;
+      if (auto q = weak.lock()) found.push_back(std::move(q));
+    }
+    return found;
+  }
+
+  const int devices_;
+  const long delay_us_;
+  const long fail_at_;
+  const bool peer_access_;
+  std::atomic<long> items_run_{0};
+
+  std::mutex mutex_;
+  std::map<std::uintptr_t, Block> blocks_;       // guarded: live device allocations by address
+  std::map<std::uintptr_t, std::size_t> pinned_;  // guarded
+  std::deque<Quarantined> quarantine_;           // guarded: freed blocks, poisoned, not yet returned
+  std::size_t quarantined_ = 0;                  // guarded
+  std::vector<std::string> failures_;            // guarded: per device, "" while it works
+  std::vector<std::pair<int, std::weak_ptr<SimQueue>>> queues_;  // guarded: the queues of live workers
+};
+
+void SimQueue::run_worker() {
+  for (;;) {
+    Item item;
+    {
+      std::unique_lock lock(mutex_);
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything queued ran
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    backend_.delay();
+    std::string failure;
+    {
+      std::lock_guard lock(mutex_);
+      failure = failure_;  // a failed stream stays failed
+    }
+    if (failure.empty()) failure = backend_.fails(device_, item.what);
+    if (failure.empty()) failure = item.run();
+    std::vector<std::pair<Notify, std::string>> ready;
+    {
+      std::lock_guard lock(mutex_);
+      done_ = item.seq;
+      if (!failure.empty() && failed_at_ == 0) {
+        failed_at_ = item.seq;
+        failure_ = fmt::format("{} failed in {}: {}", device_name(device_), item.what, failure);
+      }
+      for (auto it = waiters_.begin(); it != waiters_.end();) {
+        std::string words;
+        if (!reached_locked(it->first, words)) break;  // ordered by sequence number
+        ready.emplace_back(std::move(it->second), std::move(words));
+        it = waiters_.erase(it);
+      }
+    }
+    reached_cv_.notify_all();
+    for (auto& [fn, words] : ready) fn(words);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_sim_backend() { return std::make_unique<SimBackend>(); }
+
+}  // namespace weft::gpu::detail

@@ -1,0 +1,189 @@
+// GPU reduction kernels (reduce.cuh). Grid-stride loops over elements; the launch picks a grid that
+// covers the SMs a few times over and lets each thread stride.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/reduce.cuh"
+
+namespace weft::kernels::cuda {
+namespace {
+
+// weft::DType and weft::ReduceOp by value (include/weft/dtype.hpp, reduce_op.hpp): kept as integers so
+// that nvcc does not compile the public headers.
+enum DTypeCode : int { boolean, i8, u8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64 };
+enum OpCode : int { sum, prod, min_op, max_op, avg, logical_and, logical_or, bitwise_and, bitwise_or, bitwise_xor };
+
+// 16-bit floats travel as their bits; arithmetic goes through float.
+struct Half {
+  std::uint16_t bits;
+};
+struct BFloat {
+  std::uint16_t bits;
+};
+__device__ inline float to_float(Half h) { return __half2float(__ushort_as_half(h.bits)); }
+__device__ inline float to_float(BFloat h) { return __bfloat162float(__ushort_as_bfloat16(h.bits)); }
+template <class T>
+__device__ inline T from_float(float f);
+template <>
+__device__ inline Half from_float<Half>(float f) { return Half{__half_as_ushort(__float2half_rn(f))}; }
+template <>
+__device__ inline BFloat from_float<BFloat>(float f) { return BFloat{__bfloat16_as_ushort(__float2bfloat16_rn(f))}; }
+
+template <class T>
+constexpr bool is_half_like = std::is_same_v<T, Half> || std::is_same_v<T, BFloat>;
+
+template <class T>
+using Wide = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
+template <class T>
+__device__ inline bool truth(T v) {
+  if constexpr (is_half_like<T>) return to_float(v) != 0.0f;
+  else return v != T(0);
+}
+template <class T>
+__device__ inline T from_truth(bool v) {
+  if constexpr (is_half_like<T>) return from_float<T>(v ? 1.0f : 0.0f);
+  else return static_cast<T>(v ? 1 : 0);
+}
+
+template <class T, int Op>
+__device__ inline T apply(T a, T b) {
+  if constexpr (Op == sum) {
+    if constexpr (is_half_like<T>) return from_float<T>(to_float(a) + to_float(b));
+    else if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wide<T>>(a) + static_cast<Wide<T>>(b));
+    else return a + b;
+  } else if constexpr (Op == prod) {
+    if constexpr (is_half_like<T>) return from_float<T>(to_float(a) * to_float(b));
+    else if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wide<T>>(a) * static_cast<Wide<T>>(b));
+    else return a * b;
+  } else if constexpr (Op == min_op) {
+    if constexpr (is_half_like<T>) return to_float(b) < to_float(a) ? b : a;
+    else return b < a ? b : a;
+  } else if constexpr (Op == max_op) {
+    if constexpr (is_half_like<T>) return to_float(a) < to_float(b) ? b : a;
+    else return a < b ? b : a;
+  } else if constexpr (Op == logical_and) {
+    return from_truth<T>(truth(a) && truth(b));
+  } else if constexpr (Op == logical_or) {
+    return from_truth<T>(truth(a) || truth(b));
+  } else if constexpr (Op == bitwise_and) {
+    return static_cast<T>(a & b);
+  } else if constexpr (Op == bitwise_or) {
+    return static_cast<T>(a | b);
+  } else {
+    return static_cast<T>(a ^ b);
+  }
+}
+
+template <class T, int Op>
+__global__ void reduce_kernel(T* dst, const T* a, const T* b, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    dst[i] = apply<T, Op>(a[i], b[i]);
+  }
+}
+
+template <class T>
+__global__ void divide_kernel(T* data, std::size_t n, int divisor) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if constexpr (is_half_like<T>) {
+      data[i] = from_float<T>(to_float(data[i]) / static_cast<float>(divisor));
+    } else {
+      data[i] = static_cast<T>(data[i] / static_cast<T>(divisor));
+    }
+  }
+}
+
+constexpr int threads_per_block = 256;
+
+dim3 grid_for(std::size_t n) {
+  // Enough blocks to fill a large GPU a few times (132 SMs on an H100), never more than the elements need.
+  const std::size_t needed = (n + threads_per_block - 1) / threads_per_block;
+  const std::size_t most = 132 * 8;
+  return dim3(static_cast<unsigned>(needed < most ? (needed > 0 ? needed : 1) : most));
+}
+
+template <class T, int Op>
+int launch_typed(void* dst, const void* a, const void* b, std::size_t n, cudaStream_t stream) {
+  if constexpr ((Op == bitwise_and || Op == bitwise_or || Op == bitwise_xor) && !std::is_integral_v<T>) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  } else {
+    reduce_kernel<T, Op><<<grid_for(n), threads_per_block, 0, stream>>>(static_cast<T*>(dst), static_cast<const T*>(a),
+                                                                         static_cast<const T*>(b), n);
+    return static_cast<int>(cudaGetLastError());
+  }
+}
+
+template <class T>
+int launch_for_type(void* dst, const void* a, const void* b, std::size_t n, int op, cudaStream_t stream) {
+  switch (op) {
+    case sum:
+    case avg: return launch_typed<T, sum>(dst, a, b, n, stream);
+    case prod: return launch_typed<T, prod>(dst, a, b, n, stream);
+    case min_op: return launch_typed<T, min_op>(dst, a, b, n, stream);
+    case max_op: return launch_typed<T, max_op>(dst, a, b, n, stream);
+    case logical_and: return launch_typed<T, logical_and>(dst, a, b, n, stream);
+    case logical_or: return launch_typed<T, logical_or>(dst, a, b, n, stream);
+    case bitwise_and: return launch_typed<T, bitwise_and>(dst, a, b, n, stream);
+    case bitwise_or: return launch_typed<T, bitwise_or>(dst, a, b, n, stream);
+    case bitwise_xor: return launch_typed<T, bitwise_xor>(dst, a, b, n, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+template <class T>
+int divide_typed(void* data, std::size_t n, int divisor, cudaStream_t stream) {
+  divide_kernel<T><<<grid_for(n), threads_per_block, 0, stream>>>(static_cast<T*>(data), n, divisor);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int launch_reduce(void* dst, const void* a, const void* b, std::size_t n, int dtype, int op, void* stream_handle) {
+  if (n == 0) return 0;
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  switch (dtype) {
+    // bool is one byte holding 0 or 1, as on the CPU.
+    case boolean: return launch_for_type<std::uint8_t>(dst, a, b, n, op, stream);
+    case i8: return launch_for_type<std::int8_t>(dst, a, b, n, op, stream);
+    case u8: return launch_for_type<std::uint8_t>(dst, a, b, n, op, stream);
+    case i16: return launch_for_type<std::int16_t>(dst, a, b, n, op, stream);
+    case u16: return launch_for_type<std::uint16_t>(dst, a, b, n, op, stream);
+    case i32: return launch_for_type<std::int32_t>(dst, a, b, n, op, stream);
+    case u32: return launch_for_type<std::uint32_t>(dst, a, b, n, op, stream);
+    case i64: return launch_for_type<std::int64_t>(dst, a, b, n, op, stream);
+    case u64: return launch_for_type<std::uint64_t>(dst, a, b, n, op, stream);
+    case f16: return launch_for_type<Half>(dst, a, b, n, op, stream);
+    case bf16: return launch_for_type<BFloat>(dst, a, b, n, op, stream);
+    case f32: return launch_for_type<float>(dst, a, b, n, op, stream);
+    case f64: return launch_for_type<double>(dst, a, b, n, op, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int launch_divide(void* data, std::size_t n, int dtype, int divisor, void* stream_handle) {
+  if (n == 0 || dtype == boolean) return 0;
+  auto stream = static_cast<cudaStream_t>(stream_handle);
+  switch (dtype) {
+    case i8: return divide_typed<std::int8_t>(data, n, divisor, stream);
+    case u8: return divide_typed<std::uint8_t>(data, n, divisor, stream);
+    case i16: return divide_typed<std::int16_t>(data, n, divisor, stream);
+    case u16: return divide_typed<std::uint16_t>(data, n, divisor, stream);
+    case i32: return divide_typed<std::int32_t>(data, n, divisor, stream);
+    case u32: return divide_typed<std::uint32_t>(data, n, divisor, stream);
+    case i64: return divide_typed<std::int64_t>(data, n, divisor, stream);
+    case u64: return divide_typed<std::uint64_t>(data, n, divisor, stream);
+    case f16: return divide_typed<Half>(data, n, divisor, stream);
+    case bf16: return divide_typed<BFloat>(data, n, divisor, stream);
+    case f32: return divide_typed<float>(data, n, divisor, stream);
+    case f64: return divide_typed<double>(data, n, divisor, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace weft::kernels::cuda

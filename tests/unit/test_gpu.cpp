@@ -1,0 +1,362 @@
+// The device layer (weft/gpu.hpp): streams, fences, copies, device reductions, memory checks and device
+// failures, with completions on the loop. Runs on whichever backend WEFT_GPU picks: the simulated device in
+// CI (asynchronous for real: worker threads, WEFT_SIM_DELAY_US random delays), CUDA on a machine with a
+// GPU (tools/gpu_check.sh). Where WEFT_GPU=cuda and no device answers, the program exits 77 (meson's
+// skip) saying why. The injected-failure tests ([fail]) need WEFT_SIM_FAIL and run in a process of their
+// own (a failed device stays failed).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+
+#include <weft/gpu.hpp>
+#include <weft/weft.hpp>
+
+#include "kernels/cpu/reduce.hpp"
+#include "support/check_data.hpp"
+
+using namespace weft;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// The backend, or exit 77 (skip) with the reason where the one asked for is missing.
+void need_backend() {
+  try {
+    (void)gpu::backend();
+  } catch (const Error& e) {
+    fmt::print("SKIP: {}\n", e.what());
+    std::exit(77);
+  }
+}
+
+std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
+  std::mt19937 random(seed);
+  std::vector<std::byte> out(n);
+  for (auto& b : out) b = static_cast<std::byte>(random() & 0xFF);
+  return out;
+}
+
+ConstBufferView bytes_of(const std::vector<std::byte>& v) { return ConstBufferView(v.data(), v.size(), DType::u8); }
+BufferView bytes_of(std::vector<std::byte>& v) { return BufferView(v.data(), v.size(), DType::u8); }
+
+template <class Fn>
+void expect_error(Errc code, const std::string& words, Fn&& fn) {
+  try {
+    fn();
+    FAIL("no error; expected one saying: " << words);
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.errc() == code);
+    CHECK(std::string(e.what()).find(words) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("devices: the backend names itself and its devices", "[gpu]") {
+  need_backend();
+  CHECK((gpu::backend_name() == "sim" || gpu::backend_name() == "cuda"));
+  REQUIRE(gpu::device_count() >= 1);
+  const Device d0 = gpu::device(0);
+  CHECK(d0.kind == Device::Kind::cuda);
+  CHECK(gpu::can_access_peer(d0, d0));  // a device with itself, as NCCL counts it
+  expect_error(Errc::invalid_argument, "does not exist", [] { (void)gpu::device(gpu::device_count()); });
+  expect_error(Errc::invalid_argument, "does not exist", [] { (void)gpu::device(-1); });
+}
+
+TEST_CASE("streams: work runs in order, asynchronously, and completes on the loop", "[gpu]") {
+  need_backend();
+  Loop loop;
+  gpu::Stream stream(loop, gpu::device(0));
+  std::vector<int> order;
+  std::mutex order_mutex;
+  std::vector<Future<void>> done;
+  for (int i = 0; i < 200; ++i) {
+    done.push_back(stream.enqueue_host([&, i] {
+      std::lock_guard lock(order_mutex);
+      order.push_back(i);
+    }));
+  }
+  for (auto& f : done) f.get();
+  std::vector<int> expected(200);
+  std::iota(expected.begin(), expected.end(), 0);
+  CHECK(order == expected);
+
+  // A coroutine that awaits device work resumes on the loop's thread.
+  auto task = [](Loop& l, gpu::Stream& s) -> Task<bool> {
+    std::atomic<bool> ran{false};
+    co_await s.enqueue_host([&] { ran = true; });
+    co_return ran.load() && l.in_loop_thread();
+  };
+  CHECK(sync_wait(loop, task(loop, stream)));
+}
+
+TEST_CASE("streams: a fence orders work across streams (device side, the host does not block)", "[gpu]") {
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  const Device d_last = gpu::device(gpu::device_count() - 1);
+  for (int round = 0; round < 20; ++round) {
+    gpu::Stream producer(loop, d0);
+    gpu::Stream consumer(loop, d_last);
+    std::atomic<int> written{0};
+    std::atomic<int> seen{-1};
+    // The producer is slow; without the fence the consumer would run first.
+    (void)producer.enqueue_host([&] {
+      std::this_thread::sleep_for(2ms);
+      written = round + 1;
+    });
+    const gpu::Fence fence = producer.record();
+    const auto before = std::chrono::steady_clock::now();
+    consumer.wait(fence);
+    CHECK(std::chrono::steady_clock::now() - before < 2ms);  // wait() queues; it does not block the host
+    auto read = consumer.enqueue_host([&] { seen = written.load(); });
+    read.get();
+    CHECK(seen == round + 1);
+    CHECK(fence.reached());
+    fence.done().get();
+  }
+  // A stream's own fence, and a fence of nothing queued, are reached.
+  gpu::Stream s(loop, d0);
+  const gpu::Fence empty = s.record();
+  CHECK(empty.reached());
+  s.wait(empty);
+  s.synchronize().get();
+  expect_error(Errc::invalid_argument, "belongs to no stream", [&] { s.wait(gpu::Fence{}); });
+  CHECK_FALSE(gpu::Fence{}.reached());
+}
+
+TEST_CASE("copies: host to device to device to host, of 0, 1, odd and 64 MiB bytes", "[gpu]") {
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  const Device d1 = gpu::device(gpu::device_count() - 1);
+  gpu::Stream s0(loop, d0);
+  gpu::Stream s1(loop, d1);
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4097), std::size_t(1000003),
+                        std::size_t(64) << 20}) {
+    INFO(n << " bytes");
+    const auto data = random_bytes(n, static_cast<unsigned>(n));
+    auto a = gpu::DeviceBuffer::allocate(d0, n);
+    auto b = gpu::DeviceBuffer::allocate(d1, n);
+    s0.copy(a.view(DType::u8), bytes_of(data)).get();
+    // Device to device (across devices where there are two), on the source's stream, then back.
+    s0.copy(b.view(DType::u8), a.view(DType::u8)).get();
+    std::vector<std::byte> back(n);
+    s1.copy(bytes_of(back), b.view(DType::u8)).get();
+    CHECK(back == data);
+    // Pinned host memory, and host to host on a stream.
+    auto pinned = gpu::PinnedBuffer::allocate(n);
+    s1.copy(pinned.view(DType::u8), b.view(DType::u8)).get();
+    CHECK((n == 0 || std::memcmp(pinned.data(), data.data(), n) == 0));
+    std::vector<std::byte> again(n);
+    s1.copy(bytes_of(again), pinned.view(DType::u8)).get();
+    CHECK(again == data);
+  }
+}
+
+TEST_CASE("copies: to_device and to_host, and copies queued back to back without waiting", "[gpu]") {
+  need_backend();
+  Loop loop;
+  gpu::Stream s(loop, gpu::device(0));
+  const auto data = random_bytes(123457, 9);
+  gpu::DeviceBuffer on_device = gpu::to_device(bytes_of(data), gpu::device(0), s).get();
+  CHECK(on_device.bytes() == data.size());
+  CHECK(gpu::to_host(on_device.view(DType::u8), s).get() == data);
+
+  // Ten copies queued without waiting: each reads what the one before wrote (stream order).
+  std::vector<gpu::DeviceBuffer> chain;
+  for (int i = 0; i < 10; ++i) chain.push_back(gpu::DeviceBuffer::allocate(gpu::device(0), data.size()));
+  std::vector<Future<void>> copies;
+  copies.push_back(s.copy(chain[0].view(DType::u8), bytes_of(data)));
+  for (int i = 1; i < 10; ++i) copies.push_back(s.copy(chain[i].view(DType::u8), chain[i - 1].view(DType::u8)));
+  auto last = gpu::to_host(chain[9].view(DType::u8), s);
+  CHECK(last.get() == data);
+  for (auto& c : copies) CHECK(c.ready());
+}
+
+TEST_CASE("device reductions equal the CPU kernels on every dtype and op", "[gpu]") {
+  need_backend();
+  Loop loop;
+  gpu::Stream s(loop, gpu::device(0));
+  for (DType dtype : all_dtypes) {
+    for (ReduceOp op : all_reduce_ops) {
+      if (!is_defined(dtype, op)) continue;
+      INFO(to_string(dtype) << " " << to_string(op));
+      for (std::size_t count : {std::size_t(0), std::size_t(1), std::size_t(33), std::size_t(100001)}) {
+        const std::size_t bytes = count * dtype_size(dtype);
+        const std::vector<std::byte> a = reference::make_input(dtype, op, 0, count);
+        const std::vector<std::byte> b = reference::make_input(dtype, op, 1, count, 7);
+        std::vector<std::byte> expected(bytes);
+        if (count > 0) kernels::find_reduce(dtype, op)(expected.data(), a.data(), b.data(), count);
+        auto da = gpu::to_device(ConstBufferView(a.data(), count, dtype), gpu::device(0), s).get();
+        auto db = gpu::to_device(ConstBufferView(b.data(), count, dtype), gpu::device(0), s).get();
+        s.reduce(da.view(dtype), db.view(dtype), op).get();
+        CHECK(gpu::to_host(da.view(dtype), s).get() == expected);
+      }
+    }
+  }
+}
+
+TEST_CASE("bad device arguments get clear errors, at once", "[gpu]") {
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  gpu::Stream s(loop, d0);
+  std::vector<float> host(64, 1.0f);
+  auto dev = gpu::DeviceBuffer::allocate(d0, 64 * sizeof(float));
+
+  // A host pointer passed as device memory.
+  expect_error(Errc::invalid_argument, "not device memory", [&] {
+    (void)s.copy(BufferView(host.data(), host.size(), DType::f32, d0), dev.view(DType::f32));
+  });
+  // Device memory passed as host memory.
+  if (gpu::backend() == gpu::Backend::sim) {
+    expect_error(Errc::invalid_argument, "the view says host memory", [&] {
+      (void)s.copy(dev.view(DType::f32), ConstBufferView(dev.data(), 64, DType::f32));
+    });
+    // A view longer than its allocation.
+    expect_error(Errc::invalid_argument, "run past the end", [&] {
+      (void)s.copy(BufferView(dev.data(), 65, DType::f32, d0), ConstBufferView(std::vector<float>(65).data(), 65, DType::f32));
+    });
+  }
+  // Sizes that differ; a reduce with mismatched views or an op not defined on the dtype.
+  expect_error(Errc::invalid_argument, "equal sizes", [&] {
+    (void)s.copy(dev.view(DType::f32), ConstBufferView(host.data(), 63, DType::f32));
+  });
+  expect_error(Errc::invalid_argument, "must match", [&] {
+    (void)s.reduce(dev.view(DType::f32), BufferView(dev.data(), 32, DType::f32, d0), ReduceOp::sum);
+  });
+  expect_error(Errc::invalid_argument, "not defined", [&] {
+    (void)s.reduce(dev.view(DType::f32), dev.view(DType::f32), ReduceOp::bitwise_xor);
+  });
+  expect_error(Errc::invalid_argument, "stream's device", [&] {
+    (void)s.reduce(BufferView(host.data(), 64, DType::f32), dev.view(DType::f32), ReduceOp::sum);
+  });
+  expect_error(Errc::invalid_argument, "is not a device", [&] { (void)gpu::DeviceBuffer::allocate(Device{}, 8); });
+  expect_error(Errc::invalid_argument, "is not a device", [&] { gpu::Stream bad(loop, Device{}); });
+  if (gpu::device_count() > 1) {
+    // Memory of another device, and a stream on neither device of the copy.
+    const Device d1 = gpu::device(1);
+    auto other = gpu::DeviceBuffer::allocate(d1, 64 * sizeof(float));
+    expect_error(Errc::invalid_argument, "is memory of", [&] {
+      (void)s.copy(BufferView(other.data(), 64, DType::f32, d0), ConstBufferView(host.data(), 64, DType::f32));
+    });
+    gpu::Stream s1(loop, d1);
+    gpu::Stream s0b(loop, d0);
+    expect_error(Errc::invalid_argument, "neither", [&] {
+      if (gpu::device_count() > 2) {
+        gpu::Stream s2(loop, gpu::device(2));
+        (void)s2.copy(other.view(DType::f32), dev.view(DType::f32));
+      } else {
+        throw Error(Errc::invalid_argument, {}, "neither (two devices only)");
+      }
+    });
+  }
+  // Freed device memory (sim: the registry remembers it).
+  if (gpu::backend() == gpu::Backend::sim) {
+    void* stale = nullptr;
+    {
+      auto gone = gpu::DeviceBuffer::allocate(d0, 256);
+      stale = gone.data();
+    }
+    expect_error(Errc::invalid_argument, "was freed", [&] {
+      (void)s.copy(BufferView(stale, 256, DType::u8, d0), ConstBufferView(host.data(), 256, DType::u8));
+    });
+  }
+}
+
+TEST_CASE("freeing device memory waits for the work queued on it; a dropped stream still runs its work", "[gpu]") {
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  std::atomic<bool> wrote{false};
+  {
+    gpu::Stream s(loop, d0);
+    auto buffer = gpu::DeviceBuffer::allocate(d0, 1024);
+    (void)s.enqueue_host([&] {
+      std::this_thread::sleep_for(20ms);
+      wrote = true;
+    });
+    // buffer goes first (declared after s): its free waits for the host function.
+  }
+  CHECK(wrote.load());
+  std::atomic<bool> ran{false};
+  std::optional<Future<void>> done;
+  {
+    gpu::Stream s(loop, d0);
+    (void)s.enqueue_host([] { std::this_thread::sleep_for(10ms); });
+    done = s.enqueue_host([&] { ran = true; });
+  }
+  done->get();
+  CHECK(ran.load());
+}
+
+TEST_CASE("cancelling a wait on device work completes it at once; the work goes on", "[gpu]") {
+  need_backend();
+  Loop loop;
+  gpu::Stream s(loop, gpu::device(0));
+  std::atomic<bool> release{false};
+  std::atomic<bool> finished{false};
+  (void)s.enqueue_host([&] {
+    while (!release.load()) std::this_thread::sleep_for(1ms);
+    finished = true;
+  });
+  Future<void> waiting = s.synchronize();
+  std::this_thread::sleep_for(5ms);
+  CHECK_FALSE(waiting.ready());
+  waiting.cancel();
+  CHECK_THROWS_AS(waiting.get(), CancelledError);
+  CHECK_FALSE(finished.load());
+  release = true;
+  s.synchronize().get();
+  CHECK(finished.load());
+}
+
+TEST_CASE("an injected device failure reaches the Futures, names the device, and stays", "[gpu][fail]") {
+  // Run with WEFT_GPU=sim WEFT_SIM_FAIL=3 (tests/meson.build): the third item of the process fails.
+  need_backend();
+  REQUIRE(gpu::backend() == gpu::Backend::sim);
+  REQUIRE(std::getenv("WEFT_SIM_FAIL") != nullptr);
+  REQUIRE(std::string(std::getenv("WEFT_SIM_FAIL")) == "3");
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  gpu::Stream s(loop, d0);
+  auto dev = gpu::DeviceBuffer::allocate(d0, 4096);
+  std::vector<std::byte> host(4096, std::byte{1});
+  s.copy(dev.view(DType::u8), bytes_of(host)).get();                  // item 1
+  s.copy(bytes_of(host), dev.view(DType::u8)).get();                  // item 2
+  auto failing = s.copy(dev.view(DType::u8), bytes_of(host));         // item 3: fails
+  auto after = s.copy(bytes_of(host), dev.view(DType::u8));           // later items fail with it
+  for (Future<void>* f : {&failing, &after}) {
+    try {
+      f->get();
+      FAIL("the copy did not fail");
+    } catch (const Error& e) {
+      INFO(e.what());
+      CHECK(e.errc() == Errc::device_failure);
+      CHECK(std::string(e.what()).find("device 0 (sim)") != std::string::npos);
+      CHECK(std::string(e.what()).find("injected failure (WEFT_SIM_FAIL=3)") != std::string::npos);
+      CHECK(std::string(e.what()).find("copy") != std::string::npos);
+    }
+  }
+  // The device stays failed: a new stream on it fails, a stream waiting on it fails, allocation refuses.
+  gpu::Stream fresh(loop, d0);
+  expect_error(Errc::device_failure, "injected failure", [&] { fresh.enqueue_host([] {}).get(); });
+  expect_error(Errc::device_failure, "failed earlier", [&] { (void)gpu::DeviceBuffer::allocate(d0, 8); });
+  if (gpu::device_count() > 1) {
+    gpu::Stream healthy(loop, gpu::device(1));
+    healthy.enqueue_host([] {}).get();  // another device works
+    healthy.wait(s.record());
+    expect_error(Errc::device_failure, "the stream it waited for failed", [&] { healthy.synchronize().get(); });
+  }
+}
