@@ -9,9 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "weft/buffer.hpp"
 #include "weft/loop.hpp"
@@ -24,6 +27,57 @@ std::string_view to_string(CopyKind kind) noexcept;
 
 /// Called once when the fence is reached: with "" when it was, else with the failure's words.
 using Notify = std::function<void(const std::string& failure)>;
+
+/// A stream's record of how far it got, and who waits for what: the bookkeeping both backends share.
+/// Not thread-safe by itself: its owner guards it with the stream's mutex, and calls the callbacks that
+/// `ran` hands back after letting go of it.
+class FenceBook {
+ public:
+  /// Whether `seq` was reached, or the stream failed at or before it (`failure` then gets the words).
+  bool reached(std::uint64_t seq, std::string& failure) const {
+    if (failed_at_ != 0 && seq >= failed_at_) {
+      failure = failure_;
+      return true;
+    }
+    return done_ >= seq;
+  }
+  /// Registers `fn` for `seq`; false (and `failure` set) when it is reached already: call it at once.
+  bool wait(std::uint64_t seq, Notify& fn, std::string& failure) {
+    if (reached(seq, failure)) return false;
+    waiters_.emplace(seq, std::move(fn));
+    return true;
+  }
+  /// Item `seq` ran (`why`: "" or its failure, which fails the stream from there on). Returns the waiters
+  /// now due, with their words.
+  std::vector<std::pair<Notify, std::string>> ran(std::uint64_t seq, const std::string& why) {
+    if (seq > done_) done_ = seq;
+    if (!why.empty()) fail(seq, why);
+    std::vector<std::pair<Notify, std::string>> due;
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      std::string words;
+      if (!reached(it->first, words)) break;  // ordered by sequence number
+      due.emplace_back(std::move(it->second), std::move(words));
+      it = waiters_.erase(it);
+    }
+    return due;
+  }
+  /// The stream fails from `seq` on (the first failure stays).
+  void fail(std::uint64_t seq, const std::string& why) {
+    if (failed_at_ == 0) {
+      failed_at_ = seq;
+      failure_ = why;
+    }
+  }
+  bool failed() const noexcept { return failed_at_ != 0; }
+  const std::string& failure() const noexcept { return failure_; }
+  std::uint64_t done() const noexcept { return done_; }
+
+ private:
+  std::uint64_t done_ = 0;       // the last item run (successfully or not)
+  std::uint64_t failed_at_ = 0;  // the first item that failed (0: none)
+  std::string failure_;
+  std::multimap<std::uint64_t, Notify> waiters_;
+};
 
 class StreamImpl {
  public:

@@ -103,16 +103,13 @@ class CudaStream final : public StreamImpl {
   }
   bool poll(std::uint64_t seq, std::string& failure) override {
     std::lock_guard lock(mutex_);
-    return reached_locked(seq, failure);
+    return book_.reached(seq, failure);
   }
   void notify(std::uint64_t seq, Notify fn) override {
     std::string failure;
     {
       std::lock_guard lock(mutex_);
-      if (!reached_locked(seq, failure)) {
-        waiters_.emplace(seq, std::move(fn));
-        return;
-      }
+      if (book_.wait(seq, fn, failure)) return;
     }
     fn(failure);
   }
@@ -130,14 +127,6 @@ class CudaStream final : public StreamImpl {
   /// An event that is reached no earlier than `seq` (destroyed by the caller), or null when it was reached.
   cudaEvent_t event_of(std::uint64_t seq);
 
-  bool reached_locked(std::uint64_t seq, std::string& failure) const {
-    if (failed_at_ != 0 && seq >= failed_at_) {
-      failure = failure_;
-      return true;
-    }
-    return done_ >= seq;
-  }
-  void fail_locked(std::uint64_t seq, const std::string& why);
   void run_completions();
   void finish(std::uint64_t seq, const std::string& failure);
 
@@ -149,10 +138,7 @@ class CudaStream final : public StreamImpl {
   std::condition_variable work_cv_;
   std::deque<Pending> pending_;  // guarded: events not yet reached, in order
   std::uint64_t queued_ = 0;     // guarded
-  std::uint64_t done_ = 0;       // guarded
-  std::uint64_t failed_at_ = 0;  // guarded
-  std::string failure_;          // guarded
-  std::multimap<std::uint64_t, Notify> waiters_;  // guarded
+  FenceBook book_;               // guarded
   bool stopping_ = false;        // guarded
 };
 
@@ -278,7 +264,7 @@ template <class Launch>
 std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch) {
   std::lock_guard lock(mutex_);
   const std::uint64_t seq = ++queued_;
-  if (failed_at_ != 0) return seq;  // reached at once, with the stream's failure
+  if (book_.failed()) return seq;  // reached at once, with the stream's failure
   std::string why = backend_.failure(device());
   cudaEvent_t event = nullptr;
   if (why.empty()) {
@@ -293,7 +279,7 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch) {
     }
   }
   if (!why.empty()) {
-    fail_locked(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
+    book_.fail(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
     return seq;
   }
   pending_.push_back(Pending{seq, event});
@@ -304,7 +290,7 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch) {
 cudaEvent_t CudaStream::event_of(std::uint64_t seq) {
   std::lock_guard lock(mutex_);
   std::string failure;
-  if (reached_locked(seq, failure)) return nullptr;
+  if (book_.reached(seq, failure)) return nullptr;
   // A fresh event recorded now orders after every item queued so far, `seq` among them (it may also
   // wait for later ones: that delays, never reorders). The item's own event is the completion thread's,
   // which destroys it once reached, so it cannot be handed out.
@@ -317,13 +303,6 @@ cudaEvent_t CudaStream::event_of(std::uint64_t seq) {
     return nullptr;
   }
   return event;
-}
-
-void CudaStream::fail_locked(std::uint64_t seq, const std::string& why) {
-  if (failed_at_ == 0) {
-    failed_at_ = seq;
-    failure_ = why;
-  }
 }
 
 void CudaStream::run_completions() {
@@ -358,14 +337,7 @@ void CudaStream::finish(std::uint64_t seq, const std::string& failure) {
   {
     std::lock_guard lock(mutex_);
     pending_.pop_front();
-    done_ = seq;
-    if (!failure.empty()) fail_locked(seq, failure);
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      std::string why;
-      if (!reached_locked(it->first, why)) break;
-      ready.emplace_back(std::move(it->second), std::move(why));
-      it = waiters_.erase(it);
-    }
+    ready = book_.ran(seq, failure);
   }
   for (auto& [fn, why] : ready) fn(why);
 }

@@ -76,16 +76,13 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   }
   bool poll(std::uint64_t seq, std::string& failure) {
     std::lock_guard lock(mutex_);
-    return reached_locked(seq, failure);
+    return book_.reached(seq, failure);
   }
   void notify(std::uint64_t seq, Notify fn) {
     std::string failure;
     {
       std::lock_guard lock(mutex_);
-      if (!reached_locked(seq, failure)) {
-        waiters_.emplace(seq, std::move(fn));
-        return;
-      }
+      if (book_.wait(seq, fn, failure)) return;
     }
     fn(failure);
   }
@@ -93,14 +90,14 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   std::string block_until(std::uint64_t seq) {
     std::unique_lock lock(mutex_);
     std::string failure;
-    reached_cv_.wait(lock, [&] { return reached_locked(seq, failure); });
+    reached_cv_.wait(lock, [&] { return book_.reached(seq, failure); });
     return failure.empty() ? std::string() : fmt::format("the stream it waited for failed: {}", failure);
   }
   /// Blocks until everything queued so far ran (DeviceBuffer's free).
   void drain() {
     std::unique_lock lock(mutex_);
     const std::uint64_t target = queued_;
-    reached_cv_.wait(lock, [&] { return done_ >= target; });
+    reached_cv_.wait(lock, [&] { return book_.done() >= target; });
   }
   int device() const noexcept { return device_; }
 
@@ -110,14 +107,6 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
     std::string what;
     std::function<std::string()> run;  // "" or the failure's words
   };
-
-  bool reached_locked(std::uint64_t seq, std::string& failure) const {
-    if (failed_at_ != 0 && seq >= failed_at_) {
-      failure = failure_;
-      return true;
-    }
-    return done_ >= seq;
-  }
 
   void run_worker();
 
@@ -129,10 +118,7 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   std::condition_variable reached_cv_;  // streams waiting on this one, drain()
   std::deque<Item> queue_;              // guarded by mutex_
   std::uint64_t queued_ = 0;            // guarded: the last sequence number given out
-  std::uint64_t done_ = 0;              // guarded: the last item run (successfully or not)
-  std::uint64_t failed_at_ = 0;         // guarded: the first item that failed (0: none)
-  std::string failure_;                 // guarded
-  std::multimap<std::uint64_t, Notify> waiters_;  // guarded
+  FenceBook book_;                      // guarded
   bool stopping_ = false;               // guarded
 };
 
@@ -361,27 +347,19 @@ void SimQueue::run_worker() {
       queue_.pop_front();
     }
     backend_.delay();
-    std::string failure;
+    bool failed = false;
     {
       std::lock_guard lock(mutex_);
-      failure = failure_;  // a failed stream stays failed
+      failed = book_.failed();  // a failed stream stays failed
     }
-    if (failure.empty()) failure = backend_.fails(device_, item.what);
-    if (failure.empty()) failure = item.run();
+    std::string failure;
+    if (!failed) failure = backend_.fails(device_, item.what);
+    if (!failed && failure.empty()) failure = item.run();
     std::vector<std::pair<Notify, std::string>> ready;
     {
       std::lock_guard lock(mutex_);
-      done_ = item.seq;
-      if (!failure.empty() && failed_at_ == 0) {
-        failed_at_ = item.seq;
-        failure_ = fmt::format("{} failed in {}: {}", device_name(device_), item.what, failure);
-      }
-      for (auto it = waiters_.begin(); it != waiters_.end();) {
-        std::string words;
-        if (!reached_locked(it->first, words)) break;  // ordered by sequence number
-        ready.emplace_back(std::move(it->second), std::move(words));
-        it = waiters_.erase(it);
-      }
+      ready = book_.ran(item.seq, failure.empty() ? failure
+                                                  : fmt::format("{} failed in {}: {}", device_name(device_), item.what, failure));
     }
     reached_cv_.notify_all();
     for (auto& [fn, words] : ready) fn(words);
