@@ -159,8 +159,7 @@ class Stream {
   Future<void> enqueue_host(std::function<void()> fn);
 
  private:
-  std::shared_ptr<detail::StreamImpl> impl_;
-  Loop* loop_;
+  std::shared_ptr<detail::StreamImpl> impl_;  // knows its device and loop
 };
 
 /// Copies `host` to a new device buffer on `device`, through `stream` (which must be on `device`).

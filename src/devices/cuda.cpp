@@ -90,12 +90,13 @@ class CudaStream final : public StreamImpl {
   std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
     auto& waited = static_cast<CudaStream&>(*other);
     cudaEvent_t event = waited.event_of(seq);  // null: reached (or failed) already
-    return enqueue(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq), [&] {
-      if (!event) return cudaSuccess;
-      const cudaError_t e = cudaStreamWaitEvent(stream_, event, 0);
-      cudaEventDestroy(event);  // the wait holds what it needs; destruction is deferred by CUDA
-      return e;
+    const std::uint64_t queued = enqueue(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq), [&] {
+      return event ? cudaStreamWaitEvent(stream_, event, 0) : cudaSuccess;
     });
+    // Also where enqueue did not launch (a failed stream): a queued wait holds what it needs, and CUDA
+    // defers the destruction until then.
+    if (event) cudaEventDestroy(event);
+    return queued;
   }
   std::uint64_t last() override {
     std::lock_guard lock(mutex_);

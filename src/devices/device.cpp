@@ -216,7 +216,7 @@ Future<void> Fence::done() const {
 
 // ---- Stream ----
 
-Stream::Stream(Loop& loop, Device device) : loop_(&loop) {
+Stream::Stream(Loop& loop, Device device) {
   check_device(device, "Stream", "the device");
   impl_ = detail::backend().make_stream(loop, device.index);
 }
@@ -226,7 +226,7 @@ Stream::Stream(Stream&&) noexcept = default;
 Stream& Stream::operator=(Stream&&) noexcept = default;
 
 Device Stream::device() const noexcept { return Device{Device::Kind::cuda, impl_->device()}; }
-Loop& Stream::loop() const noexcept { return *loop_; }
+Loop& Stream::loop() const noexcept { return impl_->loop(); }
 void* Stream::native_handle() const noexcept { return impl_->native(); }
 
 Future<void> Stream::copy(BufferView dst, ConstBufferView src) {
@@ -245,7 +245,7 @@ Future<void> Stream::copy(BufferView dst, ConstBufferView src) {
   }
   const std::uint64_t seq = impl_->copy(dst.data, src.data, src.bytes(), copy_kind(dst.device, src.device),
                                         src.device.index, dst.device.index);
-  return spawn(*loop_, await_fence(impl_, seq, "copy"));
+  return spawn(impl_->loop(), await_fence(impl_, seq, "copy"));
 }
 
 Future<void> Stream::reduce(BufferView inout, ConstBufferView src, ReduceOp op) {
@@ -267,7 +267,7 @@ Future<void> Stream::reduce(BufferView inout, ConstBufferView src, ReduceOp op) 
   check_view(src.data, src.bytes(), src.device, "reduce", "src");
   const std::uint64_t seq =
       impl_->reduce(inout.data, src.data, inout.count, inout.dtype, op == ReduceOp::avg ? ReduceOp::sum : op);
-  return spawn(*loop_, await_fence(impl_, seq, "reduce"));
+  return spawn(impl_->loop(), await_fence(impl_, seq, "reduce"));
 }
 
 Fence Stream::record() { return Fence(impl_, impl_->last()); }
@@ -282,7 +282,7 @@ Future<void> Stream::synchronize() { return record().done(); }
 
 Future<void> Stream::enqueue_host(std::function<void()> fn) {
   const std::uint64_t seq = impl_->host(std::move(fn));
-  return spawn(*loop_, await_fence(impl_, seq, "enqueue_host"));
+  return spawn(impl_->loop(), await_fence(impl_, seq, "enqueue_host"));
 }
 
 // ---- to_device / to_host ----
