@@ -83,11 +83,14 @@ inline void run_ranks(int n, const std::function<void(Group&)>& body, Options ba
     });
   }
   for (auto& t : threads) t.join();
+  // The first failure leads (tests match on it); the others follow, since the first to fail is not
+  // always the first in rank order (a rank that fails and leaves makes the ranks waiting on it fail).
+  std::string what;
   for (int r = 0; r < n; ++r) {
-    if (!errors[static_cast<std::size_t>(r)].empty()) {
-      throw RankFailure("rank " + std::to_string(r) + ": " + errors[static_cast<std::size_t>(r)]);
-    }
+    if (errors[static_cast<std::size_t>(r)].empty()) continue;
+    what += (what.empty() ? "" : "\n  also ") + ("rank " + std::to_string(r) + ": " + errors[static_cast<std::size_t>(r)]);
   }
+  if (!what.empty()) throw RankFailure(what);
 }
 
 }  // namespace weft::test

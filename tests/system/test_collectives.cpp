@@ -664,3 +664,29 @@ TEST_CASE("a send buffer overwritten right after its send completes does not cha
   });
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("ranks that finish their last collective first and leave at once fail nobody", "[collectives][leave]") {
+  // A rank whose part of the last collective is done closes its Group while the others still take in
+  // what it sent: its goodbye, its closed socket and its last completions race with their reads. Many
+  // short groups, every all_reduce algorithm, small and large, so that the end comes at every moment.
+  const long before = checks_made.load();
+  for (std::string_view algorithm : algorithms::available_algorithms("all_reduce")) {
+    for (int p : {2, 3, 4}) {
+      for (std::size_t count : {std::size_t{1}, std::size_t{300000}}) {
+        for (int round = 0; round < 4; ++round) {
+          Options options;
+          options.algorithms = "all_reduce:" + std::string(algorithm);
+          INFO(algorithm << " p=" << p << " count=" << count << " round " << round);
+          run_ranks(p, [&](Group& g) {
+            std::vector<std::uint8_t> v(count, static_cast<std::uint8_t>(g.rank() + 1));
+            g.all_reduce(BufferView(v.data(), count, DType::u8), ReduceOp::sum).get();
+            const auto want = static_cast<std::uint8_t>(p * (p + 1) / 2);
+            check(v.front() == want && v.back() == want,
+                  fmt::format("{} p={} count={}: {} and {}, expected {}", algorithm, p, count, v.front(), v.back(), want));
+          }, options);
+        }
+      }
+    }
+  }
+  REQUIRE(checks_made.load() > before);
+}

@@ -444,9 +444,16 @@ void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
     done = c.send_queue.front();
     c.send_queue.pop_front();
   }
-  if (ec || !c.alive) {
+  if (ec) {
     if (c.alive) fail_connection(c, fmt::format("write failed: {}", describe_error(ec)));
     if (done) done->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+    return;
+  }
+  if (!c.alive) {
+    // The frame was wholly handed to the stream before the connection ended (a peer that took it and
+    // said goodbye while this handler was on its way): the send is done, as a socket write is once the
+    // kernel has the bytes. Failing it would fail a collective the peer finished with these very bytes.
+    if (done) done->complete();
     return;
   }
   start_write(c);

@@ -384,7 +384,9 @@ std::size_t ShmStream::progress() {
   if (write_.active) {
     std::error_code failed;
     bool done = false;
-    if (peer_closed_) {
+    if (write_.piece == 3) {
+      done = true;  // wholly in the ring already (write pushes at once): the peer's end comes after it
+    } else if (peer_closed_) {
       failed = std::make_error_code(std::errc::broken_pipe);
     } else {
       done = push_write();
@@ -409,14 +411,20 @@ std::size_t ShmStream::progress() {
       if (closed_) return found;
     }
   }
+  // Releases are taken after the read: a peer reads our references before it writes anything after
+  // them (its goodbye included), so what the read brings is never handed on before the releases that
+  // came earlier; a goodbye seen first would fail lent sends the peer had in fact read.
+  const bool reading = read_.active;
+  bool read_done = false;
+  const std::size_t before = read_.got;
+  if (reading) read_done = pull_read();
   if (const std::size_t released = take_released(); released > 0) {
     ++found;
     if (!alive_.expired()) events_->on_released(peer_, released);
     if (closed_) return found;
   }
-  if (read_.active) {
-    const std::size_t before = read_.got;
-    const bool done = pull_read();
+  if (reading && read_.active) {
+    const bool done = read_done;
     if (done || peer_closed_ || read_error_) {
       read_.active = false;
       ++found;
@@ -484,10 +492,12 @@ void ShmStream::close() {
   // What is in flight ends with an error, reported from the loop (never inline).
   const bool reading = std::exchange(read_.active, false);
   const bool writing = std::exchange(write_.active, false);
+  // A write wholly in the ring is done: the peer reads the ring up to its end, close or not.
+  const bool written = writing && write_.piece == 3;
   if (!reading && !writing) return;
-  hub_->loop().post([events = events_, peer = peer_, alive = alive_, reading, writing] {
+  hub_->loop().post([events = events_, peer = peer_, alive = alive_, reading, writing, written] {
     if (alive.expired()) return;
-    if (writing) events->on_written(peer, asio::error::operation_aborted);
+    if (writing) events->on_written(peer, written ? std::error_code{} : asio::error::operation_aborted);
     if (reading) events->on_read(peer, asio::error::operation_aborted, 0);
   });
 }
