@@ -44,6 +44,7 @@ bool can_access_peer(Device a, Device b);
 
 namespace detail {
 class StreamImpl;
+struct GateOwner;
 }
 
 /// Device memory: an owning allocation on one device. Move-only; freeing waits for the device's streams
@@ -116,6 +117,22 @@ class Fence {
   std::uint64_t seq_ = 0;
 };
 
+/// A point in a stream's order that the host opens: work queued on a stream after `stream.wait(gate)` runs
+/// only once `open()` was called. This is how work that the host finishes later (a collective's network
+/// part) is put in a stream's order now, so that the kernels queued after it wait on the device, not on
+/// the host. Copyable: copies are the same gate. Opening is final; a gate whose last copy goes away
+/// opens, so no stream waits for a gate nobody can open. Thread-safe.
+class Gate {
+ public:
+  Gate();
+  void open() const;
+  bool is_open() const;
+
+ private:
+  friend class Stream;
+  std::shared_ptr<detail::GateOwner> owner_;
+};
+
 /// A FIFO of device work on one device; what is queued runs in order, asynchronously to the host.
 /// Enqueueing is thread-safe. Completions (every Future below) resume on `loop`.
 ///
@@ -148,6 +165,9 @@ class Stream {
   /// Later work on this stream waits (on the device, the host does not block) until `fence` is reached.
   /// A fence of this stream is a no-op. Errors: invalid_argument for a default-constructed Fence.
   void wait(const Fence& fence);
+  /// Later work on this stream waits (on the device) until `gate` is open. Under cuda a one-thread kernel
+  /// polls mapped host memory meanwhile (one resident block per waiting stream).
+  void wait(const Gate& gate);
   /// record().done().
   Future<void> synchronize();
 

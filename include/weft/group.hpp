@@ -48,6 +48,9 @@ namespace detail {
 struct GroupState;
 struct CollectiveCall;
 }
+namespace gpu {
+class Stream;
+}
 
 class Group {
  public:
@@ -125,6 +128,24 @@ class Group {
   /// take it) aborts the group, as cancelling it would.
   Group with_timeout(std::chrono::milliseconds timeout) const;
 
+  /// A view of this group whose operations are ordered on `stream` (weft::gpu): each waits for the work
+  /// queued on the stream before it reads its input, and work queued on the stream after the call waits
+  /// (on the device, the host does not block) until the operation has written its output:
+  /// `backward(stream); group.on(stream).all_reduce(grads); optimizer(stream);` with no host sync.
+  /// Without a stream, an operation on device buffers runs on a stream of the group's own, after nothing
+  /// the caller queued elsewhere (synchronise first, as with any other stream). Everything else is
+  /// shared, as with_timeout's view. Device buffers: docs/DESIGN.md, "Device buffers": the same host
+  /// operation runs on page-locked staging memory, so results are bitwise those of host buffers.
+  /// Errors (at the call): weft::Error (invalid_argument) when the stream is on another device than the
+  /// buffers or completes on another Loop. A device that fails aborts the group (every member's
+  /// operation fails naming this rank); this rank's Future fails with Errc::device_failure.
+  /// Lifetime: the stream must outlive the calls made through the view (not their Futures).
+  /// Ranks of one process that share a device: the wait holds the stream on the device (a one-thread
+  /// kernel under cuda), and freeing device memory waits for the whole device (cudaFree, DeviceBuffer),
+  /// so a rank must not free device memory while another rank of that device has an operation through
+  /// on() in flight that needs this rank (it would wait for itself). NCCL's kernels carry the same rule.
+  Group on(gpu::Stream& stream) const;
+
   /// A view whose operations have no deadline (`with_timeout(0ms)`), for long-lived waits such as a
   /// server's command channel: a rank waiting in `broadcast` or `recv` for the next request, however long
   /// it comes, while every other call keeps Options::timeout. Such a wait still ends on a lost peer
@@ -178,6 +199,7 @@ class Group {
 
   std::shared_ptr<detail::GroupState> state_;
   std::chrono::milliseconds timeout_{-1};  // with_timeout(); negative: the group's Options::timeout
+  gpu::Stream* stream_ = nullptr;          // on(); null: device operations use the group's own stream
 };
 
 }  // namespace weft

@@ -7,10 +7,12 @@
 // back through `notify`, called once from the backend's own thread; the public layer turns them into a
 // Loop::post, so both backends complete through the same path into the loop.
 #include <cstddef>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -79,6 +81,50 @@ class FenceBook {
   std::multimap<std::uint64_t, Notify> waiters_;
 };
 
+/// A gate the host opens (weft::gpu::Gate): stream items queued after a wait on it run once it is open.
+/// Opening is final and idempotent; thread-safe.
+class GateState {
+ public:
+  void open() {
+    std::vector<std::function<void()>> due;
+    {
+      std::lock_guard lock(mutex_);
+      if (open_) return;
+      open_ = true;
+      due.swap(on_open_);
+    }
+    cv_.notify_all();
+    for (auto& fn : due) fn();
+  }
+  bool is_open() const {
+    std::lock_guard lock(mutex_);
+    return open_;
+  }
+  /// Blocks the calling thread until the gate opens (the sim's worker).
+  void block_until_open() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+  /// Calls `fn` once the gate is open: at once when it is, else from the thread that opens it. `fn` must
+  /// be short and must not call weft::gpu (the CUDA backend writes a word the device polls).
+  void on_open(std::function<void()> fn) {
+    {
+      std::lock_guard lock(mutex_);
+      if (!open_) {
+        on_open_.push_back(std::move(fn));
+        return;
+      }
+    }
+    fn();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;                             // guarded
+  std::vector<std::function<void()>> on_open_;    // guarded
+};
+
 class StreamImpl {
  public:
   StreamImpl(Loop& loop, int device) : loop_(&loop), device_(device) {}
@@ -96,6 +142,8 @@ class StreamImpl {
   virtual std::uint64_t host(std::function<void()> fn) = 0;
   /// Later items wait until `other` reaches `seq` (other != this).
   virtual std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) = 0;
+  /// Later items wait until `gate` is open (the host's signal; the device does not block the host).
+  virtual std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) = 0;
   /// The number of the last item queued (0 before the first): a fence after everything queued.
   virtual std::uint64_t last() = 0;
 

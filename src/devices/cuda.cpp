@@ -13,6 +13,7 @@
 // it every later item of its streams.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -24,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "devices/backend.hpp"
+#include "kernels/cuda/gate.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "weft/error.hpp"
 
@@ -98,6 +100,7 @@ class CudaStream final : public StreamImpl {
     if (event) cudaEventDestroy(event);
     return queued;
   }
+  std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) override;
   std::uint64_t last() override {
     std::lock_guard lock(mutex_);
     return queued_;
@@ -120,11 +123,12 @@ class CudaStream final : public StreamImpl {
   struct Pending {
     std::uint64_t seq;
     cudaEvent_t event;
+    std::shared_ptr<void> keep;  // what the item's kernel reads, held until it ran (a gate's word)
   };
 
   /// Queues one item (`launch`, under the stream's device) and its event; the number is the item's.
   template <class Launch>
-  std::uint64_t enqueue(std::string what, Launch&& launch);
+  std::uint64_t enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep = {});
   /// An event that is reached no earlier than `seq` (destroyed by the caller), or null when it was reached.
   cudaEvent_t event_of(std::uint64_t seq);
 
@@ -226,6 +230,30 @@ class CudaBackend final : public Backend {
     std::lock_guard lock(mutex_);
     return failures_.at(static_cast<std::size_t>(device));
   }
+  /// A word of mapped host memory, zeroed, that the device can read (a gate's); back to the slab when the
+  /// last holder lets go.
+  std::shared_ptr<volatile std::uint32_t> gate_word() {
+    std::lock_guard lock(mutex_);
+    if (free_words_.empty()) {
+      constexpr std::size_t page = 4096;
+      void* p = nullptr;
+      const cudaError_t e = cudaHostAlloc(&p, page, cudaHostAllocMapped | cudaHostAllocPortable);
+      if (e != cudaSuccess) {
+        throw Error(Errc::device_failure, {.op = "Stream::wait(Gate)"}, fmt::format("cudaHostAlloc of a gate page: {}", words(e)));
+      }
+      auto* words_of_page = static_cast<std::uint32_t*>(p);
+      // 64 bytes apart: a word per cache line, so that opening one gate does not touch its neighbours'.
+      for (std::size_t i = 0; i < page / 64; ++i) free_words_.push_back(words_of_page + i * 16);
+    }
+    volatile std::uint32_t* word = free_words_.back();
+    free_words_.pop_back();
+    *word = 0;
+    return std::shared_ptr<volatile std::uint32_t>(word, [this](volatile std::uint32_t* w) {
+      std::lock_guard relock(mutex_);
+      free_words_.push_back(const_cast<std::uint32_t*>(w));
+    });
+  }
+
   /// Remembers a sticky error as the device's failure.
   void note(int device, cudaError_t e) {
     if (!sticky(e)) return;
@@ -238,6 +266,7 @@ class CudaBackend final : public Backend {
   const int devices_;
   std::mutex mutex_;
   std::vector<std::string> failures_;  // guarded
+  std::vector<std::uint32_t*> free_words_;  // guarded: gate words not in use (pages are never freed)
 };
 
 CudaStream::CudaStream(CudaBackend& backend, Loop& loop, int device) : StreamImpl(loop, device), backend_(backend) {
@@ -262,7 +291,7 @@ CudaStream::~CudaStream() {
 }
 
 template <class Launch>
-std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch) {
+std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep) {
   std::lock_guard lock(mutex_);
   const std::uint64_t seq = ++queued_;
   if (book_.failed()) return seq;  // reached at once, with the stream's failure
@@ -283,9 +312,22 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch) {
     book_.fail(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
     return seq;
   }
-  pending_.push_back(Pending{seq, event});
+  pending_.push_back(Pending{seq, event, std::move(keep)});
   work_cv_.notify_one();
   return seq;
+}
+
+// The device spins on a mapped word that the gate's opening sets; the word stays allocated until the
+// wait kernel has run (the item's keep), whether the gate or the stream goes first.
+std::uint64_t CudaStream::wait_gate(const std::shared_ptr<GateState>& gate) {
+  std::shared_ptr<volatile std::uint32_t> word = backend_.gate_word();
+  gate->on_open([word] {
+    std::atomic_thread_fence(std::memory_order_release);
+    *word = 1;
+  });
+  return enqueue("wait for the host's gate", [&] {
+    return static_cast<cudaError_t>(kernels::cuda::launch_gate_wait(word.get(), stream_));
+  }, std::shared_ptr<void>(word, nullptr));  // holds the word (aliasing: volatile does not convert to void)
 }
 
 cudaEvent_t CudaStream::event_of(std::uint64_t seq) {

@@ -214,6 +214,24 @@ Future<void> Fence::done() const {
   return spawn(stream_->loop(), await_fence(stream_, seq_, "fence"));
 }
 
+// ---- Gate ----
+
+namespace detail {
+// The handles' shared part: the state outlives it in the streams that wait on it; the last handle gone
+// opens the gate.
+struct GateOwner {
+  std::shared_ptr<GateState> state = std::make_shared<GateState>();
+  GateOwner() = default;
+  GateOwner(const GateOwner&) = delete;
+  GateOwner& operator=(const GateOwner&) = delete;
+  ~GateOwner() { state->open(); }
+};
+}  // namespace detail
+
+Gate::Gate() : owner_(std::make_shared<detail::GateOwner>()) {}
+void Gate::open() const { owner_->state->open(); }
+bool Gate::is_open() const { return owner_->state->is_open(); }
+
 // ---- Stream ----
 
 Stream::Stream(Loop& loop, Device device) {
@@ -277,6 +295,8 @@ void Stream::wait(const Fence& fence) {
   if (fence.stream_ == impl_) return;  // FIFO already orders it
   impl_->wait(fence.stream_, fence.seq_);
 }
+
+void Stream::wait(const Gate& gate) { impl_->wait_gate(gate.owner_->state); }
 
 Future<void> Stream::synchronize() { return record().done(); }
 

@@ -154,6 +154,12 @@ class SimStream final : public StreamImpl {
     return queue_->push(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq),
                         [waited, seq] { return waited->block_until(seq); });
   }
+  std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) override {
+    return queue_->push("wait for the host's gate", [gate] {
+      gate->block_until_open();
+      return std::string();
+    });
+  }
   std::uint64_t last() override { return queue_->last(); }
   bool poll(std::uint64_t seq, std::string& failure) override { return queue_->poll(seq, failure); }
   void notify(std::uint64_t seq, Notify fn) override { queue_->notify(seq, std::move(fn)); }

@@ -16,8 +16,9 @@ void check_usable(GroupState& g, const char* op) {
   }
 }
 
-void check_host(const GroupState& g, const char* op, Device device) {
-  if (device.kind != Device::Kind::host) invalid(g, op, "device buffers are not supported by this group's transport");
+// Host or device memory (a device view is checked, and staged, by the device path: device_staging.cpp).
+void check_device_kind(const GroupState& g, const char* op, Device device) {
+  if (device.kind != Device::Kind::host && device.kind != Device::Kind::cuda) invalid(g, op, "the buffer's device kind is unknown");
 }
 
 // The most bytes a buffer can have: 128 TiB, the user address space of x86-64 and aarch64 (48-bit).
@@ -26,7 +27,7 @@ constexpr std::size_t max_buffer_bytes = std::size_t{1} << 47;
 
 void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
                   DType dtype, Device device) {
-  check_host(g, op, device);
+  check_device_kind(g, op, device);
   if (count > max_buffer_bytes / dtype_size(dtype)) {
     invalid(g, op, fmt::format("{} claims {} elements of {} ({} bytes each): more than memory can hold (at most 2^47 "
                                "bytes per buffer)", name, count, to_string(dtype), dtype_size(dtype)));

@@ -16,7 +16,7 @@ namespace weft::detail {
 
 [[noreturn]] void invalid(const GroupState& g, const char* op, const std::string& detail, int peer = -1);
 void check_usable(GroupState& g, const char* op);
-void check_host(const GroupState& g, const char* op, Device device);
+void check_device_kind(const GroupState& g, const char* op, Device device);
 void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
                   DType dtype, Device device);
 std::size_t per_rank_total(const GroupState& g, const char* op, std::size_t count);

@@ -15,6 +15,7 @@
 #include "algorithms/registry.hpp"
 #include "core/signature.hpp"
 #include "group/checks.hpp"
+#include "group/device_staging.hpp"
 #include "group/shm_collectives.hpp"
 #include "group/staging.hpp"
 #include "group/state.hpp"
@@ -460,6 +461,23 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
   validate(g, call);
   // Chosen on the caller's thread, where override_algorithms changes the table.
   const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size, g.arena != nullptr);
+  if (on_device(call.in.device, call.in.bytes()) || on_device(call.out.device, call.out.bytes())) {
+    const Rule& rule = rule_of(call.collective);
+    const bool root_here = g.rank == call.root;
+    detail::StagedCall staged{name, call.in, call.out};
+    staged.reads_in = !rule.input_root_only || root_here;
+    staged.writes_out = !rule.output_root_only || root_here;
+    if (call.collective == Collective::broadcast) {  // one buffer: the root's is read, the others' written
+      staged.reads_in = root_here;
+      staged.writes_out = !root_here;
+    }
+    return run_staged(state_, stream_, staged, timeout_, [this, call, &algorithm](ConstBufferView in, BufferView out, std::uint64_t seq) {
+      detail::CollectiveCall on_host = call;
+      on_host.in = in;
+      on_host.out = out;
+      return start_collective(state_, seq, on_host, algorithm);
+    });
+  }
   return spawn(*g.loop, start_collective(state_, take_seq(g, timeout_), call, algorithm));
 }
 
@@ -480,6 +498,13 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
     check_rank(g, name, "destination", dst);
     if (++sends[static_cast<std::size_t>(src)] > 1) invalid(g, name, fmt::format("rank {} sends more than once", src), src);
     if (++recvs[static_cast<std::size_t>(dst)] > 1) invalid(g, name, fmt::format("rank {} receives more than once", dst), dst);
+  }
+  if (on_device(in.device, in.bytes()) || on_device(out.device, out.bytes())) {
+    detail::StagedCall staged{name, in, out};
+    staged.reads_in = std::any_of(pairs.begin(), pairs.end(), [&](const auto& pair) { return pair.first == g.rank; });
+    return run_staged(state_, stream_, staged, timeout_, [this, pairs](ConstBufferView host_in, BufferView host_out, std::uint64_t seq) {
+      return permute_task(state_, seq, host_in, host_out, pairs);
+    });
   }
   return spawn(*g.loop, permute_task(state_, take_seq(g, timeout_), in, out, std::move(pairs)));
 }

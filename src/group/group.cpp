@@ -50,6 +50,15 @@ Group Group::with_timeout(std::chrono::milliseconds timeout) const {
   live("with_timeout");
   Group view(state_);
   view.timeout_ = std::max(timeout, std::chrono::milliseconds(0));
+  view.stream_ = stream_;
+  return view;
+}
+
+Group Group::on(gpu::Stream& stream) const {
+  live("on");
+  Group view(state_);
+  view.timeout_ = timeout_;
+  view.stream_ = &stream;
   return view;
 }
 

@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "group/checks.hpp"
+#include "group/device_staging.hpp"
 #include "group/state.hpp"
 
 namespace weft {
@@ -103,6 +104,13 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   check_usable(g, "send");
   check_rank(g, "send", "destination", dst);
   check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
+  const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
+  if (on_device(data.device, data.bytes())) {
+    detail::StagedCall staged{"send", data, BufferView{}, true, false, false};
+    return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, timeout](ConstBufferView in, BufferView, std::uint64_t) {
+      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, 0, timeout);
+    });
+  }
   return spawn(*g.loop, p2p_task(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, 0,
                                  timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }
@@ -112,6 +120,13 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   check_usable(g, "recv");
   check_rank(g, "recv", "source", src);
   check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
+  const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
+  if (on_device(data.device, data.bytes())) {
+    detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false};
+    return run_staged(state_, stream_, staged, timeout_, [this, src, tag, timeout](ConstBufferView, BufferView out, std::uint64_t) {
+      return p2p_task(state_, false, out.data, out.bytes(), src, tag, 0, timeout);
+    });
+  }
   return spawn(*g.loop, p2p_task(state_, false, data.data, data.bytes(), src, tag, 0,
                                  timeout_.count() >= 0 ? timeout_ : g.options.timeout));
 }

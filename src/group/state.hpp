@@ -71,6 +71,8 @@ struct DeleteOnLoop {
   }
 };
 
+struct DeviceStaging;  // device_staging.cpp
+
 struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- identity: written once before the group is handed out
   Loop* loop = nullptr;
@@ -119,6 +121,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   std::deque<std::coroutine_handle<>> arena_queue;
   std::uint64_t arena_seq = 0;  // the operation in the arena now (0: none), for deadline reports
   std::vector<const std::byte*> arena_sources;  // the scripts' fold inputs (one collective at a time: no allocation per call)
+
+  // ---- callers: device buffers (device_staging.cpp), made at the first device operation
+  std::mutex device_staging_mutex;
+  std::shared_ptr<DeviceStaging> device_staging;  // guarded by device_staging_mutex
 
   ~GroupState() {
     if (!transport) return;

@@ -35,7 +35,7 @@ ALLOWED = {
     "algorithms": {"core", "kernels/cpu"},
     "rendezvous": {"core"},
     "group": {"core", "transports", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
-              "rendezvous"},
+              "rendezvous", "devices"},
 }
 # The folder each room is (its own headers).
 OWN = {

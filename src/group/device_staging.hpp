@@ -1,0 +1,54 @@
+#pragma once
+// Device buffers in every operation (docs/DESIGN.md, "Device buffers"): an operation whose buffers are
+// device memory runs the same host operation (the same plans, transports and algorithm choice) on
+// page-locked staging memory, with the copies put in a stream's order at the call:
+//
+//   stream: [work queued before] -> copy in (device -> staging) -> gate -> copy out (staging -> device) -> [later work]
+//   loop:   await copy in -> run the host operation on the staging -> open the gate -> await copy out
+//
+// The gate is what makes it stream-ordered without the host blocking: kernels the caller queues after
+// the call wait on the device until the host part is done, and the input is read only after the work
+// queued before it. A device failure aborts the group (every member fails, naming this rank and device).
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "weft/task.hpp"
+#include "weft/buffer.hpp"
+#include "weft/future.hpp"
+#include "weft/gpu.hpp"
+
+namespace weft::detail {
+
+struct GroupState;
+
+/// Whether a view holds device memory that the operation moves (an empty view moves nothing).
+inline bool on_device(Device device, std::size_t bytes) noexcept { return device.kind == Device::Kind::cuda && bytes > 0; }
+
+/// Checks a device view where check_buffer checks host ones: the device exists and the memory is that
+/// device's, long enough. Errors: weft::Error (invalid_argument) naming the operation and the buffer.
+void check_device_view(const GroupState& g, const char* op, const char* name, const void* data, std::size_t bytes,
+                       Device device);
+
+/// One operation on the device path: which of its views it reads and writes on this rank.
+struct StagedCall {
+  const char* op;
+  ConstBufferView in;
+  BufferView out;
+  bool reads_in = true;    // the input is read here (not at a scatter's non-root, a broadcast's non-root)
+  bool writes_out = true;  // the output is written here (not at a reduce's or gather's non-root, a broadcast's root)
+  bool takes_seq = true;   // a collective (numbered); send and recv are not
+};
+
+/// The host operation on staged views, given its sequence number (0 for send and recv).
+using HostOperation = std::function<Task<void>(ConstBufferView in, BufferView out, std::uint64_t seq)>;
+
+/// Runs `call` through staging on `stream` (the caller's, or the group's own stream of the buffers' device
+/// when null). Queues the copies and the gate now, in the caller's order, then takes the sequence number.
+/// Errors: invalid_argument at once (views on two devices, a stream of another device, bad device memory);
+/// the host operation's errors; device_failure (and the group aborted) when a copy fails.
+Future<void> run_staged(const std::shared_ptr<GroupState>& g, gpu::Stream* stream, const StagedCall& call,
+                        std::chrono::milliseconds timeout, const HostOperation& host);
+
+}  // namespace weft::detail

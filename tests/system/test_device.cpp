@@ -1,0 +1,316 @@
+// Every operation on device buffers (weft/gpu.hpp, Group::on): ranks as threads, each on a device of its
+// own where there are enough (rank % device_count()), run each collective once on host buffers and once
+// on device buffers with the same input, and the outputs must be bitwise equal. Stream order is checked by
+// queueing the input's copy, the collective and the output's copy back to back on one stream, with no
+// host wait between them: the result is right only if the collective waited for the first and the last
+// waited for it (WEFT_SIM_DELAY_US makes a missing wait show). [device-failure] needs WEFT_SIM_FAIL in a
+// process of its own. Runs on whichever backend WEFT_GPU picks (sim in CI; cuda: tools/gpu_check.sh).
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <optional>
+
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+
+#include <weft/gpu.hpp>
+
+#include "support/check_data.hpp"
+#include "support/harness.hpp"
+
+using namespace weft;
+using namespace weft::test;
+using namespace weft::reference;
+
+namespace {
+
+void need_backend() {
+  try {
+    (void)gpu::backend();
+  } catch (const Error& e) {
+    fmt::print("SKIP: {}\n", e.what());
+    std::exit(77);
+  }
+}
+
+Device device_of(const Group& g) { return gpu::device(g.rank() % gpu::device_count()); }
+
+using Operation = std::function<Future<void>(Group&, ConstBufferView in, BufferView out)>;
+
+/// One operation with its buffers: `in` is the input's bytes; the output starts as `out_init`; with
+/// `in_at`, the input lies inside the output at that byte offset (in place).
+struct Case {
+  std::string what;
+  DType dtype;
+  std::vector<std::byte> in;
+  std::vector<std::byte> out_init;
+  std::optional<std::size_t> in_at;
+  Operation op;
+};
+
+std::vector<std::byte> pattern(std::size_t bytes, int rank, std::size_t salt) {
+  std::vector<std::byte> v(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) v[i] = static_cast<std::byte>((i * 131 + static_cast<std::size_t>(rank) * 17 + salt) & 0xff);
+  return v;
+}
+
+std::vector<std::byte> on_host(Group& g, const Case& c) {
+  const std::size_t es = dtype_size(c.dtype);
+  std::vector<std::byte> out = c.out_init;
+  std::vector<std::byte> in = c.in;
+  const void* in_data = in.data();
+  if (c.in_at) {
+    if (!c.in.empty()) std::memcpy(out.data() + *c.in_at, c.in.data(), c.in.size());
+    in_data = out.data() + *c.in_at;
+  }
+  c.op(g, ConstBufferView(in_data, c.in.size() / es, c.dtype), BufferView(out.data(), out.size() / es, c.dtype)).get();
+  return out;
+}
+
+/// The same on device buffers. `ordered`: the input's copies, the operation and the copy back go on one
+/// stream with no host wait between them (Group::on); otherwise each is waited for in turn.
+/// Device buffers are freed only after a barrier (free_kept): freeing waits for the whole device, and a
+/// rank sharing this device may hold its stream at a gate until this rank does its part (Group::on).
+thread_local std::deque<gpu::DeviceBuffer> kept;  // a deque: references stay valid as it grows
+
+void free_kept(Group& g) {
+  g.barrier().get();
+  kept.clear();
+}
+
+std::vector<std::byte> on_device(Group& g, gpu::Stream& stream, const Case& c, bool ordered) {
+  const std::size_t es = dtype_size(c.dtype);
+  const Device device = stream.device();
+  gpu::DeviceBuffer& out = kept.emplace_back(gpu::DeviceBuffer::allocate(device, c.out_init.size()));
+  gpu::DeviceBuffer& in = kept.emplace_back(gpu::DeviceBuffer::allocate(device, c.in.size()));
+  std::vector<Future<void>> pending;
+  auto step = [&](Future<void> f) {
+    if (ordered) {
+      pending.push_back(std::move(f));
+    } else {
+      f.get();
+    }
+  };
+  step(stream.copy(out.view(DType::u8), ConstBufferView(c.out_init.data(), c.out_init.size(), DType::u8)));
+  const std::byte* in_device = static_cast<const std::byte*>(in.data());
+  if (c.in_at) {
+    in_device = static_cast<const std::byte*>(out.data()) + *c.in_at;
+    step(stream.copy(BufferView(const_cast<std::byte*>(in_device), c.in.size(), DType::u8, device),
+                     ConstBufferView(c.in.data(), c.in.size(), DType::u8)));
+  } else {
+    step(stream.copy(in.view(DType::u8), ConstBufferView(c.in.data(), c.in.size(), DType::u8)));
+  }
+  Group through = ordered ? g.on(stream) : g;
+  step(c.op(through, ConstBufferView(in_device, c.in.size() / es, c.dtype, device),
+            BufferView(out.data(), c.out_init.size() / es, c.dtype, device)));
+  std::vector<std::byte> result(c.out_init.size());
+  Future<void> back = stream.copy(BufferView(result.data(), result.size(), DType::u8), out.view(DType::u8));
+  back.get();  // ordered: only this is waited for; it comes after everything above on the stream
+  for (auto& f : pending) f.get();
+  return result;
+}
+
+void check_same(Group& g, gpu::Stream& stream, const Case& c) {
+  const auto expected = on_host(g, c);
+  for (bool ordered : {false, true}) {
+    const auto got = on_device(g, stream, c, ordered);
+    std::string diff;
+    if (got != expected) {
+      std::size_t i = 0;
+      while (i < got.size() && got[i] == expected[i]) ++i;
+      diff = fmt::format(": first difference at byte {} of {}", i, got.size());
+    }
+    check(diff.empty(), fmt::format("rank {}: {} on device buffers ({}) differs from host buffers{}", g.rank(), c.what,
+                                    ordered ? "stream-ordered" : "waited step by step", diff));
+  }
+}
+
+void every_collective(Group& g, gpu::Stream& stream, std::size_t n) {
+  const int p = g.size();
+  const int r = g.rank();
+  const auto pn = static_cast<std::size_t>(p) * n;
+  const std::string at = fmt::format(" p={} n={}", p, n);
+  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::i64, DType::u8}) {
+    const std::size_t es = dtype_size(t);
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::max, ReduceOp::prod, ReduceOp::bitwise_xor, ReduceOp::avg}) {
+      if (!is_defined(t, op)) continue;
+      const std::string w = fmt::format(" {} {}{}", to_string(t), to_string(op), at);
+      check_same(g, stream, Case{"all_reduce" + w, t, make_input(t, op, r, n), std::vector<std::byte>(n * es), std::nullopt,
+                                 [op](Group& g, ConstBufferView in, BufferView out) { return g.all_reduce(in, out, op); }});
+      check_same(g, stream, Case{"all_reduce in place" + w, t, make_input(t, op, r, n), std::vector<std::byte>(n * es), 0,
+                                 [op](Group& g, ConstBufferView, BufferView out) { return g.all_reduce(out, op); }});
+      check_same(g, stream, Case{"reduce_scatter" + w, t, make_input(t, op, r, pn), std::vector<std::byte>(n * es), std::nullopt,
+                                 [op](Group& g, ConstBufferView in, BufferView out) { return g.reduce_scatter(in, out, op); }});
+      check_same(g, stream, Case{"reduce to 0" + w, t, make_input(t, op, r, n), pattern(n * es, r, 1), std::nullopt,
+                                 [op](Group& g, ConstBufferView in, BufferView out) { return g.reduce(in, out, 0, op); }});
+    }
+  }
+  for (DType t : {DType::f32, DType::u8}) {
+    const std::size_t es = dtype_size(t);
+    const std::string w = fmt::format(" {}{}", to_string(t), at);
+    check_same(g, stream, Case{"all_gather" + w, t, pattern(n * es, r, 2), std::vector<std::byte>(pn * es), std::nullopt,
+                               [](Group& g, ConstBufferView in, BufferView out) { return g.all_gather(in, out); }});
+    check_same(g, stream, Case{"all_gather, own block in place" + w, t, pattern(n * es, r, 3), pattern(pn * es, r, 4),
+                               static_cast<std::size_t>(r) * n * es,
+                               [](Group& g, ConstBufferView in, BufferView out) { return g.all_gather(in, out); }});
+    check_same(g, stream, Case{"broadcast from the last rank" + w, t, {}, pattern(n * es, r, 5), std::nullopt,
+                               [p](Group& g, ConstBufferView, BufferView out) { return g.broadcast(out, p - 1); }});
+    check_same(g, stream, Case{"gather to 0" + w, t, pattern(n * es, r, 6), pattern(pn * es, r, 7), std::nullopt,
+                               [](Group& g, ConstBufferView in, BufferView out) { return g.gather(in, out, 0); }});
+    check_same(g, stream, Case{"scatter from the last rank" + w, t, pattern(pn * es, r, 8), pattern(n * es, r, 9), std::nullopt,
+                               [p](Group& g, ConstBufferView in, BufferView out) { return g.scatter(in, out, p - 1); }});
+    check_same(g, stream, Case{"all_to_all" + w, t, pattern(pn * es, r, 10), std::vector<std::byte>(pn * es), std::nullopt,
+                               [](Group& g, ConstBufferView in, BufferView out) { return g.all_to_all(in, out); }});
+    check_same(g, stream, Case{"permute, a ring" + w, t, pattern(n * es, r, 11), pattern(n * es, r, 12), std::nullopt,
+                               [p](Group& g, ConstBufferView in, BufferView out) {
+                                 std::vector<std::pair<int, int>> pairs;
+                                 for (int i = 0; i < p; ++i) pairs.emplace_back(i, (i + 1) % p);
+                                 return g.permute(in, out, pairs);
+                               }});
+    if (p > 1) {
+      // send and recv, a ring: the send's Future is waited for after the receive's.
+      check_same(g, stream, Case{"send and recv, a ring" + w, t, pattern(n * es, r, 13), pattern(n * es, r, 14), std::nullopt,
+                                 [p](Group& g, ConstBufferView in, BufferView out) {
+                                   Future<void> sent = g.send(in, (g.rank() + 1) % p, 7);
+                                   g.recv(out, (g.rank() + p - 1) % p, 7).get();
+                                   return sent;
+                                 }});
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every operation on device buffers gives the bytes it gives on host buffers", "[device][collectives]") {
+  need_backend();
+  const long before = checks_made.load();
+  for (int p : {1, 2, 3, 4}) {
+    run_ranks(p, [](Group& g) {
+      gpu::Stream stream(g.loop(), device_of(g));
+      for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4099}}) {
+        every_collective(g, stream, n);
+        free_kept(g);
+      }
+    });
+  }
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("eight ranks and large buffers on device", "[device][large]") {
+  need_backend();
+  const long before = checks_made.load();
+  run_ranks(8, [](Group& g) {
+    gpu::Stream stream(g.loop(), device_of(g));
+    const std::size_t n = 300000;
+    const auto in = make_input(DType::f32, ReduceOp::sum, g.rank(), n);
+    check_same(g, stream, Case{"all_reduce f32 sum p=8 n=300000", DType::f32, in, std::vector<std::byte>(n * 4), std::nullopt,
+                               [](Group& g, ConstBufferView i, BufferView o) { return g.all_reduce(i, o); }});
+    check_same(g, stream, Case{"all_gather f32 p=8 n=30000", DType::f32, pattern(120000, g.rank(), 1), std::vector<std::byte>(8 * 120000),
+                               std::nullopt, [](Group& g, ConstBufferView i, BufferView o) { return g.all_gather(i, o); }});
+    free_kept(g);
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("later work on the stream waits for the collective, and the collective for earlier work", "[device][order]") {
+  need_backend();
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    gpu::Stream stream(g.loop(), device_of(g));
+    const std::size_t n = 50000;
+    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), n * sizeof(float));
+    for (int round = 0; round < 20; ++round) {
+      // Written on the device right before (a copy standing in for the kernel that made the gradients),
+      // reduced, read right after (the optimizer's kernel); the host waits only for the last.
+      std::vector<float> in(n, static_cast<float>(g.rank() + round));
+      std::vector<float> out(n, -1.0f);
+      Future<void> written = stream.copy(data.view<float>(), ConstBufferView(in.data(), n, DType::f32));
+      Future<void> reduced = g.on(stream).all_reduce(data.view<float>());
+      Future<void> read = stream.copy(BufferView(out.data(), n, DType::f32), data.view<float>());
+      read.get();
+      check(reduced.ready(), "the copy queued after the all_reduce finished before it");
+      reduced.get();
+      written.get();
+      const float want = static_cast<float>(3 * round + 3);
+      std::size_t wrong = 0;
+      for (float v : out) wrong += v != want;
+      check(wrong == 0, fmt::format("round {}: {} of {} elements are not {} (out[0] = {})", round, wrong, n, want, out[0]));
+    }
+    g.barrier().get();  // before `data` is freed (free_kept)
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("device buffers that are not what they say fail at the call, naming the operation", "[device][preconditions]") {
+  need_backend();
+  run_ranks(2, [](Group& g) {
+    gpu::Stream stream(g.loop(), device_of(g));
+    std::vector<float> host(16);
+    // A host pointer that claims to be device memory.
+    try {
+      (void)g.all_reduce(BufferView(host.data(), host.size(), DType::f32, device_of(g)));
+      check(false, "a host pointer passed as device memory was taken");
+    } catch (const Error& e) {
+      check(e.errc() == Errc::invalid_argument && std::string(e.what()).find("all_reduce") != std::string::npos &&
+                std::string(e.what()).find("not device memory") != std::string::npos,
+            std::string("wrong error: ") + e.what());
+    }
+    // A device that does not exist.
+    try {
+      (void)g.broadcast(BufferView(host.data(), host.size(), DType::f32, Device{Device::Kind::cuda, 99}), 0);
+      check(false, "device 99 was taken");
+    } catch (const Error& e) {
+      check(e.errc() == Errc::invalid_argument && std::string(e.what()).find("device 99") != std::string::npos,
+            std::string("wrong error: ") + e.what());
+    }
+    if (gpu::device_count() > 1) {
+      // A stream of another device than the buffers'.
+      gpu::DeviceBuffer other = gpu::DeviceBuffer::allocate(gpu::device((device_of(g).index + 1) % gpu::device_count()), 64);
+      try {
+        (void)g.on(stream).all_reduce(other.view<float>());
+        check(false, "a stream of another device was taken");
+      } catch (const Error& e) {
+        check(e.errc() == Errc::invalid_argument && std::string(e.what()).find("the stream is on device") != std::string::npos,
+              std::string("wrong error: ") + e.what());
+      }
+    }
+    // Nothing was sent: the group still works.
+    gpu::DeviceBuffer ok = gpu::DeviceBuffer::allocate(stream.device(), 64);
+    g.on(stream).all_reduce(ok.view<float>()).get();
+    check(true, "");
+  });
+}
+
+TEST_CASE("a rank whose device fails mid-collective fails every rank, naming it", "[device-failure]") {
+  need_backend();
+  // WEFT_SIM_FAIL=<n> (meson) fails the n-th device item of the process: a copy of some rank, whichever
+  // comes n-th. That rank fails with device_failure; every other fails too (the group is aborted), naming
+  // that rank. No rank may hang or succeed past the failure.
+  std::vector<std::string> errors(4);
+  try {
+    run_ranks(4, [&](Group& g) {
+      gpu::Stream stream(g.loop(), device_of(g));
+      gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 4096 * sizeof(float));
+      try {
+        for (int i = 0; i < 50; ++i) g.on(stream).all_reduce(data.view<float>()).get();
+      } catch (const Error& e) {
+        errors[static_cast<std::size_t>(g.rank())] = fmt::format("{}|{}", static_cast<int>(e.errc()), e.what());
+        throw;
+      }
+    });
+  } catch (const RankFailure&) {
+  }
+  int failed_device = -1;
+  for (int r = 0; r < 4; ++r) {
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << e);
+    REQUIRE(!e.empty());
+    if (e.rfind(fmt::format("{}|", static_cast<int>(Errc::device_failure)), 0) == 0) failed_device = r;
+  }
+  REQUIRE(failed_device >= 0);
+  for (int r = 0; r < 4; ++r) {
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << e);
+    if (r != failed_device) CHECK(e.find(fmt::format("rank {}: its device failed", failed_device)) != std::string::npos);
+  }
+}
