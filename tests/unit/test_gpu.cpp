@@ -135,6 +135,33 @@ TEST_CASE("streams: a fence orders work across streams (device side, the host do
   CHECK_FALSE(gpu::Fence{}.reached());
 }
 
+TEST_CASE("streams: work after a gate waits until the host opens it; a dropped gate opens", "[gpu]") {
+  need_backend();
+  Loop loop;
+  gpu::Stream s(loop, gpu::device(0));
+  std::atomic<int> ran{0};
+  gpu::Gate gate;
+  CHECK_FALSE(gate.is_open());
+  s.wait(gate);
+  auto after = s.enqueue_host([&] { ran = 1; });
+  // Held: nothing after the gate runs, however long we wait (the host is not blocked meanwhile).
+  std::this_thread::sleep_for(20ms);
+  CHECK(ran == 0);
+  CHECK_FALSE(after.ready());
+  const gpu::Gate copy = gate;  // the same gate
+  copy.open();
+  CHECK(gate.is_open());
+  after.get();
+  CHECK(ran == 1);
+  gate.open();  // final: opening again changes nothing
+  // A gate whose last handle goes away unopened opens: no stream waits for a gate nobody can open.
+  {
+    gpu::Gate dropped;
+    s.wait(dropped);
+  }
+  s.synchronize().get();
+}
+
 TEST_CASE("copies: host to device to device to host, of 0, 1, odd and 64 MiB bytes", "[gpu]") {
   need_backend();
   Loop loop;
