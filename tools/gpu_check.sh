@@ -34,6 +34,9 @@ step build $?
 # The device suites on the real device (WEFT_GPU=cuda: no fallback to the simulated one).
 WEFT_GPU=cuda "$build/tests/test_gpu" '~[fail]' -r junit -o "$out/test_gpu.xml" > "$out/test_gpu.txt" 2>&1
 step "test_gpu (cuda)" $?
+# Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
+WEFT_GPU=cuda "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/test_device.xml" > "$out/test_device.txt" 2>&1
+step "test_device (cuda)" $?
 # The same program on the simulated device, for comparison on this machine.
 WEFT_GPU=sim WEFT_SIM_DELAY_US=300 "$build/tests/test_gpu" '~[fail]' > "$out/test_gpu_sim.txt" 2>&1
 step "test_gpu (sim, delays)" $?
