@@ -74,7 +74,7 @@ TEST_CASE("bad arguments are rejected before anything is sent, naming rank and o
     expect_error([&] { (void)g.all_to_all(small, small); }, Errc::invalid_argument, {"all_to_all", "equal blocks"});
     expect_error([&] { (void)g.permute(f, f, {{0, 1}, {0, 0}}); }, Errc::invalid_argument, {"permute", "sends more than once"});
     BufferView device_view(f.data(), f.size(), DType::f32, Device{Device::Kind::cuda, 0});
-    expect_error([&] { (void)g.all_reduce(device_view); }, Errc::invalid_argument, {"device"});
+    expect_error([&] { (void)g.all_reduce(device_view); }, Errc::invalid_argument, {"all_reduce", "not device memory"});
     // Counts whose bytes wrap or exceed what memory can hold: refused before anything is allocated
     // (SIZE_MAX / 2 floats used to wrap to a small byte count and grow memory until killed).
     const BufferView huge(f.data(), SIZE_MAX / 2, DType::f32);
