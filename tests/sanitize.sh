@@ -14,7 +14,7 @@ if [ "$scope" = tsan ]; then
     meson setup "$out" "$src" -Db_sanitize=thread --buildtype=debugoptimized -Dcuda=disabled -Dpeers=disabled \
       -Ddefault_library=static >/dev/null || exit 1
   fi
-  ninja -C "$out" -j2 tests/test_shm tests/test_collectives tests/test_errors >/dev/null || exit 1
+  ninja -C "$out" -j2 tests/test_shm tests/test_collectives tests/test_errors tests/test_gpu tests/test_device >/dev/null || exit 1
   export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
   rc=0
   for t in "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" "test_errors [cancel]" \
@@ -25,6 +25,18 @@ if [ "$scope" = tsan ]; then
     else
       echo "$log" | tail -60
       echo "FAIL: $t over shm"
+      rc=1
+    fi
+  done
+  # The device layer and device buffers on the simulated device (its workers are threads too), with
+  # random delays so that the streams, gates and the loop interleave.
+  for t in "test_gpu ~[fail]" "test_device ~[device-failure]"; do
+    start=$SECONDS
+    if log=$(WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_SIM_DELAY_US=100 "$out/tests/"$t 2>&1); then
+      echo "ok: $t on the simulated device ($((SECONDS - start)) s)"
+    else
+      echo "$log" | tail -60
+      echo "FAIL: $t on the simulated device"
       rc=1
     fi
   done
@@ -59,7 +71,8 @@ if [ "$scope" = all ]; then
 fi
 # CI's share (the whole suite under ASan: docs/RELIABILITY.md): the suites of failures and hostile input, and every
 # collective through the worker's checked soak and the kill-peer processes.
-ninja -C "$out" -j2 tests/test_core tests/test_errors tests/test_security tests/weft-test-worker tools/weft-run >/dev/null || exit 1
+ninja -C "$out" -j2 tests/test_core tests/test_errors tests/test_security tests/test_gpu tests/test_device tests/weft-test-worker \
+  tools/weft-run >/dev/null || exit 1
 rc=0
 run() {
   local name=$1
@@ -81,5 +94,8 @@ for transport in tcp uring; do
     "$out/tools/weft-run" -n 4 --timeout 300 -- "$t/weft-test-worker" soak 2000
 done
 run "security" "$t/test_security"
+run "gpu layer (sim, delays)" env WEFT_GPU=sim WEFT_SIM_DELAY_US=100 "$t/test_gpu" '~[fail]'
+run "device buffers in every operation (sim)" env WEFT_GPU=sim WEFT_SIM_DEVICES=4 "$t/test_device" '~[device-failure]'
+run "a device failing mid-collective (sim)" env WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_SIM_FAIL=40 "$t/test_device" '[device-failure]'
 run "4 ranks, kill -9 of one (processes)" bash "$src/tests/system/processes.sh" "$out" kill-peer
 exit $rc
