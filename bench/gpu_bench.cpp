@@ -6,6 +6,10 @@
 //   copy        64 MiB (--bytes) host to device and device to host through weft's Stream::copy, from pinned
 //               and from pageable host memory, against the raw runtime (cudaMemcpyAsync + synchronize on a
 //               stream of its own) where the backend is CUDA
+//   all_reduce  2 ranks (threads of this process, TCP over loopback), f32 sum, host buffers against device
+//               buffers (staged through pinned memory): the median time of each, interleaved, and their
+//               ratio (the device path's overhead; on the sim with WEFT_SIM_DELAY_US=0 it is the copies'
+//               and the streams' cost alone)
 //
 // Usage: weft-gpu-bench [--runs N] [--bytes B] [--json FILE]
 #include <algorithm>
@@ -14,7 +18,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -63,6 +72,67 @@ double best_gbps(std::size_t bytes, int repeats, Fn&& fn) {
     best = std::max(best, static_cast<double>(bytes) / s / 1e9);
   }
   return best;
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+double median(std::vector<double> v) { return percentile(std::move(v), 0.5); }
+
+struct OverheadRow {
+  std::size_t bytes;
+  double host_us;
+  double device_us;
+};
+
+// Two ranks as threads; each size: rounds of (iters host all_reduces, iters device all_reduces).
+std::vector<OverheadRow> all_reduce_overhead(const std::vector<std::size_t>& sizes, int iters, int rounds) {
+  std::vector<OverheadRow> rows(sizes.size());
+  const std::string store = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Loop loop;
+      Options options;
+      options.store = store;
+      options.rank = r;
+      options.world_size = 2;
+      Group g = Group::create(loop, options).get();
+      const Device device = gpu::device(r % gpu::device_count());
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        const std::size_t count = sizes[i] / sizeof(float);
+        std::vector<float> host(count, 1.0f);
+        auto on_device = gpu::DeviceBuffer::allocate(device, count * sizeof(float));
+        std::vector<double> host_us;
+        std::vector<double> device_us;
+        for (int round = 0; round < rounds; ++round) {
+          for (int k = 0; k < iters; ++k) {
+            const auto start = Clock::now();
+            g.all_reduce(BufferView(host.data(), count, DType::f32)).get();
+            host_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+          }
+          for (int k = 0; k < iters; ++k) {
+            const auto start = Clock::now();
+            g.all_reduce(on_device.view<float>()).get();
+            device_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+          }
+        }
+        g.barrier().get();
+        if (r == 0) rows[i] = OverheadRow{sizes[i], median(host_us), median(device_us)};
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return rows;
 }
 
 }  // namespace
@@ -132,7 +202,21 @@ int main(int argc, char** argv) {
     fmt::print("copy {} bytes, {}: {:.2f} GB/s\n", bytes, results[i].name, results[i].gbps);
     json += fmt::format("{}\"{}\": {:.3f}", i ? ", " : "", results[i].name, results[i].gbps);
   }
-  json += "}}\n";
+  json += "}";
+
+  // all_reduce on device buffers against host buffers.
+  std::vector<std::size_t> sizes{4096, std::size_t{1} << 20};
+  if (bytes > sizes.back()) sizes.push_back(bytes);
+  const auto rows = all_reduce_overhead(sizes, 20, 3);
+  json += ", \"all_reduce_us\": [";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& row = rows[i];
+    fmt::print("all_reduce f32 sum, 2 ranks (tcp loopback), {} bytes: host buffers {:.1f} us, device buffers {:.1f} us "
+               "({:.2f}x)\n", row.bytes, row.host_us, row.device_us, row.device_us / row.host_us);
+    json += fmt::format("{}{{\"bytes\": {}, \"host\": {:.2f}, \"device\": {:.2f}}}", i ? ", " : "", row.bytes, row.host_us,
+                        row.device_us);
+  }
+  json += "]}\n";
   if (!json_path.empty()) {
     if (FILE* f = std::fopen(json_path.c_str(), "w")) {
       std::fputs(json.c_str(), f);
