@@ -105,6 +105,17 @@ struct CopyBack {
   ConstBufferView from;
 };
 
+// Awaits a copy; its failure is the device's (device_failed: the group is aborted).
+Task<void> device_step(GroupState& g, const char* op, std::uint64_t seq, Future<void> copy) {
+  std::optional<Error> failure;
+  try {
+    co_await std::move(copy);
+  } catch (const Error& e) {
+    failure = e;
+  }
+  if (failure) device_failed(g, op, seq, *failure);
+}
+
 Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::unique_ptr<Lease> in_lease,
                        std::unique_ptr<Lease> out_lease, std::optional<Future<void>> copied_in, Task<void> host,
                        std::optional<gpu::Gate> gate, std::optional<Future<void>> copied_out, CopyBack back) {
@@ -115,15 +126,7 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
       if (gate) gate->open();
     }
   } opener{gate};
-  if (copied_in) {
-    std::optional<Error> failure;
-    try {
-      co_await std::move(*copied_in);
-    } catch (const Error& e) {
-      failure = e;
-    }
-    if (failure) device_failed(*g, op, seq, *failure);
-  }
+  if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
   co_await std::move(host);
   if (gate) gate->open();
   if (back.stream) {
@@ -133,15 +136,7 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
       device_failed(*g, op, seq, e);
     }
   }
-  if (copied_out) {
-    std::optional<Error> failure;
-    try {
-      co_await std::move(*copied_out);
-    } catch (const Error& e) {
-      failure = e;
-    }
-    if (failure) device_failed(*g, op, seq, *failure);
-  }
+  if (copied_out) co_await device_step(*g, op, seq, std::move(*copied_out));
 }
 
 }  // namespace

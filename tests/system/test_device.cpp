@@ -16,6 +16,7 @@
 #include <weft/gpu.hpp>
 
 #include "support/check_data.hpp"
+#include "support/gpu_backend.hpp"
 #include "support/harness.hpp"
 
 using namespace weft;
@@ -24,14 +25,6 @@ using namespace weft::reference;
 
 namespace {
 
-void need_backend() {
-  try {
-    (void)gpu::backend();
-  } catch (const Error& e) {
-    fmt::print("SKIP: {}\n", e.what());
-    std::exit(77);
-  }
-}
 
 Device device_of(const Group& g) { return gpu::device(g.rank() % gpu::device_count()); }
 

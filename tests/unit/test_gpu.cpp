@@ -22,21 +22,14 @@
 
 #include "kernels/cpu/reduce.hpp"
 #include "support/check_data.hpp"
+#include "support/gpu_backend.hpp"
 
 using namespace weft;
+using namespace weft::test;
 using namespace std::chrono_literals;
 
 namespace {
 
-/// The backend, or exit 77 (skip) with the reason where the one asked for is missing.
-void need_backend() {
-  try {
-    (void)gpu::backend();
-  } catch (const Error& e) {
-    fmt::print("SKIP: {}\n", e.what());
-    std::exit(77);
-  }
-}
 
 std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
   std::mt19937 random(seed);
