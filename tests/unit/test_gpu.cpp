@@ -30,7 +30,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-
 std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
   std::mt19937 random(seed);
   std::vector<std::byte> out(n);
