@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <thread>
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
@@ -307,4 +308,34 @@ TEST_CASE("a rank whose device fails mid-collective fails every rank, naming it"
     INFO("rank " << r << ": " << e);
     if (r != failed_device) CHECK(e.find(fmt::format("rank {}: its device failed", failed_device)) != std::string::npos);
   }
+}
+
+TEST_CASE("cancelling a stream-ordered operation ends it and lets the stream go on", "[device][cancel]") {
+  need_backend();
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    gpu::Stream stream(g.loop(), device_of(g));
+    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 1024 * sizeof(float));
+    if (g.rank() == 0) {
+      // Rank 1 never joins: the all_reduce waits until cancelled; the stream's later work waits with it.
+      Future<void> reduced = g.on(stream).all_reduce(data.view<float>());
+      Future<void> later = stream.synchronize();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      check(!reduced.ready() && !later.ready(), "the all_reduce finished without its peer");
+      reduced.cancel();
+      bool cancelled = false;
+      try {
+        reduced.get();
+      } catch (const CancelledError&) {
+        cancelled = true;
+      } catch (const Error& e) {
+        cancelled = e.errc() == Errc::cancelled;
+      }
+      check(cancelled, "the cancelled all_reduce did not end as cancelled");
+      later.get();  // the gate opened: the stream went on
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));  // stays (leaving would fail rank 0's call)
+    }
+  });
+  REQUIRE(checks_made.load() > before);
 }
