@@ -116,22 +116,46 @@ Task<void> device_step(GroupState& g, const char* op, std::uint64_t seq, Future<
   if (failure) device_failed(g, op, seq, *failure);
 }
 
-Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::unique_ptr<Lease> in_lease,
-                       std::unique_ptr<Lease> out_lease, std::optional<Future<void>> copied_in, Task<void> host,
+// The staging of one operation, on loan until the device is done with it.
+struct Leases {
+  std::unique_ptr<Lease> in;
+  std::unique_ptr<Lease> out;
+};
+
+// Holds `leases` until `fence` is reached (or its stream failed): the copies that read or write them run
+// on the device whatever happened to the operation on the host (cancelled, failed), so the memory
+// goes back to the pool only after them.
+Task<void> keep_until(gpu::Fence fence, std::shared_ptr<Leases> leases) {
+  try {
+    co_await fence.done();
+  } catch (...) {
+    // A failed stream ran nothing more; the memory is free either way.
+  }
+  leases.reset();
+}
+
+Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::shared_ptr<Leases> leases,
+                       gpu::Fence last, std::optional<Future<void>> copied_in, Task<void> host,
                        std::optional<gpu::Gate> gate, std::optional<Future<void>> copied_out, CopyBack back) {
-  // The gate opens on every way out, so that the stream never waits for a host part that gave up.
-  struct OpenOnExit {
+  // On every way out: the gate opens, so that the stream never waits for a host part that gave up, and
+  // the staging goes back after the last copy queued on it (`last`).
+  struct OnExit {
+    Loop& loop;
     std::optional<gpu::Gate> gate;
-    ~OpenOnExit() {
+    std::shared_ptr<Leases> leases;
+    gpu::Fence last;
+    ~OnExit() {
       if (gate) gate->open();
+      (void)spawn(loop, keep_until(std::move(last), std::move(leases)));
     }
-  } opener{gate};
+  } on_exit{*g->loop, gate, std::move(leases), std::move(last)};
   if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
   co_await std::move(host);
   if (gate) gate->open();
   if (back.stream) {
     try {
       copied_out.emplace(back.stream->copy(back.to, back.from));
+      on_exit.last = back.stream->record();
     } catch (const Error& e) {
       device_failed(*g, op, seq, e);
     }
@@ -184,8 +208,9 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
 
   // Staging: the output's (when it is device memory), and the input's, inside the output's where the
   // input lies inside the output (in place, or all_gather's own block).
-  std::unique_ptr<Lease> out_lease;
-  std::unique_ptr<Lease> in_lease;
+  auto leases = std::make_shared<Leases>();
+  std::unique_ptr<Lease>& out_lease = leases->out;
+  std::unique_ptr<Lease>& in_lease = leases->in;
   BufferView host_out = call.out;
   ConstBufferView host_in = call.in;
   if (out_staged) {
@@ -222,8 +247,9 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
   }
   CopyBack back;
   if (out_device && !stream) back = CopyBack{&on, call.out, ConstBufferView(host_out.data, host_out.count, host_out.dtype)};
+  gpu::Fence last = on.record();  // after every copy queued so far on the staging
   const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
-  return spawn(*g.loop, staged_task(state, call.op, seq, std::move(in_lease), std::move(out_lease), std::move(copied_in),
+  return spawn(*g.loop, staged_task(state, call.op, seq, std::move(leases), std::move(last), std::move(copied_in),
                                     host(host_in, host_out, seq), std::move(gate), std::move(copied_out), back));
 }
 
