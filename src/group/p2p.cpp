@@ -111,8 +111,7 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
       return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, 0, timeout);
     });
   }
-  return spawn(*g.loop, p2p_task(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, 0,
-                                 timeout_.count() >= 0 ? timeout_ : g.options.timeout));
+  return spawn(*g.loop, p2p_task(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, 0, timeout));
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
@@ -127,8 +126,7 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
       return p2p_task(state_, false, out.data, out.bytes(), src, tag, 0, timeout);
     });
   }
-  return spawn(*g.loop, p2p_task(state_, false, data.data, data.bytes(), src, tag, 0,
-                                 timeout_.count() >= 0 ? timeout_ : g.options.timeout));
+  return spawn(*g.loop, p2p_task(state_, false, data.data, data.bytes(), src, tag, 0, timeout));
 }
 
 }  // namespace weft

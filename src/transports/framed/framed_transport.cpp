@@ -449,13 +449,10 @@ void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
     if (done) done->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
     return;
   }
-  if (!c.alive) {
-    // The frame was wholly handed to the stream before the connection ended (a peer that took it and
-    // said goodbye while this handler was on its way): the send is done, as a socket write is once the
-    // kernel has the bytes. Failing it would fail a collective the peer finished with these very bytes.
-    if (done) done->complete();
-    return;
-  }
+  // Without an error the frame was wholly handed to the stream, also where the connection ended since
+  // (a peer that took it and said goodbye while this handler was on its way): the send is done, as a
+  // socket write is once the kernel has the bytes. Failing it would fail a collective the peer finished
+  // with these very bytes. (start_write does nothing on a connection that is no longer alive.)
   start_write(c);
   if (done) done->complete();
 }
