@@ -6,10 +6,12 @@
 //   copy        64 MiB (--bytes) host to device and device to host through weft's Stream::copy, from pinned
 //               and from pageable host memory, against the raw runtime (cudaMemcpyAsync + synchronize on a
 //               stream of its own) where the backend is CUDA
-//   all_reduce  2 ranks (threads of this process, TCP over loopback), f32 sum, host buffers against device
-//               buffers (staged through pinned memory): the median time of each, interleaved, and their
-//               ratio (the device path's overhead; on the sim with WEFT_SIM_DELAY_US=0 it is the copies'
-//               and the streams' cost alone)
+//   all_reduce  2 ranks (threads of this process, TCP over loopback), f32 sum, interleaved, the median of
+//               each: host buffers; the serial path on device buffers (the caller copies to pinned host
+//               memory, runs a host all_reduce, copies back, each step waited for); and device buffers
+//               given to weft (staged, pipelined from Options::staging_copy_bytes up). device / host is
+//               the device path's overhead (on the sim with WEFT_SIM_DELAY_US=0: the copies' and the
+//               streams' cost alone); device / serial shows what the pipelining wins
 //
 // Usage: weft-gpu-bench [--runs N] [--bytes B] [--json FILE]
 #include <algorithm>
@@ -91,6 +93,7 @@ double median(std::vector<double> v) { return percentile(std::move(v), 0.5); }
 struct OverheadRow {
   std::size_t bytes;
   double host_us;
+  double serial_us;
   double device_us;
 };
 
@@ -108,26 +111,33 @@ std::vector<OverheadRow> all_reduce_overhead(const std::vector<std::size_t>& siz
       options.world_size = 2;
       Group g = Group::create(loop, options).get();
       const Device device = gpu::device(r % gpu::device_count());
+      gpu::Stream stream(loop, device);
       for (std::size_t i = 0; i < sizes.size(); ++i) {
         const std::size_t count = sizes[i] / sizeof(float);
         std::vector<float> host(count, 1.0f);
         auto on_device = gpu::DeviceBuffer::allocate(device, count * sizeof(float));
+        auto pinned = gpu::PinnedBuffer::allocate(count * sizeof(float));
         std::vector<double> host_us;
+        std::vector<double> serial_us;
         std::vector<double> device_us;
+        auto timed = [](std::vector<double>& into, auto&& run) {
+          const auto start = Clock::now();
+          run();
+          into.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+        };
         for (int round = 0; round < rounds; ++round) {
+          for (int k = 0; k < iters; ++k) timed(host_us, [&] { g.all_reduce(BufferView(host.data(), count, DType::f32)).get(); });
           for (int k = 0; k < iters; ++k) {
-            const auto start = Clock::now();
-            g.all_reduce(BufferView(host.data(), count, DType::f32)).get();
-            host_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+            timed(serial_us, [&] {
+              stream.copy(pinned.view<float>(), on_device.view<float>()).get();
+              g.all_reduce(pinned.view<float>()).get();
+              stream.copy(on_device.view<float>(), pinned.view<float>()).get();
+            });
           }
-          for (int k = 0; k < iters; ++k) {
-            const auto start = Clock::now();
-            g.all_reduce(on_device.view<float>()).get();
-            device_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
-          }
+          for (int k = 0; k < iters; ++k) timed(device_us, [&] { g.all_reduce(on_device.view<float>()).get(); });
         }
         g.barrier().get();
-        if (r == 0) rows[i] = OverheadRow{sizes[i], median(host_us), median(device_us)};
+        if (r == 0) rows[i] = OverheadRow{sizes[i], median(host_us), median(serial_us), median(device_us)};
       }
     });
   }
@@ -211,10 +221,11 @@ int main(int argc, char** argv) {
   json += ", \"all_reduce_us\": [";
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const auto& row = rows[i];
-    fmt::print("all_reduce f32 sum, 2 ranks (tcp loopback), {} bytes: host buffers {:.1f} us, device buffers {:.1f} us "
-               "({:.2f}x)\n", row.bytes, row.host_us, row.device_us, row.device_us / row.host_us);
-    json += fmt::format("{}{{\"bytes\": {}, \"host\": {:.2f}, \"device\": {:.2f}}}", i ? ", " : "", row.bytes, row.host_us,
-                        row.device_us);
+    fmt::print("all_reduce f32 sum, 2 ranks (tcp loopback), {} bytes: host buffers {:.1f} us, serial device path {:.1f} us, "
+               "device buffers {:.1f} us (device/host {:.2f}x, device/serial {:.2f}x)\n",
+               row.bytes, row.host_us, row.serial_us, row.device_us, row.device_us / row.host_us, row.device_us / row.serial_us);
+    json += fmt::format("{}{{\"bytes\": {}, \"host\": {:.2f}, \"serial\": {:.2f}, \"device\": {:.2f}}}", i ? ", " : "",
+                        row.bytes, row.host_us, row.serial_us, row.device_us);
   }
   json += "]}\n";
   if (!json_path.empty()) {

@@ -40,6 +40,16 @@ if [ "$scope" = tsan ]; then
       rc=1
     fi
   done
+  # Pipelined staging: pieces copying in and ranges copying back while the plan runs.
+  start=$SECONDS
+  if log=$(WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_SIM_DELAY_US=100 WEFT_STAGING_COPY_BYTES=4096 WEFT_SEGMENT_BYTES=1024 \
+           WEFT_ALGO='all_reduce:ring;broadcast:scatter_all_gather' "$out/tests/test_device" '[collectives],[order],[cancel]' 2>&1); then
+    echo "ok: test_device pipelined on the simulated device ($((SECONDS - start)) s)"
+  else
+    echo "$log" | tail -60
+    echo "FAIL: test_device pipelined on the simulated device"
+    rc=1
+  fi
   # Single copy: the receiver reads the sender's memory while its send is lent.
   for t in "test_shm [stream]" "test_collectives [p2]" "test_errors [cancel]"; do
     start=$SECONDS
@@ -97,5 +107,7 @@ run "security" "$t/test_security"
 run "gpu layer (sim, delays)" env WEFT_GPU=sim WEFT_SIM_DELAY_US=100 "$t/test_gpu" '~[fail]'
 run "device buffers in every operation (sim)" env WEFT_GPU=sim WEFT_SIM_DEVICES=4 "$t/test_device" '~[device-failure]'
 run "a device failing mid-collective (sim)" env WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_SIM_FAIL=40 "$t/test_device" '[device-failure]'
+run "device buffers, pipelined staging (sim)" env WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_STAGING_COPY_BYTES=4096 WEFT_SEGMENT_BYTES=1024 \
+  WEFT_ALGO='all_reduce:ring;broadcast:scatter_all_gather' "$t/test_device" '[collectives],[order],[cancel]'
 run "4 ranks, kill -9 of one (processes)" bash "$src/tests/system/processes.sh" "$out" kill-peer
 exit $rc

@@ -164,6 +164,24 @@ struct ExecOptions {
   std::size_t scratch_bytes = 16 << 20;    ///< ... and up to this many bytes of them (scratch memory)
 };
 
+/// Buffers that someone else fills and empties while a plan runs over them (device staging: the copy in
+/// from the device lands piece by piece, and each range goes back to the device as soon as the plan has
+/// written it for the last time). The executor asks before it reads or writes a byte of the buffers, and
+/// says when a range of the receive buffer is final. Called on the loop's thread, by one plan at a time.
+class StagedBuffers {
+ public:
+  /// Whether [lo, hi) may be read and written now (every piece of the copy in that overlaps it landed).
+  virtual bool ready(const std::byte* lo, const std::byte* hi) = 0;
+  /// Completes once [lo, hi) is ready. Never throws: a copy in that failed or was cancelled completes it
+  /// too, and its owner fails the operation (the group is aborted, so the plan's transfers end).
+  virtual Task<void> until_ready(const std::byte* lo, const std::byte* hi) = 0;
+  /// [lo, hi) of the receive buffer holds its final value: no later step of the plan writes it.
+  virtual void finished(std::byte* lo, std::byte* hi) = 0;
+
+ protected:
+  ~StagedBuffers() = default;
+};
+
 /// The buffers a plan runs over. `send` may equal `recv`.
 struct PlanBuffers {
   const std::byte* send = nullptr;
@@ -174,6 +192,8 @@ struct PlanBuffers {
   /// receive buffer already holds it (recv[i] = recv[i] op incoming[i]). A non-null `local` spares the
   /// copy of the input into the receive buffer, for plans that reduce each range at most once (the ring).
   const std::byte* local = nullptr;
+  /// Null: the buffers are ready and nobody else touches them. Otherwise: see StagedBuffers.
+  StagedBuffers* staged = nullptr;
 };
 
 /// Runs `plan` (this rank's script). Completes when every send of the plan may be reused and every

@@ -47,6 +47,11 @@ struct Options {
   /// A step's data travels in segments of this many bytes, `pipeline_depth` in flight.
   std::size_t segment_bytes = 256 * 1024;
   int pipeline_depth = 8;
+  /// Device buffers (weft/gpu.hpp) of a large all_reduce or broadcast are copied to and from their host
+  /// staging in pieces of this many bytes (WEFT_STAGING_COPY_BYTES), so that the network starts on the
+  /// first piece while the rest is still copying and each finished range goes back at once. 0: one copy
+  /// each way, before and after the transfers.
+  std::size_t staging_copy_bytes = 2 << 20;
   /// Algorithm choices overriding the built-in table, e.g.
   /// "all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring" (WEFT_ALGO; syntax in README).
   std::string algorithms;
@@ -107,7 +112,7 @@ struct Options {
   /// Fills what is unset from the environment, in this order: WEFT_RANK / WEFT_WORLD_SIZE / WEFT_STORE;
   /// torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; Open MPI's OMPI_COMM_WORLD_RANK /
   /// OMPI_COMM_WORLD_SIZE; PMI_RANK / PMI_SIZE; SLURM_PROCID / SLURM_NTASKS. Also WEFT_IFNAME,
-  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT,
+  /// WEFT_BOOTSTRAP_TIMEOUT (seconds), WEFT_SEGMENT_BYTES, WEFT_PIPELINE_DEPTH, WEFT_STAGING_COPY_BYTES, WEFT_ALGO, WEFT_TUNING, WEFT_DETERMINISTIC, WEFT_TRANSPORT,
   /// WEFT_MAX_EARLY_BYTES, WEFT_TIMEOUT, WEFT_SECRET / WEFT_SECRET_FILE, WEFT_JOB_ID, WEFT_HEARTBEAT, WEFT_INTEGRITY.
   /// Errors: weft::Error (invalid_argument) for a malformed value or a missing rank / world size; the message
   /// names the variable.

@@ -156,6 +156,24 @@ class Executor {
     return buf_.local ? buf_.local + r.offset * esize_ : recv_at(r);
   }
 
+  // Staged buffers (device staging): whether `elems` elements at `at` are still being copied in, and,
+  // once a segment of step `step` landed, which of it is final (no later step writes it).
+  bool must_wait(const std::byte* at, std::size_t elems) const {
+    return buf_.staged && elems && !buf_.staged->ready(at, at + elems * esize_);
+  }
+  Task<void> until_ready(const std::byte* at, std::size_t elems) const {
+    return buf_.staged->until_ready(at, at + elems * esize_);
+  }
+  void find_final_parts(const Plan& plan);
+  void landed(std::size_t step, const Range& seg) {
+    if (!buf_.staged || seg.count == 0 || failed_) return;
+    for (const Range& part : final_parts_[step]) {
+      const std::size_t lo = std::max(part.offset, seg.offset);
+      const std::size_t hi = std::min(part.offset + part.count, seg.offset + seg.count);
+      if (lo < hi) buf_.staged->finished(buf_.recv + lo * esize_, buf_.recv + hi * esize_);
+    }
+  }
+
   [[noreturn]] void throw_failure() const {
     int peer = -1;
     for (std::size_t i = 0; i < ch_.members.size(); ++i) {
@@ -176,6 +194,7 @@ class Executor {
   std::vector<InflightSend> sends_;
   std::vector<std::uint64_t> sent_to_;        // messages sent to each group rank so far
   std::vector<std::uint64_t> received_from_;  // receives posted from each group rank so far
+  std::vector<std::vector<Range>> final_parts_;  // staged buffers only: per step, what of its `recv` is final
   ScratchPool::Buffer temp_;
   bool failed_ = false;
   Errc error_code_ = Errc::protocol_error;
@@ -183,8 +202,43 @@ class Executor {
   int error_peer_ = -1;
 };
 
+bool receives(StepKind kind) { return kind != StepKind::send; }
+
+// For each step, the parts of its receive range that no later step receives into: once such a part has
+// landed (received, or reduced), the plan never writes it again. Later steps first, with the ranges they
+// cover kept merged.
+void Executor::find_final_parts(const Plan& plan) {
+  final_parts_.assign(plan.size(), {});
+  std::vector<Range> later;  // disjoint, by offset
+  for (std::size_t i = plan.size(); i-- > 0;) {
+    const Step& step = plan[i];
+    if (!receives(step.kind) || step.recv.count == 0) continue;
+    std::size_t at = step.recv.offset;
+    const std::size_t end = step.recv.offset + step.recv.count;
+    for (const Range& taken : later) {
+      if (taken.offset + taken.count <= at) continue;
+      if (taken.offset >= end) break;
+      if (taken.offset > at) final_parts_[i].push_back(Range{at, taken.offset - at});
+      at = std::max(at, taken.offset + taken.count);
+    }
+    if (at < end) final_parts_[i].push_back(Range{at, end - at});
+    later.push_back(step.recv);
+    std::sort(later.begin(), later.end(), [](const Range& a, const Range& b) { return a.offset < b.offset; });
+    std::vector<Range> merged;
+    for (const Range& r : later) {
+      if (!merged.empty() && r.offset <= merged.back().offset + merged.back().count) {
+        merged.back().count = std::max(merged.back().offset + merged.back().count, r.offset + r.count) - merged.back().offset;
+      } else {
+        merged.push_back(r);
+      }
+    }
+    later = std::move(merged);
+  }
+}
+
 Task<void> Executor::run(const Plan& plan) {
   reduce_ = kernels::find_reduce(buf_.dtype, buf_.op);
+  if (buf_.staged) find_final_parts(plan);
   for (const Step& step : plan) {
     if (step.kind == StepKind::recv_reduce || step.kind == StepKind::recv_reduce_send ||
         step.kind == StepKind::send_recv_reduce) {
@@ -211,6 +265,7 @@ Task<void> Executor::run(const Plan& plan) {
       case StepKind::send: {
         for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {
           const Range seg = segment(step.send, k);
+          if (must_wait(send_at(seg), seg.count)) co_await until_ready(send_at(seg), seg.count);
           start_send(step.send_to, send_at(seg), seg.count);
         }
         ++i;
@@ -222,6 +277,7 @@ Task<void> Executor::run(const Plan& plan) {
         // A later exchange joins the run only if what it sends does not depend on what the run receives
         // (recursive doubling forwards what it just received: those exchanges go one at a time).
         std::vector<TransportOp*> pending;
+        std::vector<std::pair<std::size_t, Range>> pending_at;  // (step, segment) of each pending receive
         std::vector<std::pair<const std::byte*, const std::byte*>> landing;  // receive ranges of the run
         auto depends_on_run = [&](const Step& s) {
           if (s.kind != StepKind::send_recv || s.send.count == 0) return false;
@@ -240,6 +296,7 @@ Task<void> Executor::run(const Plan& plan) {
           if (s.kind == StepKind::send_recv) {
             for (std::size_t k = 0, n = segments(s.send); k < n; ++k) {
               const Range seg = segment(s.send, k);
+              if (must_wait(send_at(seg), seg.count)) co_await until_ready(send_at(seg), seg.count);
               start_send(s.send_to, send_at(seg), seg.count);
             }
           }
@@ -247,12 +304,14 @@ Task<void> Executor::run(const Plan& plan) {
             const Range seg = segment(s.recv, k);
             std::byte* dst = recv_at(seg);
             while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
+            if (must_wait(dst, seg.count)) co_await until_ready(dst, seg.count);
             pending.push_back(&start_recv(s.recv_from, dst, seg.count));
+            pending_at.emplace_back(j, seg);
           }
         }
-        for (TransportOp* op : pending) {
-          co_await op->wait();
-          ok(*op);
+        for (std::size_t k = 0; k < pending.size(); ++k) {
+          co_await pending[k]->wait();
+          if (ok(*pending[k])) landed(pending_at[k].first, pending_at[k].second);
         }
         i = j;
         break;
@@ -264,6 +323,7 @@ Task<void> Executor::run(const Plan& plan) {
           const Range seg = segment(step.recv, k);
           std::byte* dst = recv_at(seg);
           while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
+          if (must_wait(dst, seg.count)) co_await until_ready(dst, seg.count);
           pending.push_back(&start_recv(step.recv_from, dst, seg.count));
         }
         for (std::size_t k = 0; k < n; ++k) {
@@ -271,6 +331,7 @@ Task<void> Executor::run(const Plan& plan) {
           if (!ok(*pending[k])) break;
           const Range seg = segment(step.recv, k);
           start_send(step.send_to, recv_at(seg), seg.count);
+          landed(i, seg);
         }
         ++i;
         break;
@@ -281,6 +342,7 @@ Task<void> Executor::run(const Plan& plan) {
         if (step.kind == StepKind::send_recv_reduce) {
           for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {
             const Range seg = segment(step.send, k);
+            if (must_wait(send_at(seg), seg.count)) co_await until_ready(send_at(seg), seg.count);
             start_send(step.send_to, send_at(seg), seg.count);
           }
         }
@@ -299,8 +361,11 @@ Task<void> Executor::run(const Plan& plan) {
           const Range seg = segment(step.recv, k);
           std::byte* dst = recv_at(seg);
           while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
+          if (must_wait(dst, seg.count)) co_await until_ready(dst, seg.count);
+          if (must_wait(local_at(seg), seg.count)) co_await until_ready(local_at(seg), seg.count);
           if (seg.count) reduce_(dst, local_at(seg), temp(k % ahead), seg.count);
           if (forward) start_send(step.send_to, dst, seg.count);
+          landed(i, seg);
           if (k + ahead < n) post(k + ahead);
         }
         ++i;

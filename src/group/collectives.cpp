@@ -62,22 +62,27 @@ void require(const algo::Algorithm& algorithm, std::initializer_list<algo::Kind>
 }
 
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
-                           const algo::Algorithm& algorithm) {
+                           const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
   using algo::Kind;
   require(algorithm, {Kind::ring, Kind::bidirectional_ring, Kind::recursive_doubling, Kind::rabenseifner, Kind::tree});
+  const bool ring = algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring;
+  if (staged && !(ring && g->size > 1 && !g->options.deterministic && op != ReduceOp::avg)) {
+    throw std::logic_error("weft: all_reduce was given staged buffers where it does not run one plan over them");
+  }
   if (g->options.deterministic && g->size > 1) {
     co_await deterministic_all_reduce(g, seq, Collective::all_reduce, in, out, op, {out.count});
     co_return;
   }
   algo::Plan plan;
   algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
-  if ((algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring) && g->size > 1) {
+  if (ring && g->size > 1) {
     // The rings reduce every block once and write every block of `out`: out of place, they read this
     // rank's contribution straight from `in` (no staging copy).
     plan = algorithm.kind == Kind::ring ? algo::ring_all_reduce(g->size, g->rank, out.count)
                                         : algo::bidirectional_ring_all_reduce(g->size, g->rank, out.count);
     buffers.send = in.bytes_ptr();
     if (in.data != out.data) buffers.local = in.bytes_ptr();
+    buffers.staged = staged;
   } else {
     // The others run in place on `out`, sending what they have reduced so far.
     copy_bytes(out.data, in.data, out.bytes());
@@ -153,13 +158,14 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
 }
 
 Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
-                          const algo::Algorithm& algorithm) {
+                          const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
   using algo::Kind;
   require(algorithm, {Kind::binomial, Kind::scatter_all_gather});
   const auto plan = algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
                                                                : algo::binomial_broadcast(g->size, g->rank, root, data.count);
-  co_await g->run(plan, seq, Collective::broadcast, algo::PlanBuffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum},
-                  {data.count, root});
+  algo::PlanBuffers buffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum};
+  buffers.staged = staged;
+  co_await g->run(plan, seq, Collective::broadcast, buffers, {data.count, root});
 }
 
 Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op,
@@ -396,6 +402,20 @@ std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& c
 Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
                             const algo::Algorithm& algorithm);
 
+// Whether `call`'s task runs on its buffers only through one plan and writes nothing after it, so that
+// device staging may run that plan while the copies in and back are still going (StagedBuffers): the
+// rings of all_reduce (not avg, whose division comes after the plan; not deterministic) and broadcast.
+bool pipelines(const GroupState& g, const detail::CollectiveCall& call, const algo::Algorithm& algorithm) {
+  if (g.size == 1) return false;
+  switch (call.collective) {
+    case Collective::all_reduce:
+      return (algorithm.kind == algo::Kind::ring || algorithm.kind == algo::Kind::bidirectional_ring) &&
+             call.op != ReduceOp::avg && !g.options.deterministic;
+    case Collective::broadcast: return algorithm.kind == algo::Kind::binomial || algorithm.kind == algo::Kind::scatter_all_gather;
+    default: return false;
+  }
+}
+
 // A direct shm algorithm: on the group arena, or (no arena, or the group left it) the built-in choice
 // over the transport.
 Task<void> on_arena_or_framed(std::shared_ptr<GroupState> g, std::uint64_t seq, detail::CollectiveCall call) {
@@ -410,10 +430,10 @@ Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, co
                             const algo::Algorithm& algorithm) {
   if (algorithm.kind == algo::Kind::shm) return on_arena_or_framed(std::move(g), seq, call);
   switch (call.collective) {
-    case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
+    case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm, call.staged);
     case Collective::all_gather: return all_gather_task(std::move(g), seq, call.in, call.out, algorithm);
     case Collective::reduce_scatter: return reduce_scatter_task(std::move(g), seq, call.in, call.out, call.op, algorithm);
-    case Collective::broadcast: return broadcast_task(std::move(g), seq, call.out, call.root, algorithm);
+    case Collective::broadcast: return broadcast_task(std::move(g), seq, call.out, call.root, algorithm, call.staged);
     case Collective::reduce: return reduce_task(std::move(g), seq, call.in, call.out, call.root, call.op, algorithm);
     case Collective::gather: return gather_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
     case Collective::scatter: return scatter_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
@@ -471,12 +491,15 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
       staged.reads_in = root_here;
       staged.writes_out = !root_here;
     }
-    return run_staged(state_, stream_, staged, timeout_, [this, call, &algorithm](ConstBufferView in, BufferView out, std::uint64_t seq) {
-      detail::CollectiveCall on_host = call;
-      on_host.in = in;
-      on_host.out = out;
-      return start_collective(state_, seq, on_host, algorithm);
-    });
+    staged.pipelined = pipelines(g, call, algorithm);
+    return run_staged(state_, stream_, staged, timeout_,
+                      [this, call, &algorithm](ConstBufferView in, BufferView out, std::uint64_t seq, algo::StagedBuffers* pieces) {
+                        detail::CollectiveCall on_host = call;
+                        on_host.in = in;
+                        on_host.out = out;
+                        on_host.staged = pieces;
+                        return start_collective(state_, seq, on_host, algorithm);
+                      });
   }
   return spawn(*g.loop, start_collective(state_, take_seq(g, timeout_), call, algorithm));
 }
@@ -502,7 +525,7 @@ Future<void> Group::permute(ConstBufferView in, BufferView out, std::vector<std:
   if (on_device(in.device, in.bytes()) || on_device(out.device, out.bytes())) {
     detail::StagedCall staged{name, in, out};
     staged.reads_in = std::any_of(pairs.begin(), pairs.end(), [&](const auto& pair) { return pair.first == g.rank; });
-    return run_staged(state_, stream_, staged, timeout_, [this, pairs](ConstBufferView host_in, BufferView host_out, std::uint64_t seq) {
+    return run_staged(state_, stream_, staged, timeout_, [this, pairs](ConstBufferView host_in, BufferView host_out, std::uint64_t seq, algo::StagedBuffers*) {
       return permute_task(state_, seq, host_in, host_out, pairs);
     });
   }

@@ -24,6 +24,7 @@ struct DeviceStaging : std::enable_shared_from_this<DeviceStaging> {
 
   std::mutex mutex;
   std::map<int, std::unique_ptr<gpu::Stream>> streams;  // guarded
+  std::map<int, std::vector<std::unique_ptr<gpu::Stream>>> spare_streams;  // guarded: copy-back streams, by device
   std::multimap<std::size_t, gpu::PinnedBuffer> free;   // guarded: by size
   std::size_t cached = 0;                                // guarded: bytes in `free`
 
@@ -32,6 +33,26 @@ struct DeviceStaging : std::enable_shared_from_this<DeviceStaging> {
     auto& stream = streams[device.index];
     if (!stream) stream = std::make_unique<gpu::Stream>(loop, device);
     return *stream;
+  }
+
+  // A stream of its own for one operation's copies back (pipelined): its queue then holds nothing of
+  // another operation's, so it cannot wait behind a gate that this operation opens.
+  std::unique_ptr<gpu::Stream> take_stream(Loop& loop, Device device) {
+    {
+      std::lock_guard lock(mutex);
+      auto& spare = spare_streams[device.index];
+      if (!spare.empty()) {
+        auto stream = std::move(spare.back());
+        spare.pop_back();
+        return stream;
+      }
+    }
+    return std::make_unique<gpu::Stream>(loop, device);
+  }
+  void give_back(std::unique_ptr<gpu::Stream> stream) {
+    std::lock_guard lock(mutex);
+    auto& spare = spare_streams[stream->device().index];
+    if (spare.size() < 4) spare.push_back(std::move(stream));
   }
 
   // A buffer of at least `bytes`: a cached one no more than twice as large, else a new one rounded up to
@@ -90,11 +111,14 @@ bool within(const void* inner, std::size_t inner_bytes, const void* outer, std::
 // A copy failed: the device is gone for this operation and every later one. The peers are waiting for
 // this rank's part: abort the group so that they fail now, naming this rank and the device, instead of
 // at their deadline.
-[[noreturn]] void device_failed(GroupState& g, const char* op, std::uint64_t seq, const Error& e) {
+void abort_for_device(GroupState& g, const char* op, std::uint64_t seq, const Error& e) {
   const std::string text = fmt::format("rank {}: its device failed in {}{}: {}", g.rank, op,
                                        seq ? fmt::format(" #{}", seq) : std::string(), e.detail());
   g.mark_failed(text);
   g.loop->post([state = g.shared_from_this(), text] { state->transport->abort_context(state->context, Errc::aborted, text); });
+}
+[[noreturn]] void device_failed(GroupState& g, const char* op, std::uint64_t seq, const Error& e) {
+  abort_for_device(g, op, seq, e);
   throw Error(Errc::device_failure, g.where(op, seq ? static_cast<std::int64_t>(seq) : -1), e.detail());
 }
 
@@ -125,11 +149,13 @@ struct Leases {
 // Holds `leases` until `fence` is reached (or its stream failed): the copies that read or write them run
 // on the device whatever happened to the operation on the host (cancelled, failed), so the memory
 // goes back to the pool only after them.
-Task<void> keep_until(gpu::Fence fence, std::shared_ptr<Leases> leases) {
-  try {
-    co_await fence.done();
-  } catch (...) {
-    // A failed stream ran nothing more; the memory is free either way.
+Task<void> keep_until(std::vector<gpu::Fence> fences, std::shared_ptr<Leases> leases) {
+  for (const gpu::Fence& fence : fences) {
+    try {
+      co_await fence.done();
+    } catch (...) {
+      // A failed stream ran nothing more; the memory is free either way.
+    }
   }
   leases.reset();
 }
@@ -146,7 +172,7 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
     gpu::Fence last;
     ~OnExit() {
       if (gate) gate->open();
-      (void)spawn(loop, keep_until(std::move(last), std::move(leases)));
+      (void)spawn(loop, keep_until({std::move(last)}, std::move(leases)));
     }
   } on_exit{*g->loop, gate, std::move(leases), std::move(last)};
   if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
@@ -161,6 +187,207 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
     }
   }
   if (copied_out) co_await device_step(*g, op, seq, std::move(*copied_out));
+}
+
+// Continues on the loop after what was posted to it before (an abort) has run.
+struct AfterPosted {
+  Loop* loop;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) { loop->post([h] { h.resume(); }); }
+  void await_resume() const noexcept {}
+};
+
+// The copies of a pipelined operation (the plan runs over buffers still being filled): the copy in,
+// queued at the call piece by piece, each piece awaited only when the plan first touches it; and the
+// copy back, queued range by range as the plan finishes them (adjacent ranges joined up to a piece), on
+// a stream of the operation's own. Loop thread only, one plan at a time (algo::StagedBuffers).
+class Pieces final : public algo::StagedBuffers {
+ public:
+  Pieces(GroupState& g, const char* op, std::size_t piece_bytes) : g_(g), op_(op), piece_(piece_bytes) {}
+
+  void set_seq(std::uint64_t seq) noexcept { seq_ = seq; }
+
+  /// Queues the copy of `from` (device) into `to` (staging) on `stream`, piece by piece.
+  void copy_in(gpu::Stream& stream, std::byte* to, ConstBufferView from) {
+    in_ = to;
+    in_bytes_ = from.bytes();
+    const auto* source = static_cast<const std::byte*>(from.data);
+    for (std::size_t at = 0; at < in_bytes_; at += piece_) {
+      const std::size_t n = std::min(piece_, in_bytes_ - at);
+      pieces_in_.push_back(PieceIn{stream.copy(BufferView(to + at, n, DType::u8), ConstBufferView(source + at, n, DType::u8, from.device)),
+                                   PieceIn::State::copying});
+    }
+  }
+  /// Copies back go from `from` (staging) to `to` (device) on `stream`.
+  void copy_back_on(gpu::Stream& stream, BufferView to, std::byte* from) {
+    back_ = &stream;
+    out_device_ = to;
+    out_ = from;
+    out_bytes_ = to.bytes();
+  }
+
+  bool ready(const std::byte* lo, const std::byte* hi) override {
+    auto [first, last] = pieces_of(lo, hi);
+    for (std::size_t k = first; k < last; ++k) {
+      PieceIn& piece = pieces_in_[k];
+      if (piece.state == PieceIn::State::copying && piece.copied.ready()) settle(piece);
+      if (piece.state != PieceIn::State::landed) return false;
+    }
+    return true;
+  }
+
+  Task<void> until_ready(const std::byte* lo, const std::byte* hi) override {
+    auto [first, last] = pieces_of(lo, hi);
+    for (std::size_t k = first; k < last; ++k) {
+      PieceIn& piece = pieces_in_[k];
+      if (piece.state != PieceIn::State::copying) continue;
+      try {
+        co_await std::move(piece.copied);
+        piece.state = PieceIn::State::landed;
+      } catch (const Error& e) {
+        piece.state = PieceIn::State::gone;
+        if (e.errc() != Errc::cancelled) fail(e);
+      }
+    }
+    // The group's abort is posted: the plan goes on only after it ran, so that nothing of a piece that
+    // never landed is sent (a peer could otherwise finish on it before the abort reaches it).
+    if (failure) co_await AfterPosted{g_.loop};
+  }
+
+  void finished(std::byte* lo, std::byte* hi) override {
+    if (!back_ || failure) return;
+    lo = std::max(lo, out_);
+    hi = std::min(hi, out_ + out_bytes_);
+    if (lo >= hi) return;
+    if (lo != waiting_hi_) flush();
+    if (!waiting_lo_) waiting_lo_ = lo;
+    waiting_hi_ = hi;
+    if (static_cast<std::size_t>(waiting_hi_ - waiting_lo_) >= piece_) flush();
+  }
+
+  /// After the plan: copies back what is still waiting and every range the plan did not report.
+  void finish_rest() {
+    if (!back_ || failure) return;
+    flush();
+    std::sort(copied_back_.begin(), copied_back_.end());
+    std::size_t at = 0;
+    for (auto [lo, hi] : copied_back_) {
+      if (lo > at) copy_back(at, lo);
+      at = std::max(at, hi);
+    }
+    if (at < out_bytes_) copy_back(at, out_bytes_);
+  }
+
+  std::optional<Error> failure;  // the first copy that failed
+
+ private:
+  struct PieceIn {
+    Future<void> copied;
+    enum class State : std::uint8_t { copying, landed, gone } state;
+  };
+
+  std::pair<std::size_t, std::size_t> pieces_of(const std::byte* lo, const std::byte* hi) const {
+    if (in_bytes_ == 0 || hi <= in_ || lo >= in_ + in_bytes_) return {0, 0};
+    const auto from = static_cast<std::size_t>(std::max(lo, static_cast<const std::byte*>(in_)) - in_);
+    const auto to = static_cast<std::size_t>(std::min(hi, static_cast<const std::byte*>(in_ + in_bytes_)) - in_);
+    return {from / piece_, (to + piece_ - 1) / piece_};
+  }
+
+  void settle(PieceIn& piece) {
+    try {
+      piece.copied.get();  // ready: does not block
+      piece.state = PieceIn::State::landed;
+    } catch (const Error& e) {
+      piece.state = PieceIn::State::gone;
+      if (e.errc() != Errc::cancelled) fail(e);
+    }
+  }
+
+  void fail(const Error& e) {
+    if (failure) return;
+    failure = e;
+    abort_for_device(g_, op_, seq_, e);
+  }
+
+  void flush() {
+    if (waiting_lo_) copy_back(static_cast<std::size_t>(waiting_lo_ - out_), static_cast<std::size_t>(waiting_hi_ - out_));
+    waiting_lo_ = waiting_hi_ = nullptr;
+  }
+
+  void copy_back(std::size_t from, std::size_t to) {
+    try {
+      // Its failure shows at the stream's last fence, which the operation awaits.
+      (void)back_->copy(BufferView(static_cast<std::byte*>(out_device_.data) + from, to - from, DType::u8, out_device_.device),
+                        ConstBufferView(out_ + from, to - from, DType::u8));
+      copied_back_.emplace_back(from, to);
+    } catch (const Error& e) {
+      fail(e);
+    }
+  }
+
+  GroupState& g_;
+  const char* op_;
+  std::uint64_t seq_ = 0;
+  std::size_t piece_;
+  std::byte* in_ = nullptr;  // staging being copied in
+  std::size_t in_bytes_ = 0;
+  std::vector<PieceIn> pieces_in_;
+  gpu::Stream* back_ = nullptr;  // null: nothing is copied back
+  BufferView out_device_;
+  std::byte* out_ = nullptr;  // staging copied back
+  std::size_t out_bytes_ = 0;
+  std::byte* waiting_lo_ = nullptr;  // finished, not yet copied back
+  std::byte* waiting_hi_ = nullptr;
+  std::vector<std::pair<std::size_t, std::size_t>> copied_back_;  // byte ranges of the staging
+};
+
+// A pipelined operation (run_staged): the plan runs while the pieces copy; then what is left goes back,
+// and the gate opens once everything is back on the device.
+Task<void> pipelined_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::shared_ptr<Leases> leases,
+                          gpu::Fence last_in, std::shared_ptr<Pieces> pieces, std::unique_ptr<gpu::Stream> back,
+                          std::shared_ptr<DeviceStaging> staging, Task<void> host, std::optional<gpu::Gate> gate) {
+  struct OnExit {
+    Loop& loop;
+    std::optional<gpu::Gate> gate;
+    std::shared_ptr<Leases> leases;
+    gpu::Fence last_in;
+    std::unique_ptr<gpu::Stream> back;
+    std::shared_ptr<DeviceStaging> staging;
+    ~OnExit() {
+      if (gate) gate->open();
+      std::vector<gpu::Fence> fences{std::move(last_in)};
+      if (back) {
+        try {
+          fences.push_back(back->record());
+        } catch (const Error&) {
+          // Its device failed: nothing more runs on it.
+        }
+        staging->give_back(std::move(back));
+      }
+      (void)spawn(loop, keep_until(std::move(fences), std::move(leases)));
+    }
+  } on_exit{*g->loop, gate, std::move(leases), std::move(last_in), std::move(back), std::move(staging)};
+  std::exception_ptr error;
+  try {
+    co_await std::move(host);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // A failed copy aborted the group: the host part then failed as aborted, but the cause is the device.
+  if (pieces->failure) device_failed(*g, op, seq, *pieces->failure);
+  if (error) std::rethrow_exception(error);
+  pieces->finish_rest();
+  if (pieces->failure) device_failed(*g, op, seq, *pieces->failure);
+  if (on_exit.back) {
+    gpu::Fence copied_back;
+    try {
+      copied_back = on_exit.back->record();
+    } catch (const Error& e) {
+      device_failed(*g, op, seq, e);
+    }
+    co_await device_step(*g, op, seq, copied_back.done());
+  }
+  if (gate) gate->open();
 }
 
 }  // namespace
@@ -228,6 +455,36 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
     }
   }
 
+  // Pipelined: the pieces, where the buffers are large enough to have several and the staging of the
+  // input is its own or lies inside the output's (a device input that overlaps the output otherwise
+  // could be written back before a piece of it was copied in).
+  const std::size_t piece = g.options.staging_copy_bytes;
+  const bool apart = !in_device || !out_device || in_lease == nullptr ||
+                     call.in.bytes_ptr() + call.in.bytes() <= call.out.bytes_ptr() ||
+                     call.out.bytes_ptr() + call.out.bytes() <= call.in.bytes_ptr();
+  if (call.pipelined && piece > 0 && apart &&
+      std::max(in_device ? call.in.bytes() : 0, out_device ? call.out.bytes() : 0) > piece) {
+    auto pieces = std::make_shared<Pieces>(g, call.op, piece);
+    std::unique_ptr<gpu::Stream> back;
+    if (out_device) {
+      back = staging.take_stream(*g.loop, device);
+      // The caller's work queued before the call may still use the output.
+      if (stream) back->wait(on.record());
+      pieces->copy_back_on(*back, call.out, host_out.bytes_ptr());
+    }
+    if (in_device) pieces->copy_in(on, const_cast<std::byte*>(host_in.bytes_ptr()), call.in);
+    std::optional<gpu::Gate> gate;
+    if (stream) {
+      gate.emplace();
+      on.wait(*gate);
+    }
+    gpu::Fence last_in = on.record();
+    const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
+    pieces->set_seq(seq);
+    return spawn(*g.loop, pipelined_task(state, call.op, seq, std::move(leases), std::move(last_in), pieces, std::move(back),
+                                         staging.shared_from_this(), host(host_in, host_out, seq, pieces.get()), std::move(gate)));
+  }
+
   // In the stream's order, now: the input after the work queued before; the output after the gate.
   // On the group's own stream nothing of the caller's comes after, so the copy back is queued when the
   // host part is done, and that stream never holds a gate (a gate waits on the device like a kernel, and
@@ -250,7 +507,7 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
   gpu::Fence last = on.record();  // after every copy queued so far on the staging
   const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
   return spawn(*g.loop, staged_task(state, call.op, seq, std::move(leases), std::move(last), std::move(copied_in),
-                                    host(host_in, host_out, seq), std::move(gate), std::move(copied_out), back));
+                                    host(host_in, host_out, seq, nullptr), std::move(gate), std::move(copied_out), back));
 }
 
 }  // namespace weft::detail

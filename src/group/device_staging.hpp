@@ -6,6 +6,14 @@
 //   stream: [work queued before] -> copy in (device -> staging) -> gate -> copy out (staging -> device) -> [later work]
 //   loop:   await copy in -> run the host operation on the staging -> open the gate -> await copy out
 //
+// Pipelined (StagedCall::pipelined, large buffers): the copy in is queued in pieces and the plan starts
+// at once, waiting only for the pieces it touches; each range the plan finishes goes back on a stream of
+// the operation's own; the gate opens when all of it is back:
+//
+//   stream: [work queued before] -> piece 0 -> piece 1 -> ... -> gate -> [later work]
+//   back:   (after the work queued before) -> range -> range -> ...
+//   loop:   the plan, piece by piece -> the rest back -> await the back stream -> open the gate
+//
 // The gate is what makes it stream-ordered without the host blocking: kernels the caller queues after
 // the call wait on the device until the host part is done, and the input is read only after the work
 // queued before it. A device failure aborts the group (every member fails, naming this rank and device).
@@ -14,6 +22,7 @@
 #include <functional>
 #include <memory>
 
+#include "weft/algorithms.hpp"
 #include "weft/task.hpp"
 #include "weft/buffer.hpp"
 #include "weft/future.hpp"
@@ -21,6 +30,7 @@
 
 namespace weft::detail {
 
+namespace algo = algorithms;
 struct GroupState;
 
 /// Whether a view holds device memory that the operation moves (an empty view moves nothing).
@@ -39,10 +49,14 @@ struct StagedCall {
   bool reads_in = true;    // the input is read here (not at a scatter's non-root, a broadcast's non-root)
   bool writes_out = true;  // the output is written here (not at a reduce's or gather's non-root, a broadcast's root)
   bool takes_seq = true;   // a collective (numbered); send and recv are not
+  /// The host operation touches the staging only through one plan given the StagedBuffers, and writes
+  /// nothing after it: the copies then go in pieces (Options::staging_copy_bytes), overlapped with the plan.
+  bool pipelined = false;
 };
 
-/// The host operation on staged views, given its sequence number (0 for send and recv).
-using HostOperation = std::function<Task<void>(ConstBufferView in, BufferView out, std::uint64_t seq)>;
+/// The host operation on staged views, given its sequence number (0 for send and recv) and, for a
+/// pipelined call, the staging still being copied (its plan must be given it; null otherwise).
+using HostOperation = std::function<Task<void>(ConstBufferView in, BufferView out, std::uint64_t seq, algo::StagedBuffers* staged)>;
 
 /// Runs `call` through staging on `stream` (the caller's, or the group's own stream of the buffers' device
 /// when null). Queues the copies and the gate now, in the caller's order, then takes the sequence number.

@@ -156,6 +156,11 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {
     max_early_bytes = static_cast<std::size_t>(parse_int("WEFT_MAX_EARLY_BYTES", v, 0, 1ll << 50));
   }
+  if (const char* v = env("WEFT_STAGING_COPY_BYTES")) {
+    const auto bytes = parse_int("WEFT_STAGING_COPY_BYTES", v, 0, 1ll << 40);
+    if (bytes != 0 && bytes < 4096) bad(fmt::format("WEFT_STAGING_COPY_BYTES={} is below 4096 (0 turns the pieces off)", bytes));
+    staging_copy_bytes = static_cast<std::size_t>(bytes);
+  }
   if (const char* v = env("WEFT_PIPELINE_DEPTH")) {
     pipeline_depth = static_cast<int>(parse_int("WEFT_PIPELINE_DEPTH", v, 1, 1024));
   }

@@ -107,7 +107,7 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"send", data, BufferView{}, true, false, false};
-    return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, timeout](ConstBufferView in, BufferView, std::uint64_t) {
+    return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
       return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, 0, timeout);
     });
   }
@@ -122,7 +122,7 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false};
-    return run_staged(state_, stream_, staged, timeout_, [this, src, tag, timeout](ConstBufferView, BufferView out, std::uint64_t) {
+    return run_staged(state_, stream_, staged, timeout_, [this, src, tag, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
       return p2p_task(state_, false, out.data, out.bytes(), src, tag, 0, timeout);
     });
   }

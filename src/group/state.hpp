@@ -50,6 +50,7 @@ struct CollectiveCall {
   BufferView out;
   ReduceOp op = ReduceOp::sum;
   int root = -1;
+  algo::StagedBuffers* staged = nullptr;  // device staging still copying (device_staging.hpp); null: ready
 };
 
 // Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop

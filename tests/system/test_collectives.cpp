@@ -6,6 +6,9 @@
 #include "support/check_data.hpp"
 
 #include <cmath>
+#include <cstring>
+#include <optional>
+#include <random>
 
 using namespace weft;
 using namespace weft::test;
@@ -687,6 +690,159 @@ TEST_CASE("ranks that finish their last collective first and leave at once fail 
         }
       }
     }
+  }
+  REQUIRE(checks_made.load() > before);
+}
+
+namespace {
+
+// Staged buffers as device staging makes them, without a device: the "copy in" lands a piece only when
+// the plan first waits for it (after a random pause on the loop), and until then the piece holds junk;
+// each range reported finished is remembered with its bytes at that moment.
+class JunkUntilLanded final : public algorithms::StagedBuffers {
+ public:
+  JunkUntilLanded(Loop& loop, std::byte* buffer, std::vector<std::byte> contents, std::size_t piece, unsigned seed)
+      : loop_(loop), buffer_(buffer), contents_(std::move(contents)), piece_(piece), random_(seed) {
+    landed_.assign((contents_.size() + piece_ - 1) / piece_, false);
+    std::fill(buffer_, buffer_ + contents_.size(), std::byte{0xa5});
+  }
+  /// Where the receive buffer is `recv` (`bytes` long): what finished() reports is checked against it.
+  void watch_output(std::byte* recv, std::size_t bytes) {
+    out_ = recv;
+    final_.assign(bytes, std::nullopt);
+  }
+
+  bool ready(const std::byte* lo, const std::byte* hi) override {
+    auto [a, b] = pieces_of(lo, hi);
+    for (std::size_t k = a; k < b; ++k) {
+      if (!landed_[k]) return false;
+    }
+    return true;
+  }
+  Task<void> until_ready(const std::byte* lo, const std::byte* hi) override {
+    auto [a, b] = pieces_of(lo, hi);
+    for (std::size_t k = a; k < b; ++k) {
+      if (landed_[k]) continue;
+      co_await sleep_for(loop_, std::chrono::microseconds(random_() % 300));
+      if (landed_[k]) continue;
+      const std::size_t at = k * piece_;
+      std::memcpy(buffer_ + at, contents_.data() + at, std::min(piece_, contents_.size() - at));
+      landed_[k] = true;
+    }
+  }
+  void finished(std::byte* lo, std::byte* hi) override {
+    for (std::byte* b = lo; b < hi; ++b) {
+      auto& seen = final_.at(static_cast<std::size_t>(b - out_));
+      if (seen) twice_ = true;
+      seen = *b;
+    }
+  }
+
+  /// What is wrong with the reports: a byte reported twice, a byte written after it was reported, or
+  /// (with `all`) a byte never reported.
+  std::string problems(bool all) const {
+    if (twice_) return "a range was reported finished twice";
+    for (std::size_t i = 0; i < final_.size(); ++i) {
+      if (final_[i] && *final_[i] != out_[i]) return fmt::format("byte {} changed after it was reported finished", i);
+      if (all && !final_[i]) return fmt::format("byte {} of {} was never reported finished", i, final_.size());
+    }
+    return {};
+  }
+
+ private:
+  std::pair<std::size_t, std::size_t> pieces_of(const std::byte* lo, const std::byte* hi) const {
+    const std::byte* end = buffer_ + contents_.size();
+    if (hi <= buffer_ || lo >= end || lo >= hi) return {0, 0};
+    const auto from = static_cast<std::size_t>(std::max(lo, static_cast<const std::byte*>(buffer_)) - buffer_);
+    const auto to = static_cast<std::size_t>(std::min(hi, end) - buffer_);
+    return {from / piece_, (to + piece_ - 1) / piece_};
+  }
+
+  Loop& loop_;
+  std::byte* buffer_;
+  std::vector<std::byte> contents_;
+  std::size_t piece_;
+  std::minstd_rand random_;
+  std::vector<bool> landed_;
+  std::byte* out_ = nullptr;
+  std::vector<std::optional<std::byte>> final_;
+  bool twice_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("a plan over staged buffers touches no byte before it landed and none after it was finished", "[collectives][staged]") {
+  // The executor's side of device staging (algorithms::StagedBuffers): if a plan read a piece before it
+  // landed, junk would reach the result; if it wrote one before, the landing would overwrite it; if a
+  // range reported finished were written again, its bytes would differ from the end's. Ring and
+  // bidirectional ring all_reduce (in and out of place), recursive doubling (every range written
+  // several times), and both broadcasts; small segments and pieces so that every step spans several.
+  namespace algo = weft::algorithms;
+  const long before = checks_made.load();
+  Options options;
+  options.segment_bytes = 1024;
+  for (int p : {2, 3, 4, 5}) {
+    run_ranks(p, [&](Group& g) {
+      const int r = g.rank();
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{5003}}) {
+        const std::size_t bytes = count * sizeof(std::int64_t);
+        std::vector<std::int64_t> input(count), expected(count);
+        for (std::size_t i = 0; i < count; ++i) {
+          input[i] = static_cast<std::int64_t>(r) * 1000003 + static_cast<std::int64_t>(i) * 7 + 1;
+          expected[i] = 0;
+          for (int q = 0; q < p; ++q) expected[i] += static_cast<std::int64_t>(q) * 1000003 + static_cast<std::int64_t>(i) * 7 + 1;
+        }
+        const auto as_bytes = [](const std::vector<std::int64_t>& v) {
+          std::vector<std::byte> b(v.size() * sizeof(std::int64_t));
+          if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+          return b;
+        };
+        const unsigned seed = static_cast<unsigned>(r * 7919 + count);
+        struct Shape {
+          const char* what;
+          algo::Plan plan;
+          bool in_place;
+          bool all_finished;  // the plan writes every byte of the output
+        };
+        std::vector<Shape> shapes{{"ring", algo::ring_all_reduce(p, r, count), false, true},
+                                  {"ring in place", algo::ring_all_reduce(p, r, count), true, true},
+                                  {"bidirectional ring", algo::bidirectional_ring_all_reduce(p, r, count), false, true},
+                                  {"bidirectional ring in place", algo::bidirectional_ring_all_reduce(p, r, count), true, true},
+                                  {"recursive doubling in place", algo::recursive_doubling_all_reduce(p, r, count), true, true}};
+        for (const Shape& shape : shapes) {
+          std::vector<std::int64_t> in(count), out(count, -1);
+          std::byte* staged_in = shape.in_place ? reinterpret_cast<std::byte*>(out.data()) : reinterpret_cast<std::byte*>(in.data());
+          JunkUntilLanded staging(g.loop(), staged_in, as_bytes(input), 512, seed);
+          staging.watch_output(reinterpret_cast<std::byte*>(out.data()), bytes);
+          algo::PlanBuffers buffers{staged_in, reinterpret_cast<std::byte*>(out.data()), DType::i64, ReduceOp::sum};
+          if (!shape.in_place) buffers.local = staged_in;
+          buffers.staged = &staging;
+          g.run_plan(shape.plan, buffers, "all_reduce").get();
+          const std::string at = fmt::format("{} p={} rank {} count {}: ", shape.what, p, r, count);
+          check(out == expected, at + "the result differs from the reference");
+          const std::string problems = staging.problems(shape.all_finished && count > 0);
+          check(problems.empty(), at + problems);
+        }
+        for (bool scatter : {false, true}) {
+          const int root = static_cast<int>(count % static_cast<std::size_t>(p));
+          std::vector<std::int64_t> data(count, -1);
+          auto* bytes_at = reinterpret_cast<std::byte*>(data.data());
+          const algo::Plan plan = scatter ? algo::scatter_all_gather_broadcast(p, r, root, count) : algo::binomial_broadcast(p, r, root, count);
+          // The root's buffer is copied in; the others' are copied back.
+          JunkUntilLanded staging(g.loop(), bytes_at, r == root ? as_bytes(input) : std::vector<std::byte>{}, 512, seed);
+          staging.watch_output(bytes_at, bytes);
+          algo::PlanBuffers buffers{bytes_at, bytes_at, DType::i64, ReduceOp::sum};
+          buffers.staged = &staging;
+          g.run_plan(plan, buffers, "broadcast").get();
+          std::vector<std::int64_t> want(count);
+          for (std::size_t i = 0; i < count; ++i) want[i] = static_cast<std::int64_t>(root) * 1000003 + static_cast<std::int64_t>(i) * 7 + 1;
+          const std::string at = fmt::format("{} broadcast p={} rank {} root {} count {}: ", scatter ? "scatter+all-gather" : "binomial", p, r, root, count);
+          check(data == want, at + "the result differs from the root's data");
+          const std::string problems = staging.problems(r != root && count > 0);
+          check(problems.empty(), at + problems);
+        }
+      }
+    }, options);
   }
   REQUIRE(checks_made.load() > before);
 }
