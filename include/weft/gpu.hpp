@@ -9,7 +9,9 @@
 ///   stream is a worker thread of its own, so the work is asynchronous for real. Knobs: WEFT_SIM_DEVICES
 ///   (device count, default 2), WEFT_SIM_DELAY_US (each operation first sleeps a random 0..N us),
 ///   WEFT_SIM_FAIL=<n> (the n-th operation of the process fails, and its device with it, as a sticky CUDA
-///   error does), WEFT_SIM_P2P=0 (devices cannot access each other; a device can always access itself).
+///   error does), WEFT_SIM_P2P=0 (devices cannot access each other; a device can always access itself),
+///   WEFT_SIM_COPY_GBPS=<rate> (a copy takes at least bytes / rate, sleeping what the memcpy left: a copy
+///   engine's pace without its core, for benchmarks of overlap).
 ///
 /// A device is a weft::Device{Device::Kind::cuda, index} (buffer.hpp); a BufferView whose `device` says so
 /// holds device memory. Errors (every function below): weft::Error with Errc::invalid_argument for a bad

@@ -1,7 +1,8 @@
 // The simulated device: what CI runs every line of GPU host logic on (no GPU there).
 //
 // It is asynchronous for real, so ordering bugs show: every stream is a worker thread that runs its queue
-// in order, after an optional random delay per item (WEFT_SIM_DELAY_US), while the host goes on. Device
+// in order, after an optional random delay per item (WEFT_SIM_DELAY_US), while the host goes on; a copy
+// may be given a copy engine's pace (WEFT_SIM_COPY_GBPS: it then sleeps what it has left). Device
 // memory is host memory held in a registry, so that a host pointer passed as device memory, memory of
 // another device, a buffer too short, or freed device memory are caught and named; freed blocks are
 // poisoned and held back for a while (a quarantine) so that a late use reads poison instead of a new
@@ -42,6 +43,21 @@ long env_long(const char* name, long fallback) {
     throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("{}={} is not a non-negative integer", name, v));
   }
   return n;
+}
+
+// WEFT_SIM_COPY_GBPS (a decimal number; 0 or unset: copies run at memcpy's pace), in MB/s.
+long copy_mbps() {
+  static const long mbps = [] {
+    const char* v = std::getenv("WEFT_SIM_COPY_GBPS");
+    if (!v || !*v) return 0L;
+    char* end = nullptr;
+    const double gbps = std::strtod(v, &end);
+    if (*end != '\0' || !(gbps >= 0) || gbps > 1e6) {
+      throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("WEFT_SIM_COPY_GBPS={} is not a rate in GB/s", v));
+    }
+    return static_cast<long>(gbps * 1000);
+  }();
+  return mbps;
 }
 
 class SimBackend;
@@ -132,7 +148,13 @@ class SimStream final : public StreamImpl {
 
   std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int, int) override {
     return queue_->push(fmt::format("copy {} of {} bytes", to_string(kind), bytes), [dst, src, bytes] {
+      const auto start = std::chrono::steady_clock::now();
       if (bytes > 0) std::memmove(dst, src, bytes);
+      // A copy engine's pace (WEFT_SIM_COPY_GBPS): the worker sleeps what the copy has left, so the
+      // copy takes time without taking a core, as DMA does.
+      if (const long mbps = copy_mbps(); mbps > 0) {
+        std::this_thread::sleep_until(start + std::chrono::nanoseconds(static_cast<long long>(bytes) * 1000 / mbps));
+      }
       return std::string();
     });
   }
@@ -177,7 +199,9 @@ class SimBackend final : public Backend {
         delay_us_(env_long("WEFT_SIM_DELAY_US", 0)),
         fail_at_(env_long("WEFT_SIM_FAIL", 0)),
         peer_access_(env_long("WEFT_SIM_P2P", 1) != 0),
-        failures_(static_cast<std::size_t>(std::max(devices_, 0))) {}
+        failures_(static_cast<std::size_t>(std::max(devices_, 0))) {
+    (void)copy_mbps();  // read (and a bad value refused) here, not first on a stream's worker
+  }
 
   std::string_view name() const noexcept override { return "sim"; }
   int device_count() override { return devices_; }

@@ -161,32 +161,43 @@ Task<void> keep_until(std::vector<gpu::Fence> fences, std::shared_ptr<Leases> le
 }
 
 Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::shared_ptr<Leases> leases,
-                       gpu::Fence last, std::optional<Future<void>> copied_in, Task<void> host,
+                       std::optional<gpu::Fence> last, gpu::Stream* own, std::optional<Future<void>> copied_in, Task<void> host,
                        std::optional<gpu::Gate> gate, std::optional<Future<void>> copied_out, CopyBack back) {
   // On every way out: the gate opens, so that the stream never waits for a host part that gave up, and
   // the staging goes back after the last copy queued on it (`last`).
+  // `last` is the caller's stream's fence taken at the call (that stream may be gone by now); the
+  // group's own stream is asked for one only if the operation ends before its copies did.
   struct OnExit {
     Loop& loop;
     std::optional<gpu::Gate> gate;
-    std::shared_ptr<Leases> leases;
-    gpu::Fence last;
+    std::shared_ptr<Leases> leases;  // null once every copy queued on them was awaited
+    std::optional<gpu::Fence> last;
+    gpu::Stream* own = nullptr;
     ~OnExit() {
       if (gate) gate->open();
-      (void)spawn(loop, keep_until({std::move(last)}, std::move(leases)));
+      if (!leases) return;
+      if (own) {
+        try {
+          last = own->record();
+        } catch (const Error&) {
+          return;  // its device failed: nothing more runs there, the memory is free
+        }
+      }
+      if (last) (void)spawn(loop, keep_until({std::move(*last)}, std::move(leases)));
     }
-  } on_exit{*g->loop, gate, std::move(leases), std::move(last)};
+  } on_exit{*g->loop, gate, std::move(leases), std::move(last), own};
   if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
   co_await std::move(host);
   if (gate) gate->open();
   if (back.stream) {
     try {
       copied_out.emplace(back.stream->copy(back.to, back.from));
-      on_exit.last = back.stream->record();
     } catch (const Error& e) {
       device_failed(*g, op, seq, e);
     }
   }
   if (copied_out) co_await device_step(*g, op, seq, std::move(*copied_out));
+  on_exit.leases.reset();  // every copy that used them ran
 }
 
 // Continues on the loop after what was posted to it before (an abort) has run.
@@ -504,9 +515,10 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
   }
   CopyBack back;
   if (out_device && !stream) back = CopyBack{&on, call.out, ConstBufferView(host_out.data, host_out.count, host_out.dtype)};
-  gpu::Fence last = on.record();  // after every copy queued so far on the staging
+  std::optional<gpu::Fence> last;  // the caller's stream: after every copy queued on the staging
+  if (stream) last = on.record();
   const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
-  return spawn(*g.loop, staged_task(state, call.op, seq, std::move(leases), std::move(last), std::move(copied_in),
+  return spawn(*g.loop, staged_task(state, call.op, seq, std::move(leases), std::move(last), stream ? nullptr : &on, std::move(copied_in),
                                     host(host_in, host_out, seq, nullptr), std::move(gate), std::move(copied_out), back));
 }
 
