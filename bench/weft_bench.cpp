@@ -15,9 +15,11 @@
 #include <fstream>
 #include <string>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
+#include <weft/gpu.hpp>
 #include <weft/weft.hpp>
 
 #include "support/check_data.hpp"
@@ -72,6 +74,7 @@ struct Args {
   bool check = false;
   bool awaited = false;  // --await: the timed loop is one coroutine on weft's loop, co_await-ing each call
   bool overlap = false;  // --overlap: the collective against compute of the same length (IMB-NBC)
+  bool device = false;   // --device: buffers in device memory (weft/gpu.hpp)
   std::string json;
   std::string tune;  // --tune [FILE]: sweep every algorithm, write the winners as a tuning file
 };
@@ -80,13 +83,16 @@ struct Args {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--overlap] [--json FILE] [--tune [FILE]]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--overlap] [--device] [--json FILE]\n"
+             "                  [--tune [FILE]]\n"
              "  --await: run the iterations as one coroutine on weft's loop, co_await-ing each collective (the\n"
              "           coroutine-native use); without it each call is waited on from the calling thread\n"
              "  --overlap: per size, the collective alone (t_pure), compute of about that length alone (t_cpu),\n"
              "           and both (start, compute, wait: t_ovrl); prints overlap % (IMB-NBC) and the exposed\n"
              "           communication (from the end of the compute to the collective's end). With --await the\n"
              "           compute is offloaded from a coroutine (weft::offload)\n"
+             "  --device: the buffers are device memory (weft/gpu.hpp; WEFT_GPU=cuda|sim, the device of rank % devices):\n"
+             "           the time includes weft's copies between the device and its host staging\n"
              "  --tune: time every algorithm of the collective at every size and write the fastest, as\n"
              "          WEFT_ALGO ranges, to FILE (default weft-tuning.txt); load it with WEFT_TUNING=FILE\n"
              "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
@@ -162,6 +168,8 @@ Args parse(int argc, char** argv) {
       a.awaited = true;
     } else if (flag == "--overlap") {
       a.overlap = true;
+    } else if (flag == "--device") {
+      a.device = true;
     } else if (flag == "--json") {
       a.json = value();
     } else if (flag == "--tune") {
@@ -204,8 +212,36 @@ struct Case {
   Group& group;
   std::size_t count = 0;        // elements per rank block (the "count" column is count x blocks)
   std::size_t blocks = 1;       // blocks in the full array (p for gathers and scatters)
-  std::vector<std::byte> input;
+  std::vector<std::byte> input;   // on the host; with --device, copied to device memory before each run
   std::vector<std::byte> output;
+  // --device: the buffers the collective sees are device memory (weft/gpu.hpp), mirrors of the above.
+  Device where{};
+  std::optional<gpu::Stream> copies;
+  gpu::DeviceBuffer device_input;
+  gpu::DeviceBuffer device_output;
+
+  std::byte* in_ptr() { return args.device ? static_cast<std::byte*>(device_input.data()) : input.data(); }
+  std::byte* out_ptr() { return args.device ? static_cast<std::byte*>(device_output.data()) : output.data(); }
+
+  // --device: the host buffers to the device (the next run's input) and back (for the check).
+  void upload() {
+    if (!args.device) return;
+    if (!copies) {
+      where = gpu::device(r() % gpu::device_count());
+      copies.emplace(group.loop(), where);
+    }
+    auto mirror = [&](gpu::DeviceBuffer& on_device, const std::vector<std::byte>& host) {
+      if (on_device.bytes() != host.size() || !on_device.data()) on_device = gpu::DeviceBuffer::allocate(where, host.size());
+      copies->copy(on_device.view(DType::u8), ConstBufferView(host.data(), host.size(), DType::u8)).get();
+    };
+    mirror(device_input, input);
+    mirror(device_output, output);
+  }
+  void download() {
+    if (!args.device) return;
+    copies->copy(BufferView(input.data(), input.size(), DType::u8), device_input.view(DType::u8)).get();
+    copies->copy(BufferView(output.data(), output.size(), DType::u8), device_output.view(DType::u8)).get();
+  }
 
   std::size_t esize() const { return dtype_size(args.dtype); }
   int p() const { return group.size(); }
@@ -245,6 +281,7 @@ struct Case {
             ? static_cast<std::size_t>(p())
             : 1;
     output.assign(args.collective->kind == Kind::barrier ? 0 : out_blocks * b, std::byte{0});
+    upload();
   }
 
   // Runs once. In place: the output buffer is also the input (or holds it, for gathers and scatters).
@@ -252,36 +289,36 @@ struct Case {
     const auto t = args.dtype;
     const std::size_t b = count * esize();
     const auto pn = static_cast<std::size_t>(p());
-    auto* out = output.data();
+    auto* out = out_ptr();
     switch (args.collective->kind) {
       case Kind::all_reduce:
-        if (in_place) return group.all_reduce(BufferView(out, count, t), args.op);
-        return group.all_reduce(ConstBufferView(input.data(), count, t), BufferView(out, count, t), args.op);
+        if (in_place) return group.all_reduce(BufferView(out, count, t, where), args.op);
+        return group.all_reduce(ConstBufferView(in_ptr(), count, t, where), BufferView(out, count, t, where), args.op);
       case Kind::all_gather:
-        if (in_place) return group.all_gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t), BufferView(out, count * pn, t));
-        return group.all_gather(ConstBufferView(input.data(), count, t), BufferView(out, count * pn, t));
+        if (in_place) return group.all_gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t, where), BufferView(out, count * pn, t, where));
+        return group.all_gather(ConstBufferView(in_ptr(), count, t, where), BufferView(out, count * pn, t, where));
       case Kind::reduce_scatter:
-        if (in_place) return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.op);
-        return group.reduce_scatter(ConstBufferView(input.data(), count * pn, t), BufferView(out, count, t), args.op);
+        if (in_place) return group.reduce_scatter(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(in_ptr() + static_cast<std::size_t>(r()) * b, count, t, where), args.op);
+        return group.reduce_scatter(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(out, count, t, where), args.op);
       case Kind::broadcast:
-        if (!in_place && at_root()) copy_bytes(out, input.data(), b);
-        return group.broadcast(BufferView(out, count, t), args.root);
+        if (!in_place && at_root()) copy_bytes(out, in_ptr(), b);
+        return group.broadcast(BufferView(out, count, t, where), args.root);
       case Kind::reduce:
-        if (in_place) return group.reduce(ConstBufferView(out, count, t), BufferView(out, count, t), args.root, args.op);
-        return group.reduce(ConstBufferView(input.data(), count, t), BufferView(out, count, t), args.root, args.op);
+        if (in_place) return group.reduce(ConstBufferView(out, count, t, where), BufferView(out, count, t, where), args.root, args.op);
+        return group.reduce(ConstBufferView(in_ptr(), count, t, where), BufferView(out, count, t, where), args.root, args.op);
       case Kind::gather:
-        if (in_place) return group.gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t), BufferView(out, at_root() ? count * pn : 0, t), args.root);
-        return group.gather(ConstBufferView(input.data(), count, t), BufferView(out, at_root() ? count * pn : 0, t), args.root);
+        if (in_place) return group.gather(ConstBufferView(out + static_cast<std::size_t>(r()) * b, count, t, where), BufferView(out, at_root() ? count * pn : 0, t, where), args.root);
+        return group.gather(ConstBufferView(in_ptr(), count, t, where), BufferView(out, at_root() ? count * pn : 0, t, where), args.root);
       case Kind::scatter:
-        if (in_place) return group.scatter(ConstBufferView(input.data(), at_root() ? count * pn : 0, t), BufferView(input.data() + static_cast<std::size_t>(r()) * b, count, t), args.root);
-        return group.scatter(ConstBufferView(input.data(), at_root() ? count * pn : 0, t), BufferView(out, count, t), args.root);
+        if (in_place) return group.scatter(ConstBufferView(in_ptr(), at_root() ? count * pn : 0, t, where), BufferView(in_ptr() + static_cast<std::size_t>(r()) * b, count, t, where), args.root);
+        return group.scatter(ConstBufferView(in_ptr(), at_root() ? count * pn : 0, t, where), BufferView(out, count, t, where), args.root);
       case Kind::all_to_all:
-        if (in_place) return group.all_to_all(ConstBufferView(out, count * pn, t), BufferView(out, count * pn, t));
-        return group.all_to_all(ConstBufferView(input.data(), count * pn, t), BufferView(out, count * pn, t));
+        if (in_place) return group.all_to_all(ConstBufferView(out, count * pn, t, where), BufferView(out, count * pn, t, where));
+        return group.all_to_all(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(out, count * pn, t, where));
       case Kind::barrier: return group.barrier();
       // Point to point has no in-place form: both columns send `input` and receive into `output`.
-      case Kind::ping_pong: return spawn(group.loop(), ping_pong(input.data(), out));
-      case Kind::stream: return spawn(group.loop(), stream(input.data(), out));
+      case Kind::ping_pong: return spawn(group.loop(), ping_pong(in_ptr(), out));
+      case Kind::stream: return spawn(group.loop(), stream(in_ptr(), out));
     }
     return group.barrier();
   }
@@ -290,11 +327,11 @@ struct Case {
   Task<void> ping_pong(const std::byte* send_from, std::byte* receive_into) {
     const auto t = args.dtype;
     if (r() == 0) {
-      co_await group.send(ConstBufferView(send_from, count, t), 1);
-      co_await group.recv(BufferView(receive_into, count, t), 1);
+      co_await group.send(ConstBufferView(send_from, count, t, where), 1);
+      co_await group.recv(BufferView(receive_into, count, t, where), 1);
     } else if (r() == 1) {
-      co_await group.recv(BufferView(receive_into, count, t), 0);
-      co_await group.send(ConstBufferView(receive_into, count, t), 0);
+      co_await group.recv(BufferView(receive_into, count, t, where), 0);
+      co_await group.send(ConstBufferView(receive_into, count, t, where), 0);
     }
   }
 
@@ -305,13 +342,13 @@ struct Case {
     std::vector<Future<void>> window;
     window.reserve(stream_window);
     if (r() == 0) {
-      for (int i = 0; i < stream_window; ++i) window.push_back(group.send(ConstBufferView(send_from, count, t), 1));
+      for (int i = 0; i < stream_window; ++i) window.push_back(group.send(ConstBufferView(send_from, count, t, where), 1));
       for (std::size_t i = 0; i < window.size(); ++i) co_await std::move(window[i]);
-      co_await group.recv(BufferView(receive_into, 0, t), 1);
+      co_await group.recv(BufferView(receive_into, 0, t, where), 1);
     } else if (r() == 1) {
-      for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t), 0));
+      for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t, where), 0));
       for (std::size_t i = 0; i < window.size(); ++i) co_await std::move(window[i]);
-      co_await group.send(ConstBufferView(receive_into, 0, t), 0);
+      co_await group.send(ConstBufferView(receive_into, 0, t, where), 0);
     }
   }
 
@@ -335,10 +372,12 @@ struct Case {
         break;
       default: break;
     }
+    upload();
   }
 
   // Elements that differ from the reference after one run.
   std::size_t wrong(bool in_place) {
+    download();
     const auto t = args.dtype;
     const std::size_t b = count * esize();
     auto count_wrong = [&](const std::byte* got, const std::vector<std::byte>& expected, std::size_t n) {
@@ -664,14 +703,16 @@ int main(int argc, char** argv) {
     // Every record carries what ran, where and when (bench/plot.py labels its curves with these).
     const std::string meta = fmt::format(
         "\"collective\": \"{}\", \"transport\": {}, \"ranks\": {}, \"host\": {}, \"weft_version\": {}, \"date\": \"{}\", "
-        "\"dtype\": \"{}\", \"op\": \"{}\", \"root\": {}, \"awaited\": {}",
+        "\"dtype\": \"{}\", \"op\": \"{}\", \"root\": {}, \"awaited\": {}, \"buffers\": \"{}\"",
         info.name, json_string(run.transport), p, json_string(run.host), json_string(weft::version()), run.date,
         to_string(args.dtype), info.reduces ? std::string(to_string(args.op)) : "none", info.rooted ? args.root : -1,
-        args.awaited ? "true" : "false");
+        args.awaited ? "true" : "false", args.device ? fmt::format("device ({})", gpu::backend_name()) : std::string("host"));
     if (leader) {
       fmt::print("# weft-bench: {} on {} ranks, transport {}, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
                  info.name, p, group.transport_name(), to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
-                 args.warmup, args.iters, std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : ""));
+                 args.warmup, args.iters,
+                 std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : "") +
+                     (args.device ? fmt::format(", device buffers ({} backend)", gpu::backend_name()) : ""));
       // The transport per peer class: how many peers each backend reaches, and whether the group arena runs
       // the collectives that have a direct shm algorithm.
       std::map<std::string, int> classes;

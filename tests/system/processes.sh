@@ -24,6 +24,19 @@ case $case_name in
       echo "ok: all_reduce $spec"
     done
     ;;
+  bench-device)
+    # Every collective through weft-run with --device: the buffers in (simulated) device memory, staged;
+    # pieces of 64 KiB so that the larger all_reduces and broadcasts pipeline their copies; checked.
+    for c in all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all ping_pong; do
+      for mode in "" "--await"; do
+        out=$(WEFT_GPU=sim WEFT_SIM_DEVICES=2 WEFT_STAGING_COPY_BYTES=65536 "$run" -n 3 --timeout 120 -- "$bench" --device $mode -c "$c" \
+              -b 0 -e 1M -f 7 -w 1 -n 3 -r 2 --check 2>&1) || { echo "$out"; echo "FAIL: $c $mode"; exit 1; }
+        echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $c $mode wrong values"; exit 1; }
+        echo "$out" | grep -q "device buffers (sim backend)" || { echo "$out"; echo "FAIL: $c $mode not on device buffers"; exit 1; }
+        echo "ok: $c --device $mode"
+      done
+    done
+    ;;
   integrity)
     # WEFT_INTEGRITY: every collective, checked, with frames sealed by a CRC-32C and by an HMAC (weft-run
     # gives each launch a secret). Then a rank whose mode differs is refused at the greeting, at once.
