@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with a CUDA GPU, builds weft with CUDA, runs the device suites on the real
-# device, compute-sanitizer (memcheck and synccheck) on them, and the GPU benchmark, writing everything
+# device, compute-sanitizer (memcheck and synccheck) on them, and the GPU benchmarks (weft-gpu-bench and
+# weft-bench --device), writing everything
 # (text, JUnit XML, JSON) to the directory given as the argument, and a summary line per step.
 #
 #   tools/gpu_check.sh OUT_DIR          (BUILD=<dir> to use or make another build directory)
@@ -53,8 +54,25 @@ else
   rc=1
 fi
 
+# The pipelined staging with its pieces small enough to pipeline every size above 64 KiB, on the device.
+WEFT_GPU=cuda WEFT_STAGING_COPY_BYTES=65536 WEFT_ALGO='all_reduce:ring;broadcast:scatter_all_gather' \
+  "$build/tests/test_device" '[collectives],[order],[large]' > "$out/test_device_pipelined.txt" 2>&1
+step "test_device pipelined (cuda)" $?
+
 WEFT_GPU=cuda "$build/bench/weft-gpu-bench" --json "$out/gpu_bench.json" > "$out/gpu_bench.txt" 2>&1
 step "weft-gpu-bench" $?
 cat "$out/gpu_bench.txt"
+# The same without the pieces (WEFT_STAGING_COPY_BYTES=0: the serial staging), to see what pipelining wins.
+WEFT_GPU=cuda WEFT_STAGING_COPY_BYTES=0 "$build/bench/weft-gpu-bench" --runs 1000 --json "$out/gpu_bench_serial_staging.json" \
+  > "$out/gpu_bench_serial_staging.txt" 2>&1
+step "weft-gpu-bench (serial staging)" $?
+grep all_reduce "$out/gpu_bench_serial_staging.txt"
+# nccl-tests' columns on device buffers: 2 processes sharing the GPU(s), all_reduce and broadcast up to 256 MiB.
+for c in all_reduce broadcast; do
+  WEFT_GPU=cuda WEFT_TRANSPORT=tcp "$build/tools/weft-run" -n 2 -- "$build/bench/weft-bench" --device -c "$c" -b 8 -e 256M -f 4 \
+    --check --json "$out/weft_bench_device_$c.json" > "$out/weft_bench_device_$c.txt" 2>&1
+  step "weft-bench --device -c $c (2 processes, tcp)" $?
+  cat "$out/weft_bench_device_$c.txt"
+done
 echo "results in $out"
 exit $rc
