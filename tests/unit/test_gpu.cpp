@@ -221,6 +221,21 @@ TEST_CASE("device reductions equal the CPU kernels on every dtype and op", "[gpu
         auto db = gpu::to_device(ConstBufferView(b.data(), count, dtype), gpu::device(0), s).get();
         s.reduce(da.view(dtype), db.view(dtype), op).get();
         CHECK(gpu::to_host(da.view(dtype), s).get() == expected);
+        // The same one element into the buffers: not 16-byte aligned (the kernels' wide path is not taken
+        // for elements under 16 bytes), the destination apart from both sources.
+        if (count > 1) {
+          const std::size_t es = dtype_size(dtype);
+          const std::size_t n = count - 1;
+          auto dst = gpu::DeviceBuffer::allocate(gpu::device(0), bytes);
+          auto da2 = gpu::to_device(ConstBufferView(a.data(), count, dtype), gpu::device(0), s).get();
+          s.copy(BufferView(static_cast<std::byte*>(dst.data()) + es, n, dtype, gpu::device(0)),
+                 ConstBufferView(static_cast<const std::byte*>(da2.data()) + es, n, dtype, gpu::device(0))).get();
+          s.reduce(BufferView(static_cast<std::byte*>(dst.data()) + es, n, dtype, gpu::device(0)),
+                   ConstBufferView(static_cast<const std::byte*>(db.data()) + es, n, dtype, gpu::device(0)), op).get();
+          const auto got = gpu::to_host(ConstBufferView(static_cast<const std::byte*>(dst.data()) + es, n, dtype, gpu::device(0)), s).get();
+          // db was not changed above (da was the destination); expected[1..] is a[1..] op b[1..].
+          CHECK(std::equal(got.begin(), got.end(), expected.begin() + static_cast<std::ptrdiff_t>(es)));
+        }
       }
     }
   }
