@@ -160,6 +160,19 @@ Task<void> keep_until(std::vector<gpu::Fence> fences, std::shared_ptr<Leases> le
   leases.reset();
 }
 
+// The same where queueing failed half way (a device that failed meanwhile): the copies queued before
+// the failure are awaited instead of a fence, which the failed stream may no longer give.
+Task<void> keep_until_copied(std::vector<Future<void>> copies, std::shared_ptr<Leases> leases) {
+  for (Future<void>& copy : copies) {
+    try {
+      co_await std::move(copy);
+    } catch (...) {
+      // Ran or skipped: either way the memory is no longer the device's.
+    }
+  }
+  leases.reset();
+}
+
 Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::shared_ptr<Leases> leases,
                        std::optional<gpu::Fence> last, gpu::Stream* own, std::optional<Future<void>> copied_in, Task<void> host,
                        std::optional<gpu::Gate> gate, std::optional<Future<void>> copied_out, CopyBack back) {
@@ -287,6 +300,17 @@ class Pieces final : public algo::StagedBuffers {
       at = std::max(at, hi);
     }
     if (at < out_bytes_) copy_back(at, out_bytes_);
+  }
+
+  /// The pieces still copying in, handed over (queueing failed half way: see keep_until_copied).
+  std::vector<Future<void>> still_copying() {
+    std::vector<Future<void>> copying;
+    for (PieceIn& piece : pieces_in_) {
+      if (piece.state != PieceIn::State::copying) continue;
+      copying.push_back(std::move(piece.copied));
+      piece.state = PieceIn::State::gone;
+    }
+    return copying;
   }
 
   std::optional<Error> failure;  // the first copy that failed
@@ -483,13 +507,20 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
       if (stream) back->wait(on.record());
       pieces->copy_back_on(*back, call.out, host_out.bytes_ptr());
     }
-    if (in_device) pieces->copy_in(on, const_cast<std::byte*>(host_in.bytes_ptr()), call.in);
     std::optional<gpu::Gate> gate;
-    if (stream) {
-      gate.emplace();
-      on.wait(*gate);
+    gpu::Fence last_in;
+    try {
+      if (in_device) pieces->copy_in(on, const_cast<std::byte*>(host_in.bytes_ptr()), call.in);
+      if (stream) {
+        gate.emplace();
+        on.wait(*gate);
+      }
+      last_in = on.record();
+    } catch (...) {
+      (void)spawn(*g.loop, keep_until_copied(pieces->still_copying(), std::move(leases)));
+      if (back) staging.give_back(std::move(back));
+      throw;
     }
-    gpu::Fence last_in = on.record();
     const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
     pieces->set_seq(seq);
     return spawn(*g.loop, pipelined_task(state, call.op, seq, std::move(leases), std::move(last_in), pieces, std::move(back),
@@ -503,20 +534,28 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
   std::optional<Future<void>> copied_in;
   std::optional<Future<void>> copied_out;
   std::optional<gpu::Gate> gate;
-  if (in_device) {
-    copied_in.emplace(on.copy(BufferView(const_cast<void*>(host_in.data), host_in.count, host_in.dtype), call.in));
-  }
-  if (stream) {
-    // Later work on the caller's stream waits for the operation, also where nothing comes back (a send
-    // whose buffer a later kernel overwrites).
-    gate.emplace();
-    on.wait(*gate);
-    if (out_device) copied_out.emplace(on.copy(call.out, ConstBufferView(host_out.data, host_out.count, host_out.dtype)));
+  std::optional<gpu::Fence> last;  // the caller's stream: after every copy queued on the staging
+  try {
+    if (in_device) {
+      copied_in.emplace(on.copy(BufferView(const_cast<void*>(host_in.data), host_in.count, host_in.dtype), call.in));
+    }
+    if (stream) {
+      // Later work on the caller's stream waits for the operation, also where nothing comes back (a send
+      // whose buffer a later kernel overwrites).
+      gate.emplace();
+      on.wait(*gate);
+      if (out_device) copied_out.emplace(on.copy(call.out, ConstBufferView(host_out.data, host_out.count, host_out.dtype)));
+      last = on.record();
+    }
+  } catch (...) {
+    std::vector<Future<void>> queued;
+    if (copied_in) queued.push_back(std::move(*copied_in));
+    if (copied_out) queued.push_back(std::move(*copied_out));
+    (void)spawn(*g.loop, keep_until_copied(std::move(queued), std::move(leases)));
+    throw;
   }
   CopyBack back;
   if (out_device && !stream) back = CopyBack{&on, call.out, ConstBufferView(host_out.data, host_out.count, host_out.dtype)};
-  std::optional<gpu::Fence> last;  // the caller's stream: after every copy queued on the staging
-  if (stream) last = on.record();
   const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
   return spawn(*g.loop, staged_task(state, call.op, seq, std::move(leases), std::move(last), stream ? nullptr : &on, std::move(copied_in),
                                     host(host_in, host_out, seq, nullptr), std::move(gate), std::move(copied_out), back));
