@@ -61,14 +61,28 @@ void require(const algo::Algorithm& algorithm, std::initializer_list<algo::Kind>
   }
 }
 
+// Whether `call`'s task runs on its buffers only through one plan and writes nothing after it, so that
+// device staging may run that plan while the copies in and back are still going (StagedBuffers): the
+// rings of all_reduce (not avg, whose division comes after the plan; not deterministic) and broadcast.
+bool pipelines(const GroupState& g, const detail::CollectiveCall& call, const algo::Algorithm& algorithm) {
+  if (g.size == 1) return false;
+  switch (call.collective) {
+    case Collective::all_reduce:
+      return (algorithm.kind == algo::Kind::ring || algorithm.kind == algo::Kind::bidirectional_ring) &&
+             call.op != ReduceOp::avg && !g.options.deterministic;
+    case Collective::broadcast: return algorithm.kind == algo::Kind::binomial || algorithm.kind == algo::Kind::scatter_all_gather;
+    default: return false;
+  }
+}
+
 Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
                            const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
   using algo::Kind;
   require(algorithm, {Kind::ring, Kind::bidirectional_ring, Kind::recursive_doubling, Kind::rabenseifner, Kind::tree});
-  const bool ring = algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring;
-  if (staged && !(ring && g->size > 1 && !g->options.deterministic && op != ReduceOp::avg)) {
+  if (staged && !pipelines(*g, detail::CollectiveCall{Collective::all_reduce, in, out, op}, algorithm)) {
     throw std::logic_error("weft: all_reduce was given staged buffers where it does not run one plan over them");
   }
+  const bool ring = algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring;
   if (g->options.deterministic && g->size > 1) {
     co_await deterministic_all_reduce(g, seq, Collective::all_reduce, in, out, op, {out.count});
     co_return;
@@ -401,20 +415,6 @@ std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& c
 
 Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
                             const algo::Algorithm& algorithm);
-
-// Whether `call`'s task runs on its buffers only through one plan and writes nothing after it, so that
-// device staging may run that plan while the copies in and back are still going (StagedBuffers): the
-// rings of all_reduce (not avg, whose division comes after the plan; not deterministic) and broadcast.
-bool pipelines(const GroupState& g, const detail::CollectiveCall& call, const algo::Algorithm& algorithm) {
-  if (g.size == 1) return false;
-  switch (call.collective) {
-    case Collective::all_reduce:
-      return (algorithm.kind == algo::Kind::ring || algorithm.kind == algo::Kind::bidirectional_ring) &&
-             call.op != ReduceOp::avg && !g.options.deterministic;
-    case Collective::broadcast: return algorithm.kind == algo::Kind::binomial || algorithm.kind == algo::Kind::scatter_all_gather;
-    default: return false;
-  }
-}
 
 // A direct shm algorithm: on the group arena, or (no arena, or the group left it) the built-in choice
 // over the transport.
