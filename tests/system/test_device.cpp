@@ -326,7 +326,8 @@ TEST_CASE("cancelling a stream-ordered operation ends it and lets the stream go 
   const long before = checks_made.load();
   run_ranks(2, [](Group& g) {
     gpu::Stream stream(g.loop(), device_of(g));
-    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 1024 * sizeof(float));
+    // 1025 elements: two pieces where the pipelined suites cut 4 KiB pieces (cancelled mid-pipeline).
+    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 1025 * sizeof(float));
     if (g.rank() == 0) {
       // Rank 1 never joins: the all_reduce waits until cancelled; the stream's later work waits with it.
       Future<void> reduced = g.on(stream).all_reduce(data.view<float>());
