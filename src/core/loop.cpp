@@ -155,6 +155,7 @@ struct Loop::Impl {
   bool borrow_wanted = false;         // guarded by driver_mutex
   bool parked = false;                // guarded by driver_mutex; mirrored in parked_flag for spinners
   Clock::time_point handed_back{};    // guarded by driver_mutex: when the last borrower let go
+  Clock::time_point borrowed_at{};    // guarded by driver_mutex: when the current borrower took the loop
   std::atomic<bool> parked_flag{false};
   std::atomic<bool> borrow_flag{false};
 
@@ -163,6 +164,12 @@ struct Loop::Impl {
   // again, cost about 11 us per call on the 2-core VMs (bench/RESULTS.md). It resumes at once when the
   // borrower leaves operations in flight, and otherwise finds out on its next tick.
   static constexpr std::chrono::microseconds linger{500};
+  // A borrow that lasts (a thread blocked in a receive for a second) would otherwise see the parked
+  // thread tick 2000 times a second, most of the CPU such a rank used (issue 15). Once a borrow is this
+  // old the parked thread looks only every long_tick, and the borrower wakes it when it hands back.
+  // Short borrows (back-to-back blocking calls) keep the short tick and the hand-back without a wake.
+  static constexpr std::chrono::milliseconds long_borrow{5};
+  static constexpr std::chrono::milliseconds long_tick{50};
 
   void park() {
     std::unique_lock lock(driver_mutex);
@@ -174,7 +181,12 @@ struct Loop::Impl {
           (in_flight.load(std::memory_order_relaxed) > 0 || Clock::now() - handed_back >= linger)) {
         break;
       }
-      driver_cv.wait_for(lock, linger);
+      const bool long_borrowed = borrow_wanted && Clock::now() - borrowed_at >= long_borrow;
+      if (long_borrowed) {
+        driver_cv.wait_for(lock, long_tick);
+      } else {
+        driver_cv.wait_for(lock, linger);
+      }
     }
     parked = false;
     parked_flag.store(false, std::memory_order_release);
@@ -405,6 +417,7 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     std::lock_guard lock(im.driver_mutex);
     if (im.borrow_wanted || im.stopping.load()) return false;
     im.borrow_wanted = true;
+    im.borrowed_at = Impl::Clock::now();
     im.borrow_flag.store(true, std::memory_order_release);
   }
   if (!im.parked_flag.load(std::memory_order_acquire)) {
@@ -421,20 +434,23 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     driving = im.parked;
   }
   if (driving) {
-    // Poll within `spin` of the last event, else sleep in the kernel for short slices and look again.
+    // Poll within `spin` of the last event, else sleep in the kernel and look again. Everything that
+    // completes the awaited operation reaches this thread's kernel wait (a socket, the eventfd of the
+    // shared-memory rings and of posts), so the slice only bounds a look at done() that no event asks for.
     auto last_work = Impl::Clock::now();
-    while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(2));
+    while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(50));
   }
-  bool work_left = false;
+  bool wake = false;
   {
     std::lock_guard lock(im.driver_mutex);
     im.borrow_wanted = false;
     im.borrow_flag.store(false, std::memory_order_release);
     im.handed_back = Impl::Clock::now();
-    work_left = im.in_flight.load(std::memory_order_relaxed) > 0;
+    wake = im.in_flight.load(std::memory_order_relaxed) > 0 || im.handed_back - im.borrowed_at >= Impl::long_borrow;
   }
-  // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it now.
-  if (work_left) im.driver_cv.notify_all();
+  // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it now. A
+  // long borrow wakes it too: it sleeps a long tick meanwhile, and must look again within `linger`.
+  if (wake) im.driver_cv.notify_all();
   return driving;
 }
 

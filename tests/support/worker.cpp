@@ -14,11 +14,13 @@
 #include <malloc.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <span>
 #include <thread>
 
 #include <fmt/format.h>
@@ -166,6 +168,31 @@ int main(int argc, char** argv) {
     const std::int64_t expected = static_cast<std::int64_t>(p) * (p + 1) / 2;
     std::printf("rank %d of %d: sum %lld (expected %lld)\n", group.rank(), p, static_cast<long long>(v[0]), static_cast<long long>(expected));
     return v[0] == expected && v[4098] == expected ? 0 : 1;
+  }
+  if (mode == "idle-cpu") {
+    // The CPU a waiting rank uses (issue 15: idle ranks use no CPU): rank 0 waits in a receive while
+    // rank 1 sleeps 1 s outside weft before it sends; rank 0 prints the CPU time of its whole process
+    // (the waiting thread and the loop's) over the wait.
+    std::vector<std::int64_t> v(1, 0);
+    group.barrier().get();
+    if (group.rank() == 1) {
+      std::this_thread::sleep_for(1s);
+      group.send(weft::ConstBufferView(v.data(), 1, weft::DType::i64), 0).get();
+    } else if (group.rank() == 0) {
+      rusage before{};
+      ::getrusage(RUSAGE_SELF, &before);
+      const auto start = std::chrono::steady_clock::now();
+      group.recv(weft::BufferView(v.data(), 1, weft::DType::i64), 1).get();
+      const auto wall = std::chrono::steady_clock::now() - start;
+      rusage after{};
+      ::getrusage(RUSAGE_SELF, &after);
+      auto ms = [](const timeval& t) { return t.tv_sec * 1000.0 + t.tv_usec / 1000.0; };
+      const double cpu = ms(after.ru_utime) + ms(after.ru_stime) - ms(before.ru_utime) - ms(before.ru_stime);
+      std::printf("idle-cpu: waited %.0f ms in a receive, used %.1f ms of CPU (%ld voluntary context switches)\n",
+                  std::chrono::duration<double, std::milli>(wall).count(), cpu, after.ru_nvcsw - before.ru_nvcsw);
+    }
+    group.barrier().get();
+    return 0;
   }
   if (mode == "kill-peer") {
     const int victim = argc > 2 ? std::atoi(argv[2]) : p - 1;
