@@ -174,6 +174,16 @@ int main(int argc, char** argv) {
     // rank 1 sleeps 1 s outside weft before it sends; rank 0 prints the CPU time of its whole process
     // (the waiting thread and the loop's) over the wait.
     std::vector<std::int64_t> v(1, 0);
+    auto cpu_ms = [] {
+      rusage u{};
+      ::getrusage(RUSAGE_SELF, &u);
+      return u.ru_utime.tv_sec * 1000.0 + u.ru_utime.tv_usec / 1000.0 + u.ru_stime.tv_sec * 1000.0 + u.ru_stime.tv_usec / 1000.0;
+    };
+    group.barrier().get();
+    // First nothing in flight for 1 s (the loop's own thread alone, asleep), then a receive that waits 1 s.
+    const double idle_from = cpu_ms();
+    std::this_thread::sleep_for(1s);
+    if (group.rank() == 0) std::printf("idle-cpu: nothing in flight for 1 s, used %.1f ms of CPU\n", cpu_ms() - idle_from);
     group.barrier().get();
     if (group.rank() == 1) {
       std::this_thread::sleep_for(1s);
