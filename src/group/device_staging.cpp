@@ -146,28 +146,16 @@ struct Leases {
   std::unique_ptr<Lease> out;
 };
 
-// Holds `leases` until `fence` is reached (or its stream failed): the copies that read or write them run
-// on the device whatever happened to the operation on the host (cancelled, failed), so the memory
-// goes back to the pool only after them.
-Task<void> keep_until(std::vector<gpu::Fence> fences, std::shared_ptr<Leases> leases) {
-  for (const gpu::Fence& fence : fences) {
+// Holds `leases` until each of `done` completed: fences after the copies that read or write them (or,
+// where queueing failed half way, those copies themselves, since the failed stream may give no fence).
+// The copies run on the device whatever happened to the operation on the host (cancelled, failed), so
+// the memory goes back to the pool only after them.
+Task<void> keep_until(std::vector<Future<void>> done, std::shared_ptr<Leases> leases) {
+  for (Future<void>& step : done) {
     try {
-      co_await fence.done();
+      co_await std::move(step);
     } catch (...) {
-      // A failed stream ran nothing more; the memory is free either way.
-    }
-  }
-  leases.reset();
-}
-
-// The same where queueing failed half way (a device that failed meanwhile): the copies queued before
-// the failure are awaited instead of a fence, which the failed stream may no longer give.
-Task<void> keep_until_copied(std::vector<Future<void>> copies, std::shared_ptr<Leases> leases) {
-  for (Future<void>& copy : copies) {
-    try {
-      co_await std::move(copy);
-    } catch (...) {
-      // Ran or skipped: either way the memory is no longer the device's.
+      // Ran, or skipped by a failed stream: either way the memory is no longer the device's.
     }
   }
   leases.reset();
@@ -196,7 +184,10 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
           return;  // its device failed: nothing more runs there, the memory is free
         }
       }
-      if (last) (void)spawn(loop, keep_until({std::move(*last)}, std::move(leases)));
+      if (!last) return;
+      std::vector<Future<void>> done;
+      done.push_back(last->done());
+      (void)spawn(loop, keep_until(std::move(done), std::move(leases)));
     }
   } on_exit{*g->loop, gate, std::move(leases), std::move(last), own};
   if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
@@ -269,8 +260,7 @@ class Pieces final : public algo::StagedBuffers {
         co_await std::move(piece.copied);
         piece.state = PieceIn::State::landed;
       } catch (const Error& e) {
-        piece.state = PieceIn::State::gone;
-        if (e.errc() != Errc::cancelled) fail(e);
+        lost(piece, e);
       }
     }
     // The group's abort is posted: the plan goes on only after it ran, so that nothing of a piece that
@@ -302,7 +292,7 @@ class Pieces final : public algo::StagedBuffers {
     if (at < out_bytes_) copy_back(at, out_bytes_);
   }
 
-  /// The pieces still copying in, handed over (queueing failed half way: see keep_until_copied).
+  /// The pieces still copying in, handed over (queueing failed half way: see keep_until).
   std::vector<Future<void>> still_copying() {
     std::vector<Future<void>> copying;
     for (PieceIn& piece : pieces_in_) {
@@ -333,9 +323,13 @@ class Pieces final : public algo::StagedBuffers {
       piece.copied.get();  // ready: does not block
       piece.state = PieceIn::State::landed;
     } catch (const Error& e) {
-      piece.state = PieceIn::State::gone;
-      if (e.errc() != Errc::cancelled) fail(e);
+      lost(piece, e);
     }
+  }
+  // A piece that will not land: cancelled (the operation is ending), or failed (the group is aborted).
+  void lost(PieceIn& piece, const Error& e) {
+    piece.state = PieceIn::State::gone;
+    if (e.errc() != Errc::cancelled) fail(e);
   }
 
   void fail(const Error& e) {
@@ -390,16 +384,17 @@ Task<void> pipelined_task(std::shared_ptr<GroupState> g, const char* op, std::ui
     std::shared_ptr<DeviceStaging> staging;
     ~OnExit() {
       if (gate) gate->open();
-      std::vector<gpu::Fence> fences{std::move(last_in)};
+      std::vector<Future<void>> done;
+      done.push_back(last_in.done());
       if (back) {
         try {
-          fences.push_back(back->record());
+          done.push_back(back->record().done());
         } catch (const Error&) {
           // Its device failed: nothing more runs on it.
         }
         staging->give_back(std::move(back));
       }
-      (void)spawn(loop, keep_until(std::move(fences), std::move(leases)));
+      (void)spawn(loop, keep_until(std::move(done), std::move(leases)));
     }
   } on_exit{*g->loop, gate, std::move(leases), std::move(last_in), std::move(back), std::move(staging)};
   std::exception_ptr error;
@@ -517,7 +512,7 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
       }
       last_in = on.record();
     } catch (...) {
-      (void)spawn(*g.loop, keep_until_copied(pieces->still_copying(), std::move(leases)));
+      (void)spawn(*g.loop, keep_until(pieces->still_copying(), std::move(leases)));
       if (back) staging.give_back(std::move(back));
       throw;
     }
@@ -551,7 +546,7 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
     std::vector<Future<void>> queued;
     if (copied_in) queued.push_back(std::move(*copied_in));
     if (copied_out) queued.push_back(std::move(*copied_out));
-    (void)spawn(*g.loop, keep_until_copied(std::move(queued), std::move(leases)));
+    (void)spawn(*g.loop, keep_until(std::move(queued), std::move(leases)));
     throw;
   }
   CopyBack back;
