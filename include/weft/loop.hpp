@@ -97,6 +97,13 @@ class Loop {
   /// Runs `fn` on the loop's thread, later. Thread-safe.
   void post(std::function<void()> fn);
 
+  /// Runs `fn` on the loop's thread when a turn next asks the kernel for events, just before it does (or
+  /// before it sleeps): for work that itself costs a system call and is worth doing only once the loop
+  /// has nothing else, such as a TCP stream's first try at a read. `fn` returns true when it found work
+  /// (completed something); the turn then skips its kernel poll unless one is overdue. A borrowed
+  /// io_context, whose turns are the user's, runs it as a post. Loop thread only.
+  void before_kernel_poll(std::function<bool()> fn);
+
   /// Calls `fn(true)` on the loop after `delay`, or `fn(false)` if cancel_timer() came first.
   /// Returns an id for cancel_timer(). Thread-safe.
   std::uint64_t call_after(std::chrono::nanoseconds delay, std::function<void(bool fired)> fn);

@@ -235,6 +235,22 @@ struct Loop::Impl {
     return true;
   }
 
+  // Work for the turn that next asks the kernel (before_kernel_poll), loop thread only: a TCP stream's
+  // first try at a read waits here, so that the try comes after what the loop had to do first (the
+  // handlers of the frame just read, the sends of the operations they started) and replaces a kernel
+  // poll instead of adding one (bench/RESULTS.md, "The per-operation floor").
+  std::vector<std::function<bool()>> before_poll;
+  std::vector<std::function<bool()>> before_poll_running;
+  std::size_t run_before_poll() {
+    if (before_poll.empty()) return 0;
+    before_poll_running.swap(before_poll);
+    PollingHere here(this);
+    std::size_t found = 0;
+    for (auto& fn : before_poll_running) found += fn() ? 1 : 0;
+    before_poll_running.clear();
+    return found;
+  }
+
   // Memory-only event sources (add_poller), loop thread only.
   std::vector<std::pair<std::uint64_t, std::shared_ptr<Loop::Poller>>> pollers;
   Clock::time_point kernel_polled{};  // while pollers spin, the kernel is asked only every kernel_every
@@ -272,7 +288,12 @@ struct Loop::Impl {
   // the peer is evidently busy elsewhere and polling only takes its core; an event that came late in the
   // bound doubles it (up to spin). Back-to-back collectives keep it at `spin`; a rank waiting on a peer
   // that computes between collectives polls for ever shorter stretches.
-  void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait) {
+  //
+  // `done` (the borrower's condition; null on the progress thread) is looked at after every handler of a
+  // kernel poll: once it holds, the turn ends there instead of asking the kernel once more (the poll's
+  // own last look), which would sit between a small collective's last message and its caller.
+  void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait,
+            const std::function<bool()>* done = nullptr) {
     if (polling) {
       std::size_t found = run_ready();
       found += pollers.empty() ? 0 : run_pollers();
@@ -284,8 +305,12 @@ struct Loop::Impl {
       const auto now = Clock::now();
       const auto since = now - kernel_polled;
       if (since >= kernel_at_most || (found == 0 && (pollers.empty() || since >= kernel_every))) {
-        found += io->poll();
-        kernel_polled = now;
+        const std::size_t early = run_before_poll();
+        if (early == 0 || since >= kernel_at_most) {
+          found += poll_kernel(done);
+          kernel_polled = now;
+        }
+        found += early;
       }
       if (found > 0) {
         if (now - last_work > spin_now / 2) spin_now = std::min(spin, spin_now * 2);
@@ -298,7 +323,7 @@ struct Loop::Impl {
       }
       spin_now = std::max(spin / 16, spin_now / 2);
     }
-    if (run_ready() > 0) {
+    if (run_ready() + run_before_poll() > 0) {
       last_work = Clock::now();
       return;
     }
@@ -323,6 +348,17 @@ struct Loop::Impl {
     last_work = Clock::now();
   }
 
+  // io_context::poll, handler by handler: stops early once `done` holds or something was posted (the
+  // ready queue runs first in a turn); otherwise, as poll, until the kernel has nothing more.
+  std::size_t poll_kernel(const std::function<bool()>* done) {
+    std::size_t n = 0;
+    while (io->poll_one() > 0) {
+      ++n;
+      if ((done && (*done)()) || ready_any.load(std::memory_order_acquire)) break;
+    }
+    return n;
+  }
+
   // The progress thread: polls while operations are in flight, sleeps otherwise, and parks while a
   // waiting thread drives the loop.
   void run_progress() {
@@ -345,7 +381,7 @@ struct Loop::Impl {
   // set up for a single issuer refuses any other); the destructor repeats it for what came later.
   void drain() {
     io->restart();
-    for (int round = 0; round < 100 && run_ready() + io->poll() > 0; ++round) {
+    for (int round = 0; round < 100 && run_ready() + run_before_poll() + io->poll() > 0; ++round) {
     }
   }
 
@@ -438,7 +474,7 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     // completes the awaited operation reaches this thread's kernel wait (a socket, the eventfd of the
     // shared-memory rings and of posts), so the slice only bounds a look at done() that no event asks for.
     auto last_work = Impl::Clock::now();
-    while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(50));
+    while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(50), &done);
   }
   bool wake = false;
   {
@@ -456,6 +492,14 @@ bool Loop::drive_until(const std::function<bool()>& done) {
 
 void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::memory_order_relaxed); }
 void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }
+
+void Loop::before_kernel_poll(std::function<bool()> fn) {
+  if (impl_->progress_thread.joinable()) {
+    impl_->before_poll.push_back(std::move(fn));
+  } else {
+    asio::post(*impl_->io, [fn = std::move(fn)] { (void)fn(); });
+  }
+}
 
 void Loop::post(std::function<void()> fn) {
   // An owned loop takes every post through its ready queue: from other threads, and from its own (the

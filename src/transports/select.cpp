@@ -64,7 +64,10 @@ FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice,
   // The backend for the peers that shared memory does not reach.
   std::string_view remote = choice == "shm" ? "tcp" : choice == "shm+uring" ? "uring" : choice;
   std::string name = "tcp";
-  FramedTransport::StreamFactory remote_streams = make_asio_stream;
+  FramedTransport::StreamFactory remote_streams = [&loop](asio::ip::tcp::socket socket, StreamEvents* events, int peer,
+                                                          std::weak_ptr<bool> alive) {
+    return make_asio_stream(loop, std::move(socket), events, peer, std::move(alive));
+  };
 #if WEFT_HAVE_URING
   if (remote == "uring" || remote == "auto") {
     std::string why;

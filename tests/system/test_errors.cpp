@@ -422,7 +422,10 @@ class RawPeer {
       std::vector<asio::ip::tcp::socket> sockets;
       sockets.emplace_back(loop_.context());
       sockets.emplace_back(acceptor.accept());
-      transport_ = std::make_unique<FramedTransport>(loop_, 0, 2, std::move(sockets), "tcp", make_asio_stream);
+      transport_ = std::make_unique<FramedTransport>(
+          loop_, 0, 2, std::move(sockets), "tcp", [this](asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
+            return make_asio_stream(loop_, std::move(socket), events, peer, std::move(alive));
+          });
       transport_->set_early_limit(early_limit);
       transport_->seal_frames(integrity, {FrameKeys{}, keys});
       transport_->open_context(1, {0, 1});

@@ -1,6 +1,10 @@
 #include "transports/asio/asio_stream.hpp"
 
+#include <sys/socket.h>
+#include <sys/uio.h>
+
 #include <array>
+#include <cerrno>
 
 namespace weft {
 namespace {
@@ -15,26 +19,93 @@ struct TransferAtLeast {
   }
 };
 
+bool would_block(int error) noexcept { return error == EAGAIN || error == EWOULDBLOCK || error == EINTR; }
+
+std::error_code system_error(int error) { return {error, asio::error::get_system_category()}; }
+
 }  // namespace
 
 // Handlers hold the stream (and so the socket) until they run, and report only while the transport
 // lives: completions still queued when it goes away find the flag expired.
 void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
-  const std::array<asio::const_buffer, 3> buffers{asio::buffer(first.data, first.size), asio::buffer(second.data, second.size),
-                                                  asio::buffer(third.data, third.size)};
+  std::array<ConstBytes, 3> parts{first, second, third};
   const std::size_t total = first.size + second.size + third.size;
-  asio::async_write(socket_, buffers, TransferAtLeast{total, total}, [self = shared_from_this()](const std::error_code& ec, std::size_t) {
+  std::size_t sent = 0;
+  std::error_code failed;
+  if (socket_.is_open()) {
+    std::array<iovec, 3> iov{};
+    msghdr message{};
+    for (const auto& part : parts) {
+      if (part.size == 0) continue;
+      iov[message.msg_iovlen++] = iovec{const_cast<void*>(part.data), part.size};
+    }
+    message.msg_iov = iov.data();
+    const ssize_t n = message.msg_iovlen == 0 ? 0 : ::sendmsg(socket_.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n >= 0) {
+      sent = static_cast<std::size_t>(n);
+    } else if (!would_block(errno)) {
+      failed = system_error(errno);
+    }
+  } else {
+    failed = asio::error::bad_descriptor;
+  }
+  if (failed || sent == total) {
+    loop_.post([self = shared_from_this(), failed] {
+      if (self->alive_.expired()) return;
+      self->events_->on_written(self->peer_, failed);
+    });
+    return;
+  }
+  // The socket's buffer is full: the rest goes when the reactor says it has room.
+  std::array<asio::const_buffer, 3> rest;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const std::size_t skip = std::min(sent, parts[i].size);
+    sent -= skip;
+    rest[i] = asio::buffer(static_cast<const std::byte*>(parts[i].data) + skip, parts[i].size - skip);
+  }
+  const std::size_t left = asio::buffer_size(rest);
+  asio::async_write(socket_, rest, TransferAtLeast{left, left}, [self = shared_from_this()](const std::error_code& ec, std::size_t) {
     if (self->alive_.expired()) return;
     self->events_->on_written(self->peer_, ec);
   });
 }
 
 void AsioStream::read(void* dst, std::size_t min, std::size_t cap) {
-  asio::async_read(socket_, asio::buffer(dst, cap), TransferAtLeast{min, cap},
-                   [self = shared_from_this()](const std::error_code& ec, std::size_t n) {
-                     if (self->alive_.expired()) return;
-                     self->events_->on_read(self->peer_, ec, n);
-                   });
+  read_dst_ = static_cast<std::byte*>(dst);
+  read_min_ = min;
+  read_cap_ = cap;
+  loop_.before_kernel_poll([self = shared_from_this()] { return self->try_read(); });
+}
+
+void AsioStream::report_read(const std::error_code& ec, std::size_t bytes) {
+  if (alive_.expired()) return;
+  events_->on_read(peer_, ec, bytes);
+}
+
+bool AsioStream::try_read() {
+  if (alive_.expired()) return false;
+  if (!socket_.is_open()) {  // closed before the try: the read ends as Asio's would
+    report_read(asio::error::operation_aborted, 0);
+    return true;
+  }
+  const ssize_t n = ::recv(socket_.native_handle(), read_dst_, read_cap_, MSG_DONTWAIT);
+  if (n < 0 && !would_block(errno)) {
+    report_read(system_error(errno), 0);
+    return true;
+  }
+  if (n == 0 && read_cap_ > 0) {
+    report_read(asio::error::eof, 0);
+    return true;
+  }
+  const std::size_t got = n > 0 ? static_cast<std::size_t>(n) : 0;
+  if (got >= read_min_) {
+    report_read({}, got);
+    return true;
+  }
+  // Nothing (or not enough) yet: the reactor waits for the rest.
+  asio::async_read(socket_, asio::buffer(read_dst_ + got, read_cap_ - got), TransferAtLeast{read_min_ - got, read_cap_ - got},
+                   [self = shared_from_this(), got](const std::error_code& ec, std::size_t more) { self->report_read(ec, got + more); });
+  return false;
 }
 
 void AsioStream::write_blocking(const void* data, std::size_t size) {
@@ -52,8 +123,9 @@ void AsioStream::close() {
   socket_.close(ignored);
 }
 
-std::shared_ptr<Stream> make_asio_stream(asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive) {
-  return std::make_shared<AsioStream>(std::move(socket), events, peer, std::move(alive));
+std::shared_ptr<Stream> make_asio_stream(Loop& loop, asio::ip::tcp::socket socket, StreamEvents* events, int peer,
+                                         std::weak_ptr<bool> alive) {
+  return std::make_shared<AsioStream>(loop, std::move(socket), events, peer, std::move(alive));
 }
 
 }  // namespace weft
