@@ -66,8 +66,8 @@ struct Options {
   /// How bytes move between ranks (WEFT_TRANSPORT): "tcp" (Asio's reactor), "uring" (io_uring), "shm"
   /// (shared memory with the ranks of this host that ask for it too, tcp with the others; when every
   /// rank of the job is on this host, also the group arena of the direct shm collectives), "shm+uring"
-  /// (the same with io_uring for the others), or "auto" (shared memory where it can, io_uring where it
-  /// works with the others, else tcp). They speak the same protocol, so ranks may differ. When io_uring
+  /// (the same with io_uring for the others), or "auto" (what measured fastest: shared memory where it
+  /// can, tcp with the others; io_uring measured slower, docs/DESIGN.md). They speak the same protocol, so ranks may differ. When io_uring
   /// cannot be set up, weft uses tcp and says so once in the log; a pair that cannot share memory stays
   /// on TCP with one log line. Empty: WEFT_TRANSPORT, else "tcp" (weft-run sets "shm" for its ranks).
   /// Any other value is an error naming the valid ones.

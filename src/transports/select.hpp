@@ -47,8 +47,8 @@ asio::awaitable<void> link_local(Loop& loop, std::vector<asio::ip::tcp::socket>&
                                  std::chrono::steady_clock::time_point deadline, LocalLinks& out);
 
 /// The framed transport over `sockets` (one per peer, greeted) with the backend `choice` names ("tcp",
-/// "uring", or "auto": shared memory with the peers `links` holds and uring where it works with the others; "shm": shared memory with the peers `links` holds, tcp with
-/// the others; "shm+uring": the same with uring). uring that cannot be set up, or that this build lacks,
+/// "uring", "shm": shared memory with the peers `links` holds, tcp with the others; "shm+uring": the same
+/// with uring; "auto": as "shm", the choice that measured fastest). uring that cannot be set up, or that this build lacks,
 /// gives tcp, with one log line per process.
 /// Errors: none of its own (the choice was validated with the options).
 FramedTransport* create(Loop& loop, int rank, int size, std::string_view choice, std::vector<asio::ip::tcp::socket> sockets,

@@ -171,13 +171,12 @@ case $case_name in
       saved=$(cat "$knob")
       trap 'echo "$saved" > "$knob"' EXIT
       echo 2 > "$knob"
-      out=$(WEFT_TRANSPORT=auto "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 64K -f 8 -w 1 -n 3 --check 2>&1) \
+      out=$(WEFT_TRANSPORT=uring "$run" -n 2 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 64K -f 8 -w 1 -n 3 --check 2>&1) \
         || { echo "$out"; echo "FAIL: the run with io_uring disabled failed"; exit 1; }
       echo "$saved" > "$knob"
       trap - EXIT
       echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: wrong values (sysctl)"; exit 1; }
-      # ("auto" also takes shared memory with the ranks of this host: shm+tcp, tcp where uring would be.)
-      echo "$out" | grep -qE "transport (shm\+)?tcp" || { echo "$out"; echo "FAIL: not on tcp (sysctl)"; exit 1; }
+      echo "$out" | grep -q "transport tcp" || { echo "$out"; echo "FAIL: not on tcp (sysctl)"; exit 1; }
       echo "$out" | grep -q "io_uring is not available (io_uring_queue_init: " || { echo "$out"; echo "FAIL: no reason logged (sysctl)"; exit 1; }
       echo "ok: io_uring disabled by sysctl"
     else
