@@ -323,7 +323,7 @@ struct Loop::Impl {
       }
       spin_now = std::max(spin / 16, spin_now / 2);
     }
-    if (run_ready() + run_before_poll() > 0) {
+    if (run_ready() > 0 || run_before_poll() > 0) {
       last_work = Clock::now();
       return;
     }

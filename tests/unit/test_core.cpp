@@ -196,6 +196,45 @@ TEST_CASE("a borrowed io_context runs weft's work on the caller's thread", "[cor
   CHECK(ran_on == caller);
 }
 
+TEST_CASE("work left for the kernel poll runs after the posted work, on the loop's thread", "[core][loop]") {
+  // A TCP stream's first try at a read waits here (transports/asio): it must come after what the loop
+  // had to do first and still run when nothing else does, on an owned loop and on a borrowed one.
+  Loop loop;
+  std::mutex m;
+  std::vector<std::string> order;
+  std::atomic<int> done{0};
+  std::atomic<bool> on_loop{true};
+  loop.post([&] {
+    loop.before_kernel_poll([&] {
+      on_loop = on_loop && loop.in_loop_thread();
+      std::lock_guard lock(m);
+      order.push_back("kernel");
+      ++done;
+      return true;
+    });
+    loop.post([&] {
+      std::lock_guard lock(m);
+      order.push_back("posted");
+      ++done;
+    });
+  });
+  for (int i = 0; i < 400 && done < 2; ++i) std::this_thread::sleep_for(5ms);
+  REQUIRE(done == 2);
+  CHECK(on_loop);
+  CHECK(order == std::vector<std::string>{"posted", "kernel"});
+
+  asio::io_context io;
+  Loop borrowed(io);
+  bool ran = false;
+  borrowed.before_kernel_poll([&] {
+    ran = true;
+    return false;
+  });
+  CHECK_FALSE(ran);
+  io.poll();
+  CHECK(ran);
+}
+
 TEST_CASE("the completion hook delivers an eventfd's readiness into the loop", "[core][loop]") {
   Loop loop;
   const int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
