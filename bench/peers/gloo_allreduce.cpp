@@ -31,7 +31,9 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp/gloo-store-" + job.substr(job.rfind(':') + 1);
   std::filesystem::create_directories(dir);
   gloo::transport::tcp::attr attr;
-  attr.hostname = "127.0.0.1";
+  // GLOO_HOSTNAME: the address to listen on where ranks are not on loopback (bench/hosts.sh's namespaces).
+  const char* hostname = std::getenv("GLOO_HOSTNAME");
+  attr.hostname = hostname && *hostname ? hostname : "127.0.0.1";
   auto device = gloo::transport::tcp::CreateDevice(attr);
   gloo::rendezvous::FileStore file_store(dir);
   gloo::rendezvous::PrefixStore store("bench", file_store);
