@@ -19,16 +19,18 @@ tag=wb$$
 subnet=10.232.$(( $$ % 200 )).
 out=$(mktemp -d)
 source "$(dirname "$0")/../tests/system/hosts.sh"
-trap 'remove_hosts "$tag" $n; rm -rf "$out" /tmp/gloo-store-$tag*' EXIT
+port=$((30100 + ($$ % 500) * 50))  # the store's port; Gloo's file store is /tmp/gloo-store-PORT
+first_port=$port
+trap 'remove_hosts "$tag" $n; rm -rf "$out"; for p in $(seq $first_port $port); do rm -rf /tmp/gloo-store-$p; done' EXIT
 make_hosts "$tag" "$subnet" "$n"
 for r in $(seq 0 $((n - 1))); do
   ip netns exec "${tag}h$r" tc qdisc add dev eth0 root tbf rate "$rate" burst 512kb latency 100ms
 done
-port=30100
 ranks() {  # ranks LOG ENV... -- runs one program per host, waits, keeps rank 0's output in LOG
   local log=$1 pids=() rc=0
   shift
   port=$((port + 1))
+  rm -rf "/tmp/gloo-store-$port"
   for r in $(seq 0 $((n - 1))); do
     ip netns exec "${tag}h$r" env WEFT_RANK=$r WEFT_WORLD_SIZE=$n WEFT_STORE="${subnet}1:$port" GLOO_HOSTNAME="${subnet}$((r + 1))" \
       WEFT_TRANSPORT=tcp "$@" > "$out/rank$r.log" 2>&1 &
@@ -49,7 +51,6 @@ for round in $(seq 1 "$rounds"); do
   done
   if [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
-    rm -rf /tmp/gloo-store-$port
     ranks "$out/gloo.$round.txt" timeout 600 "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 "$iters"
   fi
 done
