@@ -4,6 +4,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
 
 #include <fmt/format.h>
@@ -69,6 +70,45 @@ struct CancelHook {
   Channel channel;
   bool finished = false;  // loop thread only
 };
+// The stop callback itself: a type of its own rather than a std::function (one allocation less per plan).
+struct CancelOnStop {
+  std::shared_ptr<CancelHook> hook;
+  void operator()() const {
+    hook->channel.loop->post([hook = hook] {
+      if (hook->finished) return;
+      const Channel& c = hook->channel;
+      c.transport->cancel_operation(c.context, c.seq, fmt::format("rank {} cancelled {} #{}", c.rank, c.op_name, c.seq));
+    });
+  }
+};
+
+// Every operation a plan started, at addresses that stay put until the plan ends. A small plan's few
+// operations live inside the executor (a deque allocates its map and first block when made: two of a
+// small all_reduce's allocations, bench/RESULTS.md "The per-operation floor"); more go to a deque.
+class PlanOps {
+ public:
+  PlanOps() = default;
+  PlanOps(const PlanOps&) = delete;
+  PlanOps& operator=(const PlanOps&) = delete;
+  ~PlanOps() {
+    for (std::size_t i = 0; i < std::min(count_, in_place); ++i) slot(i)->~TransportOp();
+  }
+  TransportOp& emplace_back() {
+    if (count_ < in_place) return *new (storage_[count_++]) TransportOp();
+    if (!more_) more_.emplace();
+    ++count_;
+    return more_->emplace_back();
+  }
+  std::size_t size() const noexcept { return count_; }
+  TransportOp& operator[](std::size_t i) noexcept { return i < in_place ? *slot(i) : (*more_)[i - in_place]; }
+
+ private:
+  static constexpr std::size_t in_place = 4;
+  TransportOp* slot(std::size_t i) noexcept { return std::launder(reinterpret_cast<TransportOp*>(storage_[i])); }
+  alignas(TransportOp) std::byte storage_[in_place][sizeof(TransportOp)];
+  std::size_t count_ = 0;
+  std::optional<std::deque<TransportOp>> more_;
+};
 
 class Executor {
  public:
@@ -77,9 +117,15 @@ class Executor {
     seg_elems_ = std::max<std::size_t>(1, options.segment_bytes / esize_);
     depth_ = std::max<std::size_t>({1, static_cast<std::size_t>(std::max(1, options.pipeline_depth)),
                                       options.scratch_bytes / (seg_elems_ * esize_)});
-    sent_to_.assign(channel.members.size(), 0);
-    received_from_.assign(channel.members.size(), 0);
+    // Per group rank, messages sent to it and receives posted from it so far: in the executor for
+    // groups of up to `counted_in_place` ranks.
+    const std::size_t p = channel.members.size();
+    if (p > counted_in_place) counts_more_.assign(2 * p, 0);
+    sent_to_ = p > counted_in_place ? counts_more_.data() : counts_;
+    received_from_ = sent_to_ + p;
   }
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
 
   Task<void> run(const Plan& plan);
 
@@ -190,10 +236,13 @@ class Executor {
   std::size_t depth_ = 1;
   std::size_t temp_slots_ = 0;
   kernels::ReduceFn reduce_ = nullptr;
-  std::deque<TransportOp> ops_;  // every operation this plan started; a deque keeps their addresses
+  PlanOps ops_;  // every operation this plan started
   std::vector<InflightSend> sends_;
-  std::vector<std::uint64_t> sent_to_;        // messages sent to each group rank so far
-  std::vector<std::uint64_t> received_from_;  // receives posted from each group rank so far
+  static constexpr std::size_t counted_in_place = 16;
+  std::uint64_t counts_[2 * counted_in_place] = {};
+  std::vector<std::uint64_t> counts_more_;
+  std::uint64_t* sent_to_ = nullptr;        // messages sent to each group rank so far
+  std::uint64_t* received_from_ = nullptr;  // receives posted from each group rank so far
   std::vector<std::vector<Range>> final_parts_;  // staged buffers only: per step, what of its `recv` is final
   ScratchPool::Buffer temp_;
   bool failed_ = false;
@@ -247,17 +296,9 @@ Task<void> Executor::run(const Plan& plan) {
   }
 
   auto hook = std::make_shared<CancelHook>(CancelHook{ch_});
-  std::optional<std::stop_callback<std::function<void()>>> on_stop;
+  std::optional<std::stop_callback<CancelOnStop>> on_stop;
   const std::stop_token token = co_await this_stop_token();
-  if (token.stop_possible() && ch_.loop) {
-    on_stop.emplace(token, std::function<void()>([hook] {
-      hook->channel.loop->post([hook] {
-        if (hook->finished) return;
-        const Channel& c = hook->channel;
-        c.transport->cancel_operation(c.context, c.seq, fmt::format("rank {} cancelled {} #{}", c.rank, c.op_name, c.seq));
-      });
-    }));
-  }
+  if (token.stop_possible() && ch_.loop) on_stop.emplace(token, CancelOnStop{hook});
 
   for (std::size_t i = 0; i < plan.size() && !failed_;) {
     const Step& step = plan[i];
@@ -376,7 +417,8 @@ Task<void> Executor::run(const Plan& plan) {
 
   // Drain: every operation this plan started completes before the plan does (their buffers and this
   // frame must outlive them). After a failure the aborted context completes the rest promptly.
-  for (TransportOp& op : ops_) {
+  for (std::size_t k = 0; k < ops_.size(); ++k) {
+    TransportOp& op = ops_[k];
     if (!op.done()) co_await op.wait();
     ok(op);
   }

@@ -5,7 +5,6 @@
 // charged against a limit (Options::max_early_bytes) and pooled for reuse. Loop thread only.
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -15,6 +14,39 @@
 #include "weft/transport.hpp"
 
 namespace weft {
+
+// Oldest-first queue of a mailbox: nothing is allocated until the first push (a mailbox is made and
+// erased for about every message, and std::deque allocates its map and a 512-byte block when made: four
+// of a small all_reduce's 24 allocations, bench/RESULTS.md "The per-operation floor"). A mailbox holds one
+// item nearly always (keys carry per-peer counters), so a vector with a moving front is enough.
+template <class T>
+class Fifo {
+ public:
+  bool empty() const noexcept { return head_ == items_.size(); }
+  std::size_t size() const noexcept { return items_.size() - head_; }
+  T& front() noexcept { return items_[head_]; }
+  void push_back(T item) { items_.push_back(std::move(item)); }
+  void pop_front() {
+    items_[head_] = T{};
+    if (++head_ == items_.size()) clear();
+  }
+  auto begin() noexcept { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
+  auto end() noexcept { return items_.end(); }
+  auto begin() const noexcept { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
+  auto end() const noexcept { return items_.end(); }
+  void erase(typename std::vector<T>::iterator at) {
+    items_.erase(at);
+    if (empty()) clear();
+  }
+  void clear() noexcept {
+    items_.clear();
+    head_ = 0;
+  }
+
+ private:
+  std::vector<T> items_;
+  std::size_t head_ = 0;
+};
 
 class Matcher {
  public:
@@ -63,8 +95,8 @@ class Matcher {
   };
 
   struct Mailbox {
-    std::deque<TransportOp*> posted;  // receives waiting for a message, oldest first
-    std::deque<Early> early;          // messages waiting for a receive, oldest first
+    Fifo<TransportOp*> posted;  // receives waiting for a message, oldest first
+    Fifo<Early> early;          // messages waiting for a receive, oldest first
   };
 
   // ---- the early-message limit and the buffer pool
