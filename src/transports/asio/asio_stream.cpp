@@ -50,10 +50,7 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
     failed = asio::error::bad_descriptor;
   }
   if (failed || sent == total) {
-    loop_.post([self = shared_from_this(), failed] {
-      if (self->alive_.expired()) return;
-      self->events_->on_written(self->peer_, failed);
-    });
+    loop_.post([self = shared_from_this(), failed] { self->report_written(failed); });
     return;
   }
   // The socket's buffer is full: the rest goes when the reactor says it has room.
@@ -64,10 +61,8 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
     rest[i] = asio::buffer(static_cast<const std::byte*>(parts[i].data) + skip, parts[i].size - skip);
   }
   const std::size_t left = asio::buffer_size(rest);
-  asio::async_write(socket_, rest, TransferAtLeast{left, left}, [self = shared_from_this()](const std::error_code& ec, std::size_t) {
-    if (self->alive_.expired()) return;
-    self->events_->on_written(self->peer_, ec);
-  });
+  asio::async_write(socket_, rest, TransferAtLeast{left, left},
+                    [self = shared_from_this()](const std::error_code& ec, std::size_t) { self->report_written(ec); });
 }
 
 void AsioStream::read(void* dst, std::size_t min, std::size_t cap) {
@@ -75,6 +70,11 @@ void AsioStream::read(void* dst, std::size_t min, std::size_t cap) {
   read_min_ = min;
   read_cap_ = cap;
   loop_.before_kernel_poll([self = shared_from_this()] { return self->try_read(); });
+}
+
+void AsioStream::report_written(const std::error_code& ec) {
+  if (alive_.expired()) return;
+  events_->on_written(peer_, ec);
 }
 
 void AsioStream::report_read(const std::error_code& ec, std::size_t bytes) {

@@ -35,6 +35,8 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
  private:
   // The read's first try (from the loop, before a kernel poll): true when it reported the read.
   bool try_read();
+  // Both report to the transport only while it lives (completions still queued when it goes away).
+  void report_written(const std::error_code& ec);
   void report_read(const std::error_code& ec, std::size_t bytes);
 
   Loop& loop_;
