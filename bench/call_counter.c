@@ -1,6 +1,6 @@
 // bench/calls.sh's preload: counts the calls a process makes through the dynamic linker to malloc and free,
 // pthread_mutex_lock and the condition-variable signals, and appends them to the file CALLS_OUT at exit
-// (rank 0 of weft-run or mpirun only, or a process with neither). Not part of weft.
+// (rank 0 of weft-run or mpirun only: the launchers themselves write nothing). Not part of weft.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -39,7 +39,7 @@ __attribute__((destructor)) static void report(void) {
   const char* out = getenv("CALLS_OUT");
   const char* rank = getenv("WEFT_RANK");
   if (!rank) rank = getenv("OMPI_COMM_WORLD_RANK");
-  if (!out || (rank && strcmp(rank, "0") != 0)) return;
+  if (!out || !rank || strcmp(rank, "0") != 0) return;
   FILE* f = fopen(out, "a");
   if (!f) return;
   fprintf(f, "%lu %lu %lu %lu\n", (unsigned long)n_malloc, (unsigned long)n_free, (unsigned long)n_lock, (unsigned long)n_signal);

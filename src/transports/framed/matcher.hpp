@@ -23,7 +23,6 @@ template <class T>
 class Fifo {
  public:
   bool empty() const noexcept { return head_ == items_.size(); }
-  std::size_t size() const noexcept { return items_.size() - head_; }
   T& front() noexcept { return items_[head_]; }
   void push_back(T item) { items_.push_back(std::move(item)); }
   void pop_front() {
