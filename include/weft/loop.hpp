@@ -57,6 +57,11 @@ class Loop {
     /// launcher's local rank count (WEFT_LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE,
     /// SLURM_NTASKS_PER_NODE) exceeds the cores; with WEFT_SPIN_YIELD=0 such ranks do not poll at all.
     bool yield_while_polling = false;
+    /// Polling that does not yield starts yielding by itself once the scheduler preempts the polling
+    /// thread again and again (3 times within 100 ms, counted with getrusage): the core is shared with a
+    /// runnable thread this rank may be waiting for, which a launcher did not say (simulated hosts in
+    /// namespaces, containers, CPU quotas). Default: on, unless WEFT_SPIN_YIELD=0.
+    bool yield_when_preempted = true;
   };
 
   /// Owned mode: an io_context of its own and a progress thread that runs it.
@@ -80,6 +85,9 @@ class Loop {
   /// do not drive (Options::caller_drives false). An io_uring ring can then be set up for a single
   /// issuer (IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN).
   bool single_thread() const noexcept;
+  /// True when polling gives the core away after every look that found nothing: told so
+  /// (Options::yield_while_polling) or found out (Options::yield_when_preempted).
+  bool polls_yielding() const noexcept;
 
   /// Caller-driven progress: when this loop owns a progress thread and the caller is another thread,
   /// parks the progress thread and runs the loop on the caller's thread until `done()` holds (polling

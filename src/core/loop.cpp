@@ -1,6 +1,7 @@
 #include "weft/loop.hpp"
 
 #include <sched.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,6 +22,7 @@
 #include "weft/future.hpp"
 #include "weft/offload.hpp"
 #include "core/host.hpp"
+#include "core/log.hpp"
 
 namespace weft {
 namespace {
@@ -50,6 +52,12 @@ bool oversubscribed() {
 bool default_yield() {
   if (const char* v = std::getenv("WEFT_SPIN_YIELD"); v && *v) return std::string_view(v) != "0";
   return oversubscribed();
+}
+
+// WEFT_SPIN_YIELD=0 is the user's word: no yielding, found out or not.
+bool default_yield_when_preempted() {
+  const char* v = std::getenv("WEFT_SPIN_YIELD");
+  return !(v && *v && std::string_view(v) == "0");
 }
 
 std::chrono::microseconds default_spin() {
@@ -131,6 +139,27 @@ struct PollingHere {
   explicit PollingHere(const Loop::Impl* impl) noexcept : previous(std::exchange(polling_loop, impl)) {}
   ~PollingHere() { polling_loop = previous; }
 };
+
+// What Loop::Impl::watch_preemption knows of the thread that polls: involuntary context switches are
+// counted per thread, and any thread may drive a loop.
+//
+// A thread pinned to one core (weft-run binds each rank to one when the ranks fit) is not watched: what
+// preempts it there is its own rank's other thread, and yielding to that one measured pathological on
+// this project's kernel (6.18, EEVDF): 2 pinned ranks over shm, 8-byte all_reduce 0.8 us polling, 600 us
+// polling yielding.
+bool pinned_to_one_core() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) == 1;
+}
+struct PreemptionWatch {
+  bool pinned = pinned_to_one_core();
+  long switches = -1;
+  int preempted = 0;
+  unsigned turns = 0;
+  std::chrono::steady_clock::time_point window_start{};
+};
+thread_local PreemptionWatch preemption_here;
 }  // namespace
 
 struct Loop::Impl {
@@ -142,7 +171,8 @@ struct Loop::Impl {
   std::chrono::microseconds spin{0};      // the polling bound's ceiling (Options::spin)
   std::chrono::microseconds spin_now{0};  // the bound now: adapted by turn(), touched by the driving thread
   bool caller_drives = false;
-  bool yields = false;  // Options::yield_while_polling
+  std::atomic<bool> yields{false};  // Options::yield_while_polling, or since polling was preempted
+  bool yield_when_preempted = false;  // Options::yield_when_preempted
   std::shared_ptr<Registry> registry = std::make_shared<Registry>();
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<int> in_flight{0};
@@ -318,7 +348,11 @@ struct Loop::Impl {
         return;
       }
       if (now - last_work < spin_now) {
-        if (yields) std::this_thread::yield();  // the rank this one waits for may need this core
+        if (yields.load(std::memory_order_relaxed)) {
+          std::this_thread::yield();  // the rank this one waits for may need this core
+        } else if (yield_when_preempted) {
+          watch_preemption(now);
+        }
         return;
       }
       spin_now = std::max(spin / 16, spin_now / 2);
@@ -346,6 +380,36 @@ struct Loop::Impl {
     run_ready();
     if (!pollers.empty()) disarm_pollers();
     last_work = Clock::now();
+  }
+
+  // Polling that was not told to yield finds out by itself that its core is shared: a launcher that does
+  // not say how many ranks share the host (simulated hosts in network namespaces, containers, a CPU quota)
+  // leaves a poller that takes whole time slices from the rank it waits for. With 4 ranks on 2 cores in
+  // namespaces an 8-byte all_reduce took 370 us that way against 70 us without polling (bench/RESULTS.md,
+  // "Polling on a shared core"). The scheduler says so: a thread that polls and is preempted
+  // (involuntary context switches, getrusage) again and again within a short stretch is taking a core
+  // that another runnable thread wants; from then on this loop polls yielding. A rare preemption (a
+  // kernel worker) does not count: it takes preempted_limit within preemption_window.
+  static constexpr int preempted_limit = 3;
+  static constexpr std::chrono::milliseconds preemption_window{100};
+  static constexpr unsigned turns_per_look = 256;  // a look is a system call: one per few hundred turns
+  void watch_preemption(Clock::time_point now) {
+    PreemptionWatch& w = preemption_here;
+    if (++w.turns % turns_per_look != 0 || w.pinned) return;
+    rusage usage{};
+    if (getrusage(RUSAGE_THREAD, &usage) != 0) return;
+    const long switches = usage.ru_nivcsw;
+    if (now - w.window_start > preemption_window) {
+      w.window_start = now;
+      w.preempted = 0;
+    }
+    if (w.switches >= 0 && switches > w.switches) ++w.preempted;
+    w.switches = switches;
+    if (w.preempted >= preempted_limit) {
+      yields.store(true, std::memory_order_relaxed);
+      weft::log().debug("loop: polling yields from now on: preempted {} times within {} ms while polling (a shared core)",
+                 w.preempted, preemption_window.count());
+    }
   }
 
   // io_context::poll, handler by handler: stops early once `done` holds or something was posted (the
@@ -395,7 +459,7 @@ struct Loop::Impl {
   }
 };
 
-Loop::Loop() : Loop(Options{default_spin(), default_caller_drives(), default_yield()}) {}
+Loop::Loop() : Loop(Options{default_spin(), default_caller_drives(), default_yield(), default_yield_when_preempted()}) {}
 
 Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
@@ -404,6 +468,7 @@ Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->spin_now = options.spin;
   impl_->caller_drives = options.caller_drives;
   impl_->yields = options.yield_while_polling;
+  impl_->yield_when_preempted = options.yield_when_preempted;
   impl_->keep_running.emplace(impl_->io->get_executor());
   impl_->progress_thread = std::thread([impl = impl_.get()] { impl->run_progress(); });
   register_loop(this);
@@ -489,6 +554,8 @@ bool Loop::drive_until(const std::function<bool()>& done) {
   if (wake) im.driver_cv.notify_all();
   return driving;
 }
+
+bool Loop::polls_yielding() const noexcept { return impl_->yields.load(std::memory_order_relaxed); }
 
 void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::memory_order_relaxed); }
 void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }

@@ -1,5 +1,6 @@
 // Core: Task, Future, when_all / when_any, timers, cancellation, the loop's two modes and its completion
 // hook; the 16-bit float conversions and the reduction kernels.
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -233,6 +234,49 @@ TEST_CASE("work left for the kernel poll runs after the posted work, on the loop
   CHECK_FALSE(ran);
   io.poll();
   CHECK(ran);
+}
+
+TEST_CASE("a polling loop whose core is shared starts yielding it", "[core][loop]") {
+  // Ranks on simulated hosts (namespaces) or in containers share cores the launcher does not mention: a
+  // poller that takes whole time slices then delays the rank it waits for. Here a busy thread per core
+  // competes with the loop's progress thread; a timer firing every 0.3 ms keeps the loop polling (never
+  // sleeping), so the scheduler preempts it every few milliseconds.
+  cpu_set_t all;
+  REQUIRE(sched_getaffinity(0, sizeof all, &all) == 0);
+  if (CPU_COUNT(&all) < 2) {
+    WARN("skipped: this process may use one core only, and a thread pinned to one core is not watched");
+    return;
+  }
+  auto run = [&](bool find_out) {
+    std::atomic<bool> stop{false};
+    bool yielding = false;
+    std::function<void(bool)> tick;  // outlives the loop, whose timer may still call it
+    std::vector<std::thread> busy;
+    {
+      Loop loop(Loop::Options{std::chrono::microseconds(1000), false, false, find_out});
+      for (int i = 0; i < std::min(CPU_COUNT(&all), 64); ++i) {
+        busy.emplace_back([&] {
+          while (!stop.load(std::memory_order_relaxed)) {
+          }
+        });
+      }
+      CHECK_FALSE(loop.polls_yielding());
+      loop.operation_started();
+      tick = [&](bool) {
+        if (!stop.load()) loop.call_after(300us, tick);
+      };
+      loop.post([&] { tick(true); });
+      const auto until = std::chrono::steady_clock::now() + (find_out ? 10s : 300ms);
+      while (!loop.polls_yielding() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+      yielding = loop.polls_yielding();
+      stop = true;
+      for (auto& t : busy) t.join();
+      loop.operation_finished();
+    }
+    return yielding;
+  };
+  CHECK(run(true));
+  CHECK_FALSE(run(false));  // Options::yield_when_preempted off (WEFT_SPIN_YIELD=0): it keeps polling
 }
 
 TEST_CASE("the completion hook delivers an eventfd's readiness into the loop", "[core][loop]") {
