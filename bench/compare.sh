@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Side by side in one run: weft, Open MPI (--mca btl tcp,self) and, for all_reduce, Gloo (best of ring,
-# ring_chunked, halving_doubling, bcube), f32 (sum) on loopback, taking turns ROUNDS times so that the
+# Side by side in one run: weft, Open MPI (--mca btl tcp,self) and, for all_reduce, all_gather,
+# reduce_scatter and broadcast, Gloo (the best of its algorithms: bench/peers/gloo_allreduce.cpp), f32 (sum) on loopback, taking turns ROUNDS times so that the
 # machine's drift hits all of them alike. Prints a markdown table of the medians and every round, and
 # writes beside it (in OUT_DIR, default a new temporary folder) compare.md (the table), compare.csv (the
 # medians: label,bytes,time_us,busbw) and compare.svg (bench/plot.py: busbw and time against size).
@@ -25,7 +25,9 @@ if ! command -v mpirun >/dev/null || [ ! -x "$build/bench/mpi-allreduce-bench" ]
   echo "(meson's summary, section Peers, says why a peer was not built)" >&2
   exit 2
 fi
-if [ "$collective" = all_reduce ] && [ ! -x "$build/bench/gloo-allreduce-bench" ]; then
+gloo_has=0
+case $collective in all_reduce | all_gather | reduce_scatter | broadcast) gloo_has=1 ;; esac
+if [ $gloo_has = 1 ] && [ ! -x "$build/bench/gloo-allreduce-bench" ]; then
   echo "compare.sh: Gloo is missing, its columns stay empty (apt-get install libgloo-dev, then reconfigure as above)" >&2
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -39,9 +41,9 @@ for round in $(seq 1 "$rounds"); do
   oversubscribe=""
   [ "$ranks" -le "$(nproc)" ] || oversubscribe=--oversubscribe
   mpirun -n "$ranks" $oversubscribe --mca btl "$btl" "$build/bench/mpi-allreduce-bench" "$min" "$max" 4 "$iters" "$collective" > "$out/mpi.$round.txt" 2>/dev/null
-  if [ "$collective" = all_reduce ] && [ -x "$build/bench/gloo-allreduce-bench" ]; then
+  if [ $gloo_has = 1 ] && [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
-    "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 "$iters" > "$out/gloo.$round.txt"
+    "$build/tools/weft-run" -n "$ranks" -- "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 "$iters" "$collective" > "$out/gloo.$round.txt"
   fi
 done
 python3 - "$out" "$rounds" "$ranks" "$collective" <<'PY' | tee "$out/compare.md"
@@ -61,7 +63,7 @@ for r in range(1, rounds + 1):
         for line in open(path):
             f = line.replace("[0]", "").split()
             if f and not f[0].startswith("#") and f[0].isdigit():
-                gloo.setdefault(int(f[0]), []).append((min(map(float, f[1:5])), float(f[6]), f[7]))
+                gloo.setdefault(int(f[0]), []).append((min(map(float, f[1:-3])), float(f[-2]), f[-1]))
 def med(xs, i):
     return statistics.median(x[i] for x in xs) if xs else float("nan")
 def size(b):

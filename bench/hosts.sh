@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# all_reduce across simulated hosts whose links are shaped: one network namespace per rank
+# A collective across simulated hosts whose links are shaped: one network namespace per rank
 # (tests/system/hosts.sh: a bridge in a namespace of its own, nothing touches the machine's network),
 # each host's eth0 limited to RATE with `tc tbf` (its sending direction: a NIC of that speed). weft (its
-# default choice, then every all_reduce algorithm through WEFT_ALGO) and Gloo (ring, ring_chunked,
-# halving_doubling, bcube) take turns ROUNDS times; prints the median busbw (GB/s) per size for each,
-# and weft's default against Gloo's best. Needs root; cleans up its namespaces.
-#   bench/hosts.sh BUILD_DIR [RANKS] [RATE] [ROUNDS] [MINBYTES] [MAXBYTES]
+# default choice, then every algorithm of the collective through WEFT_ALGO) and Gloo (each of its
+# algorithms for the collective: bench/peers/gloo_allreduce.cpp) take turns ROUNDS times; prints the
+# median busbw (GB/s) per size for each, and weft's default against Gloo's best. COLL: all_reduce
+# (default), all_gather, reduce_scatter, broadcast. Needs root; cleans up its namespaces.
+#   [COLL=...] [ITERS=...] bench/hosts.sh BUILD_DIR [RANKS] [RATE] [ROUNDS] [MINBYTES] [MAXBYTES]
 # e.g. bench/hosts.sh build 4 1gbit 3 1024 16777216
 set -euo pipefail
 build=$(cd "$1" && pwd)
@@ -15,6 +16,14 @@ rounds=${4:-3}
 min=${5:-1024}
 max=${6:-16777216}
 iters=${ITERS:-5}
+coll=${COLL:-all_reduce}
+case $coll in
+  all_reduce) algos="default ring bidirectional_ring recursive_doubling rabenseifner tree" ;;
+  all_gather) algos="default ring bruck recursive_doubling" ;;
+  reduce_scatter) algos="default ring recursive_halving" ;;
+  broadcast) algos="default binomial scatter_all_gather" ;;
+  *) echo "hosts.sh: COLL=$coll: all_reduce, all_gather, reduce_scatter or broadcast" >&2; exit 2 ;;
+esac
 tag=wb$$
 subnet=10.232.$(( $$ % 200 )).
 out=$(mktemp -d)
@@ -40,23 +49,22 @@ ranks() {  # ranks LOG ENV... -- runs one program per host, waits, keeps rank 0'
   [ $rc -eq 0 ] || { cat "$out"/rank*.log; echo "hosts.sh: a run failed" >&2; exit 1; }
   cp "$out/rank0.log" "$log"
 }
-algos="default ring bidirectional_ring recursive_doubling rabenseifner tree"
 for round in $(seq 1 "$rounds"); do
   for a in $algos; do
     echo "== round $round: weft $a" >&2
     extra=()
-    [ "$a" = default ] || extra=(WEFT_ALGO="all_reduce:$a")
-    ranks "$out/weft.$a.$round.txt" "${extra[@]}" timeout 600 "$build/bench/weft-bench" -c all_reduce -b "$min" -e "$max" -f 4 -w 1 -n "$iters" \
+    [ "$a" = default ] || extra=(WEFT_ALGO="$coll:$a")
+    ranks "$out/weft.$a.$round.txt" "${extra[@]}" timeout 600 "$build/bench/weft-bench" -c "$coll" -b "$min" -e "$max" -f 4 -w 1 -n "$iters" \
       --json "$out/weft.$a.$round.json"
   done
   if [ -x "$build/bench/gloo-allreduce-bench" ]; then
     echo "== round $round: gloo" >&2
-    ranks "$out/gloo.$round.txt" timeout 600 "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 "$iters"
+    ranks "$out/gloo.$round.txt" timeout 600 "$build/bench/gloo-allreduce-bench" "$min" "$max" 4 "$iters" "$coll"
   fi
 done
-python3 - "$out" "$rounds" "$n" "$rate" $algos <<'PY'
+python3 - "$out" "$rounds" "$n" "$rate" "$coll" $algos <<'PY'
 import json, os, statistics, sys
-out, rounds, n, rate, algos = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+out, rounds, n, rate, coll, algos = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6:]
 weft = {a: {} for a in algos}
 chosen = {}
 for a in algos:
@@ -67,7 +75,10 @@ for a in algos:
             weft[a].setdefault(rec["bytes"], []).append(rec["busbw"])
             if a == "default":
                 chosen[rec["bytes"]] = rec.get("algorithm", "?")
-gloo, gloo_names = {}, ["ring", "ring_chunked", "halving_doubling", "bcube"]
+gloo_names = {"all_reduce": ["ring", "ring_chunked", "halving_doubling", "bcube"], "all_gather": ["ring", "allgather"],
+              "broadcast": ["one_to_all", "broadcast"], "reduce_scatter": ["halving_doubling"]}[coll]
+bus = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(coll, (n - 1) / n)
+gloo = {}
 for r in range(1, rounds + 1):
     path = f"{out}/gloo.{r}.txt"
     if not os.path.exists(path):
@@ -78,13 +89,13 @@ for r in range(1, rounds + 1):
             b = int(f[0])
             for i, name in enumerate(gloo_names):
                 us = float(f[1 + i])
-                gloo.setdefault(b, {}).setdefault(name, []).append(b / us / 1e3 * 2 * (n - 1) / n)
+                gloo.setdefault(b, {}).setdefault(name, []).append(b / us / 1e3 * bus)
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 def size(b):
     for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if b >= k: return f"{b // k} {unit}"
     return f"{b} B"
-print(f"all_reduce f32, {n} simulated hosts, links shaped to {rate}; busbw GB/s, median of {rounds} rounds\n")
+print(f"{coll} f32, {n} simulated hosts, links shaped to {rate}; busbw GB/s, median of {rounds} rounds\n")
 head = ["size", "weft (choice)"] + [f"weft {a}" for a in algos[1:]] + [f"Gloo {g}" for g in gloo_names] + ["weft / best Gloo"]
 print("| " + " | ".join(head) + " |")
 print("|" + "---|" * len(head))

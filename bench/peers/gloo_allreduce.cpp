@@ -1,18 +1,28 @@
-// The Gloo side of bench/RESULTS.md: Gloo's all-reduce algorithms (ring, ring_chunked, halving_doubling,
-// bcube), f32 sum over its TCP transport on loopback, timed like weft-bench; prints each and the best.
-// Ranks come from weft-run's environment; rendezvous through a file store. Not part of weft.
-//   weft-run -n 2 -- gloo-allreduce-bench MINBYTES MAXBYTES FACTOR ITERS
+// The Gloo side of bench/RESULTS.md: each of Gloo's algorithms for a collective, f32 (sum) over its TCP
+// transport, timed like weft-bench; prints each and the best. all_reduce: ring, ring_chunked,
+// halving_doubling, bcube; all_gather: ring (AllgatherRing), allgather (gloo::allgather); broadcast:
+// one_to_all (BroadcastOneToAll), broadcast (gloo::broadcast); reduce_scatter: halving_doubling (its only
+// one). Sizes as weft-bench and nccl-tests count them: all_gather's and reduce_scatter's are the whole
+// buffer, a block per rank. Ranks come from weft-run's environment; rendezvous through a file store. Not
+// part of weft.
+//   weft-run -n 2 -- gloo-allreduce-bench MINBYTES MAXBYTES FACTOR ITERS [COLLECTIVE]
+#include <gloo/allgather.h>
+#include <gloo/allgather_ring.h>
 #include <gloo/allreduce_bcube.h>
 #include <gloo/allreduce_halving_doubling.h>
 #include <gloo/allreduce_ring.h>
 #include <gloo/allreduce_ring_chunked.h>
 #include <gloo/barrier_all_to_one.h>
+#include <gloo/broadcast.h>
+#include <gloo/broadcast_one_to_all.h>
+#include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <chrono>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -40,33 +50,81 @@ int main(int argc, char** argv) {
   auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
   context->connectFullMesh(store, device);
   gloo::BarrierAllToOne barrier(context);
-  if (rank == 0) std::printf("# gloo all_reduce f32 sum, %d ranks (time_us per algorithm; best busbw)\n# %12s %10s %10s %10s %10s %8s %8s %s\n",
-                             size, "size", "ring", "ring_chunk", "halv_doubl", "bcube", "algbw", "busbw", "best");
-  for (long bytes = min_bytes; bytes <= max_bytes; bytes *= factor) {
-    const long count = bytes / 4;
-    std::vector<float> data(count, 1.0f);
+  const std::string collective = argc > 5 ? argv[5] : "all_reduce";
+  std::vector<const char*> names;
+  if (collective == "all_reduce") names = {"ring", "ring_chunked", "halving_doubling", "bcube"};
+  else if (collective == "all_gather") names = {"ring", "allgather"};
+  else if (collective == "broadcast") names = {"one_to_all", "broadcast"};
+  else if (collective == "reduce_scatter") names = {"halving_doubling"};
+  else {
+    std::fprintf(stderr, "gloo-allreduce-bench: no collective '%s' (all_reduce, all_gather, broadcast, reduce_scatter)\n",
+                 collective.c_str());
+    return 2;
+  }
+  const double bus = collective == "all_reduce" ? 2.0 * (size - 1) / size : collective == "broadcast" ? 1.0 : 1.0 * (size - 1) / size;
+  const long unit = collective == "all_gather" || collective == "reduce_scatter" ? 4L * size : 4L;
+  if (rank == 0) {
+    std::printf("# gloo %s f32%s, %d ranks (time_us per algorithm; best busbw)\n# %12s", collective.c_str(),
+                collective == "all_reduce" || collective == "reduce_scatter" ? " sum" : "", size, "size");
+    for (const char* name : names) std::printf(" %10.10s", name);
+    std::printf(" %8s %8s %s\n", "algbw", "busbw", "best");
+  }
+  for (long requested = min_bytes; requested <= max_bytes; requested *= factor) {
+    const long bytes = requested / unit * unit;
+    const long count = bytes / 4;              // the whole buffer's elements
+    const long block = bytes / unit;           // a rank's block (all_gather, reduce_scatter) or all of it
+    std::vector<float> data(static_cast<std::size_t>(count) + 1, 1.0f), out(static_cast<std::size_t>(count) + 1);
     std::vector<float*> ptrs{data.data()};
+    std::vector<const float*> in_ptrs{data.data()};
     const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
-    const char* names[] = {"ring", "ring_chunked", "halving_doubling", "bcube"};
-    double times[4];
-    for (int a = 0; a < 4; ++a) {
+    std::vector<double> times(names.size());
+    for (std::size_t a = 0; a < names.size(); ++a) {
+      const std::string name = names[a];
       std::unique_ptr<gloo::Algorithm> algo;
-      if (a == 0) algo = std::make_unique<gloo::AllreduceRing<float>>(context, ptrs, count);
-      if (a == 1) algo = std::make_unique<gloo::AllreduceRingChunked<float>>(context, ptrs, count);
-      if (a == 2) algo = std::make_unique<gloo::AllreduceHalvingDoubling<float>>(context, ptrs, count);
-      if (a == 3) algo = std::make_unique<gloo::AllreduceBcube<float>>(context, ptrs, count);
-      for (int i = 0; i < 3; ++i) algo->run();
+      std::function<void()> call;
+      if (collective == "all_reduce") {
+        if (name == "ring") algo = std::make_unique<gloo::AllreduceRing<float>>(context, ptrs, count);
+        if (name == "ring_chunked") algo = std::make_unique<gloo::AllreduceRingChunked<float>>(context, ptrs, count);
+        if (name == "halving_doubling") algo = std::make_unique<gloo::AllreduceHalvingDoubling<float>>(context, ptrs, count);
+        if (name == "bcube") algo = std::make_unique<gloo::AllreduceBcube<float>>(context, ptrs, count);
+      } else if (collective == "all_gather" && name == "ring") {
+        algo = std::make_unique<gloo::AllgatherRing<float>>(context, in_ptrs, out.data(), static_cast<int>(block));
+      } else if (collective == "all_gather") {
+        call = [&] {
+          gloo::AllgatherOptions opts(context);
+          opts.setInput(data.data(), static_cast<std::size_t>(block));
+          opts.setOutput(out.data(), static_cast<std::size_t>(count));
+          gloo::allgather(opts);
+        };
+      } else if (collective == "broadcast" && name == "one_to_all") {
+        algo = std::make_unique<gloo::BroadcastOneToAll<float>>(context, ptrs, count);
+      } else if (collective == "broadcast") {
+        call = [&] {
+          gloo::BroadcastOptions opts(context);
+          opts.setOutput(data.data(), static_cast<std::size_t>(count));
+          opts.setRoot(0);
+          gloo::broadcast(opts);
+        };
+      } else {
+        algo = std::make_unique<gloo::ReduceScatterHalvingDoubling<float>>(
+            context, ptrs, static_cast<int>(count), std::vector<int>(static_cast<std::size_t>(size), static_cast<int>(block)));
+      }
+      if (algo) call = [&] { algo->run(); };
+      for (int i = 0; i < 3; ++i) call();
       barrier.run();
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < n; ++i) algo->run();
+      for (int i = 0; i < n; ++i) call();
       times[a] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
       barrier.run();
     }
-    int best = 0;
-    for (int a = 1; a < 4; ++a) if (times[a] < times[best]) best = a;
+    std::size_t best = 0;
+    for (std::size_t a = 1; a < names.size(); ++a) if (times[a] < times[best]) best = a;
     const double algbw = bytes / times[best] / 1e3;
-    if (rank == 0) std::printf("  %12ld %10.2f %10.2f %10.2f %10.2f %8.3f %8.3f %s\n", bytes, times[0], times[1], times[2], times[3], algbw,
-                               algbw * 2.0 * (size - 1) / size, names[best]);
+    if (rank == 0) {
+      std::printf("  %12ld", bytes);
+      for (double t : times) std::printf(" %10.2f", t);
+      std::printf(" %8.3f %8.3f %s\n", algbw, algbw * bus, names[best]);
+    }
     std::fflush(stdout);
   }
   return 0;
