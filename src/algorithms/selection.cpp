@@ -103,30 +103,30 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
   }
 }
 
-const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int ranks, bool shared_arena) const {
+const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int ranks, Placement where) const {
   for (const auto& entry : overrides_) {
     if (entry.collective != collective) continue;
     for (const auto& c : entry.choices) {
       if (bytes >= c.lo && bytes < c.hi) return c.algorithm;
     }
   }
-  return built_in(collective, bytes, ranks, shared_arena);
+  return built_in(collective, bytes, ranks, where);
 }
 
-std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks, bool shared_arena) const {
+std::string_view Selection::choose(std::string_view collective, std::size_t bytes, int ranks, Placement where) const {
   const auto known = collective_named(collective);
-  const Algorithm* chosen = known ? choose(*known, bytes, ranks, shared_arena) : nullptr;
+  const Algorithm* chosen = known ? choose(*known, bytes, ranks, where) : nullptr;
   return chosen ? chosen->name : std::string_view();
 }
 
-const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, bool shared_arena) {
+const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, Placement where) {
   // On a group arena the direct shm algorithms are the defaults below 128 KiB for the collectives that
   // have one (bench/RESULTS.md, "Direct shm collectives"): no frames, no matching, one copy in and the
   // reads straight from the areas; 2 ranks, all_reduce 16-64 KiB: 7-12 us against 12-19 us for the
   // best plan over the rings. From 128 KiB the plans over the rings win (128 KiB: 21-37 us on the
   // arena against 21-29; 256 KiB: 70-74 against 36-40): their copies pipeline, the arena's supersteps
   // (copy in, wait, read) do not.
-  if (shared_arena && ranks > 1 && (bytes < (std::size_t{128} << 10) || collective == Collective::barrier)) {
+  if (where.shared_arena && ranks > 1 && (bytes < (std::size_t{128} << 10) || collective == Collective::barrier)) {
     switch (collective) {
       case Collective::all_reduce:
       case Collective::all_gather:
@@ -148,6 +148,10 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
       if (ranks == 2) {
         return &entry(collective, bytes < (std::size_t{512} << 10) ? Kind::recursive_doubling : Kind::bidirectional_ring);
       }
+      // Across hosts the ring takes over from 256 KiB (bench/hosts.sh, links of 1 Gbit/s: 8 hosts, 256 KiB,
+      // 0.123 GB/s busbw against Rabenseifner's 0.072; 4 hosts level): each of its steps keeps every link
+      // busy with a p-th of the data, where Rabenseifner's first rounds send halves over one link each.
+      if (where.across_hosts && bytes >= (std::size_t{256} << 10)) return &entry(collective, Kind::ring);
       return &entry(collective, bytes < (std::size_t{4} << 20) ? Kind::rabenseifner : Kind::ring);
     // Latency-bound sizes take the algorithms with the fewest rounds, bandwidth-bound ones those that
     // split the data (bench/RESULTS.md).
@@ -161,9 +165,14 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
       const bool power_of_two = ranks > 2 && (ranks & (ranks - 1)) == 0;
       return &entry(collective, power_of_two && bytes < (std::size_t{64} << 10) ? Kind::recursive_halving : Kind::ring);
     }
-    // The binomial tree won broadcast at every size measured, and the pairwise exchange all_to_all
-    // (scatter_all_gather and bruck stay selectable); gather and scatter go direct by default.
-    case Collective::broadcast: return &entry(collective, Kind::binomial);
+    // The binomial tree won broadcast at every size measured on one host, and the pairwise exchange
+    // all_to_all (bruck stays selectable); gather and scatter go direct by default. Across hosts, from
+    // 512 KiB on more than 2 ranks, scatter + all-gather: the binomial root sends the whole buffer lg p
+    // times over its one link, the scatter and the ring send it about twice in all, spread over every
+    // link (bench/hosts.sh, 4 hosts at 1 Gbit/s, 1-16 MiB: 0.076-0.080 GB/s against 0.058-0.060).
+    case Collective::broadcast:
+      if (where.across_hosts && ranks > 2 && bytes >= (std::size_t{512} << 10)) return &entry(collective, Kind::scatter_all_gather);
+      return &entry(collective, Kind::binomial);
     case Collective::gather: return &entry(collective, Kind::direct);
     case Collective::scatter: return &entry(collective, Kind::direct);
     case Collective::all_to_all: return &entry(collective, Kind::pairwise);

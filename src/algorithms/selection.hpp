@@ -14,6 +14,12 @@
 
 namespace weft::algorithms {
 
+/// What the table knows of where a group's ranks are; the same on every rank of the group.
+struct Placement {
+  bool shared_arena = false;  // the group has a group arena (all its ranks on one host, over shm)
+  bool across_hosts = false;  // some of its ranks are on other hosts (another boot or network namespace)
+};
+
 class Selection {
  public:
   /// The built-in table (see selection.cpp for the measurements behind it).
@@ -23,15 +29,16 @@ class Selection {
   void override_with(std::string_view spec, std::string_view source);
 
   /// The algorithm for `collective` of `bytes` bytes on `ranks` ranks: an entry of the registry. A
-  /// collective without a choice (permute, split) has none: null. `shared_arena`: the group has a group
-  /// arena (all its ranks on one host), where the direct shm algorithms are the defaults.
-  const Algorithm* choose(Collective collective, std::size_t bytes, int ranks, bool shared_arena = false) const;
+  /// collective without a choice (permute, split) has none: null. `where`: with a group arena the direct
+  /// shm algorithms are the defaults; across hosts the bandwidth-bound sizes take the algorithms that
+  /// spread the data over the links.
+  const Algorithm* choose(Collective collective, std::size_t bytes, int ranks, Placement where = {}) const;
   /// The same by names, for tools and tests: the algorithm's name, empty when `collective` names no
   /// collective with a choice.
-  std::string_view choose(std::string_view collective, std::size_t bytes, int ranks, bool shared_arena = false) const;
+  std::string_view choose(std::string_view collective, std::size_t bytes, int ranks, Placement where = {}) const;
 
   /// The built-in table alone (what choose() gives without overrides).
-  static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks, bool shared_arena = false);
+  static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks, Placement where = {});
 
  private:
   struct Choice {

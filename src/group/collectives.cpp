@@ -480,7 +480,7 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
   check_usable(g, name);
   validate(g, call);
   // Chosen on the caller's thread, where override_algorithms changes the table.
-  const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size, g.arena != nullptr);
+  const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size, g.placement());
   if (on_device(call.in.device, call.in.bytes()) || on_device(call.out.device, call.out.bytes())) {
     const Rule& rule = rule_of(call.collective);
     const bool root_here = g.rank == call.root;

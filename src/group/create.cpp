@@ -88,6 +88,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
     throw Error(Errc::connection_failed, ErrorContext{.rank = options.rank, .op = "bootstrap"}, e.what());
   }
   g->arena = links.arena;
+  g->on_my_host = links.same_host;
   auto* transport = transports::create(*loop, options.rank, options.world_size, options.transport, std::move(result.sockets),
                                        std::move(links));
   transport->seal_frames(options.integrity, result.frame_keys);
@@ -95,6 +96,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   transport->watch_liveness(options.heartbeat);
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
+  g->place();
   g->transport->open_context(g->context, g->members);
   log().info("rank {} of {}: group ready over {}{}", g->rank, g->size, g->transport->name(),
              options.integrity == Integrity::off ? "" : fmt::format(", frames sealed with {}", to_string(options.integrity)));

@@ -31,7 +31,7 @@ std::string Group::algorithm_for(std::string_view collective, std::size_t bytes)
     throw Error(Errc::invalid_argument, ErrorContext{.rank = g.rank, .op = "algorithm_for"},
                 fmt::format("'{}' is not a collective", collective));
   }
-  const algo::Algorithm* chosen = g.selection.choose(*known, bytes, g.size, g.arena != nullptr);
+  const algo::Algorithm* chosen = g.selection.choose(*known, bytes, g.size, g.placement());
   return chosen ? std::string(chosen->name) : std::string();
 }
 

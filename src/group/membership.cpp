@@ -43,6 +43,7 @@ std::shared_ptr<GroupState> child_of(const GroupState& parent) {
   child->transport = parent.transport;
   child->options = parent.options;
   child->selection = parent.selection;
+  child->on_my_host = parent.on_my_host;
   return child;
 }
 
@@ -69,6 +70,7 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
     if (parent_rank == g->rank) child->rank = i;
     child->members.push_back(g->members[static_cast<std::size_t>(parent_rank)]);
   }
+  child->place();
   child->transport->open_context(child->context, child->members);
   co_return Group(std::move(child));
 }
@@ -162,6 +164,7 @@ Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
   }
   child->size = static_cast<int>(child->members.size());
   child->context = derive_context(exchange, fingerprint, child->size);
+  child->place();
   child->transport->open_context(child->context, child->members);
   log().info("rank {}: shrink: a group of {} from {} (this rank is {} there)", g->rank, child->size, p, child->rank);
   co_return Group(std::move(child));

@@ -87,6 +87,16 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // The group arena of the direct shm collectives (group/shm_collectives.cpp): the world group of a job
   // whose ranks all share one host; null otherwise (split and shrunk groups run over the transport).
   std::shared_ptr<shm::Arena> arena;
+  // [transport rank]: on this rank's host (the link offers' host identities, the same verdict on both
+  // sides of every pair), and whether some member of this group is not: the selection's `across_hosts`,
+  // which every member computes alike (being on one host is an equivalence).
+  std::vector<bool> on_my_host;
+  bool across_hosts = false;
+  void place() {
+    across_hosts = false;
+    for (int m : members) across_hosts = across_hosts || !(static_cast<std::size_t>(m) < on_my_host.size() && on_my_host[static_cast<std::size_t>(m)]);
+  }
+  algo::Placement placement() const { return algo::Placement{arena != nullptr, across_hosts}; }
 
   // ---- callers: the threads that call collectives
   algo::Selection selection;                        // which algorithm runs what (override_algorithms)

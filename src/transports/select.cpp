@@ -43,7 +43,7 @@ asio::awaitable<void> link_local(Loop& loop, std::vector<asio::ip::tcp::socket>&
                                  std::chrono::steady_clock::time_point deadline, LocalLinks& out) {
   const bool want = wants_shm(choice);
   if (want) out.hub = ShmHub::create(loop);
-  out.links = co_await shm::link_local_peers(sockets, rank, want, out.hub ? out.hub->wake_fd() : -1, deadline);
+  out.links = co_await shm::link_local_peers(sockets, rank, want, out.hub ? out.hub->wake_fd() : -1, deadline, out.same_host);
   std::size_t linked = 0;
   for (const auto& link : out.links) linked += link ? 1 : 0;
   if (want) log().info("rank {}: shared memory with {} peer(s) on this host", rank, linked);

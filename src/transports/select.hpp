@@ -37,6 +37,8 @@ struct LocalLinks {
   /// The group arena, when every rank of the job is linked to every other (for the direct shm
   /// collectives of the world group); attached to the loop, which wakes through the hub's eventfd.
   std::shared_ptr<shm::Arena> arena;
+  /// [peer]: on this rank's host (the same boot and network namespace), shared memory or not.
+  std::vector<bool> same_host;
 };
 
 /// Right after the bootstrap, over every peer's greeted connection: the link offers (docs/PROTOCOL.md),

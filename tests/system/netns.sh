@@ -33,6 +33,17 @@ port=29556
 run_ranks WEFT_IFNAME=eth0 timeout 120 "$build/bench/weft-bench" -c all_to_all -b 48 -e 1M -f 16 -w 1 -n 3 --check || { echo "FAIL: all_to_all with WEFT_IFNAME"; exit 1; }
 echo "ok: ranks on separate hosts"
 
+# Across hosts the selection spreads large broadcasts and all_reduces over the links (scatter + all-gather,
+# the ring): every rank sees the peers on other hosts and chooses alike, and the results are checked.
+port=29558
+out=$(run_ranks timeout 120 "$build/bench/weft-bench" -c broadcast -b 64K -e 1M -f 16 -w 1 -n 3 --check) || { echo "$out"; echo "FAIL: broadcast across hosts"; exit 1; }
+echo "$out" | grep -Eq "^ *1048576 .* scatter_all_gather *$" && echo "$out" | grep -Eq "^ *65536 .* binomial *$" ||
+  { echo "$out"; echo "FAIL: across hosts, a 1 MiB broadcast should take scatter_all_gather and a 64 KiB one binomial"; exit 1; }
+port=29559
+out=$(run_ranks timeout 120 "$build/bench/weft-bench" -c all_reduce -b 1M -e 1M -w 1 -n 3 --check) || { echo "$out"; echo "FAIL: all_reduce across hosts"; exit 1; }
+echo "$out" | grep -Eq "^ *1048576 .* ring *$" || { echo "$out"; echo "FAIL: across hosts, a 1 MiB all_reduce on 3 ranks should take the ring"; exit 1; }
+echo "ok: across hosts the selection takes the algorithms that spread the data over the links"
+
 # Two hosts of two ranks each, with shared memory asked for: each rank reaches its host-mate through
 # shared memory and the other host's ranks over TCP (a host is a network namespace here: the link offer
 # names it by boot id and namespace).

@@ -490,6 +490,16 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(find(Collective::all_reduce, "rign") == nullptr);
   CHECK_THROWS_AS(entry(Collective::broadcast, Kind::ring), std::logic_error);
   CHECK_FALSE(collective_named("all_reduse"));
+  // Across hosts the bandwidth-bound sizes spread the data over the links (issue 18, bench/hosts.sh).
+  const Placement across{.shared_arena = false, .across_hosts = true};
+  CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 4)->kind == Kind::binomial);
+  CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 4, across)->kind == Kind::scatter_all_gather);
+  CHECK(Selection::built_in(Collective::broadcast, std::size_t{256} << 10, 4, across)->kind == Kind::binomial);
+  CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 2, across)->kind == Kind::binomial);
+  CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 8)->kind == Kind::rabenseifner);
+  CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 8, across)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::all_reduce, std::size_t{64} << 10, 8, across)->kind == Kind::rabenseifner);
+  CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 2, across)->kind == Kind::bidirectional_ring);
   // WEFT_ALGO is parsed against the registry.
   Selection s;
   s.override_with("all_gather:recursive_doubling@0-1K,ring", "WEFT_ALGO");

@@ -250,7 +250,7 @@ awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, co
 
 // One pair: offers, then (where both want it) the unix half, then the verdicts.
 awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer mine, int wake_fd, Clock::time_point deadline,
-                         std::optional<ShmStream::Link>& out, std::exception_ptr& failure) {
+                         std::optional<ShmStream::Link>& out, std::vector<bool>::reference same_host, std::exception_ptr& failure) {
   try {
     std::unique_ptr<unix_socket::acceptor> listener;
     if (mine.wants && rank < peer) {
@@ -270,6 +270,7 @@ awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer m
     const auto theirs = decode(got);
     if (!theirs) throw std::runtime_error(fmt::format("rank {} sent a malformed link offer", peer));
     // Both sides decide alike from the same two offers.
+    same_host = mine.host == theirs->host;
     if (!(mine.wants && theirs->wants && mine.host == theirs->host && mine.uid == theirs->uid)) co_return;
     std::string why;
     auto link = co_await connect_locally(rank, peer, mine, *theirs, listener, wake_fd, deadline, why);
@@ -318,8 +319,11 @@ std::array<std::byte, 24> host_identity() {
 }
 
 awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vector<asio::ip::tcp::socket>& sockets, int rank,
-                                                                        bool want, int wake_fd, Clock::time_point deadline) {
+                                                                        bool want, int wake_fd, Clock::time_point deadline,
+                                                                        std::vector<bool>& same_host) {
   const auto size = sockets.size();
+  same_host.assign(size, false);
+  if (rank >= 0 && static_cast<std::size_t>(rank) < size) same_host[static_cast<std::size_t>(rank)] = true;
   std::vector<std::optional<ShmStream::Link>> links(size);
   std::vector<std::exception_ptr> failures(size);
   Offer mine;
@@ -339,7 +343,7 @@ awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vec
     }
     ++*remaining;
     asio::co_spawn(executor,
-                   link_one(sockets[peer], rank, static_cast<int>(peer), offer, wake_fd, deadline, links[peer], failures[peer]),
+                   link_one(sockets[peer], rank, static_cast<int>(peer), offer, wake_fd, deadline, links[peer], same_host[peer], failures[peer]),
                    [remaining, &all_done](std::exception_ptr) {
                      if (--*remaining == 0) all_done.cancel();
                    });

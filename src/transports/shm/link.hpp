@@ -30,10 +30,14 @@ inline constexpr std::size_t default_single_copy_bytes = 0;
 /// For every peer of `sockets` (sockets[rank] unused): its Link when the pair uses shared memory, else
 /// nullopt. `want`: this rank offers shared memory; `wake_fd`: its ShmHub's eventfd. Every rank of the
 /// job must call it (the offer is part of every connection's protocol). Runs until `deadline` at most.
+/// `same_host` (resized to the ranks) says, for every peer, whether its host identity (boot id and
+/// network namespace) is this rank's, whether or not either wants shared memory: both sides of a pair
+/// decide it from the same two offers.
 /// Errors: a peer that sends no offer, or a malformed one, throws (the connection is broken).
 asio::awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vector<asio::ip::tcp::socket>& sockets, int rank,
                                                                               bool want, int wake_fd,
-                                                                              std::chrono::steady_clock::time_point deadline);
+                                                                              std::chrono::steady_clock::time_point deadline,
+                                                                              std::vector<bool>& same_host);
 
 class Arena;
 
