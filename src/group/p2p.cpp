@@ -49,7 +49,7 @@ std::uint64_t watch_p2p(GroupState& g, const std::shared_ptr<OpHook>& hook, std:
       if (!hook->g->transport->cancel_recv(*hook->op)) hook->timed_out = false;  // it matched: let it finish
     };
   }
-  g.watch(GroupState::Watched{id, std::chrono::steady_clock::now(), timeout, std::move(expire)});
+  g.watch(GroupState::Watched{id, std::chrono::steady_clock::now(), timeout, nullptr, std::move(expire)});
   return id;
 }
 

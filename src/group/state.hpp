@@ -121,7 +121,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     std::uint64_t id;  // the operation's seq; point-to-point operations get ids from p2p_ids
     std::chrono::steady_clock::time_point started;
     std::chrono::milliseconds timeout;
-    std::function<void()> expire;  // small captures only: no allocation per operation
+    // A collective expires through time_out(id, op, timeout): nothing to allocate per operation (a
+    // std::function holding those four words would have allocated on every call).
+    const char* op = nullptr;
+    std::function<void()> expire;  // otherwise (point-to-point): small captures only
   };
   std::vector<Watched> watched;
   bool watchdog_armed = false;

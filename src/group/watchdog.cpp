@@ -31,7 +31,7 @@ std::chrono::milliseconds GroupState::deadline_of(std::uint64_t seq) {
 void GroupState::watch(std::uint64_t seq, const char* op) {
   const auto timeout = deadline_of(seq);
   if (timeout.count() <= 0) return;
-  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, [this, seq, op, timeout] { time_out(seq, op, timeout); }});
+  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, op, {}});
 }
 
 void GroupState::watch(Watched w) {
@@ -61,12 +61,18 @@ void GroupState::unwatch(std::uint64_t id) {
 void GroupState::on_watchdog() {
   watchdog_armed = false;
   const auto now = std::chrono::steady_clock::now();
-  std::vector<std::function<void()>> late;
+  std::vector<Watched> late;
   for (const Watched& w : watched) {
-    if (now - w.started >= w.timeout) late.push_back(w.expire);
+    if (now - w.started >= w.timeout) late.push_back(w);
   }
   // Expiring completes operations, whose coroutines then unwatch: work on the copy.
-  for (const auto& expire : late) expire();
+  for (const Watched& w : late) {
+    if (w.expire) {
+      w.expire();
+    } else {
+      time_out(w.id, w.op, w.timeout);
+    }
+  }
   if (!watched.empty() && !watchdog_armed) arm_watchdog();
 }
 

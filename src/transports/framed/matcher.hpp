@@ -111,8 +111,8 @@ class Matcher {
   void give_back(Early&& buffer);
 
   // ---- matching
-  void post(const Key& key, TransportOp& op) { mailboxes_[key].posted.push_back(&op); }
-  void keep_early(const Key& key, Early&& message) { mailboxes_[key].early.push_back(std::move(message)); }
+  void post(const Key& key, TransportOp& op) { mailbox(key).posted.push_back(&op); }
+  void keep_early(const Key& key, Early&& message) { mailbox(key).early.push_back(std::move(message)); }
   // The oldest receive posted for `key`, taken out; null if none.
   TransportOp* take_posted(const Key& key);
   // The oldest early message for `key`, taken out; none if none.
@@ -148,8 +148,26 @@ class Matcher {
   void clear() noexcept { mailboxes_.clear(); }
 
  private:
-  void erase_if_empty(std::unordered_map<Key, Mailbox, KeyHash>::iterator it) {
-    if (it->second.posted.empty() && it->second.early.empty()) mailboxes_.erase(it);
+  using Mailboxes = std::unordered_map<Key, Mailbox, KeyHash>;
+  // A mailbox lives for about one message (keys carry per-peer counters): its map node and its queues'
+  // storage are kept when it empties and given to the next key, instead of a node and a vector
+  // allocated and freed per message (two of a small all_reduce's allocations, bench/RESULTS.md).
+  static constexpr std::size_t spare_mailboxes = 16;
+  Mailbox& mailbox(const Key& key) {
+    if (auto it = mailboxes_.find(key); it != mailboxes_.end()) return it->second;
+    if (spare_nodes_.empty()) return mailboxes_.try_emplace(key).first->second;
+    Mailboxes::node_type node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    node.key() = key;
+    return mailboxes_.insert(std::move(node)).position->second;
+  }
+  void erase_if_empty(Mailboxes::iterator it) {
+    if (!it->second.posted.empty() || !it->second.early.empty()) return;
+    if (spare_nodes_.size() < spare_mailboxes) {
+      spare_nodes_.push_back(mailboxes_.extract(it));
+    } else {
+      mailboxes_.erase(it);
+    }
   }
 
   std::size_t limit_ = std::size_t{4} << 30;
@@ -158,7 +176,8 @@ class Matcher {
   // of the same size, and fresh large allocations cost an mmap and page faults each.
   std::vector<Early> spare_buffers_;
   std::size_t spare_bytes_ = 0;
-  std::unordered_map<Key, Mailbox, KeyHash> mailboxes_;
+  Mailboxes mailboxes_;
+  std::vector<Mailboxes::node_type> spare_nodes_;  // emptied mailboxes, for the next keys
 };
 
 }  // namespace weft
