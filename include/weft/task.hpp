@@ -8,6 +8,7 @@
 /// - Cancellation: every Task carries a std::stop_token, inherited from the Task that awaits it (or from
 ///   the Future that spawned it). Read it with `co_await weft::this_stop_token()`.
 #include <coroutine>
+#include <cstddef>
 #include <exception>
 #include <stop_token>
 #include <type_traits>
@@ -38,7 +39,23 @@ struct this_stop_token {
 
 namespace detail {
 
-struct TaskPromiseBase {
+/// Coroutine frames (Task, and the detached drivers of spawn): a collective makes and frees a handful per
+/// call, and glibc's per-thread cache keeps only chunks of up to about 1 KiB, seven of a size. These keep
+/// a few freed frames per 64-byte size class up to 4 KiB on each thread, for the next calls (user-space
+/// instructions per 8 B all_reduce, bench/RESULTS.md). Bypassed under AddressSanitizer, so that it still
+/// sees a frame used after it was freed.
+void* allocate_frame(std::size_t size);
+void free_frame(void* frame, std::size_t size) noexcept;
+/// Whether frames are kept for reuse in this build (not under AddressSanitizer).
+bool frames_pooled() noexcept;
+
+/// The allocation functions of weft's promise types.
+struct PooledFrame {
+  static void* operator new(std::size_t size) { return allocate_frame(size); }
+  static void operator delete(void* frame, std::size_t size) noexcept { free_frame(frame, size); }
+};
+
+struct TaskPromiseBase : PooledFrame {
   std::coroutine_handle<> continuation_;
   std::stop_token stop_token_;
 
@@ -157,7 +174,7 @@ inline Task<void> TaskPromise<void>::get_return_object() noexcept {
 /// A fire-and-forget coroutine that starts suspended and frees itself when it finishes. The building
 /// block of spawn and when_all; not for users (it would swallow errors).
 struct Detached {
-  struct promise_type {
+  struct promise_type : PooledFrame {
     Detached get_return_object() noexcept {
       return Detached{std::coroutine_handle<promise_type>::from_promise(*this)};
     }

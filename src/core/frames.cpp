@@ -1,0 +1,69 @@
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+
+#include "weft/task.hpp"
+
+namespace weft::detail {
+namespace {
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool pooled = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool pooled = false;
+#else
+constexpr bool pooled = true;
+#endif
+#else
+constexpr bool pooled = true;
+#endif
+
+constexpr std::size_t granule = 64;      // bytes per size class
+constexpr std::size_t classes = 64;      // up to 4 KiB; larger frames go to the allocator every time
+constexpr std::size_t kept = 16;         // per class and thread: a few calls' worth of each frame
+
+// Freed frames of this thread, by size class. A frame freed on another thread than the one that made
+// it joins that thread's lists (the loop's thread frees what callers made): each thread keeps at most
+// `kept` per class, so nothing piles up.
+struct Pool {
+  std::array<std::array<void*, kept>, classes> frames{};
+  std::array<std::uint8_t, classes> count{};
+  ~Pool();
+};
+thread_local bool pool_gone = false;  // trivially destructible: readable after the pool's destructor
+thread_local Pool pool;
+
+Pool::~Pool() {
+  for (std::size_t c = 0; c < classes; ++c) {
+    for (std::size_t i = 0; i < count[c]; ++i) ::operator delete(frames[c][i]);
+  }
+  pool_gone = true;  // frames freed later on this thread (other thread_locals' destructors) go straight back
+}
+
+}  // namespace
+
+void* allocate_frame(std::size_t size) {
+  const std::size_t c = (size + granule - 1) / granule;
+  if (!pooled || c >= classes || pool_gone) return ::operator new(size);
+  Pool& p = pool;
+  if (p.count[c] > 0) return p.frames[c][--p.count[c]];
+  return ::operator new(c * granule);
+}
+
+void free_frame(void* frame, std::size_t size) noexcept {
+  const std::size_t c = (size + granule - 1) / granule;
+  if (pooled && c < classes && !pool_gone) {
+    Pool& p = pool;
+    if (p.count[c] < kept) {
+      p.frames[c][p.count[c]++] = frame;
+      return;
+    }
+  }
+  ::operator delete(frame);
+}
+
+bool frames_pooled() noexcept { return pooled; }
+
+}  // namespace weft::detail
