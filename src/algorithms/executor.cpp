@@ -1,6 +1,7 @@
 // The stage that runs a plan: each step's ranges travel in segments, several in flight at once, and a
 // received segment is reduced (and forwarded) while the next ones are still on the wire.
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -110,6 +111,34 @@ class PlanOps {
   std::optional<std::deque<TransportOp>> more_;
 };
 
+// A list whose first N entries live inside it: a small collective's steps post one or two receives
+// and sends each, and every std::vector of them was an allocation per call (bench/RESULTS.md, "The
+// per-operation floor"). Only what the executor needs: append, index, size.
+template <class T, std::size_t N>
+class InlineList {
+ public:
+  InlineList() = default;
+  InlineList(std::size_t n, const T& value) {
+    for (std::size_t i = 0; i < n; ++i) push_back(value);
+  }
+  void push_back(const T& value) {
+    if (size_ < N) {
+      first_[size_] = value;
+    } else {
+      more_.push_back(value);
+    }
+    ++size_;
+  }
+  T& operator[](std::size_t i) noexcept { return i < N ? first_[i] : more_[i - N]; }
+  const T& operator[](std::size_t i) const noexcept { return i < N ? first_[i] : more_[i - N]; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  std::array<T, N> first_{};
+  std::vector<T> more_;
+  std::size_t size_ = 0;
+};
+
 class Executor {
  public:
   Executor(const Channel& channel, PlanBuffers buffers, ExecOptions options)
@@ -187,7 +216,8 @@ class Executor {
 
   // A send still reading [lo, hi) of a buffer that is about to be written.
   TransportOp* overlapping_send(const std::byte* lo, const std::byte* hi) {
-    for (auto& s : sends_) {
+    for (std::size_t i = 0; i < sends_.size(); ++i) {
+      const InflightSend& s = sends_[i];
       if (!s.op->done() && s.lo < hi && lo < s.hi) return s.op;
     }
     return nullptr;
@@ -237,7 +267,7 @@ class Executor {
   std::size_t temp_slots_ = 0;
   kernels::ReduceFn reduce_ = nullptr;
   PlanOps ops_;  // every operation this plan started
-  std::vector<InflightSend> sends_;
+  InlineList<InflightSend, 4> sends_;
   static constexpr std::size_t counted_in_place = 16;
   std::uint64_t counts_[2 * counted_in_place] = {};
   std::vector<std::uint64_t> counts_more_;
@@ -317,15 +347,15 @@ Task<void> Executor::run(const Plan& plan) {
         // A run of receive steps is posted at once, so that no message of the run waits as unexpected.
         // A later exchange joins the run only if what it sends does not depend on what the run receives
         // (recursive doubling forwards what it just received: those exchanges go one at a time).
-        std::vector<TransportOp*> pending;
-        std::vector<std::pair<std::size_t, Range>> pending_at;  // (step, segment) of each pending receive
-        std::vector<std::pair<const std::byte*, const std::byte*>> landing;  // receive ranges of the run
+        InlineList<TransportOp*, 4> pending;
+        InlineList<std::pair<std::size_t, Range>, 4> pending_at;  // (step, segment) of each pending receive
+        InlineList<std::pair<const std::byte*, const std::byte*>, 4> landing;  // receive ranges of the run
         auto depends_on_run = [&](const Step& s) {
           if (s.kind != StepKind::send_recv || s.send.count == 0) return false;
           const std::byte* lo = send_at(s.send);
           const std::byte* hi = lo + s.send.count * esize_;
-          for (auto [a, b] : landing) {
-            if (a < hi && lo < b) return true;
+          for (std::size_t r = 0; r < landing.size(); ++r) {
+            if (landing[r].first < hi && lo < landing[r].second) return true;
           }
           return false;
         };
@@ -333,7 +363,7 @@ Task<void> Executor::run(const Plan& plan) {
         for (; j < plan.size() && (plan[j].kind == StepKind::recv || plan[j].kind == StepKind::send_recv); ++j) {
           const Step& s = plan[j];
           if (j > i && depends_on_run(s)) break;
-          if (s.recv.count) landing.emplace_back(recv_at(s.recv), recv_at(s.recv) + s.recv.count * esize_);
+          if (s.recv.count) landing.push_back({recv_at(s.recv), recv_at(s.recv) + s.recv.count * esize_});
           if (s.kind == StepKind::send_recv) {
             for (std::size_t k = 0, n = segments(s.send); k < n; ++k) {
               const Range seg = segment(s.send, k);
@@ -347,7 +377,7 @@ Task<void> Executor::run(const Plan& plan) {
             while (TransportOp* busy = overlapping_send(dst, dst + seg.count * esize_)) co_await busy->wait();
             if (must_wait(dst, seg.count)) co_await until_ready(dst, seg.count);
             pending.push_back(&start_recv(s.recv_from, dst, seg.count));
-            pending_at.emplace_back(j, seg);
+            pending_at.push_back({j, seg});
           }
         }
         for (std::size_t k = 0; k < pending.size(); ++k) {
@@ -359,7 +389,7 @@ Task<void> Executor::run(const Plan& plan) {
       }
       case StepKind::recv_copy_send: {
         const std::size_t n = segments(step.recv);
-        std::vector<TransportOp*> pending;
+        InlineList<TransportOp*, 4> pending;
         for (std::size_t k = 0; k < n; ++k) {
           const Range seg = segment(step.recv, k);
           std::byte* dst = recv_at(seg);
@@ -390,7 +420,7 @@ Task<void> Executor::run(const Plan& plan) {
         const bool forward = step.kind == StepKind::recv_reduce_send;
         const std::size_t n = segments(step.recv);
         const std::size_t ahead = std::min(n, depth_);
-        std::vector<TransportOp*> pending(n, nullptr);
+        InlineList<TransportOp*, 4> pending(n, nullptr);
         auto post = [&](std::size_t k) {
           const Range seg = segment(step.recv, k);
           pending[k] = &start_recv(step.recv_from, temp(k % ahead), seg.count);
