@@ -127,11 +127,23 @@ Plan binomial_gather(int p, int r, int root, std::size_t count);
 /// Binomial scatter, the gather reversed, over the same virtual-order buffer: the root's holds every
 /// block; each rank ends with its own block in slot 0.
 Plan binomial_scatter(int p, int r, int root, std::size_t count);
+/// Gather of blocks of any size (gatherv): the root receives rank i's block into blocks[i] of its
+/// receive buffer; rank i sends [0, blocks[i].count) of its send buffer. The root's own block is not in
+/// the plan (a local copy). Every rank passes the same counts (the offsets matter at the root only).
+Plan direct_gather(int p, int r, int root, std::span<const Range> blocks);
 /// Scatter: block i of the root's send buffer goes to rank i, into [0, count) of its receive buffer.
 Plan direct_scatter(int p, int r, int root, std::size_t count);
+/// Scatter of blocks of any size (scatterv): blocks[i] of the root's send buffer goes to rank i, into
+/// [0, blocks[i].count) of its receive buffer. The root's own block is not in the plan.
+Plan direct_scatter(int p, int r, int root, std::span<const Range> blocks);
 /// All-to-all: block j of the send buffer goes to rank j, arriving as block r of its receive buffer
 /// (pairwise exchange order). The rank's own block is a local copy, not in the plan.
 Plan pairwise_all_to_all(int p, int r, std::size_t count);
+/// All-to-all of blocks of any size (all_to_allv): `sends[j]` of the send buffer goes to rank j, and
+/// rank i's block for this rank lands in `recvs[i]`, in the same pairwise order. The two sides of each
+/// pair must agree on its count (rank i's sends[j].count == rank j's recvs[i].count); a zero count still
+/// travels as an empty message, so that a disagreement is found rather than waited on.
+Plan pairwise_all_to_all(int p, int r, std::span<const Range> sends, std::span<const Range> recvs);
 /// Dissemination barrier: ceil(log2 p) rounds of zero-byte exchanges.
 Plan dissemination_barrier(int p, int r);
 

@@ -113,6 +113,45 @@ class Group {
   Future<void> all_to_all(ConstBufferView in, BufferView out);
   /// Completes on every rank once every rank has called it.
   Future<void> barrier();
+
+  // ---- variable-size collectives (MPI's v-forms: a count per rank)
+  // `counts` has one entry per rank, in elements; a displacement (`displs`) is where that rank's block
+  // starts in the buffer it describes, in elements; empty `displs`: the blocks packed in rank order
+  // (prefix sums of the counts). Every rank passes the same `counts` (for gatherv and scatterv too, not
+  // only the root): they are part of the operation's signature, so a rank whose counts differ fails the
+  // operation on every rank with Errc::mismatch naming it ("rank 2 called all_gatherv #4 (f32, counts
+  // digest ...) while rank 0 called ..."), however its blocks would have lined up. Displacements are
+  // this rank's own business and may differ between ranks. The blocks an output receives must not
+  // overlap; a buffer may be longer than its blocks reach (the rest is not touched). Zero counts are
+  // fine. Errors at the call (invalid_argument): a counts or displs list whose length is not size(), an
+  // input whose count is not this rank's count, an output too short for its blocks, overlapping output
+  // blocks, sums past what a buffer can hold.
+
+  /// Rank i's `in` (counts[i] elements) lands in every rank's `out` at displs[i]. `in` may be this
+  /// rank's own block of `out` (in place).
+  Future<void> all_gatherv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts,
+                           const std::vector<std::size_t>& displs = {});
+  /// Rank i's `in` (counts[i] elements) lands in root's `out` at displs[i] (displs matter at the root
+  /// only); `out` is not touched elsewhere (it may be empty there).
+  Future<void> gatherv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts, int root,
+                       const std::vector<std::size_t>& displs = {});
+  /// counts[i] elements at displs[i] of root's `in` land in rank i's `out` (counts[i] elements). `in` is
+  /// read at the root only (it may be empty elsewhere); blocks of `in` may overlap.
+  Future<void> scatterv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts, int root,
+                        const std::vector<std::size_t>& displs = {});
+  /// send_counts[j] elements at send_displs[j] of this rank's `in` land in rank j's `out` at its
+  /// recv_displs[i] (i: this rank). Counts differ from rank to rank by nature, so they are not signed:
+  /// rank i's send_counts[j] must equal rank j's recv_counts[i], and a pair that disagrees fails the
+  /// receiving rank's operation with Errc::size_mismatch naming the sender (then every rank's, as any
+  /// failure). A zero count still travels as an empty message, so a disagreement is found, not waited on.
+  /// `in` may be `out` (in place: the input is copied first).
+  Future<void> all_to_allv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& send_counts,
+                           const std::vector<std::size_t>& recv_counts, const std::vector<std::size_t>& send_displs = {},
+                           const std::vector<std::size_t>& recv_displs = {});
+  /// `in` holds size() blocks packed in rank order, block i of counts[i] elements; rank i's `out`
+  /// (counts[i] elements) receives the reduction of every rank's block i.
+  Future<void> reduce_scatterv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts,
+                               ReduceOp op = ReduceOp::sum);
   /// Each (src, dst) pair: src's `in` lands in dst's `out`. A rank sends to at most one rank and receives
   /// from at most one; a rank that receives from nobody gets zeros. Every rank passes the same pairs.
   Future<void> permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs);

@@ -7,6 +7,8 @@
 ///   reduce(root, sum)  -> broadcast(root)         scatter(root)  -> gather(root)
 ///   gather(root)       -> scatter(root)           all_to_all     -> all_to_all
 ///   permute(pairs)     -> permute(inverse pairs)
+///   all_gatherv        -> reduce_scatterv (sum)   gatherv(root)  -> scatterv(root)
+///   all_to_allv        -> all_to_allv (send and receive counts swapped)
 ///
 /// Only sum reductions are linear; the transpose of a min/max/prod reduction is not a collective and is
 /// refused.
@@ -34,7 +36,8 @@ std::vector<std::pair<int, int>> inverse_pairs(const std::vector<std::pair<int, 
 /// Runs the transpose of `c` (as it was called with `root`, `pairs` and op sum) on this rank's cotangent
 /// (shaped like c's output here) and writes this rank's gradient (shaped like c's input here).
 /// Returns: the transpose collective's Future. Errors: as the collective; Errc::invalid_argument when
-/// `op` is not sum, or `c` is split. Lifetime: both buffers must outlive the Future.
+/// `op` is not sum, or `c` is split or a variable-size collective (whose transpose needs the per-rank
+/// counts: call transpose_of(c) with them). Lifetime: both buffers must outlive the Future.
 Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotangent, BufferView gradient,
                              ReduceOp op = ReduceOp::sum, int root = 0,
                              const std::vector<std::pair<int, int>>& pairs = {});

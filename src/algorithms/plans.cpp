@@ -346,29 +346,42 @@ Plan binomial_reduce(int p, int r, int root, std::size_t count) {
   return plan;
 }
 
-Plan direct_gather(int p, int r, int root, std::size_t count) {
+namespace {
+// count elements per rank, block i at i * count: the equal-block layout of gather, scatter and all_to_all.
+std::vector<Range> equal_blocks(int p, std::size_t count) {
+  std::vector<Range> blocks(static_cast<std::size_t>(p));
+  for (int i = 0; i < p; ++i) blocks[static_cast<std::size_t>(i)] = Range{static_cast<std::size_t>(i) * count, count};
+  return blocks;
+}
+}  // namespace
+
+Plan direct_gather(int p, int r, int root, std::span<const Range> blocks) {
   Plan plan;
   if (r == root) {
     for (int i = 0; i < p; ++i) {
-      if (i != root) plan.push_back(make_recv(StepKind::recv, i, Range{static_cast<std::size_t>(i) * count, count}));
+      if (i != root) plan.push_back(make_recv(StepKind::recv, i, blocks[static_cast<std::size_t>(i)]));
     }
   } else {
-    plan.push_back(make_send(root, Range{0, count}));
+    plan.push_back(make_send(root, Range{0, blocks[static_cast<std::size_t>(r)].count}));
   }
   return plan;
 }
 
-Plan direct_scatter(int p, int r, int root, std::size_t count) {
+Plan direct_gather(int p, int r, int root, std::size_t count) { return direct_gather(p, r, root, equal_blocks(p, count)); }
+
+Plan direct_scatter(int p, int r, int root, std::span<const Range> blocks) {
   Plan plan;
   if (r == root) {
     for (int i = 0; i < p; ++i) {
-      if (i != root) plan.push_back(make_send(i, Range{static_cast<std::size_t>(i) * count, count}));
+      if (i != root) plan.push_back(make_send(i, blocks[static_cast<std::size_t>(i)]));
     }
   } else {
-    plan.push_back(make_recv(StepKind::recv, root, Range{0, count}));
+    plan.push_back(make_recv(StepKind::recv, root, Range{0, blocks[static_cast<std::size_t>(r)].count}));
   }
   return plan;
 }
+
+Plan direct_scatter(int p, int r, int root, std::size_t count) { return direct_scatter(p, r, root, equal_blocks(p, count)); }
 
 Plan recursive_doubling_all_gather(int p, int r, std::size_t count) {
   Plan plan;
@@ -431,15 +444,19 @@ Plan binomial_scatter(int p, int r, int root, std::size_t count) {
   return plan;
 }
 
-Plan pairwise_all_to_all(int p, int r, std::size_t count) {
+Plan pairwise_all_to_all(int p, int r, std::span<const Range> sends, std::span<const Range> recvs) {
   Plan plan;
   for (int k = 1; k < p; ++k) {
     const int to = wrap(r + k, p);
     const int from = wrap(r - k, p);
-    plan.push_back(Step{StepKind::send_recv, to, from, Range{static_cast<std::size_t>(to) * count, count},
-                        Range{static_cast<std::size_t>(from) * count, count}});
+    plan.push_back(Step{StepKind::send_recv, to, from, sends[static_cast<std::size_t>(to)], recvs[static_cast<std::size_t>(from)]});
   }
   return plan;
+}
+
+Plan pairwise_all_to_all(int p, int r, std::size_t count) {
+  const auto blocks = equal_blocks(p, count);
+  return pairwise_all_to_all(p, r, blocks, blocks);
 }
 
 Plan dissemination_barrier(int p, int r) {

@@ -39,6 +39,12 @@ constexpr Algorithm entries[] = {
     {C::barrier, K::dissemination, "dissemination"},
     {C::barrier, K::shm, "shm"},
     // permute and split have one plan each and no choice to make.
+    // The variable-size forms: one algorithm each for now (the names WEFT_ALGO and algorithm_for use).
+    {C::all_gatherv, K::ring, "ring"},
+    {C::gatherv, K::direct, "direct"},
+    {C::scatterv, K::direct, "direct"},
+    {C::all_to_allv, K::pairwise, "pairwise"},
+    {C::reduce_scatterv, K::ring, "ring"},
 };
 
 // Grouped by collective in Collective order: names_for and the fallback depend on it.

@@ -179,6 +179,11 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
     case Collective::barrier: return &entry(collective, Kind::dissemination);
     case Collective::permute:
     case Collective::split: return nullptr;
+    case Collective::all_gatherv: return &entry(collective, Kind::ring);
+    case Collective::gatherv: return &entry(collective, Kind::direct);
+    case Collective::scatterv: return &entry(collective, Kind::direct);
+    case Collective::all_to_allv: return &entry(collective, Kind::pairwise);
+    case Collective::reduce_scatterv: return &entry(collective, Kind::ring);
   }
   return nullptr;
 }

@@ -15,6 +15,11 @@ std::string_view to_string(Collective c) noexcept {
     case Collective::barrier: return "barrier";
     case Collective::permute: return "permute";
     case Collective::split: return "split";
+    case Collective::all_gatherv: return "all_gatherv";
+    case Collective::gatherv: return "gatherv";
+    case Collective::scatterv: return "scatterv";
+    case Collective::all_to_allv: return "all_to_allv";
+    case Collective::reduce_scatterv: return "reduce_scatterv";
   }
   return "?";
 }

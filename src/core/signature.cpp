@@ -33,6 +33,20 @@ OpSignature of(Collective collective, DType dtype, ReduceOp op, std::uint64_t co
 
 OpSignature of_plan(DType dtype, ReduceOp op, std::uint64_t count) { return pack(plan_kind, true, dtype, op, count, -1); }
 
+std::uint64_t counts_digest(std::span<const std::size_t> counts) noexcept {
+  // FNV-1a over each count's 8 little-endian bytes, and the number of counts.
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  };
+  for (std::size_t c : counts) mix(c);
+  mix(counts.size());
+  return h;
+}
+
 std::string describe(const OpSignature& s, std::uint64_t seq) {
   const std::uint32_t kind = s.call >> 27;
   const std::uint32_t type = (s.call >> 22) & 31;
@@ -42,7 +56,9 @@ std::string describe(const OpSignature& s, std::uint64_t seq) {
                                 : kind == plan_kind                      ? "a plan"
                                                                          : "an unknown collective";
   std::string detail = type >= 1 && type <= 13 ? std::string(to_string(static_cast<DType>(type - 1))) : fmt::format("type {}", type);
-  detail += fmt::format(" x {}", s.count);
+  // The variable-size collectives carry a digest of their per-rank counts (counts_digest), not a count.
+  const bool digest = kind >= 1 && kind <= all_collectives.size() && variable_size(static_cast<Collective>(kind - 1));
+  detail += digest ? fmt::format(", counts digest {:016x}", s.count) : fmt::format(" x {}", s.count);
   if (root != no_root) detail += fmt::format(", root {}", root - 1);
   if (reduce >= 1 && reduce <= 10) detail += fmt::format(", {}", to_string(static_cast<ReduceOp>(reduce - 1)));
   return fmt::format("{} #{} ({})", name, seq, detail);

@@ -3,7 +3,9 @@
 // ranks which called different collectives (or the same one with different arguments) at the same
 // sequence number fail with a message naming both calls instead of hanging or mixing up bytes
 // (docs/PROTOCOL.md, "Signatures"). The transport compares them; this file packs and describes them.
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -20,6 +22,10 @@ namespace weft::signature {
 OpSignature of(Collective collective, DType dtype, ReduceOp op, std::uint64_t count, int root);
 /// The same for a user's plan (Group::run_plan, kind 31): dtype and op, whatever its name.
 OpSignature of_plan(DType dtype, ReduceOp op, std::uint64_t count);
+
+/// What a variable-size collective signs instead of a count: a digest of the per-rank counts that every
+/// rank passes, so that a rank whose counts differ fails the operation (named by the peer that meets it).
+std::uint64_t counts_digest(std::span<const std::size_t> counts) noexcept;
 
 /// "all_gather #42 (f32 x 1024)", "broadcast #7 (u8 x 16, root 2)", "all_reduce #3 (f32 x 8, sum)".
 std::string describe(const OpSignature& signature, std::uint64_t seq);

@@ -19,11 +19,10 @@
 #include "group/shm_collectives.hpp"
 #include "group/staging.hpp"
 #include "group/state.hpp"
+#include "group/variable.hpp"
 
 namespace weft {
-namespace {
-
-using namespace detail;
+namespace detail {
 
 // Deterministic reduction of block `mine` of every rank: an ordered exchange brings every rank's block
 // here (slot i from rank i), and the fold runs in rank order: ((x0 op x1) op x2) ...
@@ -38,6 +37,12 @@ Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, Collective name, con
   co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op}, call);
   algo::fold_in_rank_order(dst, slots.get(), mine.count, g.size, type, op);
 }
+
+}  // namespace detail
+
+namespace {
+
+using namespace detail;
 
 Task<void> deterministic_all_reduce(std::shared_ptr<GroupState> g, std::uint64_t seq, Collective name,
                                     ConstBufferView in, BufferView out, ReduceOp op, GroupState::Call call) {
@@ -332,8 +337,9 @@ struct Rule {
     equal,         // out has in's count
     out_is_p_in,   // out holds a block per rank of in's count (all_gather, gather)
     in_is_p_out,   // in holds a block per rank of out's count (reduce_scatter, scatter)
+    blocks,        // a count per rank: the call's BlockLayout (group/variable.hpp)
   };
-  enum class Size : std::uint8_t { out, in, p_in, p_out };  // the bytes the algorithm is chosen by
+  enum class Size : std::uint8_t { out, in, p_in, p_out, blocks };  // the bytes the algorithm is chosen by
   Counts counts;
   Size size;
   bool root = false;            // takes a root
@@ -354,6 +360,11 @@ const Rule& rule_of(Collective c) {
   static const Rule scatter{C::in_is_p_out, S::p_out, true, true, false};
   static const Rule all_to_all{C::equal, S::in, false, false, false, true};
   static const Rule barrier{C::none, S::in};
+  static const Rule all_gatherv{C::blocks, S::blocks};
+  static const Rule gatherv{C::blocks, S::blocks, true, false, true};
+  static const Rule scatterv{C::blocks, S::blocks, true, true, false};
+  static const Rule all_to_allv{C::blocks, S::blocks};
+  static const Rule reduce_scatterv{C::blocks, S::blocks};
   switch (c) {
     case Collective::all_reduce: return all_reduce;
     case Collective::all_gather: return all_gather;
@@ -364,6 +375,11 @@ const Rule& rule_of(Collective c) {
     case Collective::scatter: return scatter;
     case Collective::all_to_all: return all_to_all;
     case Collective::barrier: return barrier;
+    case Collective::all_gatherv: return all_gatherv;
+    case Collective::gatherv: return gatherv;
+    case Collective::scatterv: return scatterv;
+    case Collective::all_to_allv: return all_to_allv;
+    case Collective::reduce_scatterv: return reduce_scatterv;
     case Collective::permute:
     case Collective::split: break;
   }
@@ -387,14 +403,19 @@ void validate(GroupState& g, const detail::CollectiveCall& call) {
   if (input_here) check_buffer(g, name, "input", call.in.data, call.in.count, call.in.dtype, call.in.device);
   if (reduces(call.collective)) check_op(g, name, call.in.dtype, call.op);
   if (output_here) check_buffer(g, name, "output", call.out.data, call.out.count, call.out.dtype, call.out.device);
+  if (input_here && output_here) check_same_type(g, name, call.in.dtype, call.out.dtype);
+  if (rule.counts == Rule::Counts::blocks) {
+    check_blocks(g, name, call, input_here, output_here);
+    return;
+  }
   if (!input_here || !output_here) return;  // a rank that uses one of the buffers: nothing to compare
-  check_same_type(g, name, call.in.dtype, call.out.dtype);
   switch (rule.counts) {
     case Rule::Counts::equal: check_count(g, name, "output", call.out.count, call.in.count); break;
     case Rule::Counts::out_is_p_in: check_count(g, name, "output", call.out.count, per_rank_total(g, name, call.in.count)); break;
     case Rule::Counts::in_is_p_out: check_count(g, name, "input", call.in.count, per_rank_total(g, name, call.out.count)); break;
     case Rule::Counts::none:
-    case Rule::Counts::one_buffer: break;
+    case Rule::Counts::one_buffer:
+    case Rule::Counts::blocks: break;
   }
   if (rule.equal_blocks && call.in.count % static_cast<std::size_t>(g.size) != 0) {
     invalid(g, name, fmt::format("{} elements do not split into {} equal blocks", call.in.count, g.size));
@@ -409,6 +430,9 @@ std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& c
     case Rule::Size::in: return call.in.bytes();
     case Rule::Size::p_in: return call.in.bytes() * p;
     case Rule::Size::p_out: return call.out.bytes() * p;
+    // (scatterv's input is the root's only: the output's dtype is the one every rank has.)
+    case Rule::Size::blocks:
+      return call.blocks->total * dtype_size(rule_of(call.collective).input_root_only ? call.out.dtype : call.in.dtype);
   }
   return 0;
 }
@@ -439,6 +463,11 @@ Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, co
     case Collective::scatter: return scatter_task(std::move(g), seq, call.in, call.out, call.root, algorithm);
     case Collective::all_to_all: return all_to_all_task(std::move(g), seq, call.in, call.out, algorithm);
     case Collective::barrier: return barrier_task(std::move(g), seq, algorithm);
+    case Collective::all_gatherv:
+    case Collective::gatherv:
+    case Collective::scatterv:
+    case Collective::all_to_allv:
+    case Collective::reduce_scatterv: return variable_task(std::move(g), seq, call, algorithm);
     case Collective::permute:
     case Collective::split: break;
   }

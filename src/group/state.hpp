@@ -6,7 +6,8 @@
 //   callers    written by the threads that call collectives (atomics, or under a mutex)
 //   loop       written on the loop's thread only (the watchdog, the reports)
 // The rooms that use it: create.cpp (bootstrap wiring), p2p.cpp, collectives.cpp (the submit path and
-// the collectives' tasks), membership.cpp (split, shrink), watchdog.cpp (deadlines and their reports).
+// the collectives' tasks), variable.cpp (the variable-size collectives), membership.cpp (split, shrink),
+// watchdog.cpp (deadlines and their reports).
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -42,6 +43,10 @@ namespace algo = algorithms;
 
 namespace detail {
 
+// Where each rank's block lies in a variable-size collective's buffers on this rank, and the digest of
+// the counts every rank passes (group/variable.hpp).
+struct BlockLayout;
+
 // One buffer collective as the public methods pack it, as NCCL packs every call into one ncclInfo: all
 // that validation, selection and the task need.
 struct CollectiveCall {
@@ -51,6 +56,9 @@ struct CollectiveCall {
   ReduceOp op = ReduceOp::sum;
   int root = -1;
   algo::StagedBuffers* staged = nullptr;  // device staging still copying (device_staging.hpp); null: ready
+  // The variable-size collectives' blocks (null for the others). Shared: device staging runs the task
+  // after the call has returned.
+  std::shared_ptr<const BlockLayout> blocks = nullptr;
 };
 
 // Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop

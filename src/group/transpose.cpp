@@ -22,6 +22,11 @@ Collective transpose_of(Collective c) noexcept {
     case Collective::permute: return Collective::permute;
     case Collective::barrier: return Collective::barrier;
     case Collective::split: return Collective::split;
+    case Collective::all_gatherv: return Collective::reduce_scatterv;
+    case Collective::reduce_scatterv: return Collective::all_gatherv;
+    case Collective::gatherv: return Collective::scatterv;
+    case Collective::scatterv: return Collective::gatherv;
+    case Collective::all_to_allv: return Collective::all_to_allv;
   }
   return c;
 }
@@ -59,6 +64,14 @@ Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotange
     case Collective::permute: return group.permute(cotangent, gradient, inverse_pairs(pairs));
     case Collective::barrier: return group.barrier();
     case Collective::split: break;
+    case Collective::all_gatherv:
+    case Collective::reduce_scatterv:
+    case Collective::gatherv:
+    case Collective::scatterv:
+    case Collective::all_to_allv:
+      throw Error(Errc::invalid_argument, ErrorContext{.rank = group.rank(), .op = "apply_transpose"},
+                  fmt::format("the transpose of {} needs its per-rank counts: call {} with the same counts (sends and "
+                              "receives swapped for all_to_allv)", to_string(c), to_string(transpose_of(c))));
   }
   throw Error(Errc::invalid_argument, ErrorContext{.rank = group.rank(), .op = "apply_transpose"},
               fmt::format("{} has no transpose (it is not a linear map of buffers)", to_string(c)));

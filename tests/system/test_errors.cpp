@@ -235,7 +235,7 @@ namespace {
 // is failed afterwards. `may_complete`: a call that receives nothing (both ranks a root that only sends)
 // can complete before the peer's frame shows the mismatch; then the next call must fail, naming both.
 void expect_mismatch(const std::function<Future<void>(Group&)>& call, std::initializer_list<std::string> words,
-                     bool may_complete = false, int ranks = 2) {
+                     bool may_complete = false, int ranks = 2, Errc found_as = Errc::mismatch) {
   const long before = checks_made.load();
   // Every rank keeps its group until all have seen their outcome: a rank that shut down at once could
   // close its connections before its abort frame left (docs/RELIABILITY.md, known gaps), and the others
@@ -261,11 +261,11 @@ void expect_mismatch(const std::function<Future<void>(Group&)>& call, std::initi
       check(may_complete, "a mismatched collective succeeded");
       Future<void> next = g.barrier();
       check(next.wait_for(15s), "the call after a mismatch hung");
-      expect_error([&] { next.get(); }, {Errc::mismatch, Errc::aborted, Errc::group_failed}, words);
+      expect_error([&] { next.get(); }, {found_as, Errc::aborted, Errc::group_failed}, words);
       arrival.wait();
       return;
     } catch (const Error&) {
-      expect_error([] { throw; }, {Errc::mismatch, Errc::aborted}, words);
+      expect_error([] { throw; }, {found_as, Errc::aborted}, words);
     }
     expect_error([&] { g.barrier().get(); }, Errc::group_failed, {"earlier operation failed"});
     arrival.wait();
@@ -332,6 +332,105 @@ TEST_CASE("a collective called with a different dtype, op or root on one rank fa
     expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank()); },
                     {"broadcast #1 (f32 x 8, root 0)", "broadcast #1 (f32 x 8, root 1)"}, true);
   }
+}
+
+TEST_CASE("variable-size collectives whose ranks disagree about the counts fail on every rank, naming the rank", "[errors][mismatch]") {
+  // Buffers of their own per rank: the ranks are threads of this process.
+  std::vector<std::vector<float>> ins(3, std::vector<float>(8, 1.0f)), outs(3, std::vector<float>(64, 0.0f));
+  auto in_of = [&](const Group& g) -> std::vector<float>& { return ins[static_cast<std::size_t>(g.rank())]; };
+  auto out_of = [&](const Group& g) -> std::vector<float>& { return outs[static_cast<std::size_t>(g.rank())]; };
+  // Rank 2 believes rank 0 contributes 4 elements, the others 3: the counts are signed, so the rank that
+  // meets rank 2's frames (or rank 2, meeting theirs) names it, whatever the sizes would have said.
+  auto counts_of = [](const Group& g) {
+    return g.rank() == 2 ? std::vector<std::size_t>{4, 2, 1} : std::vector<std::size_t>{3, 2, 1};
+  };
+  auto mine = [&](const Group& g, std::vector<float>& v) {
+    return ConstBufferView(v.data(), counts_of(g)[static_cast<std::size_t>(g.rank())], DType::f32);
+  };
+  SECTION("all_gatherv") {
+    expect_mismatch([&](Group& g) { return g.all_gatherv(mine(g, in_of(g)), out_of(g), counts_of(g)); },
+                    {"all_gatherv #1 (f32, counts digest", "rank 2"}, false, 3);
+  }
+  SECTION("gatherv: the root finds it") {
+    expect_mismatch([&](Group& g) { return g.gatherv(mine(g, in_of(g)), out_of(g), counts_of(g), 0); },
+                    {"gatherv #1 (f32, counts digest", "rank 2", "root 0"}, true, 3);
+  }
+  SECTION("scatterv: the rank that differs finds it") {
+    expect_mismatch([&](Group& g) {
+      const auto counts = counts_of(g);
+      return g.scatterv(in_of(g), BufferView(out_of(g).data(), counts[static_cast<std::size_t>(g.rank())], DType::f32), counts, 0);
+    }, {"scatterv #1 (f32, counts digest", "rank 2"}, true, 3);
+  }
+  SECTION("reduce_scatterv") {
+    expect_mismatch([&](Group& g) {
+      const auto counts = counts_of(g);
+      const std::size_t total = counts[0] + counts[1] + counts[2];
+      return g.reduce_scatterv(ConstBufferView(out_of(g).data(), total, DType::f32),
+                               BufferView(in_of(g).data(), counts[static_cast<std::size_t>(g.rank())], DType::f32), counts);
+    }, {"reduce_scatterv #1 (f32, counts digest", "rank 2"}, false, 3);
+  }
+  SECTION("all_to_allv: rank 0 sends rank 1 three elements where rank 1 expects two") {
+    // Counts differ by rank by nature: the receive's size names the sender.
+    expect_mismatch([&](Group& g) {
+      std::vector<std::size_t> sends{1, 1, 1}, recvs{1, 1, 1};
+      if (g.rank() == 0) sends[1] = 3;
+      if (g.rank() == 1) recvs[0] = 2;
+      return g.all_to_allv(in_of(g), out_of(g), sends, recvs);
+    }, {"all_to_allv #1", "rank 0 sent 12 bytes", "expected 8"}, true, 3, Errc::size_mismatch);
+  }
+  SECTION("all_to_allv: a pair that disagrees about an empty message is found, not waited on") {
+    expect_mismatch([&](Group& g) {
+      std::vector<std::size_t> sends{1, 1}, recvs{1, 1};
+      if (g.rank() == 0) sends[1] = 0;
+      return g.all_to_allv(in_of(g), out_of(g), sends, recvs);
+    }, {"all_to_allv #1", "rank 0 sent 0 bytes", "expected 4"}, true, 2, Errc::size_mismatch);
+  }
+}
+
+TEST_CASE("variable-size collectives refuse bad counts and displacements before anything is sent", "[errors][preconditions]") {
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    std::vector<float> f(32, 1.0f), out(32);
+    const std::string me = fmt::format("rank {}", g.rank());
+    const std::size_t mine = static_cast<std::size_t>(g.rank()) + 1;  // counts {1, 2, 3}
+    const std::vector<std::size_t> counts{1, 2, 3};
+    const ConstBufferView in(f.data(), mine, DType::f32);
+    expect_error([&] { (void)g.all_gatherv(in, out, {1, 2}); }, Errc::invalid_argument, {me, "all_gatherv", "counts has 2 entries", "group of 3"});
+    expect_error([&] { (void)g.all_gatherv(in, out, counts, {0, 1}); }, Errc::invalid_argument, {"all_gatherv", "displs has 2 entries"});
+    expect_error([&] { (void)g.all_gatherv(ConstBufferView(f.data(), 7, DType::f32), out, counts); }, Errc::invalid_argument,
+                 {"all_gatherv", "input has 7 elements, expected " + std::to_string(mine)});
+    expect_error([&] { (void)g.all_gatherv(in, BufferView(out.data(), 5, DType::f32), counts); }, Errc::invalid_argument,
+                 {"all_gatherv", "output has 5 elements, but its blocks reach element 6"});
+    expect_error([&] { (void)g.all_gatherv(in, out, counts, {0, 0, 10}); }, Errc::invalid_argument,
+                 {"all_gatherv", "output blocks of ranks 0 ([0, 1)) and 1 ([0, 2)) overlap"});
+    std::vector<float> adjacent(13);  // blocks that touch do not overlap
+    g.all_gatherv(in, adjacent, counts, {0, 1, 10}).get();
+    check(adjacent[0] == 1.0f && adjacent[2] == 1.0f && adjacent[12] == 1.0f && adjacent[3] == 0.0f, "adjacent blocks gathered");
+    expect_error([&] { (void)g.all_gatherv(in, out, counts, {4, 0, 1}); }, Errc::invalid_argument, {"overlap"});
+    expect_error([&] { (void)g.gatherv(in, out, counts, 3); }, Errc::invalid_argument, {"gatherv", "root 3"});
+    expect_error([&] { (void)g.scatterv(f, BufferView(out.data(), 9, DType::f32), counts, 0); }, Errc::invalid_argument,
+                 {"scatterv", "output has 9 elements, expected " + std::to_string(mine)});
+    expect_error([&] { (void)g.reduce_scatterv(ConstBufferView(f.data(), 5, DType::f32), BufferView(out.data(), mine, DType::f32), counts); },
+                 Errc::invalid_argument, {"reduce_scatterv", "input has 5 elements, expected 6"});
+    expect_error([&] { (void)g.reduce_scatterv(ConstBufferView(f.data(), 6, DType::f32), BufferView(out.data(), mine, DType::f32), counts,
+                                                ReduceOp::bitwise_or); },
+                 Errc::invalid_argument, {"reduce_scatterv", "bor", "f32"});
+    std::vector<std::size_t> sends{1, 1, 1}, recvs{1, 1, 1};
+    recvs[static_cast<std::size_t>(g.rank())] = 2;
+    expect_error([&] { (void)g.all_to_allv(f, out, sends, recvs); }, Errc::invalid_argument,
+                 {"all_to_allv", "sends itself send_counts[" + std::to_string(g.rank()) + "] = 1 elements but receives"});
+    expect_error([&] { (void)g.all_to_allv(ConstBufferView(f.data(), 2, DType::f32), out, {1, 1, 1}, {1, 1, 1}); }, Errc::invalid_argument,
+                 {"all_to_allv", "input has 2 elements, but its blocks reach element 3"});
+    expect_error([&] { (void)g.all_to_allv(f, out, {1, 1, 1}, {1, 1, 1}, {}, {0, 0, 5}); }, Errc::invalid_argument,
+                 {"all_to_allv", "overlap", "recv_displs"});
+    const std::vector<std::size_t> huge{std::size_t{1} << 46, std::size_t{1} << 46, std::size_t{1} << 46};
+    expect_error([&] { (void)g.all_gatherv(in, out, huge); }, Errc::invalid_argument, {"all_gatherv", "add up to more than a buffer can hold"});
+    // Nothing was sent and no sequence number was used: the group still works.
+    std::vector<float> got(6, 0.0f);
+    g.all_gatherv(ConstBufferView(f.data(), mine, DType::f32), got, counts).get();
+    check(got == std::vector<float>(6, 1.0f), "the group works after refused calls");
+  });
+  REQUIRE(checks_made.load() > before);
 }
 
 TEST_CASE("a receive of the wrong size fails and nothing is truncated", "[errors][mismatch]") {

@@ -3,6 +3,7 @@
 // with a reference. World sizes 1..16 and awkward counts (0, 1, p-1, p+1, primes).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -515,7 +516,8 @@ TEST_CASE("signatures pack the Collective's value + 1: the wire codes of protoco
   const std::pair<Collective, std::uint32_t> codes[] = {
       {Collective::all_reduce, 1}, {Collective::all_gather, 2}, {Collective::reduce_scatter, 3}, {Collective::broadcast, 4},
       {Collective::reduce, 5},     {Collective::gather, 6},     {Collective::scatter, 7},        {Collective::all_to_all, 8},
-      {Collective::barrier, 9},    {Collective::permute, 10},   {Collective::split, 11}};
+      {Collective::barrier, 9},    {Collective::permute, 10},   {Collective::split, 11},         {Collective::all_gatherv, 12},
+      {Collective::gatherv, 13},   {Collective::scatterv, 14},  {Collective::all_to_allv, 15},   {Collective::reduce_scatterv, 16}};
   for (auto [c, code] : codes) {
     CHECK(signature::of(c, DType::f32, ReduceOp::max, 8, -1).call >> 27 == code);
     const std::uint32_t op_bits = (signature::of(c, DType::f32, ReduceOp::max, 8, -1).call >> 18) & 15;
@@ -523,4 +525,145 @@ TEST_CASE("signatures pack the Collective's value + 1: the wire codes of protoco
   }
   CHECK(signature::of_plan(DType::f32, ReduceOp::sum, 0).call >> 27 == 31);
   CHECK(signature::describe(signature::of(Collective::broadcast, DType::u8, ReduceOp::sum, 16, 2), 7) == "broadcast #7 (u8 x 16, root 2)");
+  // The variable-size ones sign a digest of their per-rank counts: any change of any count changes it.
+  const std::vector<std::size_t> counts{3, 0, 5}, moved{3, 5, 0}, longer{3, 0, 5, 0};
+  const auto digest = signature::counts_digest(counts);
+  CHECK(digest != signature::counts_digest(moved));
+  CHECK(digest != signature::counts_digest(longer));
+  CHECK(digest == signature::counts_digest(std::vector<std::size_t>{3, 0, 5}));
+  CHECK(signature::describe(signature::of(Collective::all_gatherv, DType::f32, ReduceOp::sum, 0x1234, -1), 4) ==
+        "all_gatherv #4 (f32, counts digest 0000000000001234)");
+}
+
+TEST_CASE("plans over blocks of any size: the ring, direct gather and scatter, the pairwise exchange", "[plans]") {
+  // The variable-size collectives run the equal-block plans over ranges of their own (uneven, empty,
+  // displaced in reverse order with gaps): every block must still land where its range says.
+  for (int p = 1; p <= 9; ++p) {
+    for (int pattern = 0; pattern < 3; ++pattern) {
+      INFO("p=" << p << " pattern=" << pattern);
+      std::vector<Range> blocks(static_cast<std::size_t>(p));
+      std::size_t at = 0, total = 0;
+      for (int i = p - 1; i >= 0; --i) {  // reverse order, gaps of 2
+        const std::size_t count = pattern == 0 ? 0 : pattern == 1 ? static_cast<std::size_t>(i % 2) : static_cast<std::size_t>((i * 5 + 3) % 7);
+        at += 2;
+        blocks[static_cast<std::size_t>(i)] = Range{at, count};
+        at += count;
+        total += count;
+      }
+      const std::size_t reach = at;
+      // all_gatherv: block i of rank i, at blocks[i] everywhere.
+      std::vector<RankState> ag(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = ag[static_cast<std::size_t>(r)];
+        st.plan = ring_all_gather(p, r, blocks, -1);
+        st.recv.assign(reach, -9);
+        const Range mine = blocks[static_cast<std::size_t>(r)];
+        for (std::size_t i = 0; i < mine.count; ++i) st.recv[mine.offset + i] = input(r, i);
+        st.send_is_recv = true;
+      }
+      REQUIRE(simulate(ag) == "");
+      for (int r = 0; r < p; ++r) {
+        for (int b = 0; b < p; ++b) {
+          const Range range = blocks[static_cast<std::size_t>(b)];
+          for (std::size_t i = 0; i < range.count; ++i) REQUIRE(ag[static_cast<std::size_t>(r)].recv[range.offset + i] == input(b, i));
+        }
+        REQUIRE(std::count(ag[static_cast<std::size_t>(r)].recv.begin(), ag[static_cast<std::size_t>(r)].recv.end(), -9) ==
+                static_cast<std::ptrdiff_t>(reach - total));  // the gaps stay untouched
+      }
+      // reduce_scatterv: packed blocks of the same counts.
+      std::vector<Range> packed(static_cast<std::size_t>(p));
+      std::size_t off = 0;
+      for (int i = 0; i < p; ++i) {
+        packed[static_cast<std::size_t>(i)] = Range{off, blocks[static_cast<std::size_t>(i)].count};
+        off += blocks[static_cast<std::size_t>(i)].count;
+      }
+      std::vector<RankState> rs(static_cast<std::size_t>(p));
+      std::vector<std::vector<Value>> inputs(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& in = inputs[static_cast<std::size_t>(r)];
+        for (std::size_t i = 0; i < total; ++i) in.push_back(input(r, i));
+        auto& st = rs[static_cast<std::size_t>(r)];
+        st.plan = ring_reduce_scatter(p, r, packed, -1);
+        st.send = in;
+        st.recv = p > 1 ? std::vector<Value>(total, -5) : in;
+        if (p > 1) st.local = in.data();
+      }
+      REQUIRE(simulate(rs) == "");
+      for (int r = 0; r < p; ++r) {
+        const Range mine = packed[static_cast<std::size_t>(r)];
+        for (std::size_t i = 0; i < mine.count; ++i) REQUIRE(rs[static_cast<std::size_t>(r)].recv[mine.offset + i] == sum_over(p, mine.offset + i));
+      }
+      for (int root = 0; root < p; ++root) {
+        // gatherv: rank i's [0, count) lands at blocks[i] of the root's buffer.
+        std::vector<RankState> ga(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = ga[static_cast<std::size_t>(r)];
+          st.plan = direct_gather(p, r, root, blocks);
+          for (std::size_t i = 0; i < blocks[static_cast<std::size_t>(r)].count; ++i) st.send.push_back(input(r, i));
+          st.recv.assign(r == root ? reach : 0, -1);
+        }
+        REQUIRE(simulate(ga) == "");
+        for (int b = 0; b < p; ++b) {
+          if (b == root) continue;
+          const Range range = blocks[static_cast<std::size_t>(b)];
+          for (std::size_t i = 0; i < range.count; ++i) REQUIRE(ga[static_cast<std::size_t>(root)].recv[range.offset + i] == input(b, i));
+        }
+        // scatterv: blocks[i] of the root's buffer lands in rank i's [0, count).
+        std::vector<RankState> sc(static_cast<std::size_t>(p));
+        for (int r = 0; r < p; ++r) {
+          auto& st = sc[static_cast<std::size_t>(r)];
+          st.plan = direct_scatter(p, r, root, blocks);
+          if (r == root) {
+            for (std::size_t i = 0; i < reach; ++i) st.send.push_back(input(root, i));
+          }
+          st.recv.assign(blocks[static_cast<std::size_t>(r)].count, -1);
+        }
+        REQUIRE(simulate(sc) == "");
+        for (int r = 0; r < p; ++r) {
+          if (r == root) continue;
+          const Range range = blocks[static_cast<std::size_t>(r)];
+          for (std::size_t i = 0; i < range.count; ++i) REQUIRE(sc[static_cast<std::size_t>(r)].recv[i] == input(root, range.offset + i));
+        }
+      }
+      // all_to_allv: rank r sends (r + 2j + pattern) % 4 elements to rank j, packed on the way out and
+      // in reverse order on the way in.
+      auto pair_count = [&](int from, int to) { return static_cast<std::size_t>((from + 2 * to + pattern) % 4); };
+      std::vector<RankState> a2a(static_cast<std::size_t>(p));
+      std::vector<std::vector<Range>> sends(static_cast<std::size_t>(p)), recvs(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) {
+        auto& st = a2a[static_cast<std::size_t>(r)];
+        std::size_t out = 0;
+        for (int j = 0; j < p; ++j) {
+          sends[static_cast<std::size_t>(r)].push_back(Range{out, pair_count(r, j)});
+          out += pair_count(r, j);
+        }
+        recvs[static_cast<std::size_t>(r)].resize(static_cast<std::size_t>(p));
+        std::size_t in = 0;
+        for (int i = p - 1; i >= 0; --i) {
+          recvs[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)] = Range{in, pair_count(i, r)};
+          in += pair_count(i, r);
+        }
+        st.plan = pairwise_all_to_all(p, r, sends[static_cast<std::size_t>(r)], recvs[static_cast<std::size_t>(r)]);
+        for (std::size_t i = 0; i < out; ++i) st.send.push_back(input(r, i));
+        st.recv.assign(in, -1);
+      }
+      REQUIRE(simulate(a2a) == "");
+      for (int r = 0; r < p; ++r) {
+        for (int i = 0; i < p; ++i) {
+          if (i == r) continue;
+          const Range got = recvs[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
+          const Range sent = sends[static_cast<std::size_t>(i)][static_cast<std::size_t>(r)];
+          for (std::size_t e = 0; e < got.count; ++e) REQUIRE(a2a[static_cast<std::size_t>(r)].recv[got.offset + e] == input(i, sent.offset + e));
+        }
+      }
+    }
+  }
+  // The equal-block builders are the ranged ones over equal blocks.
+  for (int p = 1; p <= 6; ++p) {
+    for (int r = 0; r < p; ++r) {
+      CHECK(direct_gather(p, r, 0, 5) == direct_gather(p, r, 0, equal(p, 5)));
+      CHECK(direct_scatter(p, r, p - 1, 5) == direct_scatter(p, r, p - 1, equal(p, 5)));
+      CHECK(pairwise_all_to_all(p, r, 5) == pairwise_all_to_all(p, r, equal(p, 5), equal(p, 5)));
+    }
+  }
 }
