@@ -12,6 +12,7 @@
 #include "weft/options.hpp"
 #include "weft/reduce_op.hpp"
 #include "weft/task.hpp"
+#include "weft/tensor.hpp"
 #include "weft/transport.hpp"
 #include "weft/transpose.hpp"
 #include "weft/version.hpp"

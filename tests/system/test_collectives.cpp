@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <numeric>
 #include <optional>
 #include <random>
 
@@ -1058,4 +1060,290 @@ TEST_CASE("deterministic reduce_scatterv and small segments give the same result
   options.deterministic = true;
   options.segment_bytes = 4096;
   variable_matrix(3, options);
+}
+
+// ---- collectives over n-d views (weft/tensor.hpp) against references written with plain loops
+
+namespace {
+
+using Shape = std::vector<std::size_t>;
+
+void for_each_index(const Shape& shape, const std::function<void(const Shape&)>& fn) {
+  for (std::size_t e : shape) {
+    if (e == 0) return;
+  }
+  Shape idx(shape.size(), 0);
+  for (;;) {
+    fn(idx);
+    std::size_t k = shape.size();
+    for (;;) {
+      if (k == 0) return;
+      --k;
+      if (++idx[k] < shape[k]) break;
+      idx[k] = 0;
+    }
+  }
+}
+
+std::size_t flat(const Shape& shape, const Shape& idx) {
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < shape.size(); ++k) at = at * shape[k] + idx[k];
+  return at;
+}
+
+// A tensor in memory in one of three layouts: row-major; every row padded by 2 elements; and transposed
+// (the axes stored in reverse order), which is contiguous in no axis order a collective can use.
+struct Stored {
+  DType t;
+  Shape shape;
+  std::vector<std::ptrdiff_t> strides;
+  std::vector<std::byte> memory;
+
+  Stored(DType type, Shape s, int layout) : t(type), shape(std::move(s)) {
+    const std::size_t n = shape.size();
+    strides.assign(n, 1);
+    Shape storage = shape;
+    if (layout == 1 && n > 0) storage[n - 1] += 2;
+    std::ptrdiff_t step = 1;
+    if (layout == 2) {
+      for (std::size_t k = 0; k < n; ++k) {
+        strides[k] = step;
+        step *= static_cast<std::ptrdiff_t>(std::max<std::size_t>(1, shape[k]));
+      }
+    } else {
+      for (std::size_t k = n; k-- > 0;) {
+        strides[k] = step;
+        step *= static_cast<std::ptrdiff_t>(std::max<std::size_t>(1, storage[k]));
+      }
+    }
+    memory.assign(static_cast<std::size_t>(step) * dtype_size(t) + 1, std::byte{0x5c});
+  }
+  std::size_t offset(const Shape& idx) const {
+    std::ptrdiff_t at = 0;
+    for (std::size_t k = 0; k < idx.size(); ++k) at += static_cast<std::ptrdiff_t>(idx[k]) * strides[k];
+    return static_cast<std::size_t>(at);
+  }
+  double get(const Shape& idx) const { return load(t, memory.data(), offset(idx)); }
+  void set(const Shape& idx, double v) { store(t, memory.data(), offset(idx), v); }
+  TensorView view() { return TensorView{memory.data(), t, shape, strides}; }
+  ConstTensorView cview() const { return ConstTensorView(memory.data(), t, shape, strides); }
+};
+
+// Rank r's input element at idx: small integers, exact in every dtype and every sum of 5 of them.
+double element(DType t, int r, const Shape& shape, const Shape& idx, std::size_t salt) {
+  return value(t, ReduceOp::sum, r, flat(shape, idx) + salt);
+}
+
+Stored input_of(DType t, int r, const Shape& shape, int layout, std::size_t salt) {
+  Stored s(t, shape, layout);
+  for_each_index(shape, [&](const Shape& idx) { s.set(idx, element(t, r, shape, idx, salt)); });
+  return s;
+}
+
+// Compares every element of `got` with expected(idx), through the dtype (as stored).
+void check_tensor(const Stored& got, const std::function<double(const Shape&)>& expected, const std::string& what) {
+  std::vector<std::byte> one(8);
+  for_each_index(got.shape, [&](const Shape& idx) {
+    store(got.t, one.data(), 0, expected(idx));
+    const double want = load(got.t, one.data(), 0);
+    const double have = got.get(idx);
+    if (have != want) {
+      check(false, fmt::format("{}: at {} got {}, expected {}", what, fmt::join(idx, ","), have, want));
+    }
+  });
+  check(true, what);
+}
+
+Shape erase_at(Shape s, std::size_t at) {
+  s.erase(s.begin() + static_cast<std::ptrdiff_t>(at));
+  return s;
+}
+Shape insert_at(Shape s, std::size_t at, std::size_t v) {
+  s.insert(s.begin() + static_cast<std::ptrdiff_t>(at), v);
+  return s;
+}
+
+void tensor_cases(Group& g) {
+  const int p = g.size();
+  const int r = g.rank();
+  const auto up = static_cast<std::size_t>(p);
+  const auto ur = static_cast<std::size_t>(r);
+  for (DType t : {DType::f32, DType::i32, DType::bf16, DType::u8, DType::f64}) {
+    for (int layout_in = 0; layout_in < 3; ++layout_in) {
+      const int layout_out = (layout_in + 1) % 3;  // every pairing of layouts across the loop
+      for (std::size_t a = 0; a < 4; ++a) {
+        const std::string at = fmt::format("{} axis {} layouts {}/{}", to_string(t), a, layout_in, layout_out);
+        const Shape base{3, 2, 5, 1};  // uneven extents, one of them 1
+        {  // all_gather, tiled: blocks of base along a, concatenated
+          const auto in = input_of(t, r, base, layout_in, 1);
+          Stored out(t, all_gather_shape(base, static_cast<int>(a), p, true), layout_out);
+          all_gather(g, in.cview(), out.view(), static_cast<int>(a), true).get();
+          check_tensor(out, [&](const Shape& idx) {
+            Shape src = idx;
+            const auto from = static_cast<int>(idx[a] / base[a]);
+            src[a] = idx[a] % base[a];
+            return element(t, from, base, src, 1);
+          }, "all_gather tiled " + at);
+        }
+        {  // all_gather, untiled: a new axis of p at a (a in 0..4 covers the end too)
+          const std::size_t where = a + (a == 3 ? 1 : 0);
+          const auto in = input_of(t, r, base, layout_in, 2);
+          Stored out(t, insert_at(base, where, up), layout_out);
+          all_gather(g, in.cview(), out.view(), static_cast<int>(where)).get();
+          check_tensor(out, [&](const Shape& idx) { return element(t, static_cast<int>(idx[where]), base, erase_at(idx, where), 2); },
+                       "all_gather untiled " + at);
+        }
+        {  // all_gather, tiled and uneven: rank i holds i % 3 along the axis (zero for some)
+          Shape extents(up);
+          for (std::size_t i = 0; i < up; ++i) extents[i] = i % 3;
+          Shape mine = base;
+          mine[a] = extents[ur];
+          const auto in = input_of(t, r, mine, layout_in, 3);
+          Shape full = base;
+          full[a] = std::accumulate(extents.begin(), extents.end(), std::size_t{0});
+          Stored out(t, full, layout_out);
+          all_gather(g, in.cview(), out.view(), static_cast<int>(a), true, extents).get();
+          check_tensor(out, [&](const Shape& idx) {
+            std::size_t from = 0, off = 0;
+            while (idx[a] >= off + extents[from]) off += extents[from++];
+            Shape theirs = base;
+            theirs[a] = extents[from];
+            Shape src = idx;
+            src[a] = idx[a] - off;
+            return element(t, static_cast<int>(from), theirs, src, 3);
+          }, "all_gather uneven " + at);
+        }
+        {  // reduce_scatter, tiled (the axis 2p long) and untiled (the axis p long)
+          Shape shape = base;
+          shape[a] = 2 * up;
+          const auto in = input_of(t, r, shape, layout_in, 4);
+          Stored out(t, reduce_scatter_shape(shape, static_cast<int>(a), p, true), layout_out);
+          reduce_scatter(g, in.cview(), out.view(), static_cast<int>(a), ReduceOp::sum, true).get();
+          check_tensor(out, [&](const Shape& idx) {
+            Shape src = idx;
+            src[a] += 2 * ur;
+            double sum = 0;
+            for (int i = 0; i < p; ++i) sum += element(t, i, shape, src, 4);
+            return sum;
+          }, "reduce_scatter tiled " + at);
+          shape[a] = up;
+          const auto in1 = input_of(t, r, shape, layout_in, 5);
+          Stored out1(t, erase_at(shape, a), layout_out);
+          reduce_scatter(g, in1.cview(), out1.view(), static_cast<int>(a) - 4, ReduceOp::sum).get();  // a negative axis
+          check_tensor(out1, [&](const Shape& idx) {
+            double sum = 0;
+            for (int i = 0; i < p; ++i) sum += element(t, i, shape, insert_at(idx, a, ur), 5);
+            return sum;
+          }, "reduce_scatter untiled " + at);
+        }
+        {  // reduce_scatter, tiled and uneven: block i is (i + 1) % 3 long
+          Shape extents(up);
+          for (std::size_t i = 0; i < up; ++i) extents[i] = (i + 1) % 3;
+          Shape shape = base;
+          shape[a] = std::accumulate(extents.begin(), extents.end(), std::size_t{0});
+          const auto in = input_of(t, r, shape, layout_in, 6);
+          Shape mine = base;
+          mine[a] = extents[ur];
+          Stored out(t, mine, layout_out);
+          reduce_scatter(g, in.cview(), out.view(), static_cast<int>(a), ReduceOp::sum, true, extents).get();
+          const std::size_t off = std::accumulate(extents.begin(), extents.begin() + r, std::size_t{0});
+          check_tensor(out, [&](const Shape& idx) {
+            Shape src = idx;
+            src[a] += off;
+            double sum = 0;
+            for (int i = 0; i < p; ++i) sum += element(t, i, shape, src, 6);
+            return sum;
+          }, "reduce_scatter uneven " + at);
+        }
+        for (std::size_t c = 0; c < 4; ++c) {  // all_to_all from split axis a to concat axis c
+          {  // tiled: the split axis 2p long
+            Shape shape = base;
+            shape[a] = 2 * up;
+            const auto in = input_of(t, r, shape, layout_in, 7);
+            Stored out(t, all_to_all_shape(shape, static_cast<int>(a), static_cast<int>(c), p, true), layout_out);
+            all_to_all(g, in.cview(), out.view(), static_cast<int>(a), static_cast<int>(c), true).get();
+            Shape block = shape;
+            block[a] = 2;
+            check_tensor(out, [&](const Shape& idx) {
+              Shape src = idx;
+              const std::size_t from = idx[c] / block[c];
+              src[c] = idx[c] % block[c];
+              src[a] += 2 * ur;
+              return element(t, static_cast<int>(from), shape, src, 7);
+            }, fmt::format("all_to_all tiled {} concat {}", at, c));
+          }
+          {  // untiled: the split axis p long, a new axis p long at c
+            Shape shape = base;
+            shape[a] = up;
+            const auto in = input_of(t, r, shape, layout_in, 8);
+            Stored out(t, insert_at(erase_at(shape, a), c, up), layout_out);
+            all_to_all(g, in.cview(), out.view(), static_cast<int>(a), static_cast<int>(c)).get();
+            check_tensor(out, [&](const Shape& idx) {
+              return element(t, static_cast<int>(idx[c]), shape, insert_at(erase_at(idx, c), a, ur), 8);
+            }, fmt::format("all_to_all untiled {} concat {}", at, c));
+          }
+        }
+      }
+      {  // ppermute (a shift by one), all_reduce and broadcast on a strided 3-d tensor
+        const Shape shape{2, 3, 4};
+        const int layout_out = (layout_in + 2) % 3;
+        std::vector<std::pair<int, int>> pairs;
+        for (int i = 0; i < p; ++i) pairs.emplace_back(i, (i + 1) % p);
+        const auto in = input_of(t, r, shape, layout_in, 9);
+        Stored out(t, shape, layout_out);
+        permute(g, in.cview(), out.view(), pairs).get();
+        check_tensor(out, [&](const Shape& idx) { return element(t, (r + p - 1) % p, shape, idx, 9); }, "permute");
+        Stored sum(t, shape, layout_out);
+        all_reduce(g, in.cview(), sum.view()).get();
+        check_tensor(sum, [&](const Shape& idx) {
+          double s = 0;
+          for (int i = 0; i < p; ++i) s += element(t, i, shape, idx, 9);
+          return s;
+        }, "all_reduce");
+        const int root = p - 1;
+        auto data = r == root ? input_of(t, r, shape, layout_in, 10) : Stored(t, shape, layout_in);
+        broadcast(g, data.view(), root).get();
+        check_tensor(data, [&](const Shape& idx) { return element(t, root, shape, idx, 10); }, "broadcast");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("collectives over n-d views match plain loops: axes 0..3, tiled and untiled, uneven, strided", "[collectives][tensor]") {
+  for (int p : {1, 2, 3, 4}) {
+    const long before = checks_made.load();
+    run_ranks(p, [](Group& g) { tensor_cases(g); });
+    REQUIRE(checks_made.load() > before);
+  }
+}
+
+TEST_CASE("collectives over n-d views refuse what does not fit, before anything is sent", "[collectives][tensor]") {
+  run_ranks(2, [](Group& g) {
+    std::vector<float> a(24), b(48);
+    const ConstTensorView in(a.data(), DType::f32, {2, 3, 4});
+    auto refused = [&](const std::function<void()>& fn, const std::string& words) {
+      try {
+        fn();
+      } catch (const Error& e) {
+        check(e.errc() == Errc::invalid_argument && std::string(e.what()).find(words) != std::string::npos,
+              fmt::format("expected '{}', got: {}", words, e.what()));
+        return;
+      }
+      check(false, "nothing was refused: " + words);
+    };
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {2, 3, 8}}, 3, true); }, "axis 3 is out of range for 3 dimensions");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {2, 3, 4}}, 0, true); }, "output has shape [2, 3, 4], expected [4, 3, 4]");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f64, {4, 3, 4}}, 0, true); }, "input is f32 but output is f64");
+    refused([&] { (void)reduce_scatter(g, in, TensorView{b.data(), DType::f32, {2, 4}}, 1); }, "untiled, it must be the group's size 2");
+    refused([&] { (void)reduce_scatter(g, in, TensorView{b.data(), DType::f32, {2, 1, 4}}, 1, ReduceOp::sum, true); }, "does not split into 2 equal blocks");
+    refused([&] { (void)all_to_all(g, in, TensorView{b.data(), DType::f32, {4, 3, 2}}, 1, 0, true); }, "split axis 1 has extent 3");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {4, 3, 4}, {0, 4, 1}}, 0, true); }, "overlap itself");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {6, 3, 4}}, 0, true, {3, 3}); }, "= 3 but this rank's input has 2 along axis 0");
+    // Nothing was sent: the group still works.
+    std::vector<float> one{1.0f};
+    g.all_reduce(one).get();
+    check(one[0] == 2.0f, "the group works after refused calls");
+  });
 }
