@@ -184,8 +184,22 @@ std::vector<int> cpus_to_pin(const Launch& launch) {
   return pin ? cpus : std::vector<int>{};
 }
 
+// The build tree's Python package root (<build>/python, beside <build>/tools/weft-run), where it holds
+// the weft module: so that `weft-run -n 4 -- python3 script.py` imports the weft it was built with.
+// Empty for an installed weft-run (the module is in Python's site-packages there).
+std::string python_package_root() {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) return {};
+  std::string dir(self, static_cast<std::size_t>(n));
+  dir = dir.substr(0, dir.rfind('/'));               // <build>/tools
+  const std::string root = dir.substr(0, dir.rfind('/')) + "/python";
+  return access((root + "/weft/__init__.py").c_str(), R_OK) == 0 ? root : std::string();
+}
+
 // Starts every rank with weft's environment, its output on pipes. Exits 2 when a rank cannot be started.
 std::vector<Rank> start_ranks(const Launch& launch) {
+  const std::string python_root = python_package_root();
   // One job id and one secret per launch, unless the caller chose them.
   const std::string job_id = std::getenv("WEFT_JOB_ID") ? std::string() : "weft-run-" + random_hex(8);
   const std::string secret = std::getenv("WEFT_SECRET") || std::getenv("WEFT_SECRET_FILE") ? std::string() : random_hex(32);
@@ -225,6 +239,10 @@ std::vector<Rank> start_ranks(const Launch& launch) {
       setenv("WEFT_TRANSPORT", "shm", 0);
       if (!job_id.empty()) setenv("WEFT_JOB_ID", job_id.c_str(), 1);
       if (!secret.empty()) setenv("WEFT_SECRET", secret.c_str(), 1);
+      if (!python_root.empty()) {
+        const char* path = std::getenv("PYTHONPATH");
+        setenv("PYTHONPATH", (path && *path ? python_root + ":" + path : python_root).c_str(), 1);
+      }
       execvp(launch.program[0], launch.program);
       fmt::print(stderr, "weft-run: cannot run {}: {}\n", launch.program[0], std::strerror(errno));
       _exit(127);

@@ -1,0 +1,356 @@
+"""weft: collectives whose operations are awaitable from asyncio.
+
+    import asyncio, numpy as np, weft
+
+    async def main():
+        g = weft.Group.create()                 # rank, size and store from weft-run's environment
+        x = np.full(4, g.rank, dtype=np.float32)
+        total = await g.all_reduce(x)          # or g.all_reduce(x).wait() from plain code
+        print(g.rank, total)
+
+    asyncio.run(main())
+
+Every operation starts at once and returns a Work: ``await`` it in a coroutine (completion reaches the
+asyncio loop through a file descriptor it watches, not a thread per call), or call ``wait()`` (the GIL is
+released while waiting), ``done()``, ``cancel()``. Its result is the output array (None for barrier and
+send). Cancelling a task that awaits a Work cancels the collective on every rank, as weft's
+``Future.cancel`` does. Errors are ``weft.Error`` (a RuntimeError) carrying weft's message, with ``errc``,
+``rank``, ``peer``, ``op`` and ``seq``; bad arguments raise before anything is sent.
+
+Collectives must be called in the same order on every rank, as in C++ (they are matched by sequence
+number); several may be in flight at once.
+"""
+
+import asyncio
+import atexit
+import weakref
+
+import numpy as np
+
+from . import _weft
+from ._weft import Error
+
+__all__ = ["Group", "Work", "Error", "to_device", "cpu"]
+
+
+def _array(x, name="x"):
+    if not isinstance(x, np.ndarray):
+        x = np.asarray(x)
+    if x.dtype == object:
+        raise Error(f"{name} is an array of Python objects; weft moves numbers")
+    return x
+
+
+def _axis(axis, ndim, name="axis"):
+    if not -ndim <= axis < ndim:
+        raise _invalid(f"{name} {axis} is out of range for {ndim} dimensions")
+    return axis % ndim
+
+
+def _invalid(message):
+    e = Error(message)
+    e.errc = "invalid_argument"
+    return e
+
+
+class Work:
+    """One operation in flight: awaitable, waitable, pollable, cancellable."""
+
+    __slots__ = ("_work", "_group")
+
+    def __init__(self, work, group):
+        self._work = work
+        self._group = group
+
+    def done(self):
+        """True once the operation completed (successfully or not). Never blocks."""
+        return self._work.done()
+
+    def wait(self, timeout=None):
+        """Blocks until the operation completes (the GIL released) and returns its result, or raises
+        weft.Error. With a timeout (seconds), raises TimeoutError if it has not completed by then."""
+        if timeout is not None and not self._work.wait_for(timeout):
+            raise TimeoutError(f"the operation did not complete within {timeout} s")
+        return self._work.wait()
+
+    def result(self):
+        """The result of a completed operation (weft.Error if it failed)."""
+        return self._work.result()
+
+    def cancel(self):
+        """Cancels the operation on every rank (a collective) or withdraws it (a receive)."""
+        self._work.cancel()
+
+    def __await__(self):
+        if not self._work.done():
+            waiter = self._group._waiter_for(self._work)
+            try:
+                yield from waiter.__await__()
+            except asyncio.CancelledError:
+                self._work.cancel()
+                raise
+        return self._work.result()
+
+
+class Group:
+    """A set of ranks that communicate. ``Group.create()`` reads rank, world size and store from the
+    environment (weft-run's, torchrun's, Open MPI's or Slurm's), as C++'s ``Group::create`` does."""
+
+    _live = weakref.WeakSet()
+
+    def __init__(self, native):
+        self._g = native
+        self._waiters = {}   # work id -> asyncio future
+        self._loops = set()  # asyncio loops whose reader watches our fd
+        Group._live.add(self)
+
+    @classmethod
+    def create(cls, **options):
+        """Bootstraps the group (blocks until every rank arrived). Options: rank, world_size, store
+        ("host:port"), transport ("tcp", "uring", "shm", "auto"), timeout (seconds), secret."""
+        return cls(_weft.Group.create(options))
+
+    @property
+    def rank(self):
+        return self._g.rank
+
+    @property
+    def size(self):
+        return self._g.size
+
+    @property
+    def transport(self):
+        return self._g.transport
+
+    def close(self):
+        """Shuts the group down (operations still running are aborted on every rank first)."""
+        for loop in list(self._loops):
+            if not loop.is_closed():
+                loop.remove_reader(self._g.fd)
+        self._loops.clear()
+        self._g.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def split(self, color, key=0):
+        """Ranks with the same color form a new group ordered by (key, rank); a negative color: None."""
+        native = self._g.split(color, key)
+        return Group(native) if native.size > 0 else None
+
+    def abort(self, reason=""):
+        """Fails every operation in flight on this group, here and on every other rank."""
+        self._g.abort(reason)
+
+    # ---- asyncio: completions arrive on the group's eventfd
+
+    def _start(self, work):
+        return Work(work, self)
+
+    def _waiter_for(self, work):
+        loop = asyncio.get_running_loop()
+        if loop not in self._loops:
+            loop.add_reader(self._g.fd, self._on_completions)
+            self._loops.add(loop)
+        waiter = loop.create_future()
+        self._waiters[work.id] = waiter
+        # Completed between the check and now, its id perhaps reaped already: resolve it here.
+        if work.done():
+            self._waiters.pop(work.id, None)
+            waiter.set_result(None)
+        return waiter
+
+    def _on_completions(self):
+        for id_ in self._g.reap():
+            waiter = self._waiters.pop(id_, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    # ---- collectives over n-d arrays (any strides)
+
+    def all_reduce(self, x, op="sum", out=None):
+        """The reduction of every rank's x (same shape and dtype everywhere) into out (a new array by
+        default; out=x reduces in place)."""
+        x = _array(x)
+        out = np.empty_like(x) if out is None else out
+        return self._start(self._g.all_reduce(x, out, op))
+
+    def broadcast(self, x, root=0, out=None):
+        """Root's x into every rank's out (a copy of x by default; out=x works in place)."""
+        x = _array(x)
+        if out is None:
+            out = np.array(x, copy=True)
+        elif out is not x:
+            np.copyto(out, x)
+        return self._start(self._g.broadcast(out, root))
+
+    distributed_broadcast = broadcast
+
+    def all_gather(self, x, axis=0, tiled=False, out=None, extents=None):
+        """Every rank's x along `axis`: untiled, stacked on a new axis of size `size` at `axis`; tiled,
+        concatenated along `axis` (uneven shards: `extents`, every rank's extent along it)."""
+        x = _array(x)
+        if out is None:
+            shape = list(x.shape)
+            if tiled:
+                a = _axis(axis, x.ndim)
+                shape[a] = sum(extents) if extents else shape[a] * self.size
+            else:
+                a = _axis(axis, x.ndim + 1)
+                shape.insert(a, self.size)
+            out = np.empty(shape, dtype=x.dtype)
+        return self._start(self._g.all_gather(x, out, axis, tiled, list(extents or [])))
+
+    def reduce_scatter(self, x, axis=0, op="sum", tiled=False, out=None, extents=None):
+        """The reduction of every rank's x, cut along `axis`: untiled, x.shape[axis] == size and this
+        rank keeps slice rank; tiled, the axis cut in size blocks (or `extents`) and this rank keeps
+        its block."""
+        x = _array(x)
+        if out is None:
+            a = _axis(axis, x.ndim)
+            shape = list(x.shape)
+            if tiled:
+                if extents:
+                    if len(extents) != self.size:
+                        raise _invalid(f"extents has {len(extents)} entries; it needs one per rank of this group of {self.size}")
+                    shape[a] = extents[self.rank]
+                else:
+                    if shape[a] % self.size:
+                        raise _invalid(f"axis {a} of extent {shape[a]} does not split into {self.size} equal blocks")
+                    shape[a] //= self.size
+            else:
+                del shape[a]
+            out = np.empty(shape, dtype=x.dtype)
+        return self._start(self._g.reduce_scatter(x, out, axis, op, tiled, list(extents or [])))
+
+    def all_to_all(self, x, split_axis, concat_axis, tiled=False, out=None):
+        """The distributed transpose: x cut along split_axis, part j to rank j, the parts received
+        joined along concat_axis in rank order (untiled: x.shape[split_axis] == size, stacked on a new
+        axis)."""
+        x = _array(x)
+        if out is None:
+            s = _axis(split_axis, x.ndim, "split_axis")
+            c = _axis(concat_axis, x.ndim, "concat_axis")
+            shape = list(x.shape)
+            if tiled:
+                if shape[s] % self.size:
+                    raise _invalid(f"split axis {s} of extent {shape[s]} does not split into {self.size} equal blocks")
+                shape[s] //= self.size
+                shape[c] *= self.size
+            else:
+                del shape[s]
+                shape.insert(c, self.size)
+            out = np.empty(shape, dtype=x.dtype)
+        return self._start(self._g.all_to_all(x, out, split_axis, concat_axis, tiled))
+
+    def ppermute(self, x, pairs, out=None):
+        """For each (src, dst): src's x lands in dst's out; a rank that receives from nobody gets zeros."""
+        x = _array(x)
+        out = np.empty_like(x) if out is None else out
+        return self._start(self._g.ppermute(x, out, [tuple(p) for p in pairs]))
+
+    permute = ppermute
+
+    # ---- rooted and point-to-point (C-contiguous arrays)
+
+    def reduce(self, x, root=0, op="sum", out=None):
+        """The reduction of every rank's x at root (its result); None elsewhere."""
+        x = np.ascontiguousarray(_array(x))
+        if self.rank == root and out is None:
+            out = np.empty_like(x)
+        return self._start(self._g.reduce(x, out if self.rank == root else None, root, op))
+
+    def gather(self, x, root=0, out=None):
+        """Every rank's x stacked at root (shape (size,) + x.shape); None elsewhere."""
+        x = np.ascontiguousarray(_array(x))
+        if self.rank == root and out is None:
+            out = np.empty((self.size,) + x.shape, dtype=x.dtype)
+        return self._start(self._g.gather(x, out if self.rank == root else None, root))
+
+    def scatter(self, x, root=0, out=None, shape=None, dtype=None):
+        """Root's x (shape (size,) + block) cut in size blocks, block i to rank i. Elsewhere x may be
+        None: give `out`, or `shape` and `dtype` of a block."""
+        if self.rank == root:
+            x = np.ascontiguousarray(_array(x))
+            if out is None:
+                out = np.empty(x.shape[1:], dtype=x.dtype)
+        elif out is None:
+            if shape is None or dtype is None:
+                raise _invalid("scatter: a rank other than the root needs out, or shape and dtype")
+            out = np.empty(shape, dtype=dtype)
+        return self._start(self._g.scatter(x if self.rank == root else None, out, root))
+
+    def barrier(self):
+        return self._start(self._g.barrier())
+
+    def send(self, x, dst, tag=0):
+        return self._start(self._g.send(np.ascontiguousarray(_array(x)), dst, tag))
+
+    def recv(self, out, src, tag=0):
+        """Receives exactly out.nbytes bytes from src into out (which it returns)."""
+        return self._start(self._g.recv(out, src, tag))
+
+    # ---- variable-size (flat, 1-d arrays; counts in elements, one per rank)
+
+    def all_gatherv(self, x, counts, displs=None, out=None):
+        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        if out is None:
+            reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
+            out = np.empty(reach, dtype=x.dtype)
+        return self._start(self._g.all_gatherv(x, out, list(counts), list(displs or [])))
+
+    def gatherv(self, x, counts, root=0, displs=None, out=None):
+        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        if self.rank == root and out is None:
+            reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
+            out = np.empty(reach, dtype=x.dtype)
+        return self._start(self._g.gatherv(x, out if self.rank == root else None, list(counts), root, list(displs or [])))
+
+    def scatterv(self, x, counts, root=0, displs=None, out=None, dtype=None):
+        if self.rank == root:
+            x = np.ascontiguousarray(_array(x)).reshape(-1)
+            dtype = x.dtype
+        if out is None:
+            if dtype is None:
+                raise _invalid("scatterv: a rank other than the root needs out, or dtype")
+            out = np.empty(counts[self.rank], dtype=dtype)
+        return self._start(self._g.scatterv(x if self.rank == root else None, out, list(counts), root, list(displs or [])))
+
+    def all_to_allv(self, x, send_counts, recv_counts, send_displs=None, recv_displs=None, out=None):
+        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        if out is None:
+            reach = (max((d + c for d, c in zip(recv_displs, recv_counts)), default=0) if recv_displs else sum(recv_counts))
+            out = np.empty(reach, dtype=x.dtype)
+        return self._start(self._g.all_to_allv(x, out, list(send_counts), list(recv_counts), list(send_displs or []),
+                                               list(recv_displs or [])))
+
+    def reduce_scatterv(self, x, counts, op="sum", out=None):
+        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        out = np.empty(counts[self.rank], dtype=x.dtype) if out is None else out
+        return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
+
+
+def to_device(x, device=None):
+    """Host arrays only in this build: weft's device arrays (DLPack) are not bound to Python yet."""
+    if device in (None, "cpu"):
+        return np.asarray(x)
+    raise _invalid("weft.to_device: device arrays are not available from Python yet (host numpy arrays only)")
+
+
+def cpu(x):
+    """The array on the host (numpy)."""
+    return np.asarray(x)
+
+
+@atexit.register
+def _shutdown():
+    # Groups before the loop they run on: a C++ Group must be destroyed before its Loop.
+    for g in list(Group._live):
+        try:
+            g.close()
+        except Exception:
+            pass
+    _weft._shutdown()

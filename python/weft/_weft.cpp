@@ -1,0 +1,498 @@
+// weft's Python module, the native half (_weft): Groups, their operations over numpy arrays, and the
+// completion channel that tells an asyncio loop which operations finished. The Python half
+// (weft/__init__.py) allocates outputs, checks shapes, and turns operations into awaitables.
+//
+// Threads: the operations run on one weft::Loop per process (its progress thread, or a thread blocked in
+// wait() driving it). No Python object is touched off the thread that holds the GIL: an operation that
+// completes records its outcome in plain C++ (Flight), writes its id to the group's eventfd, and the
+// arrays it uses are kept alive by the Work object and by the group's in-flight table until the
+// completion has been reaped under the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <weft/weft.hpp>
+
+namespace py = pybind11;
+using namespace weft;
+
+namespace {
+
+// ---- errors
+
+py::object error_type;  // weft.Error (a RuntimeError); set at import
+
+std::string errc_name(Errc e) {
+  switch (e) {
+    case Errc::invalid_argument: return "invalid_argument";
+    case Errc::peer_failure: return "peer_failure";
+    case Errc::timeout: return "timeout";
+    case Errc::cancelled: return "cancelled";
+    case Errc::size_mismatch: return "size_mismatch";
+    case Errc::protocol_error: return "protocol_error";
+    case Errc::group_failed: return "group_failed";
+    case Errc::aborted: return "aborted";
+    case Errc::connection_failed: return "connection_failed";
+    case Errc::mismatch: return "mismatch";
+    case Errc::refused: return "refused";
+    case Errc::would_deadlock: return "would_deadlock";
+    case Errc::device_failure: return "device_failure";
+  }
+  return "unknown";
+}
+
+// Raises weft.Error(message) with .errc (its name), .rank, .peer, .op and .seq.
+[[noreturn]] void raise(const Error& e) {
+  py::object instance = error_type(py::str(e.what()));
+  instance.attr("errc") = errc_name(e.errc());
+  instance.attr("rank") = e.context().rank;
+  instance.attr("peer") = e.context().peer;
+  instance.attr("op") = e.context().op;
+  instance.attr("seq") = e.context().seq;
+  PyErr_SetObject(error_type.ptr(), instance.ptr());
+  throw py::error_already_set();
+}
+
+[[noreturn]] void raise_invalid(const std::string& what) { raise(Error(Errc::invalid_argument, ErrorContext{}, what)); }
+
+// ---- the process's loop
+
+std::mutex loop_mutex;
+Loop* the_loop = nullptr;  // created by the first Group.create; deleted by _shutdown (atexit)
+
+Loop& loop() {
+  std::lock_guard lock(loop_mutex);
+  if (!the_loop) the_loop = new Loop();
+  return *the_loop;
+}
+
+// ---- arrays
+
+DType dtype_of(const py::dtype& d) {
+  const char kind = d.kind();
+  const auto size = d.itemsize();
+  const std::string name = py::str(d.attr("name"));
+  if (name == "bfloat16") return DType::bf16;  // ml_dtypes' bfloat16
+  if (kind == 'b' && size == 1) return DType::boolean;
+  if (kind == 'i') {
+    switch (size) {
+      case 1: return DType::i8;
+      case 2: return DType::i16;
+      case 4: return DType::i32;
+      case 8: return DType::i64;
+    }
+  }
+  if (kind == 'u') {
+    switch (size) {
+      case 1: return DType::u8;
+      case 2: return DType::u16;
+      case 4: return DType::u32;
+      case 8: return DType::u64;
+    }
+  }
+  if (kind == 'f') {
+    switch (size) {
+      case 2: return DType::f16;
+      case 4: return DType::f32;
+      case 8: return DType::f64;
+    }
+  }
+  raise_invalid("weft has no element type for numpy dtype " + name + " (bool, int8-64, uint8-64, float16/32/64, bfloat16)");
+}
+
+// The array's strides in elements (numpy's are in bytes; views whose strides are not whole elements
+// cannot be described).
+std::vector<std::ptrdiff_t> element_strides(const py::array& a) {
+  std::vector<std::ptrdiff_t> strides(static_cast<std::size_t>(a.ndim()));
+  const auto item = static_cast<std::ptrdiff_t>(a.itemsize());
+  for (py::ssize_t k = 0; k < a.ndim(); ++k) {
+    const auto s = static_cast<std::ptrdiff_t>(a.strides(k));
+    if (s % item != 0) raise_invalid("an array whose strides are not whole elements cannot be sent");
+    strides[static_cast<std::size_t>(k)] = s / item;
+  }
+  return strides;
+}
+
+std::vector<std::size_t> shape_of(const py::array& a) {
+  std::vector<std::size_t> shape(static_cast<std::size_t>(a.ndim()));
+  for (py::ssize_t k = 0; k < a.ndim(); ++k) shape[static_cast<std::size_t>(k)] = static_cast<std::size_t>(a.shape(k));
+  return shape;
+}
+
+ConstTensorView const_view(const py::array& a) { return ConstTensorView(a.data(), dtype_of(a.dtype()), shape_of(a), element_strides(a)); }
+
+TensorView mutable_view(py::array& a) {
+  if (!a.writeable()) raise_invalid("the output array is read-only");
+  return TensorView{a.mutable_data(), dtype_of(a.dtype()), shape_of(a), element_strides(a)};
+}
+
+// A flat buffer view of a C-contiguous array (the buffer-level collectives).
+BufferView flat(py::array& a, const char* what) {
+  if (!(a.flags() & py::array::c_style)) raise_invalid(std::string(what) + " must be C-contiguous");
+  if (!a.writeable()) raise_invalid(std::string(what) + " is read-only");
+  return BufferView(a.mutable_data(), static_cast<std::size_t>(a.size()), dtype_of(a.dtype()));
+}
+ConstBufferView const_flat(const py::array& a, const char* what) {
+  if (!(a.flags() & py::array::c_style)) raise_invalid(std::string(what) + " must be C-contiguous");
+  return ConstBufferView(a.data(), static_cast<std::size_t>(a.size()), dtype_of(a.dtype()));
+}
+
+ReduceOp op_named(const std::string& name) {
+  if (const auto op = parse_reduce_op(name)) return *op;
+  if (name == "and") return ReduceOp::logical_and;  // the seed API's spellings
+  if (name == "or") return ReduceOp::logical_or;
+  std::string known;
+  for (ReduceOp op : all_reduce_ops) known += (known.empty() ? "" : ", ") + std::string(to_string(op));
+  raise_invalid("unknown reduce op '" + name + "' (known: " + known + ")");
+}
+
+// ---- operations in flight and the completion channel
+
+// What an operation's completion leaves behind, written on the loop's thread before its id is posted.
+struct Flight {
+  std::uint64_t id = 0;
+  Future<void> watcher;             // completes once the outcome is recorded and the id posted
+  std::atomic<bool> done{false};
+  std::exception_ptr error;         // set before `done`
+};
+
+// An eventfd and the ids of the operations that completed since it was last drained.
+class Completions {
+ public:
+  Completions() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+    if (fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+  }
+  ~Completions() { ::close(fd_); }
+  int fd() const { return fd_; }
+  void post(std::uint64_t id) {
+    {
+      std::lock_guard lock(mutex_);
+      ids_.push_back(id);
+    }
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const auto n = ::write(fd_, &one, sizeof one);  // only EAGAIN at 2^64-1 pending: still readable
+  }
+  std::vector<std::uint64_t> drain() {
+    std::uint64_t count = 0;
+    [[maybe_unused]] const auto n = ::read(fd_, &count, sizeof count);  // EAGAIN: nothing new
+    std::lock_guard lock(mutex_);
+    std::vector<std::uint64_t> out;
+    out.swap(ids_);
+    return out;
+  }
+
+ private:
+  int fd_;
+  std::mutex mutex_;
+  std::vector<std::uint64_t> ids_;
+};
+
+Task<void> watch(Future<void> op, std::shared_ptr<Flight> flight, std::shared_ptr<Completions> completions) {
+  try {
+    co_await std::move(op);
+  } catch (...) {
+    flight->error = std::current_exception();
+  }
+  flight->done.store(true, std::memory_order_release);
+  completions->post(flight->id);
+}
+
+// One operation, as Python sees it: pollable, waitable (the GIL released), cancellable; its result is
+// what the Python half asked to be returned (the output array, or None).
+class Work {
+ public:
+  Work(std::shared_ptr<Flight> flight, py::object result, py::object keep)
+      : flight_(std::move(flight)), result_(std::move(result)), keep_(std::move(keep)) {}
+  std::uint64_t id() const { return flight_->id; }
+  bool done() const { return flight_->done.load(std::memory_order_acquire); }
+  // The result, or weft.Error; the operation must be done.
+  py::object result() const {
+    if (!done()) raise_invalid("the operation has not completed yet (wait() or await it)");
+    if (flight_->error) {
+      try {
+        std::rethrow_exception(flight_->error);
+      } catch (const Error& e) {
+        raise(e);
+      }
+    }
+    return result_;
+  }
+  py::object wait() {
+    {
+      py::gil_scoped_release unlocked;
+      flight_->watcher.wait();
+    }
+    return result();
+  }
+  bool wait_for(double seconds) {
+    py::gil_scoped_release unlocked;
+    return flight_->watcher.wait_for(std::chrono::duration<double>(seconds));
+  }
+  void cancel() { flight_->watcher.cancel(); }
+
+ private:
+  std::shared_ptr<Flight> flight_;
+  py::object result_;
+  py::object keep_;  // the arrays the operation reads and writes
+};
+
+// A Group with its completion channel and the operations in flight.
+class PyGroup {
+ public:
+  explicit PyGroup(Group group) : group_(std::move(group)), completions_(std::make_shared<Completions>()) {}
+  ~PyGroup() { close(); }
+
+  static std::unique_ptr<PyGroup> create(py::dict kwargs) {
+    Options options;
+    for (auto [key, value] : kwargs) {
+      const std::string k = py::str(key);
+      if (value.is_none()) continue;
+      if (k == "rank") options.rank = value.cast<int>();
+      else if (k == "world_size") options.world_size = value.cast<int>();
+      else if (k == "store") options.store = value.cast<std::string>();
+      else if (k == "transport") options.transport = value.cast<std::string>();
+      else if (k == "timeout") options.timeout = std::chrono::milliseconds(static_cast<long long>(value.cast<double>() * 1000));
+      else if (k == "secret") options.secret = value.cast<std::string>();
+      else raise_invalid("Group.create has no option '" + k + "' (rank, world_size, store, transport, timeout, secret)");
+    }
+    Loop& l = loop();
+    try {
+      py::gil_scoped_release unlocked;
+      Group g = Group::create(l, options).get();
+      return std::make_unique<PyGroup>(std::move(g));
+    } catch (const Error& e) {
+      raise(e);
+    }
+  }
+
+  Group& group() {
+    if (!group_.valid()) raise_invalid("the group is closed");
+    return group_;
+  }
+  int rank() { return group().rank(); }
+  int size() { return group().size(); }
+  std::string transport() { return std::string(group().transport_name()); }
+  int fd() const { return completions_->fd(); }
+
+  // Starts `op` (a weft call that may throw) and returns its Work, which returns `result` and keeps
+  // `keep` (the arrays) alive; so does the in-flight table until the completion is reaped.
+  template <class Start>
+  Work start(py::object result, py::object keep, Start&& op) {
+    Future<void> started;
+    try {
+      started = op(group());
+    } catch (const Error& e) {
+      raise(e);
+    }
+    auto flight = std::make_shared<Flight>();
+    flight->id = ++next_id_;
+    flight->watcher = spawn(group_.loop(), watch(std::move(started), flight, completions_));
+    inflight_.emplace(flight->id, Held{flight, keep});
+    return Work(flight, std::move(result), std::move(keep));
+  }
+
+  // The ids of the operations that completed since the last call; their arrays are released here.
+  std::vector<std::uint64_t> reap() {
+    std::vector<std::uint64_t> ids = completions_->drain();
+    for (std::uint64_t id : ids) inflight_.erase(id);
+    return ids;
+  }
+
+  // Shuts the group down. Operations still running are aborted first (here and on every member: their
+  // buffers could not outlive the group otherwise) and waited for; a group whose operations all
+  // completed leaves as a C++ Group does, failing nobody.
+  void close() {
+    if (!group_.valid()) return;
+    std::vector<std::shared_ptr<Flight>> running;
+    for (auto& [id, held] : inflight_) {
+      if (!held.flight->done.load(std::memory_order_acquire)) running.push_back(held.flight);
+    }
+    {
+      py::gil_scoped_release unlocked;
+      if (!running.empty()) group_.abort("its Python group was closed with operations in flight");
+      for (auto& flight : running) flight->watcher.wait();
+      group_ = Group();
+    }
+    inflight_.clear();
+  }
+  bool closed() const { return !group_.valid(); }
+  std::size_t in_flight() const { return inflight_.size(); }
+
+  std::unique_ptr<PyGroup> split(int color, int key) {
+    try {
+      Future<Group> f = group().split(color, key);
+      py::gil_scoped_release unlocked;
+      Group g = f.get();
+      return std::make_unique<PyGroup>(std::move(g));
+    } catch (const Error& e) {
+      raise(e);
+    }
+  }
+  void abort(const std::string& reason) { group().abort(reason); }
+
+ private:
+  struct Held {
+    std::shared_ptr<Flight> flight;
+    py::object keep;
+  };
+  Group group_;
+  std::shared_ptr<Completions> completions_;
+  std::unordered_map<std::uint64_t, Held> inflight_;
+  std::uint64_t next_id_ = 0;
+};
+
+using Pairs = std::vector<std::pair<int, int>>;
+using Counts = std::vector<std::size_t>;
+
+}  // namespace
+
+PYBIND11_MODULE(_weft, m) {
+  m.doc() = "weft's native module: use the weft package";
+  error_type = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
+  static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  error_type = error;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      try {
+        raise(e);
+      } catch (py::error_already_set& set) {
+        set.restore();
+      }
+    }
+  });
+  m.def("_shutdown", [] {
+    std::lock_guard lock(loop_mutex);
+    py::gil_scoped_release unlocked;
+    delete the_loop;
+    the_loop = nullptr;
+  });
+
+  py::class_<Work>(m, "Work")
+      .def_property_readonly("id", &Work::id)
+      .def("done", &Work::done)
+      .def("result", &Work::result)
+      .def("wait", &Work::wait)
+      .def("wait_for", &Work::wait_for, py::arg("seconds"))
+      .def("cancel", &Work::cancel);
+
+  using G = PyGroup;
+  py::class_<G>(m, "Group")
+      .def_static("create", &G::create)
+      .def_property_readonly("rank", &G::rank)
+      .def_property_readonly("size", &G::size)
+      .def_property_readonly("transport", &G::transport)
+      .def_property_readonly("fd", &G::fd)
+      .def_property_readonly("closed", &G::closed)
+      .def_property_readonly("in_flight", &G::in_flight)
+      .def("reap", &G::reap)
+      .def("close", &G::close)
+      .def("split", &G::split)
+      .def("abort", &G::abort, py::arg("reason") = "")
+      // ---- over n-d arrays (weft/tensor.hpp); `out` is allocated by the Python half
+      .def("all_reduce", [](G& g, py::array in, py::array out, const std::string& op) {
+        const ReduceOp o = op_named(op);
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) { return weft::all_reduce(gr, const_view(in), mutable_view(out), o); });
+      })
+      .def("broadcast", [](G& g, py::array x, int root) {
+        return g.start(x, py::make_tuple(x), [&](Group& gr) { return weft::broadcast(gr, mutable_view(x), root); });
+      })
+      .def("all_gather", [](G& g, py::array in, py::array out, int axis, bool tiled, Counts extents) {
+        return g.start(out, py::make_tuple(in, out),
+                       [&](Group& gr) { return weft::all_gather(gr, const_view(in), mutable_view(out), axis, tiled, extents); });
+      })
+      .def("reduce_scatter", [](G& g, py::array in, py::array out, int axis, const std::string& op, bool tiled, Counts extents) {
+        const ReduceOp o = op_named(op);
+        return g.start(out, py::make_tuple(in, out),
+                       [&](Group& gr) { return weft::reduce_scatter(gr, const_view(in), mutable_view(out), axis, o, tiled, extents); });
+      })
+      .def("all_to_all", [](G& g, py::array in, py::array out, int split_axis, int concat_axis, bool tiled) {
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          return weft::all_to_all(gr, const_view(in), mutable_view(out), split_axis, concat_axis, tiled);
+        });
+      })
+      .def("ppermute", [](G& g, py::array in, py::array out, Pairs pairs) {
+        return g.start(out, py::make_tuple(in, out),
+                       [&](Group& gr) { return weft::permute(gr, const_view(in), mutable_view(out), pairs); });
+      })
+      // ---- over flat C-contiguous arrays (the buffer collectives)
+      .def("reduce", [](G& g, py::array in, py::object out, int root, const std::string& op) {
+        const ReduceOp o = op_named(op);
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          BufferView o_view;
+          if (!out.is_none()) {
+            auto a = out.cast<py::array>();
+            o_view = flat(a, "out");
+          }
+          return gr.reduce(const_flat(in, "x"), o_view, root, o);
+        });
+      })
+      .def("gather", [](G& g, py::array in, py::object out, int root) {
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          BufferView o_view;
+          if (!out.is_none()) {
+            auto a = out.cast<py::array>();
+            o_view = flat(a, "out");
+          }
+          return gr.gather(const_flat(in, "x"), o_view, root);
+        });
+      })
+      .def("scatter", [](G& g, py::object in, py::array out, int root) {
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          ConstBufferView i_view;
+          if (!in.is_none()) i_view = const_flat(in.cast<py::array>(), "x");
+          return gr.scatter(i_view, flat(out, "out"), root);
+        });
+      })
+      .def("barrier", [](G& g) { return g.start(py::none(), py::none(), [&](Group& gr) { return gr.barrier(); }); })
+      .def("send", [](G& g, py::array x, int dst, std::uint32_t tag) {
+        return g.start(py::none(), py::make_tuple(x), [&](Group& gr) { return gr.send(const_flat(x, "x"), dst, tag); });
+      })
+      .def("recv", [](G& g, py::array out, int src, std::uint32_t tag) {
+        return g.start(out, py::make_tuple(out), [&](Group& gr) { return gr.recv(flat(out, "out"), src, tag); });
+      })
+      // ---- variable-size, over flat arrays
+      .def("all_gatherv", [](G& g, py::array in, py::array out, Counts counts, Counts displs) {
+        return g.start(out, py::make_tuple(in, out),
+                       [&](Group& gr) { return gr.all_gatherv(const_flat(in, "x"), flat(out, "out"), counts, displs); });
+      })
+      .def("gatherv", [](G& g, py::array in, py::object out, Counts counts, int root, Counts displs) {
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          BufferView o_view;
+          if (!out.is_none()) {
+            auto a = out.cast<py::array>();
+            o_view = flat(a, "out");
+          }
+          return gr.gatherv(const_flat(in, "x"), o_view, counts, root, displs);
+        });
+      })
+      .def("scatterv", [](G& g, py::object in, py::array out, Counts counts, int root, Counts displs) {
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          ConstBufferView i_view;
+          if (!in.is_none()) i_view = const_flat(in.cast<py::array>(), "x");
+          return gr.scatterv(i_view, flat(out, "out"), counts, root, displs);
+        });
+      })
+      .def("all_to_allv", [](G& g, py::array in, py::array out, Counts send_counts, Counts recv_counts, Counts send_displs,
+                             Counts recv_displs) {
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          return gr.all_to_allv(const_flat(in, "x"), flat(out, "out"), send_counts, recv_counts, send_displs, recv_displs);
+        });
+      })
+      .def("reduce_scatterv", [](G& g, py::array in, py::array out, Counts counts, const std::string& op) {
+        const ReduceOp o = op_named(op);
+        return g.start(out, py::make_tuple(in, out),
+                       [&](Group& gr) { return gr.reduce_scatterv(const_flat(in, "x"), flat(out, "out"), counts, o); });
+      });
+}
