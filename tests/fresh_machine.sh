@@ -4,8 +4,9 @@
 # chrooted as root with /proc, /dev and /sys mounted, exactly the README's command:
 #   bench (default): bash tools/quickstart.sh bench   -- must exit 0 and print a #wrong column of zeros
 #   test:            bash tools/quickstart.sh test    -- must exit 0 and end with "N passed, 0 failed"
+#   python:          bash tools/quickstart.sh python  -- the README's Python example: every rank's line
 #
-#   tests/fresh_machine.sh [SOURCE_DIR] [bench|test]
+#   tests/fresh_machine.sh [SOURCE_DIR] [bench|test|python]
 #
 # Why: a clean clone on a developer's machine proves nothing about install steps (the machine has what
 # was installed by hand); a green CI once hid a missing libopenmpi-dev this way.
@@ -20,7 +21,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source_dir=${1:-$here}
 mode=${2:-bench}
-case $mode in bench|test) ;; *) echo "usage: tests/fresh_machine.sh [SOURCE_DIR] [bench|test]" >&2; exit 2 ;; esac
+case $mode in bench|test|python) ;; *) echo "usage: tests/fresh_machine.sh [SOURCE_DIR] [bench|test|python]" >&2; exit 2 ;; esac
 source_dir=$(cd "$source_dir" && pwd)
 
 cache_dir=${WEFT_FRESH_CACHE:-/var/cache/weft-fresh}
@@ -195,6 +196,12 @@ PY
     ;;
   test)
     tail -1 "$work/command.log" | grep -qE "^[0-9]+ passed, 0 failed" || { echo "FAIL: the test command did not end with 'N passed, 0 failed'"; exit 1; }
+    ;;
+  python)
+    # The README's Python example: every one of the 4 ranks printed its line.
+    for r in 0 1 2 3; do
+      grep -q "rank $r of 4: sum \[10. 10. 10. 10.\]" "$work/command.log" || { echo "FAIL: rank $r of the Python example printed no result"; exit 1; }
+    done
     ;;
 esac
 echo "ok: '$command' works on a fresh Debian $suite root ($took s)"

@@ -3,6 +3,7 @@
 # when not root), configures and builds with Meson, then
 #   bench: runs weft-bench all_reduce on 4 local ranks over TCP (through weft-run)
 #   test:  runs every test and ends with the line "N passed, N failed[, N skipped]"
+#   python: builds the Python module too and runs the README's Python example on 4 local ranks
 set -euo pipefail
 mode=${1:-bench}
 cd "$(dirname "$0")/.."
@@ -15,8 +16,13 @@ cd "$(dirname "$0")/.."
 # dpkg-dev: without it Meson cannot ask for Debian's multiarch directory and installs into lib64, where
 # neither Debian's pkg-config nor its CMake look (found by tests/fresh_machine.sh).
 packages="g++ dpkg-dev meson ninja-build pkg-config libasio-dev liburing-dev libfmt-dev libspdlog-dev libssl-dev catch2 python3"
+# The Python module (python/) needs Debian's Python headers, numpy and pybind11; its tests pytest.
+python_packages="python3-dev python3-numpy pybind11-dev"
 if [ "$mode" = test ]; then
-  packages="$packages iproute2 iputils-ping procps openmpi-bin libopenmpi-dev libgloo-dev clang libclang-rt-dev cmake python3-matplotlib debootstrap"
+  packages="$packages iproute2 iputils-ping procps openmpi-bin libopenmpi-dev libgloo-dev clang libclang-rt-dev cmake python3-matplotlib debootstrap $python_packages python3-pytest"
+fi
+if [ "$mode" = python ]; then
+  packages="$packages $python_packages"
 fi
 missing=""
 for p in $packages; do
@@ -39,6 +45,9 @@ case $mode in
   bench)
     exec build/tools/weft-run -n 4 -- build/bench/weft-bench -c all_reduce -b 8 -e 64M -f 4 --check
     ;;
+  python)
+    exec build/tools/weft-run -n 4 -- /usr/bin/python3 examples/python/hello.py
+    ;;
   test)
     # Everything but the fresh-machine test (suite fresh: a debootstrap root, minutes; .ci/run runs it).
     rc=0
@@ -47,7 +56,7 @@ case $mode in
     exit $rc
     ;;
   *)
-    echo "usage: tools/quickstart.sh bench|test" >&2
+    echo "usage: tools/quickstart.sh bench|test|python" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,292 @@
+"""One rank of a pytest scenario: `python3 ranks.py SCENARIO` with weft's environment set (by weft-run or
+by test_weft.py's launcher). Prints "ok <scenario>" and exits 0 when every check held; a failed check
+raises (exit 1) with what differed."""
+
+import asyncio
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+import weft
+
+
+def expect(ok, what):
+    if not ok:
+        raise AssertionError(what)
+
+
+def expect_error(fn, errc, *words):
+    try:
+        fn()
+    except weft.Error as e:
+        expect(e.errc == errc, f"expected {errc}, got {e.errc}: {e}")
+        for w in words:
+            expect(w in str(e), f"'{w}' not in: {e}")
+        return e
+    raise AssertionError(f"no weft.Error ({errc}) was raised")
+
+
+def inputs(rank, shape, dtype, salt=0):
+    """Rank r's input: small integers, exact in every dtype and in every sum of a few of them."""
+    n = int(np.prod(shape)) if shape else 1
+    values = (np.arange(n) * 3 + rank * 7 + salt) % 11
+    if np.dtype(dtype).kind in "iuf" and np.dtype(dtype).kind != "u":
+        values = values - 5
+    return values.astype(dtype).reshape(shape)
+
+
+DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.float16]
+
+
+# ---- every collective against numpy
+
+
+def collectives(g):
+    p, r = g.size, g.rank
+    for dtype in DTYPES:
+        everyone = [inputs(i, (3, 4, 5), dtype) for i in range(p)]
+        x = everyone[r]
+        # all_reduce: sum, max, min, and prod on a small range; in place through out=x too
+        for op, ref in [("sum", np.sum), ("max", np.max), ("min", np.min)]:
+            got = g.all_reduce(x, op=op).wait()
+            want = ref(np.stack(everyone), axis=0).astype(dtype)
+            expect(np.array_equal(got, want), f"all_reduce {op} {np.dtype(dtype).name}: {got.ravel()[:6]} vs {want.ravel()[:6]}")
+        y = x.copy()
+        g.all_reduce(y, out=y).wait()
+        expect(np.array_equal(y, np.sum(np.stack(everyone), axis=0).astype(dtype)), "all_reduce in place")
+        # a strided (non-contiguous) input and output
+        t = np.ascontiguousarray(x.transpose(2, 0, 1)).transpose(1, 2, 0)
+        out = np.empty((5, 3, 4), dtype=dtype).transpose(1, 2, 0)
+        g.all_reduce(t, out=out).wait()
+        expect(np.array_equal(out, np.sum(np.stack(everyone), axis=0).astype(dtype)), "all_reduce strided")
+        # broadcast
+        root = p - 1
+        got = g.broadcast(x, root=root).wait()
+        expect(np.array_equal(got, everyone[root]), f"broadcast {np.dtype(dtype).name}")
+        for axis in range(3):
+            # all_gather, untiled (stacked) and tiled (concatenated), with negative axes too
+            got = g.all_gather(x, axis=axis).wait()
+            expect(np.array_equal(got, np.stack(everyone, axis=axis)), f"all_gather untiled axis {axis}")
+            got = g.all_gather(x, axis=axis - 3, tiled=True).wait()
+            expect(np.array_equal(got, np.concatenate(everyone, axis=axis)), f"all_gather tiled axis {axis}")
+            # uneven shards: rank i holds i % 2 + 1 along the axis
+            extents = [i % 2 + 1 for i in range(p)]
+            shards = [np.take(everyone[i], range(extents[i]), axis=axis) for i in range(p)]
+            got = g.all_gather(shards[r], axis=axis, tiled=True, extents=extents).wait()
+            expect(np.array_equal(got, np.concatenate(shards, axis=axis)), f"all_gather uneven axis {axis}")
+            # reduce_scatter: tiled over an axis p x 2 long, untiled over one p long
+            shape = [3, 4, 5]
+            shape[axis] = 2 * p
+            big = [inputs(i, tuple(shape), dtype, 1) for i in range(p)]
+            got = g.reduce_scatter(big[r], axis=axis, tiled=True).wait()
+            total = np.sum(np.stack(big), axis=0).astype(dtype)
+            expect(np.array_equal(got, np.take(total, range(2 * r, 2 * r + 2), axis=axis)), f"reduce_scatter tiled axis {axis}")
+            shape[axis] = p
+            small = [inputs(i, tuple(shape), dtype, 2) for i in range(p)]
+            got = g.reduce_scatter(small[r], axis=axis).wait()
+            total = np.sum(np.stack(small), axis=0).astype(dtype)
+            expect(np.array_equal(got, np.take(total, r, axis=axis)), f"reduce_scatter untiled axis {axis}")
+            # all_to_all, tiled and untiled, to every concat axis
+            for concat in range(3):
+                shape = [3, 4, 5]
+                shape[axis] = 2 * p
+                a2a = [inputs(i, tuple(shape), dtype, 3) for i in range(p)]
+                got = g.all_to_all(a2a[r], split_axis=axis, concat_axis=concat, tiled=True).wait()
+                parts = [np.split(a2a[i], p, axis=axis)[r] for i in range(p)]
+                expect(np.array_equal(got, np.concatenate(parts, axis=concat)), f"all_to_all tiled {axis}->{concat}")
+                shape[axis] = p
+                a2a = [inputs(i, tuple(shape), dtype, 4) for i in range(p)]
+                got = g.all_to_all(a2a[r], split_axis=axis, concat_axis=concat).wait()
+                parts = [np.take(a2a[i], r, axis=axis) for i in range(p)]
+                expect(np.array_equal(got, np.stack(parts, axis=concat)), f"all_to_all untiled {axis}->{concat}")
+        # ppermute: a shift by one; with p > 2, rank 0 receives from nobody (zeros)
+        pairs = [(i, i + 1) for i in range(p - 1)] if p > 2 else [(i, (i + 1) % p) for i in range(p)]
+        got = g.ppermute(x, pairs).wait()
+        sources = {dst: src for src, dst in pairs}
+        want = everyone[sources[r]] if r in sources else np.zeros_like(x)
+        expect(np.array_equal(got, want), "ppermute")
+        # rooted: reduce, gather, scatter
+        got = g.reduce(x, root=0).wait()
+        if r == 0:
+            expect(np.array_equal(got, np.sum(np.stack(everyone), axis=0).astype(dtype)), "reduce")
+        else:
+            expect(got is None, "reduce returns None off the root")
+        got = g.gather(x, root=0).wait()
+        if r == 0:
+            expect(np.array_equal(got, np.stack(everyone)), "gather")
+        got = g.scatter(np.stack(everyone) if r == 0 else None, root=0, shape=x.shape, dtype=dtype).wait()
+        expect(np.array_equal(got, everyone[r]), "scatter")
+        # variable-size: uneven counts, zeros among them
+        counts = [(i * 5 + 2) % 4 for i in range(p)]
+        flat = [inputs(i, (counts[i],), dtype, 5) for i in range(p)]
+        got = g.all_gatherv(flat[r], counts).wait()
+        expect(np.array_equal(got, np.concatenate(flat)), "all_gatherv")
+        displs = list(reversed(np.cumsum([0] + counts[::-1])[:-1].tolist()))  # blocks in reverse order
+        got = g.gatherv(flat[r], counts, root=0, displs=displs).wait()
+        if r == 0:
+            expect(all(np.array_equal(got[displs[i]:displs[i] + counts[i]], flat[i]) for i in range(p)), "gatherv")
+        got = g.scatterv(np.concatenate(flat) if r == 0 else None, counts, root=0, dtype=dtype).wait()
+        expect(np.array_equal(got, flat[r]), "scatterv")
+        sends = [[(i + 2 * j) % 3 for j in range(p)] for i in range(p)]
+        blocks = [[inputs(i, (sends[i][j],), dtype, 10 * j) for j in range(p)] for i in range(p)]
+        got = g.all_to_allv(np.concatenate(blocks[r]), sends[r], [sends[i][r] for i in range(p)]).wait()
+        expect(np.array_equal(got, np.concatenate([blocks[i][r] for i in range(p)])), "all_to_allv")
+        whole = [inputs(i, (sum(counts),), dtype, 6) for i in range(p)]
+        got = g.reduce_scatterv(whole[r], counts).wait()
+        start = sum(counts[:r])
+        expect(np.array_equal(got, np.sum(np.stack(whole), axis=0).astype(dtype)[start:start + counts[r]]), "reduce_scatterv")
+    # point to point and barrier
+    if p > 1:
+        if r == 0:
+            g.send(np.arange(10, dtype=np.int16), 1, tag=7).wait()
+        elif r == 1:
+            got = g.recv(np.empty(10, dtype=np.int16), 0, tag=7).wait()
+            expect(np.array_equal(got, np.arange(10, dtype=np.int16)), "send/recv")
+    expect(g.barrier().wait() is None, "barrier returns None")
+
+
+# ---- asyncio
+
+
+async def overlap(g):
+    """Two collectives in flight at once with other coroutines running meanwhile."""
+    ticks = 0
+    running = True
+
+    async def ticker():
+        nonlocal ticks
+        while running:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.create_task(ticker())
+    a = np.full(1 << 22, g.rank + 1, dtype=np.float32)
+    b = np.arange(1 << 20, dtype=np.float64)
+    first = g.all_reduce(a)
+    second = g.all_gather(b, axis=0, tiled=True)
+    expect(not first.done() or not second.done() or g.size == 1, "both collectives completed at once (nothing to overlap)")
+    x, y = await asyncio.gather(first, second)
+    running = False
+    await t
+    expect(np.all(x == g.size * (g.size + 1) / 2), "all_reduce under asyncio")
+    expect(np.array_equal(y, np.tile(b, g.size)), "all_gather under asyncio")
+    expect(ticks > 2, f"the other coroutine ran only {ticks} times while the collectives were in flight")
+    # Many small ones, awaited in one gather, in order of completion
+    results = await asyncio.gather(*[g.all_reduce(np.array([i], dtype=np.int64)) for i in range(50)])
+    expect([int(v[0]) for v in results] == [i * g.size for i in range(50)], "50 small all_reduces")
+    print(f"rank {g.rank}: {ticks} ticks during the collectives")
+
+
+async def cancel(g):
+    """Rank 0 cancels the task awaiting a collective that rank 1 has not called yet: every rank's call
+    fails with errc cancelled, and the group goes on."""
+    x = np.ones(16, dtype=np.float32)
+    if g.rank == 0:
+        task = asyncio.ensure_future(g.all_reduce(x))  # a Work is an awaitable
+        await asyncio.sleep(0.3)
+        task.cancel()
+        try:
+            await task
+            raise AssertionError("the cancelled task completed")
+        except asyncio.CancelledError:
+            pass
+    else:
+        await asyncio.sleep(1.0)
+        try:
+            await g.all_reduce(x)
+            raise AssertionError("a collective cancelled by rank 0 completed on rank %d" % g.rank)
+        except weft.Error as e:
+            expect(e.errc == "cancelled", f"expected cancelled, got {e.errc}: {e}")
+            expect("rank 0 cancelled" in str(e), f"'rank 0 cancelled' not in: {e}")
+    # The group goes on.
+    got = await g.all_reduce(x)
+    expect(np.all(got == g.size), "the collective after the cancelled one")
+
+
+async def dead_peer(g):
+    """The last rank leaves mid-collective (exits without calling it); every other rank's coroutine
+    raises weft.Error naming it."""
+    x = np.ones(1024, dtype=np.float32)
+    await g.all_reduce(x)
+    if g.rank == g.size - 1:
+        time.sleep(0.5)
+        os._exit(0)
+    try:
+        await g.all_reduce(x)
+        raise AssertionError("a collective with a dead peer completed")
+    except weft.Error as e:
+        expect(e.errc in ("peer_failure", "aborted"), f"expected peer_failure, got {e.errc}: {e}")
+        expect(f"rank {g.size - 1}" in str(e), f"the dead rank is not named: {e}")
+        print(f"rank {g.rank}: {e}")
+
+
+def bad_arguments(g):
+    """Wrong dtypes and shapes raise before anything is sent: the next collective still works."""
+    x = np.ones((4, 6), dtype=np.float32)
+    expect_error(lambda: g.all_reduce(x, out=np.empty((4, 5), dtype=np.float32)), "invalid_argument", "all_reduce", "shape")
+    expect_error(lambda: g.all_reduce(x, out=np.empty((4, 6), dtype=np.float64)), "invalid_argument", "f32", "f64")
+    expect_error(lambda: g.all_reduce(x, op="bxor"), "invalid_argument", "bxor", "f32")
+    expect_error(lambda: g.all_reduce(x, op="median"), "invalid_argument", "unknown reduce op 'median'")
+    expect_error(lambda: g.all_reduce(np.array(["a", "b"])), "invalid_argument", "numpy dtype")
+    expect_error(lambda: g.reduce_scatter(np.ones((g.size + 1, 2), dtype=np.float32), axis=0), "invalid_argument", "reduce_scatter")
+    expect_error(lambda: g.all_gather(x, axis=5), "invalid_argument", "axis 5")
+    expect_error(lambda: g.all_to_all(x, 0, 1, tiled=True) if 4 % g.size else g.all_to_all(x, 0, 1), "invalid_argument", "all_to_all")
+    expect_error(lambda: g.broadcast(x, root=g.size), "invalid_argument", "root")
+    expect_error(lambda: g.all_gatherv(np.ones(3, dtype=np.float32), [1] * (g.size + 1)), "invalid_argument", "counts")
+    read_only = np.ones(4, dtype=np.float32)
+    read_only.flags.writeable = False
+    expect_error(lambda: g.all_reduce(np.ones(4, dtype=np.float32), out=read_only), "invalid_argument", "read-only")
+    got = g.all_reduce(np.ones(3, dtype=np.int32)).wait()
+    expect(np.all(got == g.size), "the collective after refused calls")
+
+
+def gil(g):
+    """wait() releases the GIL: another Python thread runs while this one waits for a late peer."""
+    counter = 0
+    stop = False
+
+    def spin():
+        nonlocal counter
+        while not stop:
+            counter += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    if g.rank == 1:
+        time.sleep(0.5)
+    before = counter
+    g.all_reduce(np.ones(8, dtype=np.float32)).wait()
+    during = counter - before
+    stop = True
+    t.join()
+    if g.rank == 0:
+        expect(during > 1000, f"the other thread advanced only {during} while wait() blocked")
+
+
+SCENARIOS = {
+    "collectives": collectives,
+    "overlap": overlap,
+    "cancel": cancel,
+    "dead_peer": dead_peer,
+    "bad_arguments": bad_arguments,
+    "gil": gil,
+}
+
+
+def main():
+    name = sys.argv[1]
+    g = weft.Group.create(timeout=float(os.environ.get("TEST_TIMEOUT", "60")))
+    run = SCENARIOS[name]
+    if asyncio.iscoroutinefunction(run):
+        asyncio.run(run(g))
+    else:
+        run(g)
+    print(f"ok {name} rank {g.rank} of {g.size}", flush=True)
+    g.close()
+
+
+if __name__ == "__main__":
+    main()

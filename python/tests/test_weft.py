@@ -1,0 +1,89 @@
+"""The Python module from the outside, as users run it: ranks are processes (started here with weft's
+environment, or by weft-run), each running one scenario of ranks.py against numpy references."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON = sys.executable
+WEFT_RUN = os.environ.get("WEFT_RUN", os.path.join(HERE, "..", "..", "build", "tools", "weft-run"))
+TRANSPORT = os.environ.get("WEFT_TRANSPORT", "tcp")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(n, scenario, timeout=240, **env):
+    """Starts n ranks of ranks.py SCENARIO; returns [(returncode, output)] in rank order."""
+    port = free_port()
+    procs = []
+    for r in range(n):
+        e = dict(os.environ, WEFT_RANK=str(r), WEFT_WORLD_SIZE=str(n), WEFT_STORE=f"127.0.0.1:{port}",
+                 WEFT_LOCAL_RANK=str(r), WEFT_LOCAL_WORLD_SIZE=str(n), WEFT_TRANSPORT=TRANSPORT, **env)
+        procs.append(subprocess.Popen([PYTHON, os.path.join(HERE, "ranks.py"), scenario], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += "\n(killed: the scenario hung)"
+        results.append((p.returncode, out))
+    return results
+
+
+def expect_ok(results, scenario, ranks=None):
+    for r, (rc, out) in enumerate(results):
+        if ranks is not None and r not in ranks:
+            continue
+        assert rc == 0 and f"ok {scenario} rank {r}" in out, f"rank {r} (exit {rc}):\n{out}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_collective_matches_numpy(n):
+    expect_ok(run_ranks(n, "collectives"), "collectives")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_asyncio_overlaps_two_collectives_with_other_coroutines(n):
+    expect_ok(run_ranks(n, "overlap"), "overlap")
+
+
+def test_cancelling_an_awaiting_task_cancels_the_collective_everywhere():
+    expect_ok(run_ranks(3, "cancel"), "cancel")
+
+
+def test_a_dead_peer_raises_in_every_other_ranks_coroutine():
+    results = run_ranks(3, "dead_peer", TEST_TIMEOUT="30")
+    expect_ok(results, "dead_peer", ranks={0, 1})
+    for rc, out in results[:2]:
+        assert "rank 2" in out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_wrong_dtypes_and_shapes_raise_before_anything_is_sent(n):
+    expect_ok(run_ranks(n, "bad_arguments"), "bad_arguments")
+
+
+def test_wait_releases_the_gil():
+    expect_ok(run_ranks(2, "gil"), "gil")
+
+
+def test_weft_run_starts_python_ranks():
+    if not os.access(WEFT_RUN, os.X_OK):
+        pytest.skip(f"no weft-run at {WEFT_RUN}")
+    out = subprocess.run([WEFT_RUN, "-n", "4", "--timeout", "240", "--", PYTHON, os.path.join(HERE, "ranks.py"), "collectives"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout
+    for r in range(4):
+        assert f"ok collectives rank {r} of 4" in out.stdout, out.stdout
