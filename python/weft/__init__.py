@@ -30,7 +30,12 @@ import numpy as np
 from . import _weft
 from ._weft import Error
 
-__all__ = ["Group", "Work", "Error", "to_device", "cpu"]
+__all__ = ["Group", "Work", "Error", "to_device", "cpu", "await_spin_us"]
+
+# How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
+# loop: small collectives complete within it and skip the loop's selector round trip (bench/RESULTS.md,
+# "Python"). 0: never poll. The asyncio loop runs nothing else meanwhile, so keep it short.
+await_spin_us = float(__import__("os").environ.get("WEFT_PY_AWAIT_SPIN_US", "20"))
 
 
 def _array(x, name="x"):
@@ -82,7 +87,7 @@ class Work:
         self._work.cancel()
 
     def __await__(self):
-        if not self._work.done():
+        if not self._work.spin(await_spin_us):
             waiter = self._group._waiter_for(self._work)
             try:
                 yield from waiter.__await__()
@@ -153,21 +158,25 @@ class Group:
     def _waiter_for(self, work):
         loop = asyncio.get_running_loop()
         if loop not in self._loops:
+            self._g.arm()
             loop.add_reader(self._g.fd, self._on_completions)
             self._loops.add(loop)
         waiter = loop.create_future()
-        self._waiters[work.id] = waiter
-        # Completed between the check and now, its id perhaps reaped already: resolve it here.
+        self._waiters[work.id] = (work, waiter)
+        # Completed between the check and now (before its completion could wake the loop): resolve it here.
         if work.done():
-            self._waiters.pop(work.id, None)
+            del self._waiters[work.id]
             waiter.set_result(None)
         return waiter
 
     def _on_completions(self):
-        for id_ in self._g.reap():
-            waiter = self._waiters.pop(id_, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+        # The eventfd says that some operation completed: resolve every waiter whose operation is done.
+        self._g.clear_wakeup()
+        for id_, (work, waiter) in list(self._waiters.items()):
+            if work.done():
+                del self._waiters[id_]
+                if not waiter.done():
+                    waiter.set_result(None)
 
     # ---- collectives over n-d arrays (any strides)
 

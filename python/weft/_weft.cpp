@@ -166,7 +166,9 @@ struct Flight {
   std::exception_ptr error;         // set before `done`
 };
 
-// An eventfd and the ids of the operations that completed since it was last drained.
+// The wake-up of an asyncio loop that awaits this group's operations (an eventfd it watches), and the ids
+// of the operations that completed since they were last taken (for the in-flight table). The eventfd is
+// written only while armed (an asyncio loop watches it): plain wait() pays no system call for it.
 class Completions {
  public:
   Completions() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
@@ -174,17 +176,23 @@ class Completions {
   }
   ~Completions() { ::close(fd_); }
   int fd() const { return fd_; }
+  void arm() { armed_.store(true, std::memory_order_seq_cst); }
   void post(std::uint64_t id) {
     {
       std::lock_guard lock(mutex_);
       ids_.push_back(id);
     }
-    const std::uint64_t one = 1;
-    [[maybe_unused]] const auto n = ::write(fd_, &one, sizeof one);  // only EAGAIN at 2^64-1 pending: still readable
+    if (armed_.load(std::memory_order_seq_cst)) {
+      const std::uint64_t one = 1;
+      [[maybe_unused]] const auto n = ::write(fd_, &one, sizeof one);  // EAGAIN only at 2^64-1 pending: still readable
+    }
   }
-  std::vector<std::uint64_t> drain() {
+  // Clears the wake-up (the asyncio reader calls this before it looks at its waiters).
+  void clear() {
     std::uint64_t count = 0;
     [[maybe_unused]] const auto n = ::read(fd_, &count, sizeof count);  // EAGAIN: nothing new
+  }
+  std::vector<std::uint64_t> take() {
     std::lock_guard lock(mutex_);
     std::vector<std::uint64_t> out;
     out.swap(ids_);
@@ -193,6 +201,7 @@ class Completions {
 
  private:
   int fd_;
+  std::atomic<bool> armed_{false};
   std::mutex mutex_;
   std::vector<std::uint64_t> ids_;
 };
@@ -237,6 +246,19 @@ class Work {
   bool wait_for(double seconds) {
     py::gil_scoped_release unlocked;
     return flight_->watcher.wait_for(std::chrono::duration<double>(seconds));
+  }
+  // Drives weft's loop on this thread (as wait() does, the GIL released) until the operation is done or
+  // `microseconds` passed; returns done(). An await spends this before it hands the wait to the asyncio
+  // loop: a small collective is often done by then, and a completion that has to wake the asyncio
+  // thread through its selector costs more (bench/RESULTS.md, "Python"). Where the loop cannot be
+  // borrowed (io_uring's single-issuer mode), it does not wait: polling beside the progress thread would
+  // only take its core.
+  bool spin(double microseconds) {
+    if (done() || microseconds <= 0) return done();
+    py::gil_scoped_release unlocked;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(microseconds);
+    loop().drive_until([&] { return done() || std::chrono::steady_clock::now() >= until; });
+    return done();
   }
   void cancel() { flight_->watcher.cancel(); }
 
@@ -288,6 +310,7 @@ class PyGroup {
   // `keep` (the arrays) alive; so does the in-flight table until the completion is reaped.
   template <class Start>
   Work start(py::object result, py::object keep, Start&& op) {
+    reap();
     Future<void> started;
     try {
       started = op(group());
@@ -301,11 +324,15 @@ class PyGroup {
     return Work(flight, std::move(result), std::move(keep));
   }
 
-  // The ids of the operations that completed since the last call; their arrays are released here.
-  std::vector<std::uint64_t> reap() {
-    std::vector<std::uint64_t> ids = completions_->drain();
-    for (std::uint64_t id : ids) inflight_.erase(id);
-    return ids;
+  // Releases the arrays of the operations that completed since the last call (every start() does).
+  void reap() {
+    for (std::uint64_t id : completions_->take()) inflight_.erase(id);
+  }
+  // For the asyncio reader: arms the eventfd (from now on every completion writes it) / clears it.
+  void arm() { completions_->arm(); }
+  void clear_wakeup() {
+    completions_->clear();
+    reap();
   }
 
   // Shuts the group down. Operations still running are aborted first (here and on every member: their
@@ -385,6 +412,7 @@ PYBIND11_MODULE(_weft, m) {
       .def("result", &Work::result)
       .def("wait", &Work::wait)
       .def("wait_for", &Work::wait_for, py::arg("seconds"))
+      .def("spin", &Work::spin, py::arg("microseconds"))
       .def("cancel", &Work::cancel);
 
   using G = PyGroup;
@@ -397,13 +425,21 @@ PYBIND11_MODULE(_weft, m) {
       .def_property_readonly("closed", &G::closed)
       .def_property_readonly("in_flight", &G::in_flight)
       .def("reap", &G::reap)
+      .def("arm", &G::arm)
+      .def("clear_wakeup", &G::clear_wakeup)
       .def("close", &G::close)
       .def("split", &G::split)
       .def("abort", &G::abort, py::arg("reason") = "")
       // ---- over n-d arrays (weft/tensor.hpp); `out` is allocated by the Python half
       .def("all_reduce", [](G& g, py::array in, py::array out, const std::string& op) {
         const ReduceOp o = op_named(op);
-        return g.start(out, py::make_tuple(in, out), [&](Group& gr) { return weft::all_reduce(gr, const_view(in), mutable_view(out), o); });
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          // C-contiguous arrays of one shape (the common case) skip the n-d layer.
+          const bool flat_arrays = (in.flags() & out.flags() & py::array::c_style) && in.ndim() == out.ndim() &&
+                                   std::equal(in.shape(), in.shape() + in.ndim(), out.shape());
+          if (flat_arrays) return gr.all_reduce(const_flat(in, "x"), flat(out, "out"), o);
+          return weft::all_reduce(gr, const_view(in), mutable_view(out), o);
+        });
       })
       .def("broadcast", [](G& g, py::array x, int root) {
         return g.start(x, py::make_tuple(x), [&](Group& gr) { return weft::broadcast(gr, mutable_view(x), root); });
