@@ -38,6 +38,12 @@ step "test_gpu (cuda)" $?
 # Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
 WEFT_GPU=cuda "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/test_device.xml" > "$out/test_device.txt" 2>&1
 step "test_device (cuda)" $?
+# Python device arrays on the real device (where the module was built: needs python3-numpy, pybind11).
+if [ -f "$build/python/weft/__init__.py" ]; then
+  WEFT_GPU=cuda PYTHONPATH="$build/python" /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k device \
+    > "$out/python_device.txt" 2>&1
+  step "python device arrays (cuda)" $?
+fi
 # The same program on the simulated device, for comparison on this machine.
 WEFT_GPU=sim WEFT_SIM_DELAY_US=300 "$build/tests/test_gpu" '~[fail]' > "$out/test_gpu_sim.txt" 2>&1
 step "test_gpu (sim, delays)" $?

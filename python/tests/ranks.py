@@ -266,7 +266,39 @@ def gil(g):
         expect(during > 1000, f"the other thread advanced only {during} while wait() blocked")
 
 
+def device(g):
+    """Device arrays (weft.to_device; the simulated device where no GPU answers) through the collectives
+    that need no packing, back with weft.cpu, against the same numpy references."""
+    p, r = g.size, g.rank
+    dev = r % weft._weft.device_count()
+    everyone = [inputs(i, (4, 3), np.float32) for i in range(p)]
+    x = weft.to_device(everyone[r], dev)
+    expect(isinstance(x, weft.DeviceArray) and x.shape == (4, 3) and x.device == dev, f"to_device: {x!r}")
+    expect(np.array_equal(weft.cpu(x), everyone[r]), "cpu(to_device(x)) == x")
+    got = g.all_reduce(x).wait()
+    expect(isinstance(got, weft.DeviceArray), "all_reduce of a device array returns a device array")
+    expect(np.array_equal(weft.cpu(got), np.sum(np.stack(everyone), axis=0)), "all_reduce on the device")
+    got = g.all_gather(x, axis=0, tiled=True).wait()
+    expect(np.array_equal(weft.cpu(got), np.concatenate(everyone, axis=0)), "all_gather on the device")
+    got = g.all_gather(x, axis=0).wait()
+    expect(np.array_equal(weft.cpu(got), np.stack(everyone)), "all_gather untiled on the device")
+    big = [inputs(i, (2 * p, 3), np.float32, 1) for i in range(p)]
+    got = g.reduce_scatter(weft.to_device(big[r], dev), axis=0, tiled=True).wait()
+    expect(np.array_equal(weft.cpu(got), np.sum(np.stack(big), axis=0)[2 * r:2 * r + 2]), "reduce_scatter on the device")
+    got = g.broadcast(x, root=p - 1).wait()
+    expect(np.array_equal(weft.cpu(got), everyone[p - 1]), "broadcast on the device")
+    counts = [i + 1 for i in range(p)]
+    flat = [inputs(i, (counts[i],), np.float32, 2) for i in range(p)]
+    got = g.all_gatherv(weft.to_device(flat[r], dev), counts).wait()
+    expect(np.array_equal(weft.cpu(got), np.concatenate(flat)), "all_gatherv on the device")
+    # A layout that would need packing on the host is refused, naming why.
+    if p > 1:
+        expect_error(lambda: g.all_gather(x, axis=1, tiled=True), "invalid_argument", "device tensor", "packing")
+    expect(np.array_equal(weft.cpu(g.all_reduce(x).wait()), np.sum(np.stack(everyone), axis=0)), "the group works after")
+
+
 SCENARIOS = {
+    "device": device,
     "collectives": collectives,
     "overlap": overlap,
     "cancel": cancel,

@@ -79,6 +79,12 @@ def test_wait_releases_the_gil():
     expect_ok(run_ranks(2, "gil"), "gil")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_device_arrays_through_the_collectives(n):
+    # The simulated device unless WEFT_GPU says otherwise (tools/gpu_check.sh runs this with cuda).
+    expect_ok(run_ranks(n, "device", WEFT_GPU=os.environ.get("WEFT_GPU", "sim"), WEFT_SIM_DEVICES="2"), "device")
+
+
 def test_weft_run_starts_python_ranks():
     if not os.access(WEFT_RUN, os.X_OK):
         pytest.skip(f"no weft-run at {WEFT_RUN}")

@@ -30,7 +30,7 @@ import numpy as np
 from . import _weft
 from ._weft import Error
 
-__all__ = ["Group", "Work", "Error", "to_device", "cpu", "await_spin_us"]
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
 # loop: small collectives complete within it and skip the loop's selector round trip (bench/RESULTS.md,
@@ -38,12 +38,37 @@ __all__ = ["Group", "Work", "Error", "to_device", "cpu", "await_spin_us"]
 await_spin_us = float(__import__("os").environ.get("WEFT_PY_AWAIT_SPIN_US", "20"))
 
 
+DeviceArray = _weft.DeviceArray
+
+
 def _array(x, name="x"):
-    if not isinstance(x, np.ndarray):
-        x = np.asarray(x)
+    if isinstance(x, (np.ndarray, DeviceArray)):
+        return x
+    x = np.asarray(x)
     if x.dtype == object:
-        raise Error(f"{name} is an array of Python objects; weft moves numbers")
+        raise _invalid(f"{name} is an array of Python objects; weft moves numbers")
     return x
+
+
+def _empty(shape, dtype, like):
+    """A new array of `shape` where `like` lives: numpy, or device memory of like's device."""
+    if isinstance(like, DeviceArray):
+        return DeviceArray.empty([shape] if isinstance(shape, int) else list(shape), dtype, like.device)
+    return np.empty(shape, dtype=dtype)
+
+
+def _contiguous(x):
+    return x if isinstance(x, DeviceArray) else np.ascontiguousarray(x)
+
+
+def _flat(x):
+    """x as one dimension (the variable-size collectives count elements)."""
+    x = _array(x)
+    if isinstance(x, DeviceArray):
+        if x.ndim != 1:
+            raise _invalid("the variable-size collectives take one-dimensional device arrays")
+        return x
+    return np.ascontiguousarray(x).reshape(-1)
 
 
 def _axis(axis, ndim, name="axis"):
@@ -184,15 +209,17 @@ class Group:
         """The reduction of every rank's x (same shape and dtype everywhere) into out (a new array by
         default; out=x reduces in place)."""
         x = _array(x)
-        out = np.empty_like(x) if out is None else out
+        out = _empty(x.shape, x.dtype, x) if out is None else out
         return self._start(self._g.all_reduce(x, out, op))
 
     def broadcast(self, x, root=0, out=None):
         """Root's x into every rank's out (a copy of x by default; out=x works in place)."""
         x = _array(x)
         if out is None:
-            out = np.array(x, copy=True)
+            out = x.copy() if isinstance(x, DeviceArray) else np.array(x, copy=True)
         elif out is not x:
+            if isinstance(x, DeviceArray) or isinstance(out, DeviceArray):
+                raise _invalid("broadcast: out= must be x itself for device arrays")
             np.copyto(out, x)
         return self._start(self._g.broadcast(out, root))
 
@@ -210,7 +237,7 @@ class Group:
             else:
                 a = _axis(axis, x.ndim + 1)
                 shape.insert(a, self.size)
-            out = np.empty(shape, dtype=x.dtype)
+            out = _empty(shape, x.dtype, x)
         return self._start(self._g.all_gather(x, out, axis, tiled, list(extents or [])))
 
     def reduce_scatter(self, x, axis=0, op="sum", tiled=False, out=None, extents=None):
@@ -232,7 +259,7 @@ class Group:
                     shape[a] //= self.size
             else:
                 del shape[a]
-            out = np.empty(shape, dtype=x.dtype)
+            out = _empty(shape, x.dtype, x)
         return self._start(self._g.reduce_scatter(x, out, axis, op, tiled, list(extents or [])))
 
     def all_to_all(self, x, split_axis, concat_axis, tiled=False, out=None):
@@ -252,13 +279,13 @@ class Group:
             else:
                 del shape[s]
                 shape.insert(c, self.size)
-            out = np.empty(shape, dtype=x.dtype)
+            out = _empty(shape, x.dtype, x)
         return self._start(self._g.all_to_all(x, out, split_axis, concat_axis, tiled))
 
     def ppermute(self, x, pairs, out=None):
         """For each (src, dst): src's x lands in dst's out; a rank that receives from nobody gets zeros."""
         x = _array(x)
-        out = np.empty_like(x) if out is None else out
+        out = _empty(x.shape, x.dtype, x) if out is None else out
         return self._start(self._g.ppermute(x, out, [tuple(p) for p in pairs]))
 
     permute = ppermute
@@ -267,25 +294,25 @@ class Group:
 
     def reduce(self, x, root=0, op="sum", out=None):
         """The reduction of every rank's x at root (its result); None elsewhere."""
-        x = np.ascontiguousarray(_array(x))
+        x = _contiguous(_array(x))
         if self.rank == root and out is None:
-            out = np.empty_like(x)
+            out = _empty(x.shape, x.dtype, x)
         return self._start(self._g.reduce(x, out if self.rank == root else None, root, op))
 
     def gather(self, x, root=0, out=None):
         """Every rank's x stacked at root (shape (size,) + x.shape); None elsewhere."""
-        x = np.ascontiguousarray(_array(x))
+        x = _contiguous(_array(x))
         if self.rank == root and out is None:
-            out = np.empty((self.size,) + x.shape, dtype=x.dtype)
+            out = _empty((self.size,) + tuple(x.shape), x.dtype, x)
         return self._start(self._g.gather(x, out if self.rank == root else None, root))
 
     def scatter(self, x, root=0, out=None, shape=None, dtype=None):
         """Root's x (shape (size,) + block) cut in size blocks, block i to rank i. Elsewhere x may be
         None: give `out`, or `shape` and `dtype` of a block."""
         if self.rank == root:
-            x = np.ascontiguousarray(_array(x))
+            x = _contiguous(_array(x))
             if out is None:
-                out = np.empty(x.shape[1:], dtype=x.dtype)
+                out = _empty(tuple(x.shape)[1:], x.dtype, x)
         elif out is None:
             if shape is None or dtype is None:
                 raise _invalid("scatter: a rank other than the root needs out, or shape and dtype")
@@ -296,7 +323,7 @@ class Group:
         return self._start(self._g.barrier())
 
     def send(self, x, dst, tag=0):
-        return self._start(self._g.send(np.ascontiguousarray(_array(x)), dst, tag))
+        return self._start(self._g.send(_contiguous(_array(x)), dst, tag))
 
     def recv(self, out, src, tag=0):
         """Receives exactly out.nbytes bytes from src into out (which it returns)."""
@@ -305,22 +332,22 @@ class Group:
     # ---- variable-size (flat, 1-d arrays; counts in elements, one per rank)
 
     def all_gatherv(self, x, counts, displs=None, out=None):
-        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        x = _flat(x)
         if out is None:
             reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
-            out = np.empty(reach, dtype=x.dtype)
+            out = _empty(reach, x.dtype, x)
         return self._start(self._g.all_gatherv(x, out, list(counts), list(displs or [])))
 
     def gatherv(self, x, counts, root=0, displs=None, out=None):
-        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        x = _flat(x)
         if self.rank == root and out is None:
             reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
-            out = np.empty(reach, dtype=x.dtype)
+            out = _empty(reach, x.dtype, x)
         return self._start(self._g.gatherv(x, out if self.rank == root else None, list(counts), root, list(displs or [])))
 
     def scatterv(self, x, counts, root=0, displs=None, out=None, dtype=None):
         if self.rank == root:
-            x = np.ascontiguousarray(_array(x)).reshape(-1)
+            x = _flat(x)
             dtype = x.dtype
         if out is None:
             if dtype is None:
@@ -329,29 +356,40 @@ class Group:
         return self._start(self._g.scatterv(x if self.rank == root else None, out, list(counts), root, list(displs or [])))
 
     def all_to_allv(self, x, send_counts, recv_counts, send_displs=None, recv_displs=None, out=None):
-        x = np.ascontiguousarray(_array(x)).reshape(-1)
+        x = _flat(x)
         if out is None:
             reach = (max((d + c for d, c in zip(recv_displs, recv_counts)), default=0) if recv_displs else sum(recv_counts))
-            out = np.empty(reach, dtype=x.dtype)
+            out = _empty(reach, x.dtype, x)
         return self._start(self._g.all_to_allv(x, out, list(send_counts), list(recv_counts), list(send_displs or []),
                                                list(recv_displs or [])))
 
     def reduce_scatterv(self, x, counts, op="sum", out=None):
-        x = np.ascontiguousarray(_array(x)).reshape(-1)
-        out = np.empty(counts[self.rank], dtype=x.dtype) if out is None else out
+        x = _flat(x)
+        out = _empty(counts[self.rank], x.dtype, x) if out is None else out
         return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
 
 
-def to_device(x, device=None):
-    """Host arrays only in this build: weft's device arrays (DLPack) are not bound to Python yet."""
-    if device in (None, "cpu"):
-        return np.asarray(x)
-    raise _invalid("weft.to_device: device arrays are not available from Python yet (host numpy arrays only)")
+def to_device(x, device=0):
+    """A copy of x in device memory (weft.gpu: CUDA where a device answers, else the simulated device;
+    WEFT_GPU=auto|cuda|sim) as a weft.DeviceArray, which every collective takes and returns in kind.
+    device=None or "cpu": x as a numpy array. A DeviceArray already on `device` is returned as is."""
+    if device is None or device == "cpu":
+        return cpu(x)
+    if isinstance(x, DeviceArray):
+        return x if x.device == device else DeviceArray.from_host(x.to_host(), device)
+    return DeviceArray.from_host(np.ascontiguousarray(_array(x)), device)
 
 
 def cpu(x):
-    """The array on the host (numpy)."""
+    """x on the host: a numpy array (a DeviceArray is copied back)."""
+    if isinstance(x, DeviceArray):
+        return x.to_host()
     return np.asarray(x)
+
+
+def device_backend():
+    """"cuda" or "sim": what device arrays are made of in this process."""
+    return _weft.device_backend()
 
 
 @atexit.register

@@ -13,7 +13,9 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <map>
 #include <cerrno>
 #include <memory>
 #include <mutex>
@@ -21,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <weft/gpu.hpp>
 #include <weft/weft.hpp>
 
 namespace py = pybind11;
@@ -129,20 +132,117 @@ std::vector<std::size_t> shape_of(const py::array& a) {
   return shape;
 }
 
-ConstTensorView const_view(const py::array& a) { return ConstTensorView(a.data(), dtype_of(a.dtype()), shape_of(a), element_strides(a)); }
+// ---- device arrays: weft::gpu memory (CUDA, or the simulated device) with a shape and a numpy dtype
 
-TensorView mutable_view(py::array& a) {
+// One stream per device, on the process's loop, for the copies of to_device and cpu.
+gpu::Stream& stream_for(Device device) {
+  static std::mutex mutex;
+  static std::map<int, std::unique_ptr<gpu::Stream>> streams;
+  std::lock_guard lock(mutex);
+  auto& s = streams[device.index];
+  if (!s) s = std::make_unique<gpu::Stream>(loop(), device);
+  return *s;
+}
+
+class DeviceArray {
+ public:
+  DeviceArray(gpu::DeviceBuffer buffer, std::vector<std::size_t> shape, py::dtype dtype)
+      : buffer_(std::move(buffer)), shape_(std::move(shape)), dtype_(std::move(dtype)) {}
+
+  static DeviceArray empty(const std::vector<std::size_t>& shape, const py::object& dtype_like, int device) {
+    const py::dtype dtype = py::dtype::from_args(dtype_like);
+    (void)dtype_of(dtype);  // a dtype weft moves
+    std::size_t n = static_cast<std::size_t>(dtype.itemsize());
+    for (std::size_t e : shape) n *= e;
+    try {
+      return DeviceArray(gpu::DeviceBuffer::allocate(gpu::device(device), n), shape, dtype);
+    } catch (const Error& e) {
+      raise(e);
+    }
+  }
+
+  // A copy of host array `x` (C-contiguous) on `device`.
+  static DeviceArray from_host(const py::array& x, int device) {
+    DeviceArray d = empty(shape_of(x), x.dtype(), device);
+    d.copy_from(ConstBufferView(x.data(), static_cast<std::size_t>(x.nbytes()), DType::u8));
+    return d;
+  }
+  // The host copy (numpy).
+  py::array to_host() const {
+    py::array out(dtype_, std::vector<py::ssize_t>(shape_.begin(), shape_.end()));
+    copy(BufferView(out.mutable_data(), static_cast<std::size_t>(out.nbytes()), DType::u8),
+         ConstBufferView(buffer_.data(), buffer_.bytes(), DType::u8, buffer_.device()));
+    return out;
+  }
+  DeviceArray clone() const {
+    DeviceArray d = empty(shape_, dtype_, buffer_.device().index);
+    d.copy_from(ConstBufferView(buffer_.data(), buffer_.bytes(), DType::u8, buffer_.device()));
+    return d;
+  }
+
+  TensorView view() const {
+    return TensorView{buffer_.data(), dtype_of(dtype_), shape_, {}, buffer_.device()};
+  }
+  BufferView flat() const {
+    return BufferView(buffer_.data(), buffer_.bytes() / static_cast<std::size_t>(dtype_.itemsize()), dtype_of(dtype_), buffer_.device());
+  }
+  py::tuple shape() const { return py::cast(std::vector<py::ssize_t>(shape_.begin(), shape_.end())); }
+  py::dtype dtype() const { return dtype_; }
+  int device() const { return buffer_.device().index; }
+  std::size_t size() const { return buffer_.bytes() / static_cast<std::size_t>(dtype_.itemsize()); }
+  std::size_t ndim() const { return shape_.size(); }
+  std::string repr() const {
+    std::string dims;
+    for (std::size_t e : shape_) dims += (dims.empty() ? "" : ", ") + std::to_string(e);
+    return "weft.DeviceArray(shape=(" + dims + (shape_.size() == 1 ? ",)" : ")") + ", dtype=" + py::str(dtype_.attr("name")).cast<std::string>() +
+           ", device=" + std::to_string(device()) + " (" + std::string(gpu::backend_name()) + "))";
+  }
+
+ private:
+  void copy_from(ConstBufferView src) {
+    copy(BufferView(buffer_.data(), buffer_.bytes(), DType::u8, buffer_.device()), src);
+  }
+  void copy(BufferView dst, ConstBufferView src) const {
+    try {
+      Future<void> done = stream_for(buffer_.device()).copy(dst, src);
+      py::gil_scoped_release unlocked;
+      done.get();
+    } catch (const Error& e) {
+      raise(e);
+    }
+  }
+
+  gpu::DeviceBuffer buffer_;
+  std::vector<std::size_t> shape_;
+  py::dtype dtype_;
+};
+
+bool on_device(const py::handle& o) { return py::isinstance<DeviceArray>(o); }
+
+ConstTensorView const_view(const py::object& o) {
+  if (on_device(o)) return o.cast<const DeviceArray&>().view();
+  const auto a = o.cast<py::array>();
+  return ConstTensorView(a.data(), dtype_of(a.dtype()), shape_of(a), element_strides(a));
+}
+
+TensorView mutable_view(const py::object& o) {
+  if (on_device(o)) return o.cast<const DeviceArray&>().view();
+  auto a = o.cast<py::array>();
   if (!a.writeable()) raise_invalid("the output array is read-only");
   return TensorView{a.mutable_data(), dtype_of(a.dtype()), shape_of(a), element_strides(a)};
 }
 
-// A flat buffer view of a C-contiguous array (the buffer-level collectives).
-BufferView flat(py::array& a, const char* what) {
+// A flat buffer view of a C-contiguous array or a device array (the buffer-level collectives).
+BufferView flat(const py::object& o, const char* what) {
+  if (on_device(o)) return o.cast<const DeviceArray&>().flat();
+  auto a = o.cast<py::array>();
   if (!(a.flags() & py::array::c_style)) raise_invalid(std::string(what) + " must be C-contiguous");
   if (!a.writeable()) raise_invalid(std::string(what) + " is read-only");
   return BufferView(a.mutable_data(), static_cast<std::size_t>(a.size()), dtype_of(a.dtype()));
 }
-ConstBufferView const_flat(const py::array& a, const char* what) {
+ConstBufferView const_flat(const py::object& o, const char* what) {
+  if (on_device(o)) return o.cast<const DeviceArray&>().flat();
+  const auto a = o.cast<py::array>();
   if (!(a.flags() & py::array::c_style)) raise_invalid(std::string(what) + " must be C-contiguous");
   return ConstBufferView(a.data(), static_cast<std::size_t>(a.size()), dtype_of(a.dtype()));
 }
@@ -406,6 +506,20 @@ PYBIND11_MODULE(_weft, m) {
     the_loop = nullptr;
   });
 
+  py::class_<DeviceArray>(m, "DeviceArray")
+      .def_static("empty", &DeviceArray::empty, py::arg("shape"), py::arg("dtype"), py::arg("device") = 0)
+      .def_static("from_host", &DeviceArray::from_host, py::arg("x"), py::arg("device") = 0)
+      .def("to_host", &DeviceArray::to_host)
+      .def("copy", &DeviceArray::clone)
+      .def_property_readonly("shape", &DeviceArray::shape)
+      .def_property_readonly("dtype", &DeviceArray::dtype)
+      .def_property_readonly("device", &DeviceArray::device)
+      .def_property_readonly("size", &DeviceArray::size)
+      .def_property_readonly("ndim", &DeviceArray::ndim)
+      .def("__repr__", &DeviceArray::repr);
+  m.def("device_backend", [] { return std::string(gpu::backend_name()); });
+  m.def("device_count", [] { return gpu::device_count(); });
+
   py::class_<Work>(m, "Work")
       .def_property_readonly("id", &Work::id)
       .def("done", &Work::done)
@@ -431,102 +545,102 @@ PYBIND11_MODULE(_weft, m) {
       .def("split", &G::split)
       .def("abort", &G::abort, py::arg("reason") = "")
       // ---- over n-d arrays (weft/tensor.hpp); `out` is allocated by the Python half
-      .def("all_reduce", [](G& g, py::array in, py::array out, const std::string& op) {
+      .def("all_reduce", [](G& g, py::object in, py::object out, const std::string& op) {
         const ReduceOp o = op_named(op);
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           // C-contiguous arrays of one shape (the common case) skip the n-d layer.
-          const bool flat_arrays = (in.flags() & out.flags() & py::array::c_style) && in.ndim() == out.ndim() &&
-                                   std::equal(in.shape(), in.shape() + in.ndim(), out.shape());
-          if (flat_arrays) return gr.all_reduce(const_flat(in, "x"), flat(out, "out"), o);
+          if (!on_device(in) && !on_device(out)) {
+            const auto i = in.cast<py::array>(), u = out.cast<py::array>();
+            const bool flat_arrays = (i.flags() & u.flags() & py::array::c_style) && i.ndim() == u.ndim() &&
+                                     std::equal(i.shape(), i.shape() + i.ndim(), u.shape());
+            if (flat_arrays) return gr.all_reduce(const_flat(in, "x"), flat(out, "out"), o);
+          }
           return weft::all_reduce(gr, const_view(in), mutable_view(out), o);
         });
       })
-      .def("broadcast", [](G& g, py::array x, int root) {
+      .def("broadcast", [](G& g, py::object x, int root) {
         return g.start(x, py::make_tuple(x), [&](Group& gr) { return weft::broadcast(gr, mutable_view(x), root); });
       })
-      .def("all_gather", [](G& g, py::array in, py::array out, int axis, bool tiled, Counts extents) {
+      .def("all_gather", [](G& g, py::object in, py::object out, int axis, bool tiled, Counts extents) {
         return g.start(out, py::make_tuple(in, out),
                        [&](Group& gr) { return weft::all_gather(gr, const_view(in), mutable_view(out), axis, tiled, extents); });
       })
-      .def("reduce_scatter", [](G& g, py::array in, py::array out, int axis, const std::string& op, bool tiled, Counts extents) {
+      .def("reduce_scatter", [](G& g, py::object in, py::object out, int axis, const std::string& op, bool tiled, Counts extents) {
         const ReduceOp o = op_named(op);
         return g.start(out, py::make_tuple(in, out),
                        [&](Group& gr) { return weft::reduce_scatter(gr, const_view(in), mutable_view(out), axis, o, tiled, extents); });
       })
-      .def("all_to_all", [](G& g, py::array in, py::array out, int split_axis, int concat_axis, bool tiled) {
+      .def("all_to_all", [](G& g, py::object in, py::object out, int split_axis, int concat_axis, bool tiled) {
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           return weft::all_to_all(gr, const_view(in), mutable_view(out), split_axis, concat_axis, tiled);
         });
       })
-      .def("ppermute", [](G& g, py::array in, py::array out, Pairs pairs) {
+      .def("ppermute", [](G& g, py::object in, py::object out, Pairs pairs) {
         return g.start(out, py::make_tuple(in, out),
                        [&](Group& gr) { return weft::permute(gr, const_view(in), mutable_view(out), pairs); });
       })
       // ---- over flat C-contiguous arrays (the buffer collectives)
-      .def("reduce", [](G& g, py::array in, py::object out, int root, const std::string& op) {
+      .def("reduce", [](G& g, py::object in, py::object out, int root, const std::string& op) {
         const ReduceOp o = op_named(op);
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           BufferView o_view;
           if (!out.is_none()) {
-            auto a = out.cast<py::array>();
-            o_view = flat(a, "out");
+            o_view = flat(out, "out");
           }
           return gr.reduce(const_flat(in, "x"), o_view, root, o);
         });
       })
-      .def("gather", [](G& g, py::array in, py::object out, int root) {
+      .def("gather", [](G& g, py::object in, py::object out, int root) {
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           BufferView o_view;
           if (!out.is_none()) {
-            auto a = out.cast<py::array>();
-            o_view = flat(a, "out");
+            o_view = flat(out, "out");
           }
           return gr.gather(const_flat(in, "x"), o_view, root);
         });
       })
-      .def("scatter", [](G& g, py::object in, py::array out, int root) {
+      .def("scatter", [](G& g, py::object in, py::object out, int root) {
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           ConstBufferView i_view;
-          if (!in.is_none()) i_view = const_flat(in.cast<py::array>(), "x");
+          if (!in.is_none()) i_view = const_flat(in, "x");
           return gr.scatter(i_view, flat(out, "out"), root);
         });
       })
       .def("barrier", [](G& g) { return g.start(py::none(), py::none(), [&](Group& gr) { return gr.barrier(); }); })
-      .def("send", [](G& g, py::array x, int dst, std::uint32_t tag) {
+      .def("send", [](G& g, py::object x, int dst, std::uint32_t tag) {
         return g.start(py::none(), py::make_tuple(x), [&](Group& gr) { return gr.send(const_flat(x, "x"), dst, tag); });
       })
-      .def("recv", [](G& g, py::array out, int src, std::uint32_t tag) {
+      .def("recv", [](G& g, py::object out, int src, std::uint32_t tag) {
         return g.start(out, py::make_tuple(out), [&](Group& gr) { return gr.recv(flat(out, "out"), src, tag); });
       })
       // ---- variable-size, over flat arrays
-      .def("all_gatherv", [](G& g, py::array in, py::array out, Counts counts, Counts displs) {
+      .def("all_gatherv", [](G& g, py::object in, py::object out, Counts counts, Counts displs) {
         return g.start(out, py::make_tuple(in, out),
                        [&](Group& gr) { return gr.all_gatherv(const_flat(in, "x"), flat(out, "out"), counts, displs); });
       })
-      .def("gatherv", [](G& g, py::array in, py::object out, Counts counts, int root, Counts displs) {
+      .def("gatherv", [](G& g, py::object in, py::object out, Counts counts, int root, Counts displs) {
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           BufferView o_view;
           if (!out.is_none()) {
-            auto a = out.cast<py::array>();
-            o_view = flat(a, "out");
+            o_view = flat(out, "out");
           }
           return gr.gatherv(const_flat(in, "x"), o_view, counts, root, displs);
         });
       })
-      .def("scatterv", [](G& g, py::object in, py::array out, Counts counts, int root, Counts displs) {
+      .def("scatterv", [](G& g, py::object in, py::object out, Counts counts, int root, Counts displs) {
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           ConstBufferView i_view;
-          if (!in.is_none()) i_view = const_flat(in.cast<py::array>(), "x");
+          if (!in.is_none()) i_view = const_flat(in, "x");
           return gr.scatterv(i_view, flat(out, "out"), counts, root, displs);
         });
       })
-      .def("all_to_allv", [](G& g, py::array in, py::array out, Counts send_counts, Counts recv_counts, Counts send_displs,
+      .def("all_to_allv", [](G& g, py::object in, py::object out, Counts send_counts, Counts recv_counts, Counts send_displs,
                              Counts recv_displs) {
         return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
           return gr.all_to_allv(const_flat(in, "x"), flat(out, "out"), send_counts, recv_counts, send_displs, recv_displs);
         });
       })
-      .def("reduce_scatterv", [](G& g, py::array in, py::array out, Counts counts, const std::string& op) {
+      .def("reduce_scatterv", [](G& g, py::object in, py::object out, Counts counts, const std::string& op) {
         const ReduceOp o = op_named(op);
         return g.start(out, py::make_tuple(in, out),
                        [&](Group& gr) { return gr.reduce_scatterv(const_flat(in, "x"), flat(out, "out"), counts, o); });
