@@ -35,7 +35,7 @@ __all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "await_s
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
 # loop: small collectives complete within it and skip the loop's selector round trip (bench/RESULTS.md,
 # "Python"). 0: never poll. The asyncio loop runs nothing else meanwhile, so keep it short.
-await_spin_us = float(__import__("os").environ.get("WEFT_PY_AWAIT_SPIN_US", "20"))
+await_spin_us = float(__import__("os").environ.get("WEFT_PY_AWAIT_SPIN_US", "50"))
 
 
 DeviceArray = _weft.DeviceArray

@@ -170,6 +170,17 @@ void every_collective(Group& g, gpu::Stream& stream, std::size_t n) {
                                  for (int i = 0; i < p; ++i) pairs.emplace_back(i, (i + 1) % p);
                                  return g.permute(in, out, pairs);
                                }});
+    // The variable-size collectives: rank i's block is n + i elements (zero where n is 0 on rank 0).
+    std::vector<std::size_t> counts(static_cast<std::size_t>(p));
+    std::size_t total = 0;
+    for (int i = 0; i < p; ++i) total += counts[static_cast<std::size_t>(i)] = n + static_cast<std::size_t>(i);
+    const std::size_t mine = counts[static_cast<std::size_t>(r)];
+    check_same(g, stream, Case{"all_gatherv" + w, t, pattern(mine * es, r, 15), pattern(total * es, r, 16), std::nullopt,
+                               [counts](Group& g, ConstBufferView in, BufferView out) { return g.all_gatherv(in, out, counts); }});
+    check_same(g, stream, Case{"scatterv from 0" + w, t, pattern(total * es, r, 17), pattern(mine * es, r, 18), std::nullopt,
+                               [counts](Group& g, ConstBufferView in, BufferView out) { return g.scatterv(in, out, counts, 0); }});
+    check_same(g, stream, Case{"reduce_scatterv" + w, t, make_input(t, ReduceOp::sum, r, total), std::vector<std::byte>(mine * es),
+                               std::nullopt, [counts](Group& g, ConstBufferView in, BufferView out) { return g.reduce_scatterv(in, out, counts); }});
     if (p > 1) {
       // send and recv, a ring: the send's Future is waited for after the receive's.
       check_same(g, stream, Case{"send and recv, a ring" + w, t, pattern(n * es, r, 13), pattern(n * es, r, 14), std::nullopt,
