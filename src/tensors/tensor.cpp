@@ -242,11 +242,11 @@ Task<void> finish(Future<void> op, std::shared_ptr<Staging> staging, Blocks unpa
 // Runs `collective(send, recv)` over the blocks: straight from and into the tensors where they allow it,
 // else through staging; unpacks `out` after it completes where it was staged.
 template <class Run>
-Future<void> run_blocks(Group& g, const char* op, const Blocks& in, Device in_device, const Blocks& out, Device out_device, bool reads_in,
-                        bool writes_out, DType dtype, std::size_t send_count, std::size_t recv_count, Run&& collective) {
+Future<void> run_blocks(Group& g, const char* op, const Blocks& in, Device in_device, const Blocks& out, Device out_device, DType dtype,
+                        std::size_t send_count, std::size_t recv_count, Run&& collective) {
   auto staging = std::make_shared<Staging>();
-  const bool stage_in = reads_in && !in.in_place();
-  const bool stage_out = writes_out && !out.in_place();
+  const bool stage_in = !in.in_place();
+  const bool stage_out = !out.in_place();
   require_host(g, op, in_device, stage_in);
   require_host(g, op, out_device, stage_out);
   const std::size_t esize = dtype_size(dtype);
@@ -261,6 +261,23 @@ Future<void> run_blocks(Group& g, const char* op, const Blocks& in, Device in_de
                                     BufferView(recv, recv_count, dtype, stage_out ? Device{} : out_device));
   if (!stage_in && !stage_out) return started;
   return spawn(g.loop(), finish(std::move(started), std::move(staging), out, stage_out));
+}
+
+// A tensor as one block (the collectives whose output has the input's shape).
+template <class V>
+Blocks whole(const V& v) {
+  return blocks_of(v, v.shape, 0, Shape{v.ndim() ? v.shape[0] : 1});
+}
+
+// permute and all_reduce: `out` has `in`'s shape, each moves as one block.
+template <class Run>
+Future<void> same_shape(Group& g, const char* op, const ConstTensorView& in, const TensorView& out, Run&& collective) {
+  check_view(g, op, "input", in);
+  check_types(g, op, in.dtype, out.dtype);
+  check_output(g, op, out, in.shape);
+  const Blocks send = whole(in);
+  const Blocks recv = whole(out);
+  return run_blocks(g, op, send, in.device, recv, out.device, in.dtype, send.total(), recv.total(), collective);
 }
 
 Shape deleted(Shape s, std::size_t at) {
@@ -419,7 +436,7 @@ Future<void> all_gather(Group& g, ConstTensorView in, TensorView out, int axis, 
   const Blocks recv = blocks_of(out, plan.out_shape, plan.axis, plan.extents);
   const bool equal = all_equal(plan.extents);
   const auto counts = counts_of(recv);
-  return run_blocks(g, op, send, in.device, recv, out.device, true, true, in.dtype, send.total(), recv.total(),
+  return run_blocks(g, op, send, in.device, recv, out.device, in.dtype, send.total(), recv.total(),
                     [&](ConstBufferView s, BufferView o) { return equal ? g.all_gather(s, o) : g.all_gatherv(s, o, counts); });
 }
 
@@ -434,7 +451,7 @@ Future<void> reduce_scatter(Group& g, ConstTensorView in, TensorView out, int ax
   const Blocks recv = blocks_of(out, plan.out_shape, plan.axis, Shape{plan.out_shape[plan.axis]});
   const bool equal = all_equal(plan.extents);
   const auto counts = counts_of(send);
-  return run_blocks(g, op, send, in.device, recv, out.device, true, true, in.dtype, send.total(), recv.total(),
+  return run_blocks(g, op, send, in.device, recv, out.device, in.dtype, send.total(), recv.total(),
                     [&](ConstBufferView s, BufferView o) { return equal ? g.reduce_scatter(s, o, op_) : g.reduce_scatterv(s, o, counts, op_); });
 }
 
@@ -455,37 +472,23 @@ Future<void> all_to_all(Group& g, ConstTensorView in, TensorView out, int split_
   // where the split axis was and where the new one is do not change it).
   const Blocks send = blocks_of(in, in.shape, s, Shape(p, in.shape[s] / p));
   const Blocks recv = blocks_of(out, out.shape, c, Shape(p, out.shape[c] / p));
-  return run_blocks(g, op, send, in.device, recv, out.device, true, true, in.dtype, send.total(), recv.total(),
+  return run_blocks(g, op, send, in.device, recv, out.device, in.dtype, send.total(), recv.total(),
                     [&](ConstBufferView sb, BufferView o) { return g.all_to_all(sb, o); });
 }
 
 Future<void> permute(Group& g, ConstTensorView in, TensorView out, std::vector<std::pair<int, int>> pairs) {
-  const char* op = "permute";
-  check_view(g, op, "input", in);
-  check_types(g, op, in.dtype, out.dtype);
-  check_output(g, op, out, in.shape);
-  const Blocks send = blocks_of(in, in.shape, 0, Shape{in.ndim() ? in.shape[0] : 1});
-  const Blocks recv = blocks_of(out, out.shape, 0, Shape{out.ndim() ? out.shape[0] : 1});
-  return run_blocks(g, op, send, in.device, recv, out.device, true, true, in.dtype, send.total(), recv.total(),
-                    [&](ConstBufferView s, BufferView o) { return g.permute(s, o, pairs); });
+  return same_shape(g, "permute", in, out, [&](ConstBufferView s, BufferView o) { return g.permute(s, o, pairs); });
 }
 
-Future<void> all_reduce(Group& g, ConstTensorView in, TensorView out, ReduceOp op_) {
-  const char* op = "all_reduce";
-  check_view(g, op, "input", in);
-  check_types(g, op, in.dtype, out.dtype);
-  check_output(g, op, out, in.shape);
-  const Blocks send = blocks_of(in, in.shape, 0, Shape{in.ndim() ? in.shape[0] : 1});
-  const Blocks recv = blocks_of(out, out.shape, 0, Shape{out.ndim() ? out.shape[0] : 1});
-  return run_blocks(g, op, send, in.device, recv, out.device, true, true, in.dtype, send.total(), recv.total(),
-                    [&](ConstBufferView s, BufferView o) { return g.all_reduce(s, o, op_); });
+Future<void> all_reduce(Group& g, ConstTensorView in, TensorView out, ReduceOp op) {
+  return same_shape(g, "all_reduce", in, out, [&](ConstBufferView s, BufferView o) { return g.all_reduce(s, o, op); });
 }
 
 Future<void> broadcast(Group& g, TensorView x, int root) {
   const char* op = "broadcast";
   check_view(g, op, "data", x);
   if (overlaps_itself(x.shape, x.strides)) bad(g, op, fmt::format("data's strides {} make it overlap itself", x.strides));
-  const Blocks blocks = blocks_of(x, x.shape, 0, Shape{x.ndim() ? x.shape[0] : 1});
+  const Blocks blocks = whole(x);
   const bool at_root = g.rank() == root;
   if (blocks.in_place()) return g.broadcast(BufferView(x.data, blocks.total(), x.dtype, x.device), root);
   // Staged: the root packs its tensor and sends from the staging; the others receive into it and unpack.
