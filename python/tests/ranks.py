@@ -297,7 +297,30 @@ def device(g):
     expect(np.array_equal(weft.cpu(g.all_reduce(x).wait()), np.sum(np.stack(everyone), axis=0)), "the group works after")
 
 
+def interrupt(g):
+    """Ctrl-C (SIGINT, sent by the test to rank 0 a second in) interrupts a wait() for a collective that
+    rank 1 calls only later; rank 0 then cancels it, and both ranks go on."""
+    x = np.ones(4, dtype=np.float32)
+    if g.rank == 0:
+        work = g.all_reduce(x)
+        open(os.environ["TEST_READY_FILE"], "w").close()  # the test sends SIGINT once this exists
+        started = time.monotonic()
+        try:
+            work.wait()
+            raise AssertionError("the wait returned though rank 1 had not called the collective")
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - started:.2f} s", flush=True)
+        work.cancel()
+        expect_error(work.wait, "cancelled", "rank 0 cancelled")
+    else:
+        time.sleep(3)
+        expect_error(lambda: g.all_reduce(x).wait(), "cancelled", "rank 0 cancelled")
+    got = g.all_reduce(x).wait()
+    expect(np.all(got == g.size), "the collective after the interrupted one")
+
+
 SCENARIOS = {
+    "interrupt": interrupt,
     "device": device,
     "collectives": collectives,
     "overlap": overlap,

@@ -2,9 +2,11 @@
 environment, or by weft-run), each running one scenario of ranks.py against numpy references."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,8 +22,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(n, scenario, timeout=240, **env):
-    """Starts n ranks of ranks.py SCENARIO; returns [(returncode, output)] in rank order."""
+def run_ranks(n, scenario, timeout=240, interrupt_when=None, **env):
+    """Starts n ranks of ranks.py SCENARIO; returns [(returncode, output)] in rank order. With
+    interrupt_when (a file's path), rank 0 gets SIGINT (Ctrl-C) half a second after the file appears."""
     port = free_port()
     procs = []
     for r in range(n):
@@ -29,6 +32,12 @@ def run_ranks(n, scenario, timeout=240, **env):
                  WEFT_LOCAL_RANK=str(r), WEFT_LOCAL_WORLD_SIZE=str(n), WEFT_TRANSPORT=TRANSPORT, **env)
         procs.append(subprocess.Popen([PYTHON, os.path.join(HERE, "ranks.py"), scenario], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    if interrupt_when is not None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(interrupt_when) and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the wait
+        procs[0].send_signal(signal.SIGINT)
     results = []
     for p in procs:
         try:
@@ -83,6 +92,13 @@ def test_wait_releases_the_gil():
 def test_device_arrays_through_the_collectives(n):
     # The simulated device unless WEFT_GPU says otherwise (tools/gpu_check.sh runs this with cuda).
     expect_ok(run_ranks(n, "device", WEFT_GPU=os.environ.get("WEFT_GPU", "sim"), WEFT_SIM_DEVICES="2"), "device")
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_group_goes_on(tmp_path):
+    ready = str(tmp_path / "waiting")
+    results = run_ranks(2, "interrupt", interrupt_when=ready, TEST_READY_FILE=ready)
+    expect_ok(results, "interrupt")
+    assert "interrupted after" in results[0][1]
 
 
 def test_weft_run_starts_python_ranks():

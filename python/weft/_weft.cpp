@@ -336,10 +336,18 @@ class Work {
     }
     return result_;
   }
+  // Blocks until done, driving weft's loop on this thread where it can (the GIL released), in slices of
+  // 100 ms between which Python's signal handlers run: Ctrl-C raises KeyboardInterrupt here instead of
+  // waiting for the operation (which goes on; cancel() it).
   py::object wait() {
-    {
-      py::gil_scoped_release unlocked;
-      flight_->watcher.wait();
+    while (!done()) {
+      {
+        py::gil_scoped_release unlocked;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+        const bool drove = loop().drive_until([&] { return done() || std::chrono::steady_clock::now() >= until; });
+        if (!drove) flight_->watcher.wait_for(std::chrono::milliseconds(100));
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
     return result();
   }
