@@ -146,6 +146,17 @@ def collectives(g):
             got = g.recv(np.empty(10, dtype=np.int16), 0, tag=7).wait()
             expect(np.array_equal(got, np.arange(10, dtype=np.int16)), "send/recv")
     expect(g.barrier().wait() is None, "barrier returns None")
+    # split: the even and the odd ranks, each a group of its own; a negative color leaves a rank out
+    sub = g.split(r % 2, key=-r)
+    expect(sub.size == (p + 1 - r % 2) // 2, f"split: a group of {sub.size}")
+    expect(sub.rank == (sub.size - 1 - r // 2), f"split: ordered by key (rank {sub.rank})")
+    got = sub.all_reduce(np.array([r], dtype=np.int64)).wait()
+    expect(int(got[0]) == sum(i for i in range(p) if i % 2 == r % 2), "all_reduce on a split group")
+    sub.close()
+    left_out = g.split(-1 if r == 0 else 0)
+    expect((left_out is None) == (r == 0), "split with a negative color gives None")
+    if left_out is not None:
+        left_out.close()
 
 
 # ---- asyncio

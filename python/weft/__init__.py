@@ -169,7 +169,7 @@ class Group:
     def split(self, color, key=0):
         """Ranks with the same color form a new group ordered by (key, rank); a negative color: None."""
         native = self._g.split(color, key)
-        return Group(native) if native.size > 0 else None
+        return None if native.closed else Group(native)
 
     def abort(self, reason=""):
         """Fails every operation in flight on this group, here and on every other rank."""
