@@ -40,7 +40,7 @@ WEFT_GPU=cuda "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/t
 step "test_device (cuda)" $?
 # Python device arrays on the real device (where the module was built: needs python3-numpy, pybind11).
 if [ -f "$build/python/weft/__init__.py" ]; then
-  WEFT_GPU=cuda PYTHONPATH="$build/python" /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k device \
+  WEFT_GPU=cuda PYTHONPATH="$build/python" /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k 'device or dlpack' \
     > "$out/python_device.txt" 2>&1
   step "python device arrays (cuda)" $?
 fi

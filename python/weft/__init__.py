@@ -30,7 +30,7 @@ import numpy as np
 from . import _weft
 from ._weft import Error
 
-__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "await_spin_us"]
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "from_dlpack", "device_backend", "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
 # loop: small collectives complete within it and skip the loop's selector round trip (bench/RESULTS.md,
@@ -385,6 +385,21 @@ def cpu(x):
     if isinstance(x, DeviceArray):
         return x.to_host()
     return np.asarray(x)
+
+
+def from_dlpack(x):
+    """Another library's tensor without a copy, through DLPack: a host tensor as a numpy array, a CUDA
+    tensor (contiguous) as a weft.DeviceArray over its memory (weft's cuda backend only). A
+    DeviceArray gives its memory the other way (``torch.from_dlpack(a)``) under the cuda backend; the
+    simulated device's memory cannot be shared and says so (BufferError)."""
+    if isinstance(x, (np.ndarray, DeviceArray)):
+        return x
+    device_type, _ = x.__dlpack_device__()
+    if device_type == 1:
+        return np.from_dlpack(x)
+    if device_type == 2:
+        return DeviceArray._from_dlpack(x.__dlpack__())
+    raise _invalid(f"from_dlpack: DLPack device type {device_type} is neither the host (1) nor CUDA (2)")
 
 
 def device_backend():

@@ -144,10 +144,69 @@ gpu::Stream& stream_for(Device device) {
   return *s;
 }
 
+// DLPack (the exchange format of numpy, PyTorch, CuPy, JAX): the unversioned ABI that __dlpack__ hands
+// out in a capsule named "dltensor" (renamed "used_dltensor" by the consumer that takes it).
+namespace dlpack {
+struct Device {
+  std::int32_t device_type;  // 1: CPU, 2: CUDA
+  std::int32_t device_id;
+};
+struct DataType {
+  std::uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct Tensor {
+  void* data;
+  Device device;
+  std::int32_t ndim;
+  DataType dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;  // null: row-major
+  std::uint64_t byte_offset;
+};
+struct ManagedTensor {
+  Tensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor* self);
+};
+constexpr std::int32_t cpu = 1;
+constexpr std::int32_t cuda = 2;
+
+DataType type_of(const py::dtype& d) {
+  const std::string name = py::str(d.attr("name"));
+  const auto bits = static_cast<std::uint8_t>(d.itemsize() * 8);
+  if (name == "bfloat16") return {4, 16, 1};
+  switch (d.kind()) {
+    case 'b': return {6, 8, 1};
+    case 'i': return {0, bits, 1};
+    case 'u': return {1, bits, 1};
+    case 'f': return {2, bits, 1};
+  }
+  raise_invalid("no DLPack type for numpy dtype " + name);
+}
+
+py::dtype numpy_of(const DataType& t) {
+  if (t.lanes != 1) raise_invalid("DLPack tensors with vector lanes cannot be moved");
+  const char* kinds[] = {"i", "u", "f", nullptr, nullptr, nullptr, "b"};
+  if (t.code == 4 && t.bits == 16) raise_invalid("a bfloat16 DLPack tensor needs ml_dtypes' bfloat16 in numpy; not supported here");
+  if (t.code > 6 || kinds[t.code] == nullptr) raise_invalid("DLPack type code " + std::to_string(t.code) + " is not a number type weft moves");
+  if (t.code == 6) return py::dtype("bool");
+  return py::dtype(std::string(kinds[t.code]) + std::to_string(t.bits / 8));
+}
+}  // namespace dlpack
+
+[[noreturn]] void buffer_error(const std::string& what) {
+  PyErr_SetString(PyExc_BufferError, what.c_str());
+  throw py::error_already_set();
+}
+
+// Device memory with a shape and a numpy dtype: weft's own allocation (a gpu::DeviceBuffer), or another
+// library's tensor taken through DLPack (kept alive until this array and its views are gone).
 class DeviceArray {
  public:
-  DeviceArray(gpu::DeviceBuffer buffer, std::vector<std::size_t> shape, py::dtype dtype)
-      : buffer_(std::move(buffer)), shape_(std::move(shape)), dtype_(std::move(dtype)) {}
+  DeviceArray(std::shared_ptr<void> owner, void* data, std::size_t bytes, Device device, std::vector<std::size_t> shape, py::dtype dtype)
+      : owner_(std::move(owner)), data_(data), bytes_(bytes), device_(device), shape_(std::move(shape)), dtype_(std::move(dtype)) {}
 
   static DeviceArray empty(const std::vector<std::size_t>& shape, const py::object& dtype_like, int device) {
     const py::dtype dtype = py::dtype::from_args(dtype_like);
@@ -155,7 +214,10 @@ class DeviceArray {
     std::size_t n = static_cast<std::size_t>(dtype.itemsize());
     for (std::size_t e : shape) n *= e;
     try {
-      return DeviceArray(gpu::DeviceBuffer::allocate(gpu::device(device), n), shape, dtype);
+      auto buffer = std::make_shared<gpu::DeviceBuffer>(gpu::DeviceBuffer::allocate(gpu::device(device), n));
+      void* data = buffer->data();
+      const Device where = buffer->device();
+      return DeviceArray(std::move(buffer), data, n, where, shape, dtype);
     } catch (const Error& e) {
       raise(e);
     }
@@ -170,26 +232,80 @@ class DeviceArray {
   // The host copy (numpy).
   py::array to_host() const {
     py::array out(dtype_, std::vector<py::ssize_t>(shape_.begin(), shape_.end()));
-    copy(BufferView(out.mutable_data(), static_cast<std::size_t>(out.nbytes()), DType::u8),
-         ConstBufferView(buffer_.data(), buffer_.bytes(), DType::u8, buffer_.device()));
+    copy(BufferView(out.mutable_data(), static_cast<std::size_t>(out.nbytes()), DType::u8), ConstBufferView(data_, bytes_, DType::u8, device_));
     return out;
   }
   DeviceArray clone() const {
-    DeviceArray d = empty(shape_, dtype_, buffer_.device().index);
-    d.copy_from(ConstBufferView(buffer_.data(), buffer_.bytes(), DType::u8, buffer_.device()));
+    DeviceArray d = empty(shape_, dtype_, device_.index);
+    d.copy_from(ConstBufferView(data_, bytes_, DType::u8, device_));
     return d;
   }
 
-  TensorView view() const {
-    return TensorView{buffer_.data(), dtype_of(dtype_), shape_, {}, buffer_.device()};
+  // ---- DLPack: only CUDA memory is shared (the simulated device's memory is host memory that weft
+  // tracks: handing it out as CUDA memory would be a lie that a consumer pays for with a crash).
+  py::tuple dlpack_device() const {
+    require_cuda("__dlpack_device__");
+    return py::make_tuple(dlpack::cuda, device_.index);
   }
-  BufferView flat() const {
-    return BufferView(buffer_.data(), buffer_.bytes() / static_cast<std::size_t>(dtype_.itemsize()), dtype_of(dtype_), buffer_.device());
+  // The data is ready on every stream: weft's operations have completed (and synchronised their
+  // device work) before their results are handed to Python, so `stream` needs no wait.
+  py::capsule dlpack(py::object /*stream*/) const {
+    require_cuda("__dlpack__");
+    struct Context {
+      std::shared_ptr<void> owner;
+      std::vector<std::int64_t> shape;
+      dlpack::ManagedTensor managed;
+    };
+    auto* ctx = new Context{owner_, std::vector<std::int64_t>(shape_.begin(), shape_.end()), {}};
+    ctx->managed.dl_tensor = dlpack::Tensor{data_, {dlpack::cuda, device_.index}, static_cast<std::int32_t>(shape_.size()),
+                                            dlpack::type_of(dtype_), ctx->shape.data(), nullptr, 0};
+    ctx->managed.manager_ctx = ctx;
+    ctx->managed.deleter = [](dlpack::ManagedTensor* self) { delete static_cast<Context*>(self->manager_ctx); };
+    return py::capsule(&ctx->managed, "dltensor", [](PyObject* capsule) {
+      // Not taken by a consumer: ours to free.
+      if (PyCapsule_IsValid(capsule, "dltensor")) {
+        auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+        if (m && m->deleter) m->deleter(m);
+      }
+    });
   }
+  // Another library's CUDA tensor (its __dlpack__ capsule), without a copy: contiguous, row-major.
+  static DeviceArray from_dlpack(py::capsule capsule) {
+    if (!PyCapsule_IsValid(capsule.ptr(), "dltensor")) raise_invalid("from_dlpack: not an unused DLPack capsule");
+    auto* m = static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    const dlpack::Tensor& t = m->dl_tensor;
+    if (t.device.device_type != dlpack::cuda) raise_invalid("from_dlpack: the tensor is not in CUDA memory (numpy takes host tensors)");
+    if (gpu::backend() != gpu::Backend::cuda) {
+      raise_invalid("from_dlpack: a CUDA tensor needs weft's cuda backend, and this process uses the " +
+                    std::string(gpu::backend_name()) + " one (WEFT_GPU)");
+    }
+    std::vector<std::size_t> shape(static_cast<std::size_t>(t.ndim));
+    std::size_t elements = 1;
+    for (std::int32_t k = 0; k < t.ndim; ++k) elements *= shape[static_cast<std::size_t>(k)] = static_cast<std::size_t>(t.shape[k]);
+    if (t.strides) {
+      std::int64_t expected = 1;
+      for (std::int32_t k = t.ndim; k-- > 0;) {
+        if (t.shape[k] != 1 && t.strides[k] != expected) raise_invalid("from_dlpack: the tensor is not contiguous (call .contiguous() first)");
+        expected *= t.shape[k];
+      }
+    }
+    const py::dtype dtype = dlpack::numpy_of(t.dtype);
+    void* data = static_cast<std::byte*>(t.data) + t.byte_offset;
+    PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+    std::shared_ptr<void> owner(m, [](void* p) {
+      auto* managed = static_cast<dlpack::ManagedTensor*>(p);
+      if (managed->deleter) managed->deleter(managed);
+    });
+    return DeviceArray(std::move(owner), data, elements * static_cast<std::size_t>(dtype.itemsize()), Device{Device::Kind::cuda, t.device.device_id},
+                       shape, dtype);
+  }
+
+  TensorView view() const { return TensorView{data_, dtype_of(dtype_), shape_, {}, device_}; }
+  BufferView flat() const { return BufferView(data_, size(), dtype_of(dtype_), device_); }
   py::tuple shape() const { return py::cast(std::vector<py::ssize_t>(shape_.begin(), shape_.end())); }
   py::dtype dtype() const { return dtype_; }
-  int device() const { return buffer_.device().index; }
-  std::size_t size() const { return buffer_.bytes() / static_cast<std::size_t>(dtype_.itemsize()); }
+  int device() const { return device_.index; }
+  std::size_t size() const { return bytes_ / static_cast<std::size_t>(dtype_.itemsize()); }
   std::size_t ndim() const { return shape_.size(); }
   std::string repr() const {
     std::string dims;
@@ -199,12 +315,16 @@ class DeviceArray {
   }
 
  private:
-  void copy_from(ConstBufferView src) {
-    copy(BufferView(buffer_.data(), buffer_.bytes(), DType::u8, buffer_.device()), src);
+  static void require_cuda(const char* what) {
+    if (gpu::backend() != gpu::Backend::cuda) {
+      buffer_error(std::string(what) + ": this DeviceArray lives on weft's simulated device (host memory weft tracks), which "
+                   "other libraries cannot use; weft.cpu(x) gives a numpy array");
+    }
   }
+  void copy_from(ConstBufferView src) { copy(BufferView(data_, bytes_, DType::u8, device_), src); }
   void copy(BufferView dst, ConstBufferView src) const {
     try {
-      Future<void> done = stream_for(buffer_.device()).copy(dst, src);
+      Future<void> done = stream_for(device_).copy(dst, src);
       py::gil_scoped_release unlocked;
       done.get();
     } catch (const Error& e) {
@@ -212,7 +332,10 @@ class DeviceArray {
     }
   }
 
-  gpu::DeviceBuffer buffer_;
+  std::shared_ptr<void> owner_;  // the gpu::DeviceBuffer, or the DLPack producer's tensor
+  void* data_;
+  std::size_t bytes_;
+  Device device_;
   std::vector<std::size_t> shape_;
   py::dtype dtype_;
 };
@@ -524,6 +647,9 @@ PYBIND11_MODULE(_weft, m) {
       .def_property_readonly("device", &DeviceArray::device)
       .def_property_readonly("size", &DeviceArray::size)
       .def_property_readonly("ndim", &DeviceArray::ndim)
+      .def("__dlpack__", &DeviceArray::dlpack, py::arg("stream") = py::none())
+      .def("__dlpack_device__", &DeviceArray::dlpack_device)
+      .def_static("_from_dlpack", &DeviceArray::from_dlpack)
       .def("__repr__", &DeviceArray::repr);
   m.def("device_backend", [] { return std::string(gpu::backend_name()); });
   m.def("device_count", [] { return gpu::device_count(); });
