@@ -134,11 +134,13 @@ std::vector<std::size_t> shape_of(const py::array& a) {
 
 // ---- device arrays: weft::gpu memory (CUDA, or the simulated device) with a shape and a numpy dtype
 
-// One stream per device, on the process's loop, for the copies of to_device and cpu.
+// One stream per device, on the process's loop, for the copies of to_device and cpu; dropped by
+// _shutdown before the loop they complete on.
+std::mutex streams_mutex;
+std::map<int, std::unique_ptr<gpu::Stream>> streams;
+
 gpu::Stream& stream_for(Device device) {
-  static std::mutex mutex;
-  static std::map<int, std::unique_ptr<gpu::Stream>> streams;
-  std::lock_guard lock(mutex);
+  std::lock_guard lock(streams_mutex);
   auto& s = streams[device.index];
   if (!s) s = std::make_unique<gpu::Stream>(loop(), device);
   return *s;
@@ -631,8 +633,12 @@ PYBIND11_MODULE(_weft, m) {
     }
   });
   m.def("_shutdown", [] {
-    std::lock_guard lock(loop_mutex);
     py::gil_scoped_release unlocked;
+    {
+      std::lock_guard lock(streams_mutex);
+      streams.clear();
+    }
+    std::lock_guard lock(loop_mutex);
     delete the_loop;
     the_loop = nullptr;
   });
