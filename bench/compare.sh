@@ -8,7 +8,9 @@
 # The peers are not installed by tools/quickstart.sh bench; this script says what to install.
 # MPI_BTL picks Open MPI's path (default tcp,self; vader,self is its shared memory on one host, the
 # peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks). ITERS (default 20) sets the
-# timed iterations per size of every side (more steadies the small sizes).
+# timed iterations per size of every side (more steadies the small sizes). COLLECTIVE all_gatherv or
+# all_to_allv compares the variable-size forms (equal counts: weft-bench --variable, MPI_Allgatherv,
+# MPI_Alltoallv).
 set -euo pipefail
 build=$1
 ranks=${2:-2}
@@ -25,6 +27,9 @@ if ! command -v mpirun >/dev/null || [ ! -x "$build/bench/mpi-allreduce-bench" ]
   echo "(meson's summary, section Peers, says why a peer was not built)" >&2
   exit 2
 fi
+weft_collective=$collective
+weft_flags=()
+case $collective in all_gatherv | all_to_allv) weft_collective=${collective%v}; weft_flags=(--variable) ;; esac
 gloo_has=0
 case $collective in all_reduce | all_gather | reduce_scatter | broadcast) gloo_has=1 ;; esac
 if [ $gloo_has = 1 ] && [ ! -x "$build/bench/gloo-allreduce-bench" ]; then
@@ -35,7 +40,7 @@ btl=${MPI_BTL:-tcp,self}
 export MPI_LABEL="Open MPI ${btl%%,*}"
 for round in $(seq 1 "$rounds"); do
   echo "== round $round: weft" >&2
-  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$collective" -b "$min" -e "$max" -f 4 -w 5 -n "$iters" \
+  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$weft_collective" "${weft_flags[@]}" -b "$min" -e "$max" -f 4 -w 5 -n "$iters" \
     --json "$out/weft.$round.json" > "$out/weft.$round.txt"
   echo "== round $round: open mpi" >&2
   oversubscribe=""

@@ -75,6 +75,7 @@ struct Args {
   bool awaited = false;  // --await: the timed loop is one coroutine on weft's loop, co_await-ing each call
   bool overlap = false;  // --overlap: the collective against compute of the same length (IMB-NBC)
   bool device = false;   // --device: buffers in device memory (weft/gpu.hpp)
+  bool variable = false;  // --variable: the v-form (all_gatherv, ...) with a count per rank, all equal
   std::string json;
   std::string tune;  // --tune [FILE]: sweep every algorithm, write the winners as a tuning file
 };
@@ -83,7 +84,8 @@ struct Args {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--overlap] [--device] [--json FILE]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--overlap] [--device] [--variable]\n"
+             "                  [--json FILE]"
              "                  [--tune [FILE]]\n"
              "  --await: run the iterations as one coroutine on weft's loop, co_await-ing each collective (the\n"
              "           coroutine-native use); without it each call is waited on from the calling thread\n"
@@ -93,6 +95,8 @@ struct Args {
              "           compute is offloaded from a coroutine (weft::offload)\n"
              "  --device: the buffers are device memory (weft/gpu.hpp; WEFT_GPU=cuda|sim, the device of rank % devices):\n"
              "           the time includes weft's copies between the device and its host staging\n"
+             "  --variable: all_gather, reduce_scatter, gather, scatter and all_to_all run their variable-size forms\n"
+             "           (all_gatherv, ...) with equal counts, as OSU's osu_allgatherv does\n"
              "  --tune: time every algorithm of the collective at every size and write the fastest, as\n"
              "          WEFT_ALGO ranges, to FILE (default weft-tuning.txt); load it with WEFT_TUNING=FILE\n"
              "  COLLECTIVE: all_reduce all_gather reduce_scatter broadcast reduce gather scatter all_to_all barrier\n"
@@ -170,6 +174,8 @@ Args parse(int argc, char** argv) {
       a.overlap = true;
     } else if (flag == "--device") {
       a.device = true;
+    } else if (flag == "--variable") {
+      a.variable = true;
     } else if (flag == "--json") {
       a.json = value();
     } else if (flag == "--tune") {
@@ -290,6 +296,9 @@ struct Case {
     const std::size_t b = count * esize();
     const auto pn = static_cast<std::size_t>(p());
     auto* out = out_ptr();
+    if (args.variable) {
+      if (auto f = start_variable(in_place)) return std::move(*f);
+    }
     switch (args.collective->kind) {
       case Kind::all_reduce:
         if (in_place) return group.all_reduce(BufferView(out, count, t, where), args.op);
@@ -321,6 +330,34 @@ struct Case {
       case Kind::stream: return spawn(group.loop(), stream(in_ptr(), out));
     }
     return group.barrier();
+  }
+
+  // --variable: the v-form of the collective over the same buffers, every count `count` (nullopt for a
+  // collective without one).
+  std::optional<Future<void>> start_variable(bool in_place) {
+    const auto t = args.dtype;
+    const std::size_t b = count * esize();
+    const auto pn = static_cast<std::size_t>(p());
+    const std::vector<std::size_t> counts(pn, count);
+    auto* out = out_ptr();
+    auto* mine_in_out = out + static_cast<std::size_t>(r()) * b;
+    auto* mine_in_in = in_ptr() + static_cast<std::size_t>(r()) * b;
+    switch (args.collective->kind) {
+      case Kind::all_gather:
+        return group.all_gatherv(ConstBufferView(in_place ? mine_in_out : in_ptr(), count, t, where), BufferView(out, count * pn, t, where), counts);
+      case Kind::reduce_scatter:
+        return group.reduce_scatterv(ConstBufferView(in_ptr(), count * pn, t, where),
+                                     BufferView(in_place ? mine_in_in : out, count, t, where), counts, args.op);
+      case Kind::gather:
+        return group.gatherv(ConstBufferView(in_place ? mine_in_out : in_ptr(), count, t, where), BufferView(out, at_root() ? count * pn : 0, t, where),
+                             counts, args.root);
+      case Kind::scatter:
+        return group.scatterv(ConstBufferView(in_ptr(), at_root() ? count * pn : 0, t, where), BufferView(in_place ? mine_in_in : out, count, t, where),
+                              counts, args.root);
+      case Kind::all_to_all:
+        return group.all_to_allv(ConstBufferView(in_place ? out : in_ptr(), count * pn, t, where), BufferView(out, count * pn, t, where), counts, counts);
+      default: return std::nullopt;
+    }
   }
 
   // Rank 0 sends and waits for the echo; rank 1 echoes what it received.
@@ -711,7 +748,7 @@ int main(int argc, char** argv) {
       fmt::print("# weft-bench: {} on {} ranks, transport {}, dtype {}, op {}, warmup {}, iters {}{} (algorithm per size in the last column)\n",
                  info.name, p, group.transport_name(), to_string(args.dtype), info.reduces ? to_string(args.op) : "none",
                  args.warmup, args.iters,
-                 std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : "") +
+                 std::string(args.check ? ", check on" : "") + (args.awaited ? ", awaited" : "") + (args.variable ? ", variable-size form" : "") +
                      (args.device ? fmt::format(", device buffers ({} backend)", gpu::backend_name()) : ""));
       // The transport per peer class: how many peers each backend reaches, and whether the group arena runs
       // the collectives that have a direct shm algorithm.
@@ -758,7 +795,11 @@ int main(int argc, char** argv) {
       c.count = bytes / unit;
       c.fill();
       const std::size_t count_column = c.count * (blocked ? static_cast<std::size_t>(p) : 1);
-      const std::string algorithm = point_to_point ? std::string("p2p") : group.algorithm_for(info.name, bytes);
+      // --variable runs the v-form, which has its own algorithm (all_gatherv's ring, ...).
+      const bool has_v_form = info.kind == Kind::all_gather || info.kind == Kind::reduce_scatter || info.kind == Kind::gather ||
+                              info.kind == Kind::scatter || info.kind == Kind::all_to_all;
+      const std::string name = args.variable && has_v_form ? std::string(info.name) + "v" : std::string(info.name);
+      const std::string algorithm = point_to_point ? std::string("p2p") : group.algorithm_for(name, bytes);
       const std::string root = root_text ? root_text : std::to_string(args.root);
       const std::string op_text = info.reduces ? std::string(to_string(args.op)) : "none";
       auto wrong_text = [&](std::int64_t wrong) { return args.check ? std::to_string(wrong) : std::string("N/A"); };

@@ -2,7 +2,8 @@
 // weft-bench: time per op = the slowest rank's mean, size = the full array (nccl-tests), busbw = algbw x the
 // collective's factor. Not part of weft.
 //   mpirun -n 2 --mca btl tcp,self mpi-allreduce-bench MINBYTES MAXBYTES FACTOR ITERS [COLLECTIVE]
-//   COLLECTIVE: all_reduce (default), all_gather, reduce_scatter, broadcast, all_to_all, ping_pong (half
+//   COLLECTIVE: all_reduce (default), all_gather, all_gatherv, reduce_scatter (MPI_Reduce_scatter, the
+//   v-form), broadcast, all_to_all, all_to_allv (the v-forms with equal counts), ping_pong (half
 //   the round trip between ranks 0 and 1), stream (rank 0 to 1, 64 messages in flight: time per message)
 // (ping_pong and stream as weft-bench times them, and as OSU's osu_latency and osu_bw do.)
 #include <mpi.h>
@@ -25,7 +26,10 @@ int main(int argc, char** argv) {
   const std::string collective = argc > 5 ? argv[5] : "all_reduce";
   const double p = size;
   double bus = 2 * (p - 1) / p;
-  if (collective == "all_gather" || collective == "reduce_scatter" || collective == "all_to_all") bus = (p - 1) / p;
+  if (collective == "all_gather" || collective == "all_gatherv" || collective == "reduce_scatter" || collective == "all_to_all" ||
+      collective == "all_to_allv") {
+    bus = (p - 1) / p;
+  }
   const bool point_to_point = collective == "ping_pong" || collective == "stream";
   if (collective == "broadcast" || point_to_point) bus = 1;
   const long unit = 4L * (collective == "all_reduce" || collective == "broadcast" || point_to_point ? 1 : size);
@@ -36,10 +40,13 @@ int main(int argc, char** argv) {
     const long bytes = requested / unit * unit;
     const int block = static_cast<int>(bytes / unit);  // elements per rank block (or all, for the unblocked)
     std::vector<float> in(static_cast<std::size_t>(bytes / 4 + 1), 1.0f), out(static_cast<std::size_t>(bytes / 4 + 1));
-    std::vector<int> counts(static_cast<std::size_t>(size), block);
+    std::vector<int> counts(static_cast<std::size_t>(size), block), displs(static_cast<std::size_t>(size));
+    for (int i = 0; i < size; ++i) displs[static_cast<std::size_t>(i)] = i * block;
     auto run = [&] {
       if (collective == "all_reduce") MPI_Allreduce(in.data(), out.data(), block, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       else if (collective == "all_gather") MPI_Allgather(in.data(), block, MPI_FLOAT, out.data(), block, MPI_FLOAT, MPI_COMM_WORLD);
+      else if (collective == "all_gatherv") MPI_Allgatherv(in.data(), block, MPI_FLOAT, out.data(), counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD);
+      else if (collective == "all_to_allv") MPI_Alltoallv(in.data(), counts.data(), displs.data(), MPI_FLOAT, out.data(), counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD);
       else if (collective == "reduce_scatter") MPI_Reduce_scatter(in.data(), out.data(), counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       else if (collective == "broadcast") MPI_Bcast(in.data(), block, MPI_FLOAT, 0, MPI_COMM_WORLD);
       else if (collective == "all_to_all") MPI_Alltoall(in.data(), block, MPI_FLOAT, out.data(), block, MPI_FLOAT, MPI_COMM_WORLD);

@@ -39,8 +39,10 @@ constexpr Algorithm entries[] = {
     {C::barrier, K::dissemination, "dissemination"},
     {C::barrier, K::shm, "shm"},
     // permute and split have one plan each and no choice to make.
-    // The variable-size forms: one algorithm each for now (the names WEFT_ALGO and algorithm_for use).
+    // The variable-size forms (the names WEFT_ALGO and algorithm_for use); all_gatherv's Bruck pads the
+    // blocks to the largest.
     {C::all_gatherv, K::ring, "ring"},
+    {C::all_gatherv, K::bruck, "bruck"},
     {C::gatherv, K::direct, "direct"},
     {C::scatterv, K::direct, "direct"},
     {C::all_to_allv, K::pairwise, "pairwise"},

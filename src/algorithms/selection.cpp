@@ -179,7 +179,11 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
     case Collective::barrier: return &entry(collective, Kind::dissemination);
     case Collective::permute:
     case Collective::split: return nullptr;
-    case Collective::all_gatherv: return &entry(collective, Kind::ring);
+    // all_gatherv as all_gather: the fewest rounds (Bruck, over blocks padded to the largest) while
+    // latency dominates, on more than 2 ranks (4 ranks on 2 cores, tcp, 32 B-32 KiB: the ring's three
+    // steps took 63-87 us against Open MPI's 42-47; bench/RESULTS.md, "Variable-size collectives").
+    case Collective::all_gatherv:
+      return &entry(collective, bytes < (std::size_t{16} << 10) && ranks > 2 ? Kind::bruck : Kind::ring);
     case Collective::gatherv: return &entry(collective, Kind::direct);
     case Collective::scatterv: return &entry(collective, Kind::direct);
     case Collective::all_to_allv: return &entry(collective, Kind::pairwise);

@@ -141,8 +141,32 @@ void check_blocks(const GroupState& g, const char* op, const CollectiveCall& cal
 
 namespace {
 
+// Bruck over blocks padded to the largest count: ceil(lg p) rounds instead of the ring's p - 1, for
+// the small sizes where rounds cost more than the padding's bytes. Slot i of the rotated staging holds
+// rank (r + i)'s block; each lands at its displacement at the end.
+Task<void> padded_bruck_all_gatherv(GroupState& g, std::uint64_t seq, ConstBufferView in, BufferView out, const BlockLayout& b) {
+  const std::size_t esize = dtype_size(out.dtype);
+  const auto p = static_cast<std::size_t>(g.size);
+  const auto r = static_cast<std::size_t>(g.rank);
+  std::size_t widest = 0;
+  for (const algo::Range& block : b.out) widest = std::max(widest, block.count);
+  // Zeroed: the padding travels too, and bytes that travel are defined.
+  auto slots = std::make_unique<std::byte[]>(std::max<std::size_t>(1, p * widest * esize));
+  copy_bytes(slots.get(), in.data, in.bytes());
+  const auto plan = algo::bruck_all_gather(g.size, g.rank, widest);
+  co_await g.run(plan, seq, Collective::all_gatherv, algo::PlanBuffers{slots.get(), slots.get(), out.dtype, ReduceOp::sum}, {b.digest});
+  for (std::size_t i = 0; i < p; ++i) {
+    const algo::Range block = b.out[(r + i) % p];
+    copy_bytes(out.bytes_ptr() + block.offset * esize, slots.get() + i * widest * esize, block.count * esize);
+  }
+}
+
 Task<void> all_gatherv_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
-                            std::shared_ptr<const BlockLayout> b) {
+                            std::shared_ptr<const BlockLayout> b, algo::Kind kind) {
+  if (kind == algo::Kind::bruck && g->size > 2) {
+    co_await padded_bruck_all_gatherv(*g, seq, in, out, *b);
+    co_return;
+  }
   const std::size_t esize = dtype_size(out.dtype);
   // In place (`in` is this rank's block of `out`), the copy is no copy.
   copy_bytes(out.bytes_ptr() + b->out[static_cast<std::size_t>(g->rank)].offset * esize, in.data, in.bytes());
@@ -208,13 +232,14 @@ Task<void> reduce_scatterv_task(std::shared_ptr<GroupState> g, std::uint64_t seq
 }  // namespace
 
 Task<void> variable_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const CollectiveCall& call, const algo::Algorithm& algorithm) {
-  // One algorithm each (the registry's); a kind this room does not run fails loudly.
-  const algo::Algorithm& only = *algo::Selection::built_in(call.collective, 0, g->size);
-  if (algorithm.kind != only.kind) {
+  // The kinds this room runs; a registry entry it does not run fails loudly instead of running nothing.
+  const bool runs = call.collective == Collective::all_gatherv ? algorithm.kind == algo::Kind::ring || algorithm.kind == algo::Kind::bruck
+                                                               : algorithm.kind == algo::Selection::built_in(call.collective, 0, g->size)->kind;
+  if (!runs) {
     throw std::logic_error(fmt::format("weft: {} has no implementation of the algorithm '{}'", to_string(call.collective), algorithm.name));
   }
   switch (call.collective) {
-    case Collective::all_gatherv: return all_gatherv_task(std::move(g), seq, call.in, call.out, call.blocks);
+    case Collective::all_gatherv: return all_gatherv_task(std::move(g), seq, call.in, call.out, call.blocks, algorithm.kind);
     case Collective::gatherv: return gatherv_task(std::move(g), seq, call.in, call.out, call.root, call.blocks);
     case Collective::scatterv: return scatterv_task(std::move(g), seq, call.in, call.out, call.root, call.blocks);
     case Collective::all_to_allv: return all_to_allv_task(std::move(g), seq, call.in, call.out, call.blocks);
