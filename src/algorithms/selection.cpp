@@ -179,11 +179,12 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
     case Collective::barrier: return &entry(collective, Kind::dissemination);
     case Collective::permute:
     case Collective::split: return nullptr;
-    // all_gatherv as all_gather: the fewest rounds (Bruck, over blocks padded to the largest) while
-    // latency dominates, on more than 2 ranks (4 ranks on 2 cores, tcp, 32 B-32 KiB: the ring's three
-    // steps took 63-87 us against Open MPI's 42-47; bench/RESULTS.md, "Variable-size collectives").
+    // all_gatherv: the fewest rounds (Bruck, over blocks padded to the largest; `bytes` is that padded
+    // size) on more than 2 ranks below 256 KiB, the ring above (4 ranks on 2 cores, tcp: the ring's three
+    // steps took 63-87 us at 32 B-32 KiB against Open MPI's 42-47, Bruck 32-40 us; at 256 KiB Bruck 98-101
+    // us, the ring 108; from 512 KiB the ring wins. bench/RESULTS.md, "Variable-size collectives").
     case Collective::all_gatherv:
-      return &entry(collective, bytes < (std::size_t{16} << 10) && ranks > 2 ? Kind::bruck : Kind::ring);
+      return &entry(collective, bytes < (std::size_t{256} << 10) && ranks > 2 ? Kind::bruck : Kind::ring);
     case Collective::gatherv: return &entry(collective, Kind::direct);
     case Collective::scatterv: return &entry(collective, Kind::direct);
     case Collective::all_to_allv: return &entry(collective, Kind::pairwise);

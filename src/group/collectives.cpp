@@ -431,8 +431,12 @@ std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& c
     case Rule::Size::p_in: return call.in.bytes() * p;
     case Rule::Size::p_out: return call.out.bytes() * p;
     // (scatterv's input is the root's only: the output's dtype is the one every rank has.)
-    case Rule::Size::blocks:
-      return call.blocks->total * dtype_size(rule_of(call.collective).input_root_only ? call.out.dtype : call.in.dtype);
+    case Rule::Size::blocks: {
+      // all_gatherv is chosen by the bytes its Bruck would move (every block padded to the largest), so
+      // that skewed counts, which padding would multiply, go to the ring.
+      const std::size_t elements = call.collective == Collective::all_gatherv ? call.blocks->padded : call.blocks->total;
+      return elements * dtype_size(rule_of(call.collective).input_root_only ? call.out.dtype : call.in.dtype);
+    }
   }
   return 0;
 }

@@ -107,6 +107,7 @@ std::shared_ptr<const BlockLayout> block_layout(const GroupState& g, Collective 
     default: throw std::logic_error(fmt::format("weft: {} is not a variable-size collective", op));
   }
   layout->total = sum(counts);
+  layout->padded = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end()) * counts.size();
   layout->digest = signature::counts_digest(counts);
   return layout;
 }
@@ -148,8 +149,7 @@ Task<void> padded_bruck_all_gatherv(GroupState& g, std::uint64_t seq, ConstBuffe
   const std::size_t esize = dtype_size(out.dtype);
   const auto p = static_cast<std::size_t>(g.size);
   const auto r = static_cast<std::size_t>(g.rank);
-  std::size_t widest = 0;
-  for (const algo::Range& block : b.out) widest = std::max(widest, block.count);
+  const std::size_t widest = b.padded / p;
   // Zeroed: the padding travels too, and bytes that travel are defined.
   auto slots = std::make_unique<std::byte[]>(std::max<std::size_t>(1, p * widest * esize));
   copy_bytes(slots.get(), in.data, in.bytes());

@@ -22,7 +22,8 @@ struct BlockLayout {
                                  // (the root's), all_to_allv's receives; empty where the output is one block
   std::size_t in_reach = 0;      // elements the input must hold: the furthest end of `in`
   std::size_t out_reach = 0;     // ... and the output: the furthest end of `out`
-  std::size_t total = 0;         // elements of every block together: the size the selection looks at
+  std::size_t total = 0;         // elements of every block together: the size the selection looks at ...
+  std::size_t padded = 0;        // ... except for all_gatherv: size() x the largest block (its Bruck pads to it)
   std::uint64_t digest = 0;      // signature::counts_digest of the counts every rank passes (0: all_to_allv)
 };
 
