@@ -185,10 +185,18 @@ async def overlap(g):
     expect(np.all(x == g.size * (g.size + 1) / 2), "all_reduce under asyncio")
     expect(np.array_equal(y, np.tile(b, g.size)), "all_gather under asyncio")
     expect(ticks > 2, f"the other coroutine ran only {ticks} times while the collectives were in flight")
+    # One Work awaited by two coroutines at once: both get its result.
+    twice = g.all_reduce(np.full(1 << 20, 1.0, dtype=np.float32))
+    r1, r2 = await asyncio.gather(_await(twice), _await(twice))
+    expect(r1 is r2 and np.all(r1 == g.size), "a Work awaited twice")
     # Many small ones, awaited in one gather, in order of completion
     results = await asyncio.gather(*[g.all_reduce(np.array([i], dtype=np.int64)) for i in range(50)])
     expect([int(v[0]) for v in results] == [i * g.size for i in range(50)], "50 small all_reduces")
     print(f"rank {g.rank}: {ticks} ticks during the collectives")
+
+
+async def _await(work):
+    return await work
 
 
 async def cancel(g):

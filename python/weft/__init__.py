@@ -130,7 +130,7 @@ class Group:
 
     def __init__(self, native):
         self._g = native
-        self._waiters = {}   # work id -> asyncio future
+        self._waiters = {}   # work id -> (native work, [asyncio futures awaiting it])
         self._loops = set()  # asyncio loops whose reader watches our fd
         Group._live.add(self)
 
@@ -187,21 +187,24 @@ class Group:
             loop.add_reader(self._g.fd, self._on_completions)
             self._loops.add(loop)
         waiter = loop.create_future()
-        self._waiters[work.id] = (work, waiter)
+        self._waiters.setdefault(work.id, (work, []))[1].append(waiter)
         # Completed between the check and now (before its completion could wake the loop): resolve it here.
         if work.done():
-            del self._waiters[work.id]
-            waiter.set_result(None)
+            self._resolve(work.id)
         return waiter
+
+    def _resolve(self, id_):
+        _, waiters = self._waiters.pop(id_)
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _on_completions(self):
         # The eventfd says that some operation completed: resolve every waiter whose operation is done.
         self._g.clear_wakeup()
-        for id_, (work, waiter) in list(self._waiters.items()):
+        for id_, (work, _) in list(self._waiters.items()):
             if work.done():
-                del self._waiters[id_]
-                if not waiter.done():
-                    waiter.set_result(None)
+                self._resolve(id_)
 
     # ---- collectives over n-d arrays (any strides)
 
