@@ -497,6 +497,16 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 4, across)->kind == Kind::scatter_all_gather);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{256} << 10, 4, across)->kind == Kind::binomial);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 2, across)->kind == Kind::binomial);
+  // all_gather: Bruck up to 128 KiB on one host, up to 16 KiB across hosts; never on 2 ranks.
+  CHECK(Selection::built_in(Collective::all_gather, std::size_t{64} << 10, 4)->kind == Kind::bruck);
+  CHECK(Selection::built_in(Collective::all_gather, std::size_t{128} << 10, 4)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::all_gather, std::size_t{64} << 10, 4, across)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::all_gather, std::size_t{8} << 10, 4, across)->kind == Kind::bruck);
+  CHECK(Selection::built_in(Collective::all_gather, std::size_t{8} << 10, 2)->kind == Kind::ring);
+  // all_gatherv: padded Bruck below 256 KiB on more than 2 ranks.
+  CHECK(Selection::built_in(Collective::all_gatherv, std::size_t{128} << 10, 3)->kind == Kind::bruck);
+  CHECK(Selection::built_in(Collective::all_gatherv, std::size_t{256} << 10, 3)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::all_gatherv, 64, 2)->kind == Kind::ring);
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 8)->kind == Kind::rabenseifner);
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 8, across)->kind == Kind::ring);
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{64} << 10, 8, across)->kind == Kind::rabenseifner);
