@@ -68,8 +68,8 @@ def test_asyncio_overlaps_two_collectives_with_other_coroutines(n):
     expect_ok(run_ranks(n, "overlap"), "overlap")
 
 
-def test_cancelling_an_awaiting_task_cancels_the_collective_everywhere():
-    expect_ok(run_ranks(3, "cancel"), "cancel")
+def test_cancelling_an_awaiting_task_cancels_the_collective_everywhere(tmp_path):
+    expect_ok(run_ranks(3, "cancel", TEST_READY_FILE=str(tmp_path / "marks")), "cancel")
 
 
 def test_a_dead_peer_raises_in_every_other_ranks_coroutine():
