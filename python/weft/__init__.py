@@ -233,13 +233,11 @@ class Group:
         concatenated along `axis` (uneven shards: `extents`, every rank's extent along it)."""
         x = _array(x)
         if out is None:
-            shape = list(x.shape)
-            if tiled:
-                a = _axis(axis, x.ndim)
-                shape[a] = sum(extents) if extents else shape[a] * self.size
+            if tiled and extents:
+                shape = list(x.shape)
+                shape[_axis(axis, x.ndim)] = sum(extents)
             else:
-                a = _axis(axis, x.ndim + 1)
-                shape.insert(a, self.size)
+                shape = _weft.all_gather_shape(list(x.shape), axis, self.size, tiled)
             out = _empty(shape, x.dtype, x)
         return self._start(self._g.all_gather(x, out, axis, tiled, list(extents or [])))
 
@@ -249,19 +247,13 @@ class Group:
         its block."""
         x = _array(x)
         if out is None:
-            a = _axis(axis, x.ndim)
-            shape = list(x.shape)
-            if tiled:
-                if extents:
-                    if len(extents) != self.size:
-                        raise _invalid(f"extents has {len(extents)} entries; it needs one per rank of this group of {self.size}")
-                    shape[a] = extents[self.rank]
-                else:
-                    if shape[a] % self.size:
-                        raise _invalid(f"axis {a} of extent {shape[a]} does not split into {self.size} equal blocks")
-                    shape[a] //= self.size
+            if tiled and extents:
+                if len(extents) != self.size:
+                    raise _invalid(f"extents has {len(extents)} entries; it needs one per rank of this group of {self.size}")
+                shape = list(x.shape)
+                shape[_axis(axis, x.ndim)] = extents[self.rank]
             else:
-                del shape[a]
+                shape = _weft.reduce_scatter_shape(list(x.shape), axis, self.size, tiled)
             out = _empty(shape, x.dtype, x)
         return self._start(self._g.reduce_scatter(x, out, axis, op, tiled, list(extents or [])))
 
@@ -271,18 +263,7 @@ class Group:
         axis)."""
         x = _array(x)
         if out is None:
-            s = _axis(split_axis, x.ndim, "split_axis")
-            c = _axis(concat_axis, x.ndim, "concat_axis")
-            shape = list(x.shape)
-            if tiled:
-                if shape[s] % self.size:
-                    raise _invalid(f"split axis {s} of extent {shape[s]} does not split into {self.size} equal blocks")
-                shape[s] //= self.size
-                shape[c] *= self.size
-            else:
-                del shape[s]
-                shape.insert(c, self.size)
-            out = _empty(shape, x.dtype, x)
+            out = _empty(_weft.all_to_all_shape(list(x.shape), split_axis, concat_axis, self.size, tiled), x.dtype, x)
         return self._start(self._g.all_to_all(x, out, split_axis, concat_axis, tiled))
 
     def ppermute(self, x, pairs, out=None):

@@ -657,6 +657,16 @@ PYBIND11_MODULE(_weft, m) {
       .def("__dlpack_device__", &DeviceArray::dlpack_device)
       .def_static("_from_dlpack", &DeviceArray::from_dlpack)
       .def("__repr__", &DeviceArray::repr);
+  // The output shapes of the axis collectives (weft/tensor.hpp), for the Python half's allocations.
+  m.def("all_gather_shape", [](const std::vector<std::size_t>& shape, int axis, int ranks, bool tiled) {
+    return weft::all_gather_shape(shape, axis, ranks, tiled);
+  });
+  m.def("reduce_scatter_shape", [](const std::vector<std::size_t>& shape, int axis, int ranks, bool tiled) {
+    return weft::reduce_scatter_shape(shape, axis, ranks, tiled);
+  });
+  m.def("all_to_all_shape", [](const std::vector<std::size_t>& shape, int split_axis, int concat_axis, int ranks, bool tiled) {
+    return weft::all_to_all_shape(shape, split_axis, concat_axis, ranks, tiled);
+  });
   m.def("device_backend", [] { return std::string(gpu::backend_name()); });
   m.def("device_count", [] { return gpu::device_count(); });
 
