@@ -28,6 +28,12 @@ std::error_code system_error(int error) { return {error, asio::error::get_system
 // Handlers hold the stream (and so the socket) until they run, and report only while the transport
 // lives: completions still queued when it goes away find the flag expired.
 void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
+  if (send_at_once(first, second, third)) loop_.post([self = shared_from_this()] { self->report_written({}); });
+}
+
+bool AsioStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third) { return send_at_once(first, second, third); }
+
+bool AsioStream::send_at_once(ConstBytes first, ConstBytes second, ConstBytes third) {
   std::array<ConstBytes, 3> parts{first, second, third};
   const std::size_t total = first.size + second.size + third.size;
   std::size_t sent = 0;
@@ -49,10 +55,11 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
   } else {
     failed = asio::error::bad_descriptor;
   }
-  if (failed || sent == total) {
+  if (failed) {
     loop_.post([self = shared_from_this(), failed] { self->report_written(failed); });
-    return;
+    return false;
   }
+  if (sent == total) return true;
   // The socket's buffer is full: the rest goes when the reactor says it has room.
   std::array<asio::const_buffer, 3> rest;
   for (std::size_t i = 0; i < parts.size(); ++i) {
@@ -63,6 +70,7 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
   const std::size_t left = asio::buffer_size(rest);
   asio::async_write(socket_, rest, TransferAtLeast{left, left},
                     [self = shared_from_this()](const std::error_code& ec, std::size_t) { self->report_written(ec); });
+  return false;
 }
 
 void AsioStream::read(void* dst, std::size_t min, std::size_t cap) {

@@ -27,12 +27,16 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
     return socket_.is_open() ? const_cast<asio::ip::tcp::socket&>(socket_).native_handle() : -1;
   }
   void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;
   void close() override;
 
  private:
+  // sendmsg now; true when it took everything. Otherwise the stream reports on_written later itself
+  // (a failure through the ready queue, the rest once the reactor says the socket has room).
+  bool send_at_once(ConstBytes first, ConstBytes second, ConstBytes third);
   // The read's first try (from the loop, before a kernel poll): true when it reported the read.
   bool try_read();
   // Both report to the transport only while it lives (completions still queued when it goes away).

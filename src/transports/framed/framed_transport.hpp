@@ -160,7 +160,9 @@ class FramedTransport final : public Transport, private StreamEvents {
   void on_lent(int peer) override;
   void on_released(int peer, std::size_t writes) override;
   void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
-  void start_write(Connection& c);
+  // Writes the connection's next frame. `starting`: the send start_send just queued, completed at once
+  // when its frame is the only one and the stream takes it whole (Stream::write_now).
+  void start_write(Connection& c, TransportOp* starting = nullptr);
   void on_write_done(Connection& c, const std::error_code& ec);
   void start_read_header(Connection& c);
   // Moves up to `bytes` already-read bytes from the inbox to `dst` (null: drops them); returns how many.

@@ -48,6 +48,13 @@ class Stream {
   /// Writes all of `first`, `second`, then `third` (any may be empty); on_written when done or failed.
   /// One write at a time.
   virtual void write(ConstBytes first, ConstBytes second, ConstBytes third) = 0;
+  /// As write, except where the stream can take all of it at once without waiting: then it does, and
+  /// returns true, and no on_written follows (the caller completes what it wrote itself, sparing the
+  /// loop turn a reported write costs). False: exactly write(), on_written to come. Default: write().
+  virtual bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) {
+    write(first, second, third);
+    return false;
+  }
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a
   /// time. End of stream before `min` bytes is an error (asio::error::eof).
   virtual void read(void* dst, std::size_t min, std::size_t cap) = 0;

@@ -188,6 +188,24 @@ void ShmStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
   post_progress();
 }
 
+// Done at once when the whole write went into the ring as inline records and nothing written before is
+// still lent: then there is nothing to wait for (a reference record, or an earlier lent write, keeps the
+// loop's path, which completes writes in order).
+bool ShmStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third) {
+  if (peer_closed_ || closed_ || !lent_.empty()) {
+    write(first, second, third);
+    return false;
+  }
+  const std::uint64_t referenced_before = referenced_written_;
+  write_ = Write{true, {first, second, third}, 0, 0};
+  if (push_some() && referenced_written_ == referenced_before) {
+    write_.active = false;
+    return true;
+  }
+  post_progress();
+  return false;
+}
+
 void ShmStream::read(void* dst, std::size_t min, std::size_t cap) {
   read_ = Read{true, static_cast<std::byte*>(dst), min, cap, 0};
   post_progress();

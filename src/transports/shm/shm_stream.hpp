@@ -78,6 +78,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   std::string_view backend() const noexcept override { return link_.single_copy_from ? "shm+cma" : "shm"; }
   int native_handle() const noexcept override { return socket_; }
   void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;
