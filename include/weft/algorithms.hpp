@@ -114,6 +114,10 @@ Plan bruck_all_to_all(int p, int r, std::size_t count);
 Plan recursive_halving_reduce_scatter(int p, int r, std::size_t count);
 /// Binomial-tree broadcast of `count` elements from `root`.
 Plan binomial_broadcast(int p, int r, int root, std::size_t count);
+/// Chain (pipelined) broadcast from `root`: root -> root+1 -> ... -> root-1, each rank forwarding every
+/// segment as it lands. Every rank sends at most once per segment, so back-to-back broadcasts are paced
+/// by one send per rank instead of the binomial root's lg p; a lone broadcast takes p - 1 hops.
+Plan chain_broadcast(int p, int r, int root, std::size_t count);
 /// Binomial-tree reduce of `count` elements to `root` (every rank's receive buffer is its accumulator).
 Plan binomial_reduce(int p, int r, int root, std::size_t count);
 /// Gather: block i (count elements) of the root's receive buffer comes from rank i. The root's own block

@@ -328,6 +328,23 @@ Plan binomial_broadcast(int p, int r, int root, std::size_t count) {
   return plan;
 }
 
+Plan chain_broadcast(int p, int r, int root, std::size_t count) {
+  Plan plan;
+  if (p == 1) return plan;
+  const Range all{0, count};
+  const int vr = wrap(r - root, p);
+  const int next = wrap(r + 1, p);
+  const int prev = wrap(r - 1, p);
+  if (vr == 0) {
+    plan.push_back(make_send(next, all));
+  } else if (vr == p - 1) {
+    plan.push_back(make_recv(StepKind::recv, prev, all));
+  } else {
+    plan.push_back(make_recv(StepKind::recv_copy_send, prev, all, next));
+  }
+  return plan;
+}
+
 Plan binomial_reduce(int p, int r, int root, std::size_t count) {
   Plan plan;
   const Range all{0, count};

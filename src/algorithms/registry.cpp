@@ -26,6 +26,7 @@ constexpr Algorithm entries[] = {
     {C::reduce_scatter, K::shm, "shm"},
     {C::broadcast, K::binomial, "binomial"},
     {C::broadcast, K::scatter_all_gather, "scatter_all_gather"},
+    {C::broadcast, K::chain, "chain"},
     {C::broadcast, K::shm, "shm"},
     {C::reduce, K::binomial, "binomial"},
     {C::reduce, K::reduce_scatter_gather, "reduce_scatter_gather"},

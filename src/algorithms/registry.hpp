@@ -23,6 +23,7 @@ enum class Kind : std::uint8_t {
   recursive_halving,
   binomial,
   scatter_all_gather,
+  chain,
   reduce_scatter_gather,
   direct,
   pairwise,

@@ -75,7 +75,8 @@ bool pipelines(const GroupState& g, const detail::CollectiveCall& call, const al
     case Collective::all_reduce:
       return (algorithm.kind == algo::Kind::ring || algorithm.kind == algo::Kind::bidirectional_ring) &&
              call.op != ReduceOp::avg && !g.options.deterministic;
-    case Collective::broadcast: return algorithm.kind == algo::Kind::binomial || algorithm.kind == algo::Kind::scatter_all_gather;
+    case Collective::broadcast:
+      return algorithm.kind == algo::Kind::binomial || algorithm.kind == algo::Kind::scatter_all_gather || algorithm.kind == algo::Kind::chain;
     default: return false;
   }
 }
@@ -179,8 +180,9 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
 Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
                           const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
   using algo::Kind;
-  require(algorithm, {Kind::binomial, Kind::scatter_all_gather});
+  require(algorithm, {Kind::binomial, Kind::scatter_all_gather, Kind::chain});
   const auto plan = algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
+                    : algorithm.kind == Kind::chain            ? algo::chain_broadcast(g->size, g->rank, root, data.count)
                                                                : algo::binomial_broadcast(g->size, g->rank, root, data.count);
   algo::PlanBuffers buffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum};
   buffers.staged = staged;

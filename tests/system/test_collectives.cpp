@@ -475,7 +475,7 @@ TEST_CASE("every all_gather, broadcast, reduce, reduce_scatter, all_to_all, gath
                          "reduce_scatter:recursive_halving;gather:binomial;scatter:binomial",
                          "all_gather:ring;broadcast:binomial;reduce:binomial;all_to_all:pairwise;reduce_scatter:ring;"
                          "gather:direct;scatter:direct",
-                         "all_gather:recursive_doubling",
+                         "all_gather:recursive_doubling;broadcast:chain",
                          // The direct shm algorithms: on the group arena over WEFT_TRANSPORT=shm, the built-in
                          // framed choice elsewhere (no arena).
                          "all_gather:shm;broadcast:shm;all_to_all:shm;reduce_scatter:shm"};
@@ -830,11 +830,13 @@ TEST_CASE("a plan over staged buffers touches no byte before it landed and none 
           const std::string problems = staging.problems(shape.all_finished && count > 0);
           check(problems.empty(), at + problems);
         }
-        for (bool scatter : {false, true}) {
+        for (int kind : {0, 1, 2}) {  // binomial, scatter + all-gather, chain
           const int root = static_cast<int>(count % static_cast<std::size_t>(p));
           std::vector<std::int64_t> data(count, -1);
           auto* bytes_at = reinterpret_cast<std::byte*>(data.data());
-          const algo::Plan plan = scatter ? algo::scatter_all_gather_broadcast(p, r, root, count) : algo::binomial_broadcast(p, r, root, count);
+          const algo::Plan plan = kind == 1   ? algo::scatter_all_gather_broadcast(p, r, root, count)
+                                  : kind == 2 ? algo::chain_broadcast(p, r, root, count)
+                                              : algo::binomial_broadcast(p, r, root, count);
           // The root's buffer is copied in; the others' are copied back.
           JunkUntilLanded staging(g.loop(), bytes_at, r == root ? as_bytes(input) : std::vector<std::byte>{}, 512, seed);
           staging.watch_output(bytes_at, bytes);
@@ -843,7 +845,7 @@ TEST_CASE("a plan over staged buffers touches no byte before it landed and none 
           g.run_plan(plan, buffers, "broadcast").get();
           std::vector<std::int64_t> want(count);
           for (std::size_t i = 0; i < count; ++i) want[i] = static_cast<std::int64_t>(root) * 1000003 + static_cast<std::int64_t>(i) * 7 + 1;
-          const std::string at = fmt::format("{} broadcast p={} rank {} root {} count {}: ", scatter ? "scatter+all-gather" : "binomial", p, r, root, count);
+          const std::string at = fmt::format("{} broadcast p={} rank {} root {} count {}: ", kind == 1 ? "scatter+all-gather" : kind == 2 ? "chain" : "binomial", p, r, root, count);
           check(data == want, at + "the result differs from the root's data");
           const std::string problems = staging.problems(r != root && count > 0);
           check(problems.empty(), at + problems);

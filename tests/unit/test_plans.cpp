@@ -245,6 +245,7 @@ TEST_CASE("binomial broadcast and reduce plans reach every rank from every root"
       for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{13}}) {
         INFO("p=" << p << " root=" << root << " count=" << n);
         check_broadcast(&binomial_broadcast, p, root, n);
+        check_broadcast(&chain_broadcast, p, root, n);
         check_reduce(&binomial_reduce, p, root, n);
       }
     }
@@ -497,6 +498,13 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 4, across)->kind == Kind::scatter_all_gather);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{256} << 10, 4, across)->kind == Kind::binomial);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 2, across)->kind == Kind::binomial);
+  // On one host, back-to-back small broadcasts on 3 and 4 ranks take the chain (one send per rank).
+  CHECK(Selection::built_in(Collective::broadcast, 64, 3)->kind == Kind::chain);
+  CHECK(Selection::built_in(Collective::broadcast, std::size_t{16} << 10, 3)->kind == Kind::chain);
+  CHECK(Selection::built_in(Collective::broadcast, 1024, 4)->kind == Kind::chain);
+  CHECK(Selection::built_in(Collective::broadcast, std::size_t{16} << 10, 4)->kind == Kind::binomial);
+  CHECK(Selection::built_in(Collective::broadcast, 64, 8)->kind == Kind::binomial);
+  CHECK(Selection::built_in(Collective::broadcast, 64, 4, across)->kind == Kind::binomial);
   // all_gather: Bruck up to 128 KiB on one host, up to 16 KiB across hosts; never on 2 ranks.
   CHECK(Selection::built_in(Collective::all_gather, std::size_t{64} << 10, 4)->kind == Kind::bruck);
   CHECK(Selection::built_in(Collective::all_gather, std::size_t{128} << 10, 4)->kind == Kind::ring);
