@@ -166,9 +166,14 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
       const bool split = ranks == 2 ? bytes >= (std::size_t{256} << 10) : bytes >= (std::size_t{8} << 20);
       return &entry(collective, split && ranks > 1 ? Kind::reduce_scatter_gather : Kind::binomial);
     }
+    // reduce_scatter on a power of two: recursive halving (lg p rounds) below 512 KiB on one host (4
+    // ranks on 2 cores, tcp, 3 interleaved runs: 64 KiB 40-42 us against the ring's 65-79, 256 KiB
+    // 97-103 against 120-128, 512 KiB mixed, 1 MiB the ring's 300-316 against 455; 8 ranks: 128 KiB
+    // 195-210 against 305-316), across hosts below 64 KiB as before (not measured there).
     case Collective::reduce_scatter: {
       const bool power_of_two = ranks > 2 && (ranks & (ranks - 1)) == 0;
-      return &entry(collective, power_of_two && bytes < (std::size_t{64} << 10) ? Kind::recursive_halving : Kind::ring);
+      const std::size_t halving_below = where.across_hosts ? (std::size_t{64} << 10) : (std::size_t{512} << 10);
+      return &entry(collective, power_of_two && bytes < halving_below ? Kind::recursive_halving : Kind::ring);
     }
     // The binomial tree won broadcast at every size measured on one host (but see the chain below), and the pairwise exchange
     // all_to_all (bruck stays selectable); gather and scatter go direct by default. Across hosts, from

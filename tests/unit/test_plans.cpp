@@ -498,6 +498,12 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 4, across)->kind == Kind::scatter_all_gather);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{256} << 10, 4, across)->kind == Kind::binomial);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{1} << 20, 2, across)->kind == Kind::binomial);
+  // reduce_scatter on a power of two: recursive halving below 512 KiB on one host, 64 KiB across hosts.
+  CHECK(Selection::built_in(Collective::reduce_scatter, std::size_t{256} << 10, 4)->kind == Kind::recursive_halving);
+  CHECK(Selection::built_in(Collective::reduce_scatter, std::size_t{1} << 20, 4)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::reduce_scatter, std::size_t{256} << 10, 4, across)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::reduce_scatter, std::size_t{16} << 10, 4, across)->kind == Kind::recursive_halving);
+  CHECK(Selection::built_in(Collective::reduce_scatter, 64, 3)->kind == Kind::ring);
   // On one host, back-to-back small broadcasts on 3 and 4 ranks take the chain (one send per rank).
   CHECK(Selection::built_in(Collective::broadcast, 64, 3)->kind == Kind::chain);
   CHECK(Selection::built_in(Collective::broadcast, std::size_t{16} << 10, 3)->kind == Kind::chain);
