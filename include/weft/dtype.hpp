@@ -15,8 +15,25 @@ inline constexpr DType all_dtypes[] = {DType::boolean, DType::i8,  DType::u8,  D
                                        DType::i32,     DType::u32, DType::i64, DType::u64, DType::f16,
                                        DType::bf16,    DType::f32, DType::f64};
 
-/// Size of one element in bytes.
-std::size_t dtype_size(DType type) noexcept;
+/// Size of one element in bytes. (Inline: every layer asks it several times per operation.)
+constexpr std::size_t dtype_size(DType type) noexcept {
+  switch (type) {
+    case DType::boolean:
+    case DType::i8:
+    case DType::u8: return 1;
+    case DType::i16:
+    case DType::u16:
+    case DType::f16:
+    case DType::bf16: return 2;
+    case DType::i32:
+    case DType::u32:
+    case DType::f32: return 4;
+    case DType::i64:
+    case DType::u64:
+    case DType::f64: return 8;
+  }
+  return 1;
+}
 /// "bool", "i8", ..., "f64" (nccl-tests spells some differently; parse_dtype accepts both).
 std::string_view to_string(DType type) noexcept;
 /// Accepts weft's names and nccl-tests' ("float", "half", "bfloat16", "int32", "uint8", ...).

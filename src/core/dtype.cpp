@@ -5,25 +5,6 @@
 
 namespace weft {
 
-std::size_t dtype_size(DType type) noexcept {
-  switch (type) {
-    case DType::boolean:
-    case DType::i8:
-    case DType::u8: return 1;
-    case DType::i16:
-    case DType::u16:
-    case DType::f16:
-    case DType::bf16: return 2;
-    case DType::i32:
-    case DType::u32:
-    case DType::f32: return 4;
-    case DType::i64:
-    case DType::u64:
-    case DType::f64: return 8;
-  }
-  return 1;
-}
-
 std::string_view to_string(DType type) noexcept {
   switch (type) {
     case DType::boolean: return "bool";

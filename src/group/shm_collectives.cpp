@@ -153,13 +153,39 @@ class ArenaRun final : public shm::Arena::Waiter {
 
 // The chunks of `n` elements a script goes through when each rank writes `pieces` pieces of a chunk into
 // its area: at least one, empty for n = 0 (every collective takes at least one superstep, so that its
-// header is compared and the ranks stay in step).
-std::vector<algo::Range> chunks_of(const shm::Arena& arena, std::size_t n, std::size_t esize, std::size_t pieces) {
-  const std::size_t chunk = std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces));
-  std::vector<algo::Range> out;
-  for (std::size_t off = 0; off < n; off += chunk) out.push_back(algo::Range{off, std::min(chunk, n - off)});
-  if (out.empty()) out.push_back(algo::Range{0, 0});
-  return out;
+// header is compared and the ranks stay in step). Computed as they are visited: a small collective's one
+// chunk costs no allocation.
+class Chunks {
+ public:
+  Chunks(std::size_t n, std::size_t chunk) : n_(n), chunk_(chunk), count_(n == 0 ? 1 : (n + chunk - 1) / chunk) {}
+  class Iterator {
+   public:
+    Iterator(const Chunks& chunks, std::size_t i) : chunks_(&chunks), i_(i) {}
+    algo::Range operator*() const noexcept {
+      const std::size_t off = i_ * chunks_->chunk_;
+      return algo::Range{off, chunks_->n_ == 0 ? 0 : std::min(chunks_->chunk_, chunks_->n_ - off)};
+    }
+    Iterator& operator++() noexcept {
+      ++i_;
+      return *this;
+    }
+    bool operator!=(const Iterator& other) const noexcept { return i_ != other.i_; }
+
+   private:
+    const Chunks* chunks_;
+    std::size_t i_;
+  };
+  Iterator begin() const noexcept { return Iterator(*this, 0); }
+  Iterator end() const noexcept { return Iterator(*this, count_); }
+
+ private:
+  std::size_t n_;
+  std::size_t chunk_;
+  std::size_t count_;
+};
+
+Chunks chunks_of(const shm::Arena& arena, std::size_t n, std::size_t esize, std::size_t pieces) {
+  return Chunks(n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces)));
 }
 
 Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
@@ -172,7 +198,7 @@ Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
   std::vector<const std::byte*>& sources = g.arena_sources;
   sources.resize(p);
   std::uint32_t step = 0;
-  const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, 1);
+  const Chunks chunks = chunks_of(run.arena(), n, esize, 1);
   for (const algo::Range& chunk : chunks) {
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
@@ -202,7 +228,7 @@ Task<void> all_gather(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
   const std::size_t esize = dtype_size(call.in.dtype);
   const std::size_t n = call.in.count;
   std::uint32_t step = 0;
-  const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, 1);
+  const Chunks chunks = chunks_of(run.arena(), n, esize, 1);
   for (const algo::Range& chunk : chunks) {
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
@@ -222,7 +248,7 @@ Task<void> pieces_exchange(ArenaRun& run, GroupState& g, const CollectiveCall& c
   const std::size_t n = call.in.count / p;  // elements per block
   std::vector<const std::byte*> sources(p);
   std::uint32_t step = 0;
-  const std::vector<algo::Range> chunks = chunks_of(run.arena(), n, esize, p);
+  const Chunks chunks = chunks_of(run.arena(), n, esize, p);
   for (const algo::Range& chunk : chunks) {
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
@@ -246,7 +272,7 @@ Task<void> pieces_exchange(ArenaRun& run, GroupState& g, const CollectiveCall& c
 Task<void> broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
   const std::size_t esize = dtype_size(call.out.dtype);
   std::uint32_t step = 0;
-  const std::vector<algo::Range> chunks = chunks_of(run.arena(), call.out.count, esize, 1);
+  const Chunks chunks = chunks_of(run.arena(), call.out.count, esize, 1);
   for (const algo::Range& chunk : chunks) {
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;

@@ -1335,14 +1335,14 @@ TEST_CASE("collectives over n-d views refuse what does not fit, before anything 
       }
       check(false, "nothing was refused: " + words);
     };
-    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {2, 3, 8}}, 3, true); }, "axis 3 is out of range for 3 dimensions");
-    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {2, 3, 4}}, 0, true); }, "output has shape [2, 3, 4], expected [4, 3, 4]");
-    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f64, {4, 3, 4}}, 0, true); }, "input is f32 but output is f64");
-    refused([&] { (void)reduce_scatter(g, in, TensorView{b.data(), DType::f32, {2, 4}}, 1); }, "untiled, it must be the group's size 2");
-    refused([&] { (void)reduce_scatter(g, in, TensorView{b.data(), DType::f32, {2, 1, 4}}, 1, ReduceOp::sum, true); }, "does not split into 2 equal blocks");
-    refused([&] { (void)all_to_all(g, in, TensorView{b.data(), DType::f32, {4, 3, 2}}, 1, 0, true); }, "split axis 1 has extent 3");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {2, 3, 8}, {}}, 3, true); }, "axis 3 is out of range for 3 dimensions");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {2, 3, 4}, {}}, 0, true); }, "output has shape [2, 3, 4], expected [4, 3, 4]");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f64, {4, 3, 4}, {}}, 0, true); }, "input is f32 but output is f64");
+    refused([&] { (void)reduce_scatter(g, in, TensorView{b.data(), DType::f32, {2, 4}, {}}, 1); }, "untiled, it must be the group's size 2");
+    refused([&] { (void)reduce_scatter(g, in, TensorView{b.data(), DType::f32, {2, 1, 4}, {}}, 1, ReduceOp::sum, true); }, "does not split into 2 equal blocks");
+    refused([&] { (void)all_to_all(g, in, TensorView{b.data(), DType::f32, {4, 3, 2}, {}}, 1, 0, true); }, "split axis 1 has extent 3");
     refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {4, 3, 4}, {0, 4, 1}}, 0, true); }, "overlap itself");
-    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {6, 3, 4}}, 0, true, {3, 3}); }, "= 3 but this rank's input has 2 along axis 0");
+    refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {6, 3, 4}, {}}, 0, true, {3, 3}); }, "= 3 but this rank's input has 2 along axis 0");
     // Nothing was sent: the group still works.
     std::vector<float> one{1.0f};
     g.all_reduce(one).get();
