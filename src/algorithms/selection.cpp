@@ -183,8 +183,8 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
     // On one host, 3 and 4 ranks, small broadcasts take the chain: back to back, the binomial root
     // makes lg p sends per broadcast, each a system call of about 4 us here, and paces them all; the
     // chain makes one per rank (4 ranks on 2 cores, tcp, 5 interleaved rounds, medians: 64 B 7.8 us
-    // against 10.4, 1 KiB 8.9 against 10.2, 4 KiB 12.2 against 11.3; 3 ranks: 5.3-6.6 us against 8.2-11
-    // up to 4 KiB, 10-10.8 against 11.4-18 at 16 KiB; 8 ranks level. bench/RESULTS.md, "Broadcast").
+    // against 10.4, 1 KiB 8.9 against 10.2, 4 KiB 12.2 against 11.3; 3 ranks: 5.3-7.7 us against 8.2-12
+    // up to 4 KiB, 10-10.8 against 11.4-18 at 16 KiB; 8 ranks level. bench/RESULTS.md, "Small messages over TCP, third pass").
     case Collective::broadcast:
       if (where.across_hosts && ranks > 2 && bytes >= (std::size_t{512} << 10)) return &entry(collective, Kind::scatter_all_gather);
       if (!where.across_hosts && (ranks == 3 || ranks == 4) && bytes < (ranks == 3 ? std::size_t{32} << 10 : std::size_t{4} << 10)) {
