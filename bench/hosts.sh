@@ -21,7 +21,7 @@ case $coll in
   all_reduce) algos="default ring bidirectional_ring recursive_doubling rabenseifner tree" ;;
   all_gather) algos="default ring bruck recursive_doubling" ;;
   reduce_scatter) algos="default ring recursive_halving" ;;
-  broadcast) algos="default binomial scatter_all_gather" ;;
+  broadcast) algos="default binomial scatter_all_gather chain" ;;
   *) echo "hosts.sh: COLL=$coll: all_reduce, all_gather, reduce_scatter or broadcast" >&2; exit 2 ;;
 esac
 tag=wb$$

@@ -115,7 +115,8 @@ TEST_CASE("WEFT_ALGO chooses algorithms by size, and a malformed value says what
   CHECK(s.choose("all_reduce", 1 << 20, 4) == "rabenseifner");
   CHECK(s.choose("all_reduce", 1 << 20, 2) == "bidirectional_ring");
   CHECK(s.choose("all_reduce", 64 << 20, 4) == "ring");
-  CHECK(s.choose("broadcast", 8, 4) == "binomial");
+  CHECK(s.choose("broadcast", 8, 4) == "chain");
+  CHECK(s.choose("broadcast", 8, 8) == "binomial");
   s.override_with("all_reduce:recursive_doubling@0-16K,rabenseifner@16K-1M,ring", "WEFT_ALGO");
   CHECK(s.choose("all_reduce", 16383, 4) == "recursive_doubling");
   CHECK(s.choose("all_reduce", 16384, 4) == "rabenseifner");
@@ -124,6 +125,7 @@ TEST_CASE("WEFT_ALGO chooses algorithms by size, and a malformed value says what
   s.override_with("all_reduce:tree@1K-2K; broadcast:binomial", "WEFT_ALGO");
   CHECK(s.choose("all_reduce", 1500, 4) == "tree");
   CHECK(s.choose("all_reduce", 8, 4) == "recursive_doubling");  // outside every range: the built-in table
+  CHECK(s.choose("broadcast", 8, 4) == "binomial");
   algorithms::Selection t;
   CHECK_THROWS_WITH(t.override_with("all_reduce=ring", "WEFT_ALGO"), Catch::Contains("has no ':'") && Catch::Contains("Expected collective:algorithm"));
   CHECK_THROWS_WITH(t.override_with("allreduce:ring", "WEFT_ALGO"), Catch::Contains("unknown collective 'allreduce'"));
