@@ -346,12 +346,15 @@ Task<void> Executor::run(const Plan& plan) {
       case StepKind::send_recv: {
         // A run of receive steps is posted at once, so that no message of the run waits as unexpected.
         // A later exchange joins the run only if what it sends does not depend on what the run receives
-        // (recursive doubling forwards what it just received: those exchanges go one at a time).
+        // (recursive doubling forwards what it just received: those exchanges go one at a time). A message
+        // without data depends on the run by its timing alone: a dissemination barrier's round k + 1 may
+        // go only once round k's message came, or a rank leaves having heard from lg p ranks, not all.
         InlineList<TransportOp*, 4> pending;
         InlineList<std::pair<std::size_t, Range>, 4> pending_at;  // (step, segment) of each pending receive
         InlineList<std::pair<const std::byte*, const std::byte*>, 4> landing;  // receive ranges of the run
         auto depends_on_run = [&](const Step& s) {
-          if (s.kind != StepKind::send_recv || s.send.count == 0) return false;
+          if (s.kind != StepKind::send_recv) return false;
+          if (s.send.count == 0) return true;
           const std::byte* lo = send_at(s.send);
           const std::byte* hi = lo + s.send.count * esize_;
           for (std::size_t r = 0; r < landing.size(); ++r) {

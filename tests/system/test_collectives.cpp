@@ -5,12 +5,14 @@
 #include "support/harness.hpp"
 #include "support/check_data.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <thread>
 
 using namespace weft;
 using namespace weft::test;
@@ -169,6 +171,32 @@ TEST_CASE("every collective matches the reference on 3 ranks", "[collectives][p3
 TEST_CASE("every collective matches the reference on 4 ranks", "[collectives][p4]") { matrix(4); }
 TEST_CASE("every collective matches the reference on 5 ranks", "[collectives][p5]") { matrix(5); }
 TEST_CASE("every collective matches the reference on 8 ranks", "[collectives][p8]") { matrix(8); }
+
+TEST_CASE("no rank leaves a barrier before every rank entered it", "[collectives][inflight]") {
+  // Rank 2 enters late (a pause, not a timing check): with the dissemination rounds sent at once, rank 0
+  // of 5 left having heard from ranks 4, 3 and 1 only. The check is each rank's flag, set before it enters.
+  for (int p : {2, 3, 5, 6, 8}) {
+    std::vector<std::atomic<bool>> entered(static_cast<std::size_t>(p));
+    for (auto& e : entered) e = false;
+    run_ranks(p, [&](Group& g) {
+      g.barrier().get();
+      for (int round = 0; round < 3; ++round) {
+        if (g.rank() == std::min(2, p - 1)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        entered[static_cast<std::size_t>(g.rank())] = true;
+        g.barrier().get();
+        for (int r = 0; r < p; ++r) {
+          check(entered[static_cast<std::size_t>(r)].load(),
+                fmt::format("p={} round {}: rank {} left the barrier before rank {} entered it", p, round, g.rank(), r));
+        }
+        g.barrier().get();  // every rank has checked: the flags may be reset
+        if (g.rank() == 0) {
+          for (auto& e : entered) e = false;
+        }
+        g.barrier().get();
+      }
+    });
+  }
+}
 
 TEST_CASE("several operations are in flight on one group at once", "[collectives][inflight]") {
   run_ranks(4, [](Group& g) {
