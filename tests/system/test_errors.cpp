@@ -301,6 +301,16 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
   SECTION("root: the root alone says root 0, the others say root 1") {
     expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank() == 0 ? 0 : 1); }, {"broadcast #1"}, true, 3);
   }
+  SECTION("root: every rank its own root (on 3 and 4 ranks the chain, where each rank then only sends)") {
+    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank()); }, {"broadcast #1"}, true, 3);
+    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank()); }, {"broadcast #1"}, true, 4);
+  }
+  SECTION("root: two ranks say root 2, two say root 0: nobody is a root to all of them, so nothing is sent") {
+    // As for the reduce below: each rank waits for a rank that waits too, and the deadline's progress
+    // answers carry each rank's call.
+    expect_mismatch([&](Group& g) { return g.with_timeout(1500ms).broadcast(f, g.rank() < 2 ? 2 : 0); },
+                    {"broadcast #1", "root 2", "root 0"}, true, 4);
+  }
   SECTION("root of a reduce: no rank sends anything to a rank that would notice, so the deadline says it") {
     // Ranks 0 and 1 say root 0, rank 2 says root 2: rank 0 waits for rank 2, rank 2 for the others, and no
     // frame meets a receive of another call. At the deadline the progress answers carry each rank's call.
