@@ -175,16 +175,18 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
       const std::size_t halving_below = where.across_hosts ? (std::size_t{64} << 10) : (std::size_t{512} << 10);
       return &entry(collective, power_of_two && bytes < halving_below ? Kind::recursive_halving : Kind::ring);
     }
-    // The binomial tree won broadcast at every size measured on one host (but see the chain below), and the pairwise exchange
-    // all_to_all (bruck stays selectable); gather and scatter go direct by default. Across hosts, from
-    // 512 KiB on more than 2 ranks, scatter + all-gather: the binomial root sends the whole buffer lg p
-    // times over its one link, the scatter and the ring send it about twice in all, spread over every
-    // link (bench/hosts.sh, 4 hosts at 1 Gbit/s, 1-16 MiB: 0.076-0.080 GB/s against 0.058-0.060).
+    // The binomial tree won broadcast at every size measured on one host (but see the chain below), and
+    // the pairwise exchange all_to_all (bruck stays selectable); gather and scatter go direct by default.
+    // Across hosts, from 512 KiB on more than 2 ranks, scatter + all-gather: the binomial root sends the
+    // whole buffer lg p times over its one link, the scatter and the ring send it about twice in all,
+    // spread over every link (bench/hosts.sh, 4 hosts at 1 Gbit/s, 1-16 MiB: 0.076-0.080 GB/s against
+    // 0.058-0.060).
     // On one host, 3 and 4 ranks, small broadcasts take the chain: back to back, the binomial root
     // makes lg p sends per broadcast, each a system call of about 4 us here, and paces them all; the
     // chain makes one per rank (4 ranks on 2 cores, tcp, 5 interleaved rounds, medians: 64 B 7.8 us
     // against 10.4, 1 KiB 8.9 against 10.2, 4 KiB 12.2 against 11.3; 3 ranks: 5.3-7.7 us against 8.2-12
-    // up to 4 KiB, 10-10.8 against 11.4-18 at 16 KiB; 8 ranks level. bench/RESULTS.md, "Small messages over TCP, third pass").
+    // up to 4 KiB, 10-10.8 against 11.4-18 at 16 KiB; 8 ranks level. bench/RESULTS.md, "Small messages
+    // over TCP, third pass").
     case Collective::broadcast:
       if (where.across_hosts && ranks > 2 && bytes >= (std::size_t{512} << 10)) return &entry(collective, Kind::scatter_all_gather);
       if (!where.across_hosts && (ranks == 3 || ranks == 4) && bytes < (ranks == 3 ? std::size_t{32} << 10 : std::size_t{4} << 10)) {

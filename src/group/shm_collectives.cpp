@@ -155,37 +155,17 @@ class ArenaRun final : public shm::Arena::Waiter {
 // its area: at least one, empty for n = 0 (every collective takes at least one superstep, so that its
 // header is compared and the ranks stay in step). Computed as they are visited: a small collective's one
 // chunk costs no allocation.
-class Chunks {
- public:
-  Chunks(std::size_t n, std::size_t chunk) : n_(n), chunk_(chunk), count_(n == 0 ? 1 : (n + chunk - 1) / chunk) {}
-  class Iterator {
-   public:
-    Iterator(const Chunks& chunks, std::size_t i) : chunks_(&chunks), i_(i) {}
-    algo::Range operator*() const noexcept {
-      const std::size_t off = i_ * chunks_->chunk_;
-      return algo::Range{off, chunks_->n_ == 0 ? 0 : std::min(chunks_->chunk_, chunks_->n_ - off)};
-    }
-    Iterator& operator++() noexcept {
-      ++i_;
-      return *this;
-    }
-    bool operator!=(const Iterator& other) const noexcept { return i_ != other.i_; }
-
-   private:
-    const Chunks* chunks_;
-    std::size_t i_;
-  };
-  Iterator begin() const noexcept { return Iterator(*this, 0); }
-  Iterator end() const noexcept { return Iterator(*this, count_); }
-
- private:
-  std::size_t n_;
-  std::size_t chunk_;
-  std::size_t count_;
+struct Chunks {
+  std::size_t n;
+  std::size_t chunk;
+  std::size_t count() const noexcept { return n == 0 ? 1 : (n + chunk - 1) / chunk; }
+  algo::Range operator[](std::size_t k) const noexcept {
+    return algo::Range{k * chunk, n == 0 ? 0 : std::min(chunk, n - k * chunk)};
+  }
 };
 
 Chunks chunks_of(const shm::Arena& arena, std::size_t n, std::size_t esize, std::size_t pieces) {
-  return Chunks(n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces)));
+  return Chunks{n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces))};
 }
 
 Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
@@ -199,7 +179,8 @@ Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
   sources.resize(p);
   std::uint32_t step = 0;
   const Chunks chunks = chunks_of(run.arena(), n, esize, 1);
-  for (const algo::Range& chunk : chunks) {
+  for (std::size_t k = 0; k < chunks.count(); ++k) {
+    const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     std::memcpy(run.area(), in + off * esize, c * esize);
@@ -229,7 +210,8 @@ Task<void> all_gather(ArenaRun& run, GroupState& g, const CollectiveCall& call) 
   const std::size_t n = call.in.count;
   std::uint32_t step = 0;
   const Chunks chunks = chunks_of(run.arena(), n, esize, 1);
-  for (const algo::Range& chunk : chunks) {
+  for (std::size_t k = 0; k < chunks.count(); ++k) {
+    const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     std::memcpy(run.area(), call.in.bytes_ptr() + off * esize, c * esize);
@@ -249,7 +231,8 @@ Task<void> pieces_exchange(ArenaRun& run, GroupState& g, const CollectiveCall& c
   std::vector<const std::byte*> sources(p);
   std::uint32_t step = 0;
   const Chunks chunks = chunks_of(run.arena(), n, esize, p);
-  for (const algo::Range& chunk : chunks) {
+  for (std::size_t k = 0; k < chunks.count(); ++k) {
+    const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     for (std::size_t q = 0; q < p; ++q) {
@@ -273,7 +256,8 @@ Task<void> broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
   const std::size_t esize = dtype_size(call.out.dtype);
   std::uint32_t step = 0;
   const Chunks chunks = chunks_of(run.arena(), call.out.count, esize, 1);
-  for (const algo::Range& chunk : chunks) {
+  for (std::size_t k = 0; k < chunks.count(); ++k) {
+    const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     if (g.rank == call.root) std::memcpy(run.area(), call.out.bytes_ptr() + off * esize, c * esize);

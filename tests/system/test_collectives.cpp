@@ -174,7 +174,8 @@ TEST_CASE("every collective matches the reference on 8 ranks", "[collectives][p8
 
 TEST_CASE("no rank leaves a barrier before every rank entered it", "[collectives][inflight]") {
   // Rank 2 enters late (a pause, not a timing check): with the dissemination rounds sent at once, rank 0
-  // of 5 left having heard from ranks 4, 3 and 1 only (and rank 1 of 4 from ranks 0 and 3). The check is each rank's flag, set before it enters.
+  // of 5 left having heard from ranks 4, 3 and 1 only (and rank 1 of 4 from ranks 0 and 3). The check is
+  // each rank's flag, set before it enters.
   for (int p : {2, 3, 4, 5, 6, 8}) {
     std::vector<std::atomic<bool>> entered(static_cast<std::size_t>(p));
     for (auto& e : entered) e = false;

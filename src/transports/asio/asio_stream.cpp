@@ -28,12 +28,12 @@ std::error_code system_error(int error) { return {error, asio::error::get_system
 // Handlers hold the stream (and so the socket) until they run, and report only while the transport
 // lives: completions still queued when it goes away find the flag expired.
 void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
-  if (send_at_once(first, second, third)) loop_.post([self = shared_from_this()] { self->report_written({}); });
+  if (write_now(first, second, third)) loop_.post([self = shared_from_this()] { self->report_written({}); });
 }
 
-bool AsioStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third) { return send_at_once(first, second, third); }
-
-bool AsioStream::send_at_once(ConstBytes first, ConstBytes second, ConstBytes third) {
+// sendmsg now; true when it took everything. Otherwise the stream reports on_written later itself (a
+// failure through the ready queue, the rest once the reactor says the socket has room).
+bool AsioStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   std::array<ConstBytes, 3> parts{first, second, third};
   const std::size_t total = first.size + second.size + third.size;
   std::size_t sent = 0;

@@ -34,9 +34,6 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   void close() override;
 
  private:
-  // sendmsg now; true when it took everything. Otherwise the stream reports on_written later itself
-  // (a failure through the ready queue, the rest once the reactor says the socket has room).
-  bool send_at_once(ConstBytes first, ConstBytes second, ConstBytes third);
   // The read's first try (from the loop, before a kernel poll): true when it reported the read.
   bool try_read();
   // Both report to the transport only while it lives (completions still queued when it goes away).
