@@ -141,10 +141,15 @@ class Transport {
   };
   /// Records that this rank started operation `seq` of `context` as `signature` without a message of
   /// this transport (a collective that runs in shared memory beside it), so that progress queries and
-  /// deadline reports see it as they see the others. Default: nothing.
+  /// deadline reports see it as they see the others. Any thread (the arena's fast path calls it on the
+  /// caller's). Default: nothing.
   virtual void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
     (void)context, (void)seq, (void)signature;
   }
+  /// Whether some context of this transport has failed (an abort, a lost peer, a mismatch) so far. Any
+  /// thread: the group arena's fast path, which finishes a collective on the caller's thread, leaves
+  /// every collective to the loop (which knows which context and why) once this is true. Default: true.
+  virtual bool any_context_failed() const noexcept { return true; }
   /// How this rank called operation `seq` of `context` (call 0: not yet, or no longer remembered).
   virtual OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const = 0;
   /// Asks every other member of `context` how far it is (a query frame, answered by the member's

@@ -448,8 +448,9 @@ Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, co
 
 // A direct shm algorithm: on the group arena, or (no arena, or the group left it) the built-in choice
 // over the transport.
-Task<void> on_arena_or_framed(std::shared_ptr<GroupState> g, std::uint64_t seq, detail::CollectiveCall call) {
-  const bool ran = co_await run_on_arena(g, seq, call);
+Task<void> on_arena_or_framed(std::shared_ptr<GroupState> g, std::uint64_t seq, detail::CollectiveCall call, ArenaTicket ticket,
+                              bool first_published) {
+  const bool ran = co_await run_on_arena(g, seq, call, std::move(ticket), first_published);
   if (ran) co_return;
   const algo::Algorithm& framed = *algo::Selection::built_in(call.collective, selection_bytes(*g, call), g->size);
   co_await start_collective(std::move(g), seq, call, framed);
@@ -458,7 +459,10 @@ Task<void> on_arena_or_framed(std::shared_ptr<GroupState> g, std::uint64_t seq, 
 // The task of `call`'s collective (not a coroutine: no frame of its own).
 Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, const detail::CollectiveCall& call,
                             const algo::Algorithm& algorithm) {
-  if (algorithm.kind == algo::Kind::shm) return on_arena_or_framed(std::move(g), seq, call);
+  if (algorithm.kind == algo::Kind::shm) {
+    ArenaTicket ticket = g->arena ? ArenaTicket(*g) : ArenaTicket();
+    return on_arena_or_framed(std::move(g), seq, call, std::move(ticket), false);
+  }
   switch (call.collective) {
     case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm, call.staged);
     case Collective::all_gather: return all_gather_task(std::move(g), seq, call.in, call.out, algorithm);
@@ -536,7 +540,17 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
                         return start_collective(state_, seq, on_host, algorithm);
                       });
   }
-  return spawn(*g.loop, start_collective(state_, take_seq(g, timeout_), call, algorithm));
+  const std::uint64_t seq = take_seq(g, timeout_);
+  if (algorithm.kind == algo::Kind::shm && g.arena) {
+    // The arena's fast path: a small collective whose turn has come runs here, on this thread.
+    ArenaTicket ticket(g);
+    switch (run_on_arena_now(g, seq, call, ticket)) {
+      case ArenaNow::done: return make_ready_future();
+      case ArenaNow::published: return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), true));
+      case ArenaNow::not_started: return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false));
+    }
+  }
+  return spawn(*g.loop, start_collective(state_, seq, call, algorithm));
 }
 
 Future<void> Group::barrier() { return submit(detail::CollectiveCall{Collective::barrier, {}, {}}); }

@@ -2,13 +2,23 @@
 // sequence of supersteps on the group arena (write my area, publish, wait, read theirs). Large buffers
 // go in chunks of one area. Every rank folds in rank order, so a reduction gives the same bits on every
 // rank, and deterministic mode is met as it stands.
+//
+// A collective of one superstep whose turn has come runs on the caller's thread (run_on_arena_now): it
+// writes, publishes and polls the other ranks' counts there for a short while, and when they all came
+// it reads and returns a Future that is ready, without a loop turn, a coroutine frame or a thread hand-off
+// (docs/DESIGN.md, "The per-operation floor"). Anything else (a rank late past the poll, a mismatch, a
+// failure) goes on from the published step on the loop, which has the deadlines, the cancel and the
+// reports.
 #include "group/shm_collectives.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
 #include <stop_token>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -27,17 +37,37 @@ namespace {
 // the arithmetic). bench/RESULTS.md, "Direct shm collectives", has the measurements behind it.
 constexpr std::size_t reduce_everywhere_below = std::size_t{256} << 10;
 
+// How long the caller's thread polls for the other ranks before the loop takes over (WEFT_INLINE_SPIN_US;
+// 0: the caller only looks once). Long enough for ranks that arrive together (a few microseconds apart),
+// short enough that a caller whose peers are late gets its Future back soon.
+std::chrono::microseconds inline_spin() {
+  static const std::chrono::microseconds value = [] {
+    if (const char* v = std::getenv("WEFT_INLINE_SPIN_US")) return std::chrono::microseconds(std::max(0LL, std::atoll(v)));
+    return std::chrono::microseconds(20);
+  }();
+  return value;
+}
+
 // What the stop callback and the arena's poller share with the operation.
 struct Hook {
   bool finished = false;
   bool cancelled = false;
 };
 
+OpSignature signature_of_call(const CollectiveCall& call) {
+  const DType dtype = call.collective == Collective::barrier ? DType::u8 : call.out.dtype;
+  const std::uint64_t count = call.collective == Collective::reduce_scatter ? call.out.count
+                              : call.collective == Collective::broadcast     ? call.out.count
+                                                                             : call.in.count;
+  return signature::of(call.collective, dtype, reduces(call.collective) ? call.op : ReduceOp::sum, count, call.root);
+}
+
 class ArenaRun final : public shm::Arena::Waiter {
  public:
   ArenaRun(GroupState& g, std::uint64_t seq, const char* op, OpSignature signature, std::shared_ptr<Hook> hook)
       : g_(g), arena_(*g.arena), seq_(seq), op_(op), signature_(signature), hook_(std::move(hook)) {}
 
+  // Loop thread (the transport's state).
   bool interrupted() override {
     if (hook_->cancelled || arena_.retired_peer(nullptr) >= 0 || g_.failed.load(std::memory_order_relaxed) ||
         g_.transport->context_failed(g_.context, nullptr, nullptr)) {
@@ -58,18 +88,32 @@ class ArenaRun final : public shm::Arena::Waiter {
   std::byte* area() noexcept { return arena_.next_area(); }
   const std::byte* area_of(int r) const noexcept { return arena_.area(r); }
 
-  /// Publishes this rank's area for step `step` and waits for every rank's; then checks that they all
-  /// are in the same operation. Throws on anything else (interrupted: why; a mismatch).
-  Task<void> step(std::uint32_t step) {
+  /// Publishes this rank's area for step `step` (written before), naming the operation in its header.
+  void publish(std::uint32_t step) {
     shm::AreaHeader& mine = arena_.next_header();
     mine.seq = seq_;
     mine.count = signature_.count;
     mine.call = signature_.call;
     mine.step = step;
     arena_.publish();
+  }
+
+  /// Waits for every rank's step `step`; then checks that they all are in the same operation. Throws on
+  /// anything else (interrupted: why; a mismatch). Loop thread.
+  Task<void> wait(std::uint32_t step) {
     co_await arena_.until_reached(*this);
     if (!arena_.reached() || interrupted()) throw_interruption(step);
-    check_headers(step);
+    if (const int r = disagreeing(step); r >= 0) throw_mismatch(r);
+  }
+
+  /// A rank whose header for step `step` names another operation; -1 when none does. Any thread.
+  int disagreeing(std::uint32_t step) const {
+    for (int r = 0; r < g_.size; ++r) {
+      if (r == g_.rank) continue;
+      const shm::AreaHeader& theirs = arena_.header(r);
+      if (theirs.seq != seq_ || OpSignature{theirs.call, theirs.count} != signature_ || theirs.step != step) return r;
+    }
+    return -1;
   }
 
   /// Before the first step: whether the arena may still be used (false: the caller runs the framed
@@ -124,18 +168,13 @@ class ArenaRun final : public shm::Arena::Waiter {
     throw_error(Errc::group_failed, g_.where(op_, static_cast<std::int64_t>(seq_)), failure);
   }
 
-  void check_headers(std::uint32_t step) const {
-    for (int r = 0; r < g_.size; ++r) {
-      if (r == g_.rank) continue;
-      const shm::AreaHeader& theirs = arena_.header(r);
-      const OpSignature their_signature{theirs.call, theirs.count};
-      if (theirs.seq == seq_ && their_signature == signature_ && theirs.step == step) continue;
-      const std::string reason =
-          fmt::format("rank {} called {} while rank {} called {} (seen in the group's shared-memory arena)", r,
-                      signature::describe(their_signature, theirs.seq), g_.rank, signature::describe(signature_, seq_));
-      g_.transport->abort_context(g_.context, Errc::mismatch, reason);
-      throw_error(Errc::mismatch, g_.where(op_, static_cast<std::int64_t>(seq_), r), reason);
-    }
+  [[noreturn]] void throw_mismatch(int r) const {
+    const shm::AreaHeader& theirs = arena_.header(r);
+    const std::string reason =
+        fmt::format("rank {} called {} while rank {} called {} (seen in the group's shared-memory arena)", r,
+                    signature::describe(OpSignature{theirs.call, theirs.count}, theirs.seq), g_.rank, signature::describe(signature_, seq_));
+    g_.transport->abort_context(g_.context, Errc::mismatch, reason);
+    throw_error(Errc::mismatch, g_.where(op_, static_cast<std::int64_t>(seq_), r), reason);
   }
 
  public:
@@ -164,131 +203,182 @@ struct Chunks {
   }
 };
 
-Chunks chunks_of(const shm::Arena& arena, std::size_t n, std::size_t esize, std::size_t pieces) {
+// The chunks of `call` on `arena`: one piece per chunk, but for reduce_scatter and all_to_all, whose
+// areas hold, per chunk, one piece for every rank (piece q: elements [off, off + c) of input block q).
+Chunks chunks_of(const shm::Arena& arena, const CollectiveCall& call, int ranks) {
+  const auto p = static_cast<std::size_t>(ranks);
+  std::size_t n = 0;
+  std::size_t pieces = 1;
+  std::size_t esize = 1;
+  switch (call.collective) {
+    case Collective::all_reduce:
+    case Collective::broadcast: n = call.out.count, esize = dtype_size(call.out.dtype); break;
+    case Collective::all_gather: n = call.in.count, esize = dtype_size(call.in.dtype); break;
+    case Collective::reduce_scatter:
+    case Collective::all_to_all: n = call.in.count / p, esize = dtype_size(call.in.dtype), pieces = p; break;
+    default: break;  // barrier: one empty chunk
+  }
   return Chunks{n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces))};
 }
 
-Task<void> all_reduce(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
+// all_reduce's second form: each rank reduces one block of the chunk and the blocks are gathered.
+bool reduces_in_blocks(const CollectiveCall& call) {
+  return call.collective == Collective::all_reduce && call.out.count * dtype_size(call.out.dtype) >= reduce_everywhere_below;
+}
+
+// One superstep's work on chunk `k`, for every collective but all_reduce in blocks: what this rank writes
+// into its area before publishing, and what it reads from the areas after every rank published.
+void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call, const Chunks& chunks, std::size_t k) {
+  const algo::Range chunk = chunks[k];
+  const std::size_t off = chunk.offset;
+  const std::size_t c = chunk.count;
+  switch (call.collective) {
+    case Collective::all_reduce:
+    case Collective::all_gather: {
+      const std::size_t esize = dtype_size(call.in.dtype);
+      std::memcpy(run.area(), call.in.bytes_ptr() + off * esize, c * esize);
+      break;
+    }
+    case Collective::reduce_scatter:
+    case Collective::all_to_all: {
+      const std::size_t esize = dtype_size(call.in.dtype);
+      const auto p = static_cast<std::size_t>(g.size);
+      const std::size_t n = call.in.count / p;
+      for (std::size_t q = 0; q < p; ++q) {
+        std::memcpy(run.area() + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
+      }
+      break;
+    }
+    case Collective::broadcast: {
+      const std::size_t esize = dtype_size(call.out.dtype);
+      if (g.rank == call.root) std::memcpy(run.area(), call.out.bytes_ptr() + off * esize, c * esize);
+      break;
+    }
+    default: break;  // barrier: the header says it all
+  }
+}
+
+void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const Chunks& chunks, std::size_t k) {
+  const algo::Range chunk = chunks[k];
+  const std::size_t off = chunk.offset;
+  const std::size_t c = chunk.count;
+  const auto p = static_cast<std::size_t>(g.size);
+  std::vector<const std::byte*>& sources = g.arena_sources;
+  switch (call.collective) {
+    case Collective::all_reduce: {
+      const std::size_t esize = dtype_size(call.out.dtype);
+      sources.resize(p);
+      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r));
+      algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
+      break;
+    }
+    case Collective::all_gather: {
+      const std::size_t esize = dtype_size(call.in.dtype);
+      const std::size_t n = call.in.count;
+      for (int r = 0; r < g.size; ++r) {
+        std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r), c * esize);
+      }
+      break;
+    }
+    case Collective::reduce_scatter:
+    case Collective::all_to_all: {
+      // Rank r takes piece r of every area.
+      const std::size_t esize = dtype_size(call.in.dtype);
+      const std::size_t n = call.in.count / p;
+      const std::size_t mine = static_cast<std::size_t>(g.rank) * c * esize;
+      if (call.collective == Collective::reduce_scatter) {
+        sources.resize(p);
+        for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r)) + mine;
+        algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
+      } else {
+        for (std::size_t r = 0; r < p; ++r) {
+          std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r)) + mine, c * esize);
+        }
+      }
+      break;
+    }
+    case Collective::broadcast: {
+      const std::size_t esize = dtype_size(call.out.dtype);
+      if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root), c * esize);
+      break;
+    }
+    default: break;
+  }
+}
+
+// After the last chunk: the reductions' average divides.
+void finish_call(const GroupState& g, const CollectiveCall& call) {
+  if (call.collective == Collective::all_reduce || call.collective == Collective::reduce_scatter) {
+    algo::finish_reduction(call.op, call.out.data, call.out.count, call.out.dtype, g.size);
+  }
+}
+
+Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCall& call, const Chunks& chunks) {
   const std::size_t esize = dtype_size(call.out.dtype);
-  const std::size_t n = call.out.count;
   const auto p = static_cast<std::size_t>(g.size);
   const std::byte* in = call.in.bytes_ptr();
   std::byte* out = call.out.bytes_ptr();
-  const bool everywhere = n * esize < reduce_everywhere_below;
   std::vector<const std::byte*>& sources = g.arena_sources;
   sources.resize(p);
   std::uint32_t step = 0;
-  const Chunks chunks = chunks_of(run.arena(), n, esize, 1);
   for (std::size_t k = 0; k < chunks.count(); ++k) {
     const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     std::memcpy(run.area(), in + off * esize, c * esize);
-    co_await run.step(step++);
-    if (everywhere) {
-      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r));
-      algo::fold_in_rank_order(out + off * esize, sources, c, call.out.dtype, call.op);
-    } else {
-      // This rank's block of the chunk, reduced from every area into its own next area; then every
-      // block from its owner's area.
-      const algo::Range mine = algo::block(c, g.size, g.rank);
-      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r)) + mine.offset * esize;
-      std::byte* reduced = run.area() + mine.offset * esize;
-      algo::fold_in_rank_order(reduced, sources, mine.count, call.out.dtype, call.op);
-      co_await run.step(step++);
-      for (int r = 0; r < g.size; ++r) {
-        const algo::Range theirs = algo::block(c, g.size, r);
-        std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r) + theirs.offset * esize, theirs.count * esize);
-      }
-    }
-  }
-  algo::finish_reduction(call.op, out, n, call.out.dtype, g.size);
-}
-
-Task<void> all_gather(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
-  const std::size_t esize = dtype_size(call.in.dtype);
-  const std::size_t n = call.in.count;
-  std::uint32_t step = 0;
-  const Chunks chunks = chunks_of(run.arena(), n, esize, 1);
-  for (std::size_t k = 0; k < chunks.count(); ++k) {
-    const algo::Range chunk = chunks[k];
-    const std::size_t off = chunk.offset;
-    const std::size_t c = chunk.count;
-    std::memcpy(run.area(), call.in.bytes_ptr() + off * esize, c * esize);
-    co_await run.step(step++);
+    run.publish(step);
+    co_await run.wait(step++);
+    // This rank's block of the chunk, reduced from every area into its own next area; then every block
+    // from its owner's area.
+    const algo::Range mine = algo::block(c, g.size, g.rank);
+    for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r)) + mine.offset * esize;
+    std::byte* reduced = run.area() + mine.offset * esize;
+    algo::fold_in_rank_order(reduced, sources, mine.count, call.out.dtype, call.op);
+    run.publish(step);
+    co_await run.wait(step++);
     for (int r = 0; r < g.size; ++r) {
-      std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r), c * esize);
+      const algo::Range theirs = algo::block(c, g.size, r);
+      std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r) + theirs.offset * esize, theirs.count * esize);
     }
   }
 }
 
-// reduce_scatter and all_to_all: each rank's area holds, per chunk, one piece for every rank (piece q:
-// elements [off, off + c) of input block q); rank r takes piece r of every area.
-Task<void> pieces_exchange(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool reducing) {
-  const std::size_t esize = dtype_size(call.in.dtype);
-  const auto p = static_cast<std::size_t>(g.size);
-  const std::size_t n = call.in.count / p;  // elements per block
-  std::vector<const std::byte*> sources(p);
-  std::uint32_t step = 0;
-  const Chunks chunks = chunks_of(run.arena(), n, esize, p);
-  for (std::size_t k = 0; k < chunks.count(); ++k) {
-    const algo::Range chunk = chunks[k];
-    const std::size_t off = chunk.offset;
-    const std::size_t c = chunk.count;
-    for (std::size_t q = 0; q < p; ++q) {
-      std::memcpy(run.area() + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
-    }
-    co_await run.step(step++);
-    const std::size_t mine = static_cast<std::size_t>(g.rank) * c * esize;
-    if (reducing) {
-      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r)) + mine;
-      algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
-    } else {
-      for (std::size_t r = 0; r < p; ++r) {
-        std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r)) + mine, c * esize);
-      }
-    }
-  }
-  if (reducing) algo::finish_reduction(call.op, call.out.data, call.out.count, call.out.dtype, g.size);
-}
-
-Task<void> broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
-  const std::size_t esize = dtype_size(call.out.dtype);
-  std::uint32_t step = 0;
-  const Chunks chunks = chunks_of(run.arena(), call.out.count, esize, 1);
-  for (std::size_t k = 0; k < chunks.count(); ++k) {
-    const algo::Range chunk = chunks[k];
-    const std::size_t off = chunk.offset;
-    const std::size_t c = chunk.count;
-    if (g.rank == call.root) std::memcpy(run.area(), call.out.bytes_ptr() + off * esize, c * esize);
-    co_await run.step(step++);
-    if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root), c * esize);
-  }
-}
-
-Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
+// The collective's script. `first_published`: its first superstep was written and published already
+// (by run_on_arena_now, on the caller's thread).
+Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {
   switch (call.collective) {
-    case Collective::all_reduce: co_await all_reduce(run, g, call); break;
-    case Collective::all_gather: co_await all_gather(run, g, call); break;
-    case Collective::reduce_scatter: co_await pieces_exchange(run, g, call, true); break;
-    case Collective::all_to_all: co_await pieces_exchange(run, g, call, false); break;
-    case Collective::broadcast: co_await broadcast(run, g, call); break;
-    case Collective::barrier: co_await run.step(0); break;
+    case Collective::all_reduce:
+    case Collective::all_gather:
+    case Collective::reduce_scatter:
+    case Collective::all_to_all:
+    case Collective::broadcast:
+    case Collective::barrier: break;
     default:
       throw std::logic_error(fmt::format("weft: {} has no direct shared-memory algorithm", to_string(call.collective)));
   }
+  const Chunks chunks = chunks_of(run.arena(), call, g.size);
+  if (reduces_in_blocks(call)) {
+    co_await all_reduce_in_blocks(run, g, call, chunks);
+  } else {
+    for (std::size_t k = 0; k < chunks.count(); ++k) {
+      const auto step = static_cast<std::uint32_t>(k);
+      if (k > 0 || !first_published) {
+        write_chunk(run, g, call, chunks, k);
+        run.publish(step);
+      }
+      co_await run.wait(step);
+      read_chunk(run, g, call, chunks, k);
+    }
+  }
+  finish_call(g, call);
 }
 
-// The arena's turn: one collective at a time, in the order they started on this rank (which is the
-// order of their seqs, the same on every rank).
+// Waits for the ticket's turn (resumed on the loop by the holder before it, ArenaTurns::leave).
 struct TakeTurn {
-  GroupState& g;
-  bool await_ready() {
-    if (g.arena_busy) return false;
-    g.arena_busy = true;
-    return true;
-  }
-  void await_suspend(std::coroutine_handle<> h) { g.arena_queue.push_back(h); }
+  ArenaTurns& turns;
+  std::uint64_t ticket;
+  bool await_ready() const noexcept { return turns.has_turn(ticket); }
+  bool await_suspend(std::coroutine_handle<> h) { return turns.wait(ticket, h); }
   void await_resume() const noexcept {}
 };
 
@@ -308,34 +398,20 @@ struct CancelOnArena {
   }
 };
 
-void pass_turn(GroupState& g) {
-  g.arena_seq = 0;
-  if (g.arena_queue.empty()) {
-    g.arena_busy = false;
-    return;
-  }
-  auto next = g.arena_queue.front();
-  g.arena_queue.pop_front();
-  next.resume();  // it holds the turn now (arena_busy stays true)
-}
-
 }  // namespace
 
-Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call) {
+Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
+                        bool first_published) {
   if (!g->arena) co_return false;
   const char* op = to_string(call.collective).data();
-  const DType dtype = call.collective == Collective::barrier ? DType::u8 : call.out.dtype;
-  const std::uint64_t count = call.collective == Collective::reduce_scatter ? call.out.count : call.in.count;
-  const OpSignature signature =
-      signature::of(call.collective, dtype, reduces(call.collective) ? call.op : ReduceOp::sum,
-                    call.collective == Collective::broadcast ? call.out.count : count, call.root);
-  co_await TakeTurn{*g};
+  const OpSignature signature = signature_of_call(call);
+  if (!first_published) co_await TakeTurn{g->arena_turns, ticket.number()};
   auto hook = std::make_shared<Hook>();
   ArenaRun run(*g, seq, op, signature, hook);
   bool ran = false;
   std::exception_ptr failure;
   try {
-    if (run.usable()) {
+    if (first_published || run.usable()) {
       const std::stop_token token = co_await this_stop_token();
       std::optional<std::stop_callback<CancelOnArena>> on_stop;
       if (token.stop_possible()) on_stop.emplace(token, CancelOnArena{g, hook, seq, op});
@@ -343,7 +419,7 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
       g->transport->note_started(g->context, seq, signature);
       g->watch(seq, op);
       try {
-        co_await run_script(run, *g, call);
+        co_await run_script(run, *g, call, first_published);
         ran = true;
       } catch (const ArenaRun::FallBack&) {
         // A rank left the arena in an earlier operation: this one goes over the transport.
@@ -362,9 +438,54 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
     g->unwatch(seq);
   }
   // Whatever happened, the next collective waiting for the arena gets its turn.
-  pass_turn(*g);
+  g->arena_seq = 0;
+  ticket.leave();
   if (failure) std::rethrow_exception(failure);
   co_return ran;
+}
+
+ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall& call, ArenaTicket& ticket) {
+  if (!g.arena || !g.arena_turns.has_turn(ticket.number())) return ArenaNow::not_started;
+  shm::Arena& arena = *g.arena;
+  // Whatever failed (an abort, a lost peer, a mismatch) the loop sorts out: it knows which context and why.
+  const auto failed = [&] { return g.failed.load(std::memory_order_relaxed) || g.transport->any_context_failed(); };
+  if (arena.retired() || arena.retired_peer(nullptr) >= 0 || reduces_in_blocks(call) || failed()) return ArenaNow::not_started;
+  const Chunks chunks = chunks_of(arena, call, g.size);
+  if (chunks.count() != 1) return ArenaNow::not_started;
+  switch (call.collective) {
+    case Collective::all_reduce:
+    case Collective::all_gather:
+    case Collective::reduce_scatter:
+    case Collective::all_to_all:
+    case Collective::broadcast:
+    case Collective::barrier: break;
+    default: return ArenaNow::not_started;
+  }
+  const OpSignature signature = signature_of_call(call);
+  const char* op = to_string(call.collective).data();
+  // No hook: nothing here waits where a cancel could reach it (the loop's part makes its own).
+  ArenaRun run(g, seq, op, signature, nullptr);
+  write_chunk(run, g, call, chunks, 0);
+  run.publish(0);
+  // Poll the counts: memory only, bounded; a rank that left or a failed group ends it at once.
+  const bool yielding = g.loop->polls_yielding();
+  std::chrono::steady_clock::time_point until{};
+  for (std::uint32_t polls = 1; !arena.reached(); ++polls) {
+    if (polls % 64 != 0) continue;
+    if (arena.retired_peer(nullptr) >= 0 || failed()) break;
+    const auto now = std::chrono::steady_clock::now();
+    if (until == std::chrono::steady_clock::time_point{}) until = now + inline_spin();
+    if (now >= until) break;
+    // With more busy threads than cores the ranks being waited for need this core.
+    if (yielding) std::this_thread::yield();
+  }
+  // Otherwise the loop goes on from the published step: the wait, its deadline, the cancel, the reports.
+  if (!arena.reached() || run.disagreeing(0) >= 0 || failed()) return ArenaNow::published;
+  read_chunk(run, g, call, chunks, 0);
+  finish_call(g, call);
+  ticket.leave();
+  g.transport->note_started(g.context, seq, signature);
+  return ArenaNow::done;
 }
 
 }  // namespace weft::detail

@@ -8,15 +8,55 @@
 // its later collectives run over the framed transport.
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "group/state.hpp"
 #include "weft/task.hpp"
 
 namespace weft::detail {
 
-/// Runs `call` (operation `seq`) on the group's arena. Returns false, having sent and written nothing
-/// that anybody reads, when the group has no arena or has left it: the caller then runs the
-/// collective's framed algorithm. Errors: as any collective (mismatch, timeout, cancelled, a failed peer).
-Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call);
+/// A collective's place in the arena's order (ArenaTurns, group/state.hpp), taken at the call on the
+/// caller's thread. Its operation leaves the turn when done; dropped before that (its operation never
+/// ran), the place is given up so that the later ones are not held back. Move-only.
+class ArenaTicket {
+ public:
+  ArenaTicket() = default;
+  explicit ArenaTicket(GroupState& g) : turns_(&g.arena_turns), loop_(g.loop), number_(g.arena_turns.take()) {}
+  ArenaTicket(ArenaTicket&& other) noexcept
+      : turns_(std::exchange(other.turns_, nullptr)), loop_(other.loop_), number_(other.number_) {}
+  ArenaTicket& operator=(ArenaTicket&&) = delete;
+  ~ArenaTicket() { leave(); }
+  std::uint64_t number() const noexcept { return number_; }
+  /// Ends the turn, or gives up the place; the next collective goes on. Idempotent.
+  void leave() {
+    if (ArenaTurns* turns = std::exchange(turns_, nullptr)) turns->leave(number_, *loop_);
+  }
+
+ private:
+  ArenaTurns* turns_ = nullptr;
+  Loop* loop_ = nullptr;
+  std::uint64_t number_ = 0;
+};
+
+/// Runs `call` (operation `seq`) on the group's arena, on the loop, once `ticket`'s turn came
+/// (`first_published`: run_on_arena_now holds it and published the first step already). Returns false,
+/// having sent and written nothing that anybody reads, when the group has no arena or has left it: the
+/// caller then runs the collective's framed algorithm. Errors: as any collective (mismatch, timeout,
+/// cancelled, a failed peer).
+Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
+                        bool first_published);
+
+/// What run_on_arena_now did.
+enum class ArenaNow {
+  not_started,  // nothing: run_on_arena(..., false) runs it
+  done,         // the whole collective, and the ticket was left
+  published,    // its first step, then a rank was late or disagreed: run_on_arena(..., true) goes on
+};
+
+/// The fast path, on the caller's thread: a collective of one superstep whose turn has come is written,
+/// published and, when every rank published within a short poll (WEFT_INLINE_SPIN_US, default 20 us),
+/// read and finished here. Nothing here throws, waits unboundedly or reports: whatever is not the plain
+/// case is left to run_on_arena on the loop.
+ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall& call, ArenaTicket& ticket);
 
 }  // namespace weft::detail

@@ -12,7 +12,6 @@
 #include <atomic>
 #include <chrono>
 #include <coroutine>
-#include <deque>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -59,6 +58,64 @@ struct CollectiveCall {
   // The variable-size collectives' blocks (null for the others). Shared: device staging runs the task
   // after the call has returned.
   std::shared_ptr<const BlockLayout> blocks = nullptr;
+};
+
+// The group arena's turns: its collectives run one at a time, in the order they were called, which is
+// the same on every rank (waiting for the order they reach the loop is not: a device collective reaches
+// it after its copy in, which takes a different time on every rank). A ticket is taken at the call, on
+// the caller's thread, right after the seq. Its holder runs on the loop, or on the caller's thread for a
+// collective of one superstep whose turn has come (the fast path, shm_collectives.cpp): so the turn is
+// handed over with atomics and a mutex, not loop-thread state. Callers and the loop; thread-safe.
+class ArenaTurns {
+ public:
+  std::uint64_t take() noexcept { return issued_.fetch_add(1, std::memory_order_relaxed); }
+  /// Whether `ticket`'s turn has come (acquire: what the previous holder wrote in the arena is seen).
+  bool has_turn(std::uint64_t ticket) const noexcept { return serving_.load(std::memory_order_acquire) == ticket; }
+  /// Registers `waiter`, to be resumed on `loop` when `ticket`'s turn comes; false (not registered) when
+  /// it has come already.
+  bool wait(std::uint64_t ticket, std::coroutine_handle<> waiter) {
+    std::lock_guard lock(mutex_);
+    if (serving_.load(std::memory_order_relaxed) == ticket) return false;
+    waiting_.emplace_back(ticket, waiter);
+    return true;
+  }
+  /// Ends `ticket`'s turn, or, when its operation never ran and never will (a device collective whose
+  /// copy in failed), gives it up so that it is skipped; the next holder is resumed on `loop` (at once on
+  /// the loop's thread).
+  void leave(std::uint64_t ticket, Loop& loop) {
+    std::coroutine_handle<> next;
+    {
+      std::lock_guard lock(mutex_);
+      std::erase_if(waiting_, [&](const auto& w) { return w.first == ticket; });
+      std::uint64_t serving = serving_.load(std::memory_order_relaxed);
+      if (serving != ticket) {
+        abandoned_.push_back(ticket);
+        return;
+      }
+      ++serving;
+      while (std::erase(abandoned_, serving) > 0) ++serving;
+      serving_.store(serving, std::memory_order_release);
+      for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+        if (it->first != serving) continue;
+        next = it->second;
+        waiting_.erase(it);
+        break;
+      }
+    }
+    if (!next) return;
+    if (loop.in_loop_thread()) {
+      next.resume();
+    } else {
+      loop.post([next] { next.resume(); });
+    }
+  }
+
+ private:
+  std::atomic<std::uint64_t> issued_{0};
+  std::atomic<std::uint64_t> serving_{0};
+  std::mutex mutex_;
+  std::vector<std::pair<std::uint64_t, std::coroutine_handle<>>> waiting_;  // guarded by mutex_
+  std::vector<std::uint64_t> abandoned_;                                    // guarded by mutex_
 };
 
 // Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop
@@ -138,11 +195,11 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   bool watchdog_armed = false;
   std::uint64_t p2p_ids = std::uint64_t{1} << 63;
   std::vector<std::uint64_t> reporting;  // operations whose progress query is out
-  // The arena runs one collective at a time, in the order they started: the others wait here.
-  bool arena_busy = false;
-  std::deque<std::coroutine_handle<>> arena_queue;
-  std::uint64_t arena_seq = 0;  // the operation in the arena now (0: none), for deadline reports
-  std::vector<const std::byte*> arena_sources;  // the scripts' fold inputs (one collective at a time: no allocation per call)
+  std::uint64_t arena_seq = 0;  // the operation in the arena now on the loop (0: none), for deadline reports
+  // ---- the holder of the arena's turn (either thread): the scripts' fold inputs (no allocation per call)
+  std::vector<const std::byte*> arena_sources;
+  // ---- callers and the loop
+  ArenaTurns arena_turns;
 
   // ---- callers: device buffers (device_staging.cpp), made at the first device operation
   std::mutex device_staging_mutex;

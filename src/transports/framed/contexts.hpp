@@ -1,8 +1,10 @@
 #pragma once
 // The contexts of the framed transport: per context, its members, its failure (the first one wins), the
 // signatures of the latest operations seen (this rank's and early arrivals') and the operations cancelled
-// here. Plain state on the loop's thread; the transport acts on it (aborts, completes operations).
+// here. Plain state on the loop's thread (but for the flag that some context failed, which any thread
+// may read); the transport acts on it (aborts, completes operations).
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -22,6 +24,7 @@ struct ContextState {
 
   std::vector<int> members;
   bool failed = false;
+  std::atomic<bool>* any_failed = nullptr;  // the table's flag, set with `failed`
   std::error_code code;
   std::string reason;
   int failed_peer = -1;
@@ -30,6 +33,7 @@ struct ContextState {
   bool fail(std::error_code why, int peer, std::string text) {
     if (failed) return false;
     failed = true;
+    if (any_failed) any_failed->store(true, std::memory_order_release);
     code = why;
     failed_peer = peer;
     reason = std::move(text);
@@ -93,7 +97,13 @@ struct ContextState {
 // mostly talks in one context at a time.
 class ContextTable {
  public:
-  ContextState& at(std::uint32_t context) { return contexts_[context]; }  // created when new
+  ContextState& at(std::uint32_t context) {  // created when new
+    ContextState& state = contexts_[context];
+    state.any_failed = &any_failed_;
+    return state;
+  }
+  /// Whether some context failed so far. Any thread.
+  bool any_failed() const noexcept { return any_failed_.load(std::memory_order_acquire); }
   ContextState* find(std::uint32_t context) noexcept {
     if (cached_state_ && cached_context_ == context) return cached_state_;
     auto it = contexts_.find(context);
@@ -122,6 +132,7 @@ class ContextTable {
 
  private:
   std::unordered_map<std::uint32_t, ContextState> contexts_;
+  std::atomic<bool> any_failed_{false};
   std::uint32_t cached_context_ = 0;
   ContextState* cached_state_ = nullptr;
   MessageKey last_noted_{};

@@ -292,6 +292,33 @@ void FramedTransport::check_stuck_io(std::uint32_t context) {
   if (again) watch_stuck_io(context, false);
 }
 
+void FramedTransport::note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+  if (loop_.in_loop_thread()) {
+    note_local_signature(context, seq, signature);
+    return;
+  }
+  std::lock_guard lock(noted_elsewhere_mutex_);
+  noted_elsewhere_[noted_elsewhere_pushed_++ % noted_elsewhere_.size()] = NotedElsewhere{context, seq, signature};
+  any_noted_elsewhere_.store(true, std::memory_order_relaxed);
+}
+
+void FramedTransport::take_noted_elsewhere() {
+  std::array<NotedElsewhere, 64> taken;
+  std::size_t n = 0;
+  {
+    std::lock_guard lock(noted_elsewhere_mutex_);
+    // The latest 64 when more came since the last look (older ones only answer older queries).
+    const std::size_t from = std::max(noted_elsewhere_taken_, noted_elsewhere_pushed_ > taken.size() ? noted_elsewhere_pushed_ - taken.size() : 0);
+    for (std::size_t i = from; i < noted_elsewhere_pushed_; ++i) taken[n++] = noted_elsewhere_[i % taken.size()];
+    noted_elsewhere_taken_ = noted_elsewhere_pushed_;
+    any_noted_elsewhere_.store(false, std::memory_order_relaxed);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (taken[i].signature.call == 0 || contexts_.noted_last(taken[i].context, taken[i].seq)) continue;
+    note_new_local_signature(taken[i].context, taken[i].seq, taken[i].signature);
+  }
+}
+
 // The searches start at the latest entries and stop once past the seq sought (with a little slack for
 // arrivals from several peers interleaving): a check runs per message and must cost little (bench/
 // RESULTS.md, "Mismatch detection"). An older entry that is not reached can only hide a mismatch from
@@ -727,6 +754,7 @@ void FramedTransport::on_header_only(Connection& c) {
   answer.kind = wire::FrameKind::progress;
   answer.context = h.context;
   answer.seq = h.seq;
+  if (any_noted_elsewhere_.load(std::memory_order_relaxed)) take_noted_elsewhere();
   const ContextState* state = contexts_.find(h.context);
   answer.tag = state ? state->started : 0;
   // How this rank called the operation asked about: the asker compares it with its own call.
@@ -1004,6 +1032,7 @@ void FramedTransport::send_abort(std::uint32_t context, const std::vector<int>& 
 
 void FramedTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                                 std::function<void(std::vector<Progress>)> done) {
+  if (any_noted_elsewhere_.load(std::memory_order_relaxed)) take_noted_elsewhere();  // signature_of reads them after
   auto query = std::make_shared<Query>();
   query->context = context;
   query->seq = seq;

@@ -5,9 +5,11 @@
 // its bytes through a Stream (stream.hpp): Asio's reactor (transports/asio) or io_uring
 // (transports/uring); transports/select.hpp picks one.
 #include <array>
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -54,9 +56,8 @@ class FramedTransport final : public Transport, private StreamEvents {
                     std::function<void(std::vector<Progress>)> done) override;
   OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const override;
   std::string_view backend_to(int peer) const override;
-  void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) override {
-    note_local_signature(context, seq, signature);
-  }
+  void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) override;
+  bool any_context_failed() const noexcept override { return contexts_.any_failed(); }
 
   void shutdown() override;
 
@@ -149,6 +150,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   // Records a signature of `context` (this rank's own operation, or a message from `peer` that came
   // early) and aborts the context with Errc::mismatch when the other side disagrees for the same seq.
   void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
+    if (any_noted_elsewhere_.load(std::memory_order_relaxed)) take_noted_elsewhere();
     // Once per operation: its later messages return here.
     if (signature.call == 0 || contexts_.noted_last(context, seq)) return;
     note_new_local_signature(context, seq, signature);
@@ -202,6 +204,21 @@ class FramedTransport final : public Transport, private StreamEvents {
   void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
   void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
   bool context_usable(std::uint32_t context, TransportOp& op);
+
+  // Operations started on another thread (the group arena's fast path, which runs on the caller's):
+  // kept here, the latest 64, and noted on the loop before anything reads the contexts' records (a
+  // progress query's answer, this rank's own signatures). Callers push; the loop takes.
+  struct NotedElsewhere {
+    std::uint32_t context;
+    std::uint64_t seq;
+    OpSignature signature;
+  };
+  std::mutex noted_elsewhere_mutex_;
+  std::array<NotedElsewhere, 64> noted_elsewhere_{};  // guarded by noted_elsewhere_mutex_
+  std::size_t noted_elsewhere_pushed_ = 0;            // guarded by noted_elsewhere_mutex_
+  std::size_t noted_elsewhere_taken_ = 0;             // loop thread
+  std::atomic<bool> any_noted_elsewhere_{false};
+  void take_noted_elsewhere();
 
   Loop& loop_;
   std::string backend_;
