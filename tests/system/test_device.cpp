@@ -5,6 +5,7 @@
 // host wait between them: the result is right only if the collective waited for the first and the last
 // waited for it (WEFT_SIM_DELAY_US makes a missing wait show). [device-failure] needs WEFT_SIM_FAIL in a
 // process of its own. Runs on whichever backend WEFT_GPU picks (sim in CI; cuda: tools/gpu_check.sh).
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -251,6 +252,41 @@ TEST_CASE("later work on the stream waits for the collective, and the collective
       std::size_t wrong = 0;
       for (float v : out) wrong += v != want;
       check(wrong == 0, fmt::format("round {}: {} of {} elements are not {} (out[0] = {})", round, wrong, n, want, out[0]));
+    }
+    g.barrier().get();  // before `data` is freed (free_kept)
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a host collective called right after a device one runs after it, on every rank", "[device][order]") {
+  // The device collective starts its host part only once its copy in is done, at a different time on
+  // every rank; the host one called after it must still come second everywhere (on the shm arena, which
+  // runs one collective at a time, taking them in the order they reached the loop made the ranks
+  // disagree on which came first: a mismatch).
+  need_backend();
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    const char* transport = std::getenv("WEFT_TRANSPORT");
+    if (transport && std::string(transport) == "shm") check(g.has_shared_arena(), "no arena over shm");
+    gpu::Stream stream(g.loop(), device_of(g));
+    const std::size_t n = 16;
+    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), n * sizeof(float));
+    for (int round = 0; round < 30; ++round) {
+      std::vector<float> in(n, static_cast<float>(g.rank() + round));
+      std::vector<float> out(n, -1.0f);
+      std::vector<std::int32_t> host(5, g.rank() * round);
+      Future<void> written = stream.copy(data.view<float>(), ConstBufferView(in.data(), n, DType::f32));
+      Future<void> on_device = g.on(stream).all_reduce(data.view<float>());
+      // Some ranks call the next one before their copy in is done, some after.
+      std::this_thread::sleep_for(std::chrono::microseconds((g.rank() * 7 + round * 13) % 5 * 100));
+      Future<void> on_host = g.all_reduce(host);
+      Future<void> read = stream.copy(BufferView(out.data(), n, DType::f32), data.view<float>());
+      on_host.get();
+      read.get();
+      on_device.get();
+      written.get();
+      check(host[0] == 3 * round && host[4] == 3 * round, fmt::format("round {}: host all_reduce gave {}", round, host[0]));
+      check(out[0] == static_cast<float>(3 * round + 3) && out[n - 1] == out[0], fmt::format("round {}: device all_reduce gave {}", round, out[0]));
     }
     g.barrier().get();  // before `data` is freed (free_kept)
   });
