@@ -87,7 +87,9 @@ class FutureStateBase {
     return true;
   }
 
-  void cancel() noexcept { stop_.request_stop(); }
+  void cancel() noexcept {
+    if (!ready()) stop_.request_stop();  // once complete, nothing to stop (and nothing changes)
+  }
   /// The loop the operation runs on (set by spawn): wait() drives it.
   void set_loop(Loop* loop) noexcept { loop_ = loop; }
   std::stop_token stop_token() const noexcept { return stop_.get_token(); }
@@ -258,9 +260,15 @@ Future<T> make_ready_future(T value) {
   return Future<T>(std::move(state));
 }
 inline Future<void> make_ready_future() {
-  auto state = std::make_shared<detail::FutureState<void>>();
-  state->finish();
-  return Future<void>(std::move(state));
+  // One state for all: complete, without an error, it never changes again (cancel, wait and get only
+  // read it), and an operation that completes at its call (the shm arena's fast path) costs no
+  // allocation for its Future.
+  static const std::shared_ptr<detail::FutureState<void>> done = [] {
+    auto state = std::make_shared<detail::FutureState<void>>();
+    state->finish();
+    return state;
+  }();
+  return Future<void>(done);
 }
 
 /// Runs `task` on `loop` and blocks the calling thread until it finishes; returns its result or throws.
