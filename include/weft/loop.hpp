@@ -88,6 +88,9 @@ class Loop {
   /// True when polling gives the core away after every look that found nothing: told so
   /// (Options::yield_while_polling) or found out (Options::yield_when_preempted).
   bool polls_yielding() const noexcept;
+  /// Whether waits poll before they sleep now: Options::spin is not zero and the cores are not taken by
+  /// compute (offload). What other pollers of this loop's events (the shm arena's fast path) follow.
+  bool polls() const noexcept;
 
   /// Caller-driven progress: when this loop owns a progress thread and the caller is another thread,
   /// parks the progress thread and runs the loop on the caller's thread until `done()` holds (polling

@@ -556,6 +556,7 @@ bool Loop::drive_until(const std::function<bool()>& done) {
 }
 
 bool Loop::polls_yielding() const noexcept { return impl_->yields.load(std::memory_order_relaxed); }
+bool Loop::polls() const noexcept { return impl_->spin.count() > 0 && !cores_taken_by_compute(); }
 
 void Loop::operation_started() noexcept { impl_->in_flight.fetch_add(1, std::memory_order_relaxed); }
 void Loop::operation_finished() noexcept { impl_->in_flight.fetch_sub(1, std::memory_order_relaxed); }

@@ -467,14 +467,16 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   ArenaRun run(g, seq, op, signature, nullptr);
   write_chunk(run, g, call, chunks, 0);
   run.publish(0);
-  // Poll the counts: memory only, bounded; a rank that left or a failed group ends it at once.
+  // Poll the counts: memory only, bounded, as long as the loop would (not at all where it does not
+  // poll); a rank that left or a failed group ends it at once.
   const bool yielding = g.loop->polls_yielding();
+  const std::chrono::microseconds spin = g.loop->polls() ? inline_spin() : std::chrono::microseconds(0);
   std::chrono::steady_clock::time_point until{};
   for (std::uint32_t polls = 1; !arena.reached(); ++polls) {
     if (polls % 64 != 0) continue;
     if (arena.retired_peer(nullptr) >= 0 || failed()) break;
     const auto now = std::chrono::steady_clock::now();
-    if (until == std::chrono::steady_clock::time_point{}) until = now + inline_spin();
+    if (until == std::chrono::steady_clock::time_point{}) until = now + spin;
     if (now >= until) break;
     // With more busy threads than cores the ranks being waited for need this core.
     if (yielding) std::this_thread::yield();
