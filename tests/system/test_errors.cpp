@@ -775,6 +775,26 @@ TEST_CASE("a collective past its deadline fails on every rank, naming whom it wa
     }, options);
     harness_caller_drives = true;
   }
+  SECTION("4 ranks, rank 3 last into every collective, then busy: what it finished at the call counts as started") {
+    // Arriving last, rank 3 finds every other rank's step published: over shm its collectives finish
+    // on its own thread inside the call (the arena's fast path), and its transport must still answer
+    // that it started them.
+    run_ranks(4, [](Group& g) {
+      std::vector<float> x(2, 1.0f);
+      for (int i = 0; i < 5; ++i) {
+        if (g.rank() == 3) std::this_thread::sleep_for(30ms);
+        g.all_reduce(x).get();  // #1 .. #5
+      }
+      if (g.rank() == 3) std::this_thread::sleep_for(2s);
+      Future<void> f = g.all_reduce(x);  // #6
+      check(f.wait_for(10s), "an all_reduce past its deadline hung");
+      if (g.rank() != 3) {
+        expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted}, {"all_reduce #6 passed its deadline", "not joined: rank 3 (its latest is #5)"});
+      } else {
+        expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted, Errc::group_failed}, {"not joined: rank 3 (its latest is #5)"});
+      }
+    }, options);
+  }
   REQUIRE(checks_made.load() > before);
 }
 

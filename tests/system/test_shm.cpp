@@ -11,13 +11,16 @@
 #include <atomic>
 #include <cstring>
 #include <algorithm>
+#include <coroutine>
 #include <future>
+#include <mutex>
 #include <new>
 #include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "group/state.hpp"
 #include "support/harness.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "transports/shm/arena.hpp"
@@ -429,4 +432,62 @@ TEST_CASE("idle ranks over shared memory use no CPU, and the first collective af
     if (g.rank() == 1) fmt::print("idle: the slowest message after 10 ms idle took {} us\n", slowest_us);
   }, options);
   REQUIRE(checks_made.load() > before_checks);
+}
+
+namespace {
+// What run_on_arena waits with (shm_collectives.cpp's TakeTurn).
+struct TurnOf {
+  detail::ArenaTurns& turns;
+  std::uint64_t ticket;
+  bool await_ready() const noexcept { return turns.has_turn(ticket); }
+  bool await_suspend(std::coroutine_handle<> h) { return turns.wait(ticket, h); }
+  void await_resume() const noexcept {}
+};
+}  // namespace
+
+TEST_CASE("the arena's turns go in ticket order, skipping the tickets given up, whichever thread leaves", "[shm][turns]") {
+  Loop loop;
+  detail::ArenaTurns turns;
+  std::vector<std::uint64_t> tickets;
+  for (int i = 0; i < 6; ++i) tickets.push_back(turns.take());
+  CHECK(tickets == std::vector<std::uint64_t>{0, 1, 2, 3, 4, 5});
+  CHECK(turns.has_turn(0));
+  std::mutex mutex;
+  std::vector<std::uint64_t> ran;
+  auto holder = [&](std::uint64_t ticket) -> Task<void> {
+    co_await TurnOf{turns, ticket};
+    CHECK(loop.in_loop_thread());  // resumed on the loop, though the turn before was left on this thread
+    {
+      std::lock_guard lock(mutex);
+      ran.push_back(ticket);
+    }
+    turns.leave(ticket, loop);
+  };
+  Future<void> second = spawn(loop, holder(2));
+  Future<void> fourth = spawn(loop, holder(4));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(!second.ready());
+  turns.leave(1, loop);  // given up before its turn: nothing moves yet
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(!second.ready());
+  CHECK(turns.has_turn(0));
+  turns.leave(0, loop);  // 0 ends on this thread: 1 is skipped, 2 runs on the loop, then 3 holds the turn
+  second.get();
+  CHECK(turns.has_turn(3));
+  CHECK(!fourth.ready());
+  turns.leave(3, loop);
+  fourth.get();
+  CHECK(turns.has_turn(5));
+  {
+    std::lock_guard lock(mutex);
+    CHECK(ran == std::vector<std::uint64_t>{2, 4});
+  }
+  // Given up in reverse order: each waits for the one before, then all go at once.
+  CHECK(turns.take() == 6);
+  CHECK(turns.take() == 7);
+  turns.leave(7, loop);
+  turns.leave(6, loop);
+  CHECK(turns.has_turn(5));
+  turns.leave(5, loop);
+  CHECK(turns.has_turn(8));
 }
