@@ -235,11 +235,13 @@ struct Loop::Impl {
   std::atomic<bool> asleep{false};
 
   void post_ready(std::function<void()> fn) {
-    {
-      std::lock_guard lock(ready_mutex);
-      ready.push_back(std::move(fn));
-      ready_any.store(true, std::memory_order_seq_cst);
-    }
+    // All of it under the lock: once the work is visible the loop may run it and its owner destroy the
+    // Loop (a device stream's worker posts the completion a waiter returns on), and ~Loop takes this lock
+    // last, so that no poster is still inside (ThreadSanitizer found the wake-up below reading a freed
+    // Impl after the unlock).
+    std::lock_guard lock(ready_mutex);
+    ready.push_back(std::move(fn));
+    ready_any.store(true, std::memory_order_seq_cst);
     if (asleep.load(std::memory_order_seq_cst)) asio::post(*io, [] {});
   }
   std::size_t run_ready() {
@@ -491,6 +493,7 @@ Loop::~Loop() {
     impl_->progress_thread.join();
     impl_->drain();  // what was posted after the progress thread's own drain (nothing runs concurrently)
   }
+  { std::lock_guard wait_for_posters(impl_->ready_mutex); }
   // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
   impl_->registry.reset();
   impl_->keep_running.reset();

@@ -221,6 +221,19 @@ Chunks chunks_of(const shm::Arena& arena, const CollectiveCall& call, int ranks)
   return Chunks{n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces))};
 }
 
+// The collectives with a script on the arena.
+bool has_script(Collective c) {
+  switch (c) {
+    case Collective::all_reduce:
+    case Collective::all_gather:
+    case Collective::reduce_scatter:
+    case Collective::all_to_all:
+    case Collective::broadcast:
+    case Collective::barrier: return true;
+    default: return false;
+  }
+}
+
 // all_reduce's second form: each rank reduces one block of the chunk and the blocks are gathered.
 bool reduces_in_blocks(const CollectiveCall& call) {
   return call.collective == Collective::all_reduce && call.out.count * dtype_size(call.out.dtype) >= reduce_everywhere_below;
@@ -346,15 +359,8 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
 // The collective's script. `first_published`: its first superstep was written and published already
 // (by run_on_arena_now, on the caller's thread).
 Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {
-  switch (call.collective) {
-    case Collective::all_reduce:
-    case Collective::all_gather:
-    case Collective::reduce_scatter:
-    case Collective::all_to_all:
-    case Collective::broadcast:
-    case Collective::barrier: break;
-    default:
-      throw std::logic_error(fmt::format("weft: {} has no direct shared-memory algorithm", to_string(call.collective)));
+  if (!has_script(call.collective)) {
+    throw std::logic_error(fmt::format("weft: {} has no direct shared-memory algorithm", to_string(call.collective)));
   }
   const Chunks chunks = chunks_of(run.arena(), call, g.size);
   if (reduces_in_blocks(call)) {
@@ -451,16 +457,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   const auto failed = [&] { return g.failed.load(std::memory_order_relaxed) || g.transport->any_context_failed(); };
   if (arena.retired() || arena.retired_peer(nullptr) >= 0 || reduces_in_blocks(call) || failed()) return ArenaNow::not_started;
   const Chunks chunks = chunks_of(arena, call, g.size);
-  if (chunks.count() != 1) return ArenaNow::not_started;
-  switch (call.collective) {
-    case Collective::all_reduce:
-    case Collective::all_gather:
-    case Collective::reduce_scatter:
-    case Collective::all_to_all:
-    case Collective::broadcast:
-    case Collective::barrier: break;
-    default: return ArenaNow::not_started;
-  }
+  if (chunks.count() != 1 || !has_script(call.collective)) return ArenaNow::not_started;
   const OpSignature signature = signature_of_call(call);
   const char* op = to_string(call.collective).data();
   // No hook: nothing here waits where a cancel could reach it (the loop's part makes its own).
