@@ -4,7 +4,8 @@
 #   kill TRANSPORT       for every collective: kill -9 one random rank of 4 at a random point; every survivor
 #                        must fail naming it within the deadline + 1 s, shrink, and run checked collectives
 #   stop TRANSPORT       SIGSTOP one random rank of 4 during a collective: every survivor's error must name
-#                        it (the deadline's straggler report) within the deadline + 1 s; then shrink
+#                        it (the deadline's straggler report) within the deadline + 1 s of the later of
+#                        the stop and its call; then shrink
 #   kill-fast TRANSPORT  kill -9 of one rank of 4 in a loop of small all_reduces, in the middle of a 64 MiB
 #                        all_reduce, and while the others wait for it asleep: every survivor must fail naming
 #                        it within 100 ms (400 ms for 64 MiB; no deadline involved: WEFT_TIMEOUT=60s), and nothing is left in
@@ -109,6 +110,14 @@ strike() {
   local t0
   t0=$(now_ms)
   kill -"$signal" "${pids[$victim]}"
+  # A stop counts from when the victim is seen stopped (on a loaded machine this script can be
+  # scheduled late between the clock and the kill, and the stop is delivered when the victim next runs).
+  if [ "$signal" = STOP ]; then
+    for try in $(seq 1 2000); do
+      [ "$(cut -d' ' -f3 "/proc/${pids[$victim]}/stat" 2>/dev/null)" = T ] && break
+    done
+    t0=$(now_ms)
+  fi
   local survivors=()
   for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
   wait_ranks 40 "${survivors[@]}"
@@ -130,8 +139,11 @@ case $case_name in
     done
     ;;
   stop)
+    # From the later of the stop and the survivor's call: its deadline runs from its call, and a
+    # survivor may call a collective well after the kill (CI once saw all three call the next broadcast
+    # 2.76 s after it, the previous one complete and checked; not reproduced here, loaded or not).
     for c in all_reduce all_gather broadcast all_to_all; do
-      strike STOP 2s "$c" 3000 "rank %d (no answer within"
+      FROM_CALL=1 strike STOP 2s "$c" 3000 "rank %d (no answer within"
       echo "ok: SIGSTOP of rank $victim during $c ($transport, WEFT_TIMEOUT=2s): survivors failed after [$times ] ms naming it, shrank to 3 and went on"
     done
     ;;
