@@ -42,8 +42,9 @@ struct OpSignature {
   friend bool operator==(const OpSignature&, const OpSignature&) = default;
 };
 
-/// One send or receive in flight. It lives in the frame of the coroutine that started it (no allocation
-/// per operation) and must stay alive, at the same address, until it completes.
+/// One send or receive in flight. It lives in the frame of the coroutine that started it, or in the
+/// object that owns the operation (no allocation per operation), and must stay alive, at the same
+/// address, until it completes.
 class TransportOp {
  public:
   TransportOp() = default;
@@ -66,14 +67,27 @@ class TransportOp {
   };
   Awaiter wait() noexcept { return Awaiter{this}; }
 
-  /// Called by the transport, once. Resumes the awaiting coroutine inline: the transport must have
-  /// finished touching its own lists before it calls complete().
+  /// Instead of a coroutine: `fn(op, context)` is called on completion (loop thread), and may destroy
+  /// the op. Set before the op starts; not together with wait().
+  using Completion = void (*)(TransportOp&, void*) noexcept;
+  void on_complete(Completion fn, void* context) noexcept {
+    completion_ = fn;
+    completion_context_ = context;
+  }
+
+  /// Called by the transport, once. Resumes the awaiting coroutine (or calls the completion) inline,
+  /// which may destroy the op: the transport must have finished touching its own lists before it calls
+  /// complete(), and must not touch the op after.
   void complete(std::error_code error = {}, int failed_peer = -1, std::string reason = {}) noexcept {
     done_ = true;
     error_ = error;
     failed_peer_ = failed_peer;
     reason_ = std::move(reason);
-    if (auto waiter = std::exchange(waiter_, {})) waiter.resume();
+    if (auto waiter = std::exchange(waiter_, {})) {
+      waiter.resume();
+    } else if (completion_) {
+      completion_(*this, completion_context_);
+    }
   }
 
   // Filled in by start_send / start_recv, for the transport's own bookkeeping.
@@ -91,6 +105,8 @@ class TransportOp {
   int failed_peer_ = -1;
   std::string reason_;
   std::coroutine_handle<> waiter_;
+  Completion completion_ = nullptr;
+  void* completion_context_ = nullptr;
 };
 
 class Transport {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <stop_token>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -19,82 +21,147 @@ namespace {
 
 using namespace detail;
 
-struct OpHook {
-  bool finished = false;   // loop thread only
-  bool timed_out = false;  // its deadline passed (the watchdog withdrew or aborted it)
-  GroupState* g = nullptr;
-  TransportOp* op = nullptr;
+// One send or receive: its Future's state, which owns the transport op, so that an operation costs one
+// allocation and no coroutine (docs/DESIGN.md, "The per-operation floor"). Started on the loop (at once
+// from its thread), watched by its deadline, cancellable through its Future. Cancelling a receive
+// withdraws it; a send on the wire cannot be taken back from the receiver's view, so cancelling it
+// aborts the group, as does a send past its deadline. A receive past its deadline is withdrawn and the
+// group stays usable. `data` is only read by a send.
+class P2pOp final : public FutureState<void> {
+ public:
+  static Future<void> start(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
+                            std::chrono::milliseconds timeout) {
+    auto op = std::make_shared<P2pOp>(std::move(g), sending, data, bytes, peer, tag, timeout);
+    op->weak_ = op;
+    op->set_loop(op->g_->loop);
+    if (op->g_->loop->in_loop_thread()) {
+      op->begin(op);
+    } else {
+      op->g_->loop->post([op] { op->begin(op); });
+    }
+    return Future<void>(std::move(op));
+  }
+
+  P2pOp(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
+        std::chrono::milliseconds timeout)
+      : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), timeout_(timeout) {}
+
+ private:
+  struct Cancel {
+    std::weak_ptr<P2pOp> weak;
+    void operator()() const {
+      if (auto op = weak.lock()) op->g_->loop->post([weak = weak] {
+          if (auto op = weak.lock()) op->cancel_now();
+        });
+    }
+  };
+
+  // Loop thread. `self` keeps the operation alive until the transport completes it.
+  void begin(std::shared_ptr<P2pOp> self) {
+    GroupState& g = *g_;
+    g.loop->operation_started();
+    self_ = std::move(self);
+    op_.on_complete(&P2pOp::completed, this);
+    const int transport_peer = g.members[static_cast<std::size_t>(peer_)];
+    const MessageKey key{g.context, 0, tag_};
+    if (sending_) {
+      g.transport->start_send(transport_peer, key, data_, bytes_, op_);
+    } else {
+      g.transport->start_recv(transport_peer, key, data_, bytes_, op_);
+    }
+    if (finished_) return;  // completed at once: nothing to watch or cancel
+    watch();
+    const std::stop_token token = stop_token();
+    if (token.stop_possible()) on_stop_.emplace(token, Cancel{weak_});
+  }
+
+  // Loop thread.
+  void cancel_now() {
+    if (finished_) return;
+    GroupState& g = *g_;
+    if (sending_) {
+      g.transport->abort_context(g.context, Errc::cancelled, fmt::format("rank {} cancelled a send [tag {}]", g.rank, tag_));
+    } else {
+      g.transport->cancel_recv(op_);
+    }
+  }
+
+  void watch() {
+    if (timeout_.count() <= 0) return;
+    GroupState& g = *g_;
+    watch_id_ = g.p2p_ids++;
+    std::function<void()> expire;
+    if (sending_) {
+      expire = [weak = weak_] {
+        auto op = weak.lock();
+        if (!op || op->finished_) return;
+        op->timed_out_ = true;
+        GroupState& g = *op->g_;
+        g.transport->abort_context(g.context, Errc::timeout,
+                                   fmt::format("a send from rank {} to rank {} [tag {}] passed its deadline: the receiver did not take it "
+                                               "(a send cannot be withdrawn once started)",
+                                               g.rank, op->peer_, op->tag_));
+      };
+    } else {
+      expire = [weak = weak_] {
+        auto op = weak.lock();
+        if (!op || op->finished_) return;
+        op->timed_out_ = true;  // before: a withdrawn receive completes inside cancel_recv
+        if (!op->g_->transport->cancel_recv(op->op_)) op->timed_out_ = false;  // it matched: let it finish
+      };
+    }
+    g.watch(GroupState::Watched{watch_id_, std::chrono::steady_clock::now(), timeout_, nullptr, std::move(expire)});
+  }
+
+  // The transport completed op_ (loop thread): the Future completes with its outcome.
+  static void completed(TransportOp& transport_op, void* context) noexcept {
+    auto* op = static_cast<P2pOp*>(context);
+    const std::shared_ptr<P2pOp> keep = std::move(op->self_);  // this may be its last owner
+    op->finish_with(transport_op);
+  }
+
+  void finish_with(const TransportOp& done) noexcept {
+    GroupState& g = *g_;
+    finished_ = true;
+    if (watch_id_) g.unwatch(watch_id_);
+    on_stop_.reset();
+    const char* name = sending_ ? "send" : "recv";
+    try {
+      if (!sending_ && timed_out_) {
+        throw_error(Errc::timeout, g.where(name, 0, peer_, tag_),
+                    fmt::format("the receive from rank {} [tag {}] passed its deadline ({}) on rank {}; it was withdrawn and the "
+                                "group stays usable", peer_, tag_, GroupState::duration_text(timeout_), g.rank));
+      }
+      if (done.error()) throw_error(static_cast<Errc>(done.error().value()), g.where(name, 0, peer_, tag_), done.reason());
+    } catch (...) {
+      set_error(std::current_exception());
+    }
+    g.loop->operation_finished();
+    finish();
+  }
+
+  std::shared_ptr<GroupState> g_;
+  bool sending_;
+  void* data_;
+  std::size_t bytes_;
+  int peer_;  // group rank
+  std::uint32_t tag_;
+  std::chrono::milliseconds timeout_;
+  // Loop thread only.
+  TransportOp op_;
+  std::shared_ptr<P2pOp> self_;
+  std::weak_ptr<P2pOp> weak_;
+  bool finished_ = false;
+  bool timed_out_ = false;  // its deadline passed (the watchdog withdrew or aborted it)
+  std::uint64_t watch_id_ = 0;
+  std::optional<std::stop_callback<Cancel>> on_stop_;
 };
 
-// A point-to-point operation's deadline: a receive still unmatched is withdrawn (the group stays usable);
-// a send not written yet cannot be taken back from the receiver's view, so the group is aborted.
-std::uint64_t watch_p2p(GroupState& g, const std::shared_ptr<OpHook>& hook, std::chrono::milliseconds timeout, bool is_send) {
-  if (timeout.count() <= 0) return 0;
-  const std::uint64_t id = g.p2p_ids++;
-  std::function<void()> expire;
-  if (is_send) {
-    expire = [hook] {
-      if (hook->finished) return;
-      hook->timed_out = true;
-      auto& g = *hook->g;
-      g.transport->abort_context(g.context, Errc::timeout,
-                                 fmt::format("a send from rank {} to rank {} [tag {}] passed its deadline: the receiver did not take it "
-                                             "(a send cannot be withdrawn once started)",
-                                             g.rank, g.group_rank(hook->op->peer), hook->op->key.tag));
-    };
-  } else {
-    expire = [hook] {
-      if (hook->finished) return;
-      hook->timed_out = true;  // before: a withdrawn receive resumes its coroutine inside cancel_recv
-      if (!hook->g->transport->cancel_recv(*hook->op)) hook->timed_out = false;  // it matched: let it finish
-    };
-  }
-  g.watch(GroupState::Watched{id, std::chrono::steady_clock::now(), timeout, nullptr, std::move(expire)});
-  return id;
-}
-
-// One send or receive: started on the transport, watched by its deadline, and cancellable through the
-// awaiting task's stop token. Cancelling a receive withdraws it; a send on the wire cannot be taken back
-// from the receiver's view, so cancelling it aborts the group. `data` is only read by a send.
+// The same as a step of a coroutine (a staged device operation's transfer): its cancellation reaches the
+// operation through the awaited Future.
 Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
-                    std::uint64_t op_seq, std::chrono::milliseconds timeout) {
-  TransportOp op;
-  auto hook = std::make_shared<OpHook>(OpHook{false, false, g.get(), &op});
-  const std::stop_token token = co_await this_stop_token();
-  std::optional<std::stop_callback<std::function<void()>>> on_stop;
-  if (token.stop_possible()) {
-    on_stop.emplace(token, std::function<void()>([g, hook, sending, tag, &op] {
-      g->loop->post([g, hook, sending, tag, &op] {
-        if (hook->finished) return;
-        if (sending) {
-          g->transport->abort_context(g->context, Errc::cancelled, fmt::format("rank {} cancelled a send [tag {}]", g->rank, tag));
-        } else {
-          g->transport->cancel_recv(op);
-        }
-      });
-    }));
-  }
-  const std::uint64_t watch_id = watch_p2p(*g, hook, timeout, sending);
-  const int transport_peer = g->members[static_cast<std::size_t>(peer)];
-  const MessageKey key{g->context, 0, tag};
-  if (sending) {
-    g->transport->start_send(transport_peer, key, data, bytes, op);
-  } else {
-    g->transport->start_recv(transport_peer, key, data, bytes, op);
-  }
-  co_await op.wait();
-  hook->finished = true;
-  if (watch_id) g->unwatch(watch_id);
-  on_stop.reset();
-  const char* name = sending ? "send" : "recv";
-  if (!sending && hook->timed_out) {
-    throw_error(Errc::timeout, g->where(name, static_cast<std::int64_t>(op_seq), peer, tag),
-                fmt::format("the receive from rank {} [tag {}] passed its deadline ({}) on rank {}; it was withdrawn and the "
-                            "group stays usable", peer, tag, GroupState::duration_text(timeout), g->rank));
-  }
-  if (op.error()) {
-    throw_error(static_cast<Errc>(op.error().value()), g->where(name, static_cast<std::int64_t>(op_seq), peer, tag), op.reason());
-  }
+                    std::chrono::milliseconds timeout) {
+  co_await P2pOp::start(std::move(g), sending, data, bytes, peer, tag, timeout);
 }
 
 }  // namespace
@@ -108,10 +175,10 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"send", data, BufferView{}, true, false, false};
     return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
-      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, 0, timeout);
+      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, timeout);
     });
   }
-  return spawn(*g.loop, p2p_task(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, 0, timeout));
+  return P2pOp::start(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, timeout);
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
@@ -123,10 +190,10 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false};
     return run_staged(state_, stream_, staged, timeout_, [this, src, tag, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
-      return p2p_task(state_, false, out.data, out.bytes(), src, tag, 0, timeout);
+      return p2p_task(state_, false, out.data, out.bytes(), src, tag, timeout);
     });
   }
-  return spawn(*g.loop, p2p_task(state_, false, data.data, data.bytes(), src, tag, 0, timeout));
+  return P2pOp::start(state_, false, data.data, data.bytes(), src, tag, timeout);
 }
 
 }  // namespace weft
