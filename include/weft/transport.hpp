@@ -141,6 +141,19 @@ class Transport {
   virtual void cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) = 0;
   /// True, with the failure, when `context` can no longer be used.
   virtual bool context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const = 0;
+  /// Whether operation (context, seq) was cancelled here or by another member (cancel_operation), and
+  /// why; for operations that run beside the transport (the shm arena), which then stop waiting too.
+  /// Default: never.
+  virtual bool operation_cancelled(std::uint32_t context, std::uint64_t seq, std::string* reason) const {
+    (void)context, (void)seq, (void)reason;
+    return false;
+  }
+  /// Whether an operation numbered `seq` of some context may have been cancelled (false: surely not).
+  /// Any thread: the arena's fast path leaves such a collective to the loop. Default: true.
+  virtual bool maybe_cancelled(std::uint64_t seq) const noexcept {
+    (void)seq;
+    return true;
+  }
 
   /// The transport ranks that operation (context, seq) here still waits on: the sources of its posted
   /// receives and the destinations of its sends not written yet. For deadline reports.

@@ -62,6 +62,12 @@ OpSignature signature_of_call(const CollectiveCall& call) {
   return signature::of(call.collective, dtype, reduces(call.collective) ? call.op : ReduceOp::sum, count, call.root);
 }
 
+// Thrown by a wait of a cancelled collective (this rank's cancel, or another member's): its Future fails
+// with `error` and its remaining supersteps go on in the background (finish_cancelled).
+struct Detach {
+  std::exception_ptr error;
+};
+
 class ArenaRun final : public shm::Arena::Waiter {
  public:
   ArenaRun(GroupState& g, std::uint64_t seq, const char* op, OpSignature signature, std::shared_ptr<Hook> hook)
@@ -69,10 +75,8 @@ class ArenaRun final : public shm::Arena::Waiter {
 
   // Loop thread (the transport's state).
   bool interrupted() override {
-    if (hook_->cancelled || arena_.retired_peer(nullptr) >= 0 || g_.failed.load(std::memory_order_relaxed) ||
-        g_.transport->context_failed(g_.context, nullptr, nullptr)) {
-      return true;
-    }
+    if (g_.failed.load(std::memory_order_relaxed) || g_.transport->context_failed(g_.context, nullptr, nullptr)) return true;
+    if (!cancelled_ && (hook_->cancelled || g_.transport->operation_cancelled(g_.context, seq_, nullptr))) return true;
     // A rank that left the group normally (its Group closed) does not fail the context by itself: a
     // rank that waits on it must (the framed transport fails such a receive the same way).
     for (int r = 0; r < g_.size; ++r) {
@@ -87,23 +91,40 @@ class ArenaRun final : public shm::Arena::Waiter {
   shm::Arena& arena() noexcept { return arena_; }
   std::byte* area() noexcept { return arena_.next_area(); }
   const std::byte* area_of(int r) const noexcept { return arena_.area(r); }
+  /// Supersteps of this operation published so far (`n` before this run: the caller's thread's).
+  std::uint32_t published() const noexcept { return published_; }
+  void published_before(std::uint32_t n) noexcept { published_ = n; }
 
-  /// Publishes this rank's area for step `step` (written before), naming the operation in its header.
+  /// From now on the operation is cancelled: its headers say so and its waits compare nothing.
+  void mark_cancelled() noexcept { cancelled_ = true; }
+
+  /// Publishes this rank's area for step `step` (written before, unless cancelled), naming the operation
+  /// in its header.
   void publish(std::uint32_t step) {
     shm::AreaHeader& mine = arena_.next_header();
     mine.seq = seq_;
     mine.count = signature_.count;
     mine.call = signature_.call;
     mine.step = step;
+    mine.flags = cancelled_ ? shm::area_cancelled : 0;
     arena_.publish();
+    published_ = step + 1;
   }
 
-  /// Waits for every rank's step `step`; then checks that they all are in the same operation. Throws on
-  /// anything else (interrupted: why; a mismatch). Loop thread.
+  /// Waits for every rank's step `step`; then checks that they all are in the same operation, not
+  /// cancelled. Throws on anything else (Detach for a cancel; otherwise why; a mismatch). Loop thread.
   Task<void> wait(std::uint32_t step) {
     co_await arena_.until_reached(*this);
-    if (!arena_.reached() || interrupted()) throw_interruption(step);
+    if (!arena_.reached() || interrupted()) throw_interruption();
+    if (cancelled_) co_return;
+    if (const int r = cancelled_by(); r >= 0) throw_cancelled_in_arena(r);
     if (const int r = disagreeing(step); r >= 0) throw_mismatch(r);
+  }
+
+  /// Throws Detach when the operation was cancelled (here or by another member) before its first
+  /// superstep. Loop thread.
+  void check_cancelled() {
+    if (hook_->cancelled || g_.transport->operation_cancelled(g_.context, seq_, nullptr)) throw_interruption();
   }
 
   /// A rank whose header for step `step` names another operation; -1 when none does. Any thread.
@@ -111,46 +132,46 @@ class ArenaRun final : public shm::Arena::Waiter {
     for (int r = 0; r < g_.size; ++r) {
       if (r == g_.rank) continue;
       const shm::AreaHeader& theirs = arena_.header(r);
-      if (theirs.seq != seq_ || OpSignature{theirs.call, theirs.count} != signature_ || theirs.step != step) return r;
+      if (theirs.seq != seq_ || OpSignature{theirs.call, theirs.count} != signature_ || theirs.step != step ||
+          theirs.flags != 0) {
+        return r;
+      }
     }
     return -1;
   }
 
-  /// Before the first step: whether the arena may still be used (false: the caller runs the framed
-  /// algorithm). Throws when a rank left it in this very operation (it was cancelled).
-  bool usable() {
-    if (arena_.retired()) return false;
-    std::uint64_t left_in = 0;
-    const int who = arena_.retired_peer(&left_in);
-    if (who < 0) return true;
-    arena_.retire(left_in);
-    if (left_in == seq_) throw_cancelled_by(who);
-    return false;
-  }
-
  private:
-  [[noreturn]] void throw_cancelled_by(int who) const {
-    throw_error(Errc::cancelled, g_.where(op_, static_cast<std::int64_t>(seq_), who),
-                fmt::format("rank {} cancelled {} #{}", who, op_, seq_));
+  // A rank whose header of the last step says this operation was cancelled there; -1 when none.
+  int cancelled_by() const {
+    for (int r = 0; r < g_.size; ++r) {
+      const shm::AreaHeader& theirs = arena_.header(r);
+      if (r != g_.rank && theirs.seq == seq_ && (theirs.flags & shm::area_cancelled) != 0) return r;
+    }
+    return -1;
   }
 
-  [[noreturn]] void throw_interruption(std::uint32_t step) {
-    if (hook_->cancelled) {
-      arena_.retire(seq_);
-      throw_error(Errc::cancelled, g_.where(op_, static_cast<std::int64_t>(seq_)),
-                  fmt::format("rank {} cancelled {} #{}", g_.rank, op_, seq_));
+  [[noreturn]] void detach(const std::string& reason) const {
+    try {
+      throw_error(Errc::cancelled, g_.where(op_, static_cast<std::int64_t>(seq_)), reason);
+    } catch (...) {
+      throw Detach{std::current_exception()};
     }
-    std::uint64_t left_in = 0;
-    if (const int who = arena_.retired_peer(&left_in); who >= 0) {
-      arena_.retire(left_in);
-      // A rank that left in an earlier collective never published this one's first step, so only there
-      // can the framed algorithm take over (nobody read this rank's area yet); past it, the leaver was in
-      // this very collective.
-      if (left_in == seq_ || step > 0) throw_cancelled_by(who);
-      throw FallBack{};
-    }
-    std::error_code code;
+  }
+
+  // Another rank's header says so before this rank's transport did (its cancel frame is on its way).
+  [[noreturn]] void throw_cancelled_in_arena(int r) const {
     std::string reason;
+    if (!g_.transport->operation_cancelled(g_.context, seq_, &reason)) {
+      reason = fmt::format("{} #{} was cancelled (rank {} said so in the group's shared-memory arena)", op_, seq_, r);
+    }
+    detach(reason);
+  }
+
+  [[noreturn]] void throw_interruption() {
+    std::string reason;
+    if (!cancelled_ && hook_->cancelled) detach(fmt::format("rank {} cancelled {} #{}", g_.rank, op_, seq_));
+    if (!cancelled_ && g_.transport->operation_cancelled(g_.context, seq_, &reason)) detach(reason);
+    std::error_code code;
     if (departed_ >= 0 && !g_.transport->context_failed(g_.context, nullptr, nullptr)) {
       reason = fmt::format("rank {} left the group (its connection closed) while rank {} waited for it in {} #{}", departed_,
                            g_.rank, op_, seq_);
@@ -177,10 +198,6 @@ class ArenaRun final : public shm::Arena::Waiter {
     throw_error(Errc::mismatch, g_.where(op_, static_cast<std::int64_t>(seq_), r), reason);
   }
 
- public:
-  struct FallBack {};
-
- private:
   GroupState& g_;
   shm::Arena& arena_;
   std::uint64_t seq_;
@@ -188,6 +205,8 @@ class ArenaRun final : public shm::Arena::Waiter {
   OpSignature signature_;
   std::shared_ptr<Hook> hook_;
   int departed_ = -1;
+  std::uint32_t published_ = 0;
+  bool cancelled_ = false;
 };
 
 // The chunks of `n` elements a script goes through when each rank writes `pieces` pieces of a chunk into
@@ -404,6 +423,31 @@ struct CancelOnArena {
   }
 };
 
+// The supersteps of `call` on `arena`.
+std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int ranks) {
+  const auto chunks = static_cast<std::uint32_t>(chunks_of(arena, call, ranks).count());
+  return reduces_in_blocks(call) ? 2 * chunks : chunks;
+}
+
+// A cancelled collective's supersteps from `published` on, in the background: the one in progress
+// waited for, the others published as cancelled (headers only) and waited for, so that every rank's
+// count stays where the next collective expects it (arena.hpp, "Cancelling"). Holds the turn until then.
+// A failure ends it: the group's later collectives report it.
+Task<void> finish_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature,
+                            std::uint32_t published, std::uint32_t steps, ArenaTicket ticket) {
+  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
+  run.mark_cancelled();
+  try {
+    if (published > 0) co_await run.wait(published - 1);
+    for (std::uint32_t step = published; step < steps; ++step) {
+      run.publish(step);
+      co_await run.wait(step);
+    }
+  } catch (...) {
+  }
+  ticket.leave();
+}
+
 }  // namespace
 
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
@@ -414,40 +458,40 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
   if (!first_published) co_await TakeTurn{g->arena_turns, ticket.number()};
   auto hook = std::make_shared<Hook>();
   ArenaRun run(*g, seq, op, signature, hook);
-  bool ran = false;
+  if (first_published) run.published_before(1);
   std::exception_ptr failure;
-  try {
-    if (first_published || run.usable()) {
-      const std::stop_token token = co_await this_stop_token();
-      std::optional<std::stop_callback<CancelOnArena>> on_stop;
-      if (token.stop_possible()) on_stop.emplace(token, CancelOnArena{g, hook, seq, op});
-      g->arena_seq = seq;
-      g->transport->note_started(g->context, seq, signature);
-      g->watch(seq, op);
-      try {
-        co_await run_script(run, *g, call, first_published);
-        ran = true;
-      } catch (const ArenaRun::FallBack&) {
-        // A rank left the arena in an earlier operation: this one goes over the transport.
-      }
-      hook->finished = true;
-      g->unwatch(seq);
+  std::exception_ptr cancelled;
+  {
+    const std::stop_token token = co_await this_stop_token();
+    std::optional<std::stop_callback<CancelOnArena>> on_stop;
+    if (token.stop_possible()) on_stop.emplace(token, CancelOnArena{g, hook, seq, op});
+    g->arena_seq = seq;
+    g->transport->note_started(g->context, seq, signature);
+    g->watch(seq, op);
+    try {
+      if (!first_published) run.check_cancelled();
+      co_await run_script(run, *g, call, first_published);
+    } catch (const Detach& detach) {
+      cancelled = detach.error;
+    } catch (const Error& e) {
+      if (e.errc() != Errc::cancelled) g->mark_failed(e.what());
+      failure = std::current_exception();
+    } catch (...) {
+      failure = std::current_exception();
     }
-  } catch (const Error& e) {
-    if (e.errc() != Errc::cancelled) g->mark_failed(e.what());
-    failure = std::current_exception();
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (failure) {
     hook->finished = true;
     g->unwatch(seq);
   }
-  // Whatever happened, the next collective waiting for the arena gets its turn.
   g->arena_seq = 0;
+  if (cancelled) {
+    // The Future fails now; the supersteps left go on in the background, holding the turn.
+    (void)spawn(*g->loop, finish_cancelled(g, seq, op, signature, run.published(), steps_of(*g->arena, call, g->size), std::move(ticket)));
+    std::rethrow_exception(cancelled);
+  }
+  // Whatever happened, the next collective waiting for the arena gets its turn.
   ticket.leave();
   if (failure) std::rethrow_exception(failure);
-  co_return ran;
+  co_return true;
 }
 
 ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall& call, ArenaTicket& ticket) {
@@ -455,7 +499,8 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   shm::Arena& arena = *g.arena;
   // Whatever failed (an abort, a lost peer, a mismatch) the loop sorts out: it knows which context and why.
   const auto failed = [&] { return g.failed.load(std::memory_order_relaxed) || g.transport->any_context_failed(); };
-  if (arena.retired() || arena.retired_peer(nullptr) >= 0 || reduces_in_blocks(call) || failed()) return ArenaNow::not_started;
+  // A collective that may have been cancelled already (another member's cancel frame) is the loop's too.
+  if (reduces_in_blocks(call) || failed() || g.transport->maybe_cancelled(seq)) return ArenaNow::not_started;
   const Chunks chunks = chunks_of(arena, call, g.size);
   if (chunks.count() != 1 || !has_script(call.collective)) return ArenaNow::not_started;
   const OpSignature signature = signature_of_call(call);
@@ -465,13 +510,13 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   write_chunk(run, g, call, chunks, 0);
   run.publish(0);
   // Poll the counts: memory only, bounded, as long as the loop would (not at all where it does not
-  // poll); a rank that left or a failed group ends it at once.
+  // poll); a failed group ends it at once.
   const bool yielding = g.loop->polls_yielding();
   const std::chrono::microseconds spin = g.loop->polls() ? inline_spin() : std::chrono::microseconds(0);
   std::chrono::steady_clock::time_point until{};
   for (std::uint32_t polls = 1; !arena.reached(); ++polls) {
     if (polls % 64 != 0) continue;
-    if (arena.retired_peer(nullptr) >= 0 || failed()) break;
+    if (failed()) break;
     const auto now = std::chrono::steady_clock::now();
     if (until == std::chrono::steady_clock::time_point{}) until = now + spin;
     if (now >= until) break;

@@ -951,6 +951,13 @@ const std::string* FramedTransport::cancellation_of(const MessageKey& key) {
   return state->cancellation(key.seq);
 }
 
+bool FramedTransport::operation_cancelled(std::uint32_t context, std::uint64_t seq, std::string* reason) const {
+  const ContextState* state = contexts_.find(context);
+  const std::string* why = state && !state->cancelled.empty() ? state->cancellation(seq) : nullptr;
+  if (why && reason) *reason = *why;
+  return why != nullptr;
+}
+
 void FramedTransport::cancel_operation(std::uint32_t context, std::uint64_t seq, const std::string& reason) {
   ContextState* state = contexts_.find(context);
   if (!state || state->failed || state->cancellation(seq)) return;
@@ -972,6 +979,7 @@ void FramedTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, c
   ContextState* state = contexts_.find(context);
   if (!state || state->failed || state->cancellation(seq)) return;
   state->note_cancelled(seq, reason);
+  cancelled_seqs_[seq / 64 % cancelled_seqs_.size()].fetch_or(std::uint64_t{1} << (seq % 64), std::memory_order_release);
   std::vector<TransportOp*> ops;
   matcher_.take_posted_if([&](const Matcher::Key& key) { return key.key.context == context && key.key.seq == seq; }, ops,
                           /*drop_early=*/true);

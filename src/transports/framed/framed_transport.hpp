@@ -58,6 +58,10 @@ class FramedTransport final : public Transport, private StreamEvents {
   std::string_view backend_to(int peer) const override;
   void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) override;
   bool any_context_failed() const noexcept override { return contexts_.any_failed(); }
+  bool operation_cancelled(std::uint32_t context, std::uint64_t seq, std::string* reason) const override;
+  bool maybe_cancelled(std::uint64_t seq) const noexcept override {
+    return (cancelled_seqs_[seq / 64 % cancelled_seqs_.size()].load(std::memory_order_acquire) >> (seq % 64) & 1) != 0;
+  }
 
   void shutdown() override;
 
@@ -218,6 +222,10 @@ class FramedTransport final : public Transport, private StreamEvents {
   std::size_t noted_elsewhere_pushed_ = 0;            // guarded by noted_elsewhere_mutex_
   std::size_t noted_elsewhere_taken_ = 0;             // loop thread
   std::atomic<bool> any_noted_elsewhere_{false};
+  // The seqs of operations cancelled so far, as bits (seq modulo 1024, any context): written on the
+  // loop, read by maybe_cancelled on any thread. A bit set by another seq only sends a collective the
+  // slower way.
+  std::array<std::atomic<std::uint64_t>, 16> cancelled_seqs_{};
   void take_noted_elsewhere();
 
   Loop& loop_;

@@ -125,25 +125,6 @@ std::vector<int> Arena::behind() const {
   return out;
 }
 
-void Arena::retire(std::uint64_t seq) noexcept {
-  // Not a superstep: the count stays, so that nobody reads this rank's area as if it were one.
-  store_and_fence(control(rank_).retired, seq == 0 ? std::uint64_t{1} : seq, std::memory_order_release);
-  wake_sleepers();
-}
-
-bool Arena::retired() const noexcept { return control(rank_).retired.load(std::memory_order_relaxed) != 0; }
-
-int Arena::retired_peer(std::uint64_t* seq) const noexcept {
-  for (int r = 0; r < ranks_; ++r) {
-    if (r == rank_) continue;
-    if (const auto s = control(r).retired.load(std::memory_order_acquire); s != 0) {
-      if (seq) *seq = s;
-      return r;
-    }
-  }
-  return -1;
-}
-
 std::size_t Arena::poll() {
   if (!waiter_ || !ready_or_interrupted()) return 0;
   auto handle = std::exchange(waiter_, nullptr)->handle;

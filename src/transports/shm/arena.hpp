@@ -17,9 +17,12 @@
 // the counts once more; a publishing rank stores its count, fences, and writes the eventfd of every peer
 // whose sleeping word it finds set.
 //
-// Leaving: a rank whose collective is cancelled halfway leaves the arena for good (`retire`, naming the
-// operation), since the others cannot step without it; they see it, fail that operation as cancelled if
-// it is the one it left, and leave too, running their later collectives over the framed transport.
+// Cancelling: the ranks never leave the arena. A collective cancelled on one rank (its Future) is
+// cancelled on every rank (the transport's cancel frame, operation_cancelled): each fails its Future at
+// once and goes on with the collective's remaining supersteps in the background, headers only (marked
+// cancelled: nothing is read from or written to the caller's buffers), so that every rank's count stays
+// where the next collective expects it. A rank that never comes holds everyone's next collective, as it
+// would without the cancel, until that one's deadline names it.
 #include <atomic>
 #include <coroutine>
 #include <cstddef>
@@ -33,7 +36,7 @@
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
-inline constexpr std::uint32_t arena_version = 1;
+inline constexpr std::uint32_t arena_version = 2;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -43,8 +46,7 @@ struct alignas(64) ArenaHeader {  // written once by the rank that makes the seg
 };
 
 struct alignas(64) RankControl {
-  std::atomic<std::uint64_t> count{0};    // supersteps published
-  std::atomic<std::uint64_t> retired{0};  // the seq of the operation it left the arena in; 0: still in
+  std::atomic<std::uint64_t> count{0};  // supersteps published
   alignas(64) std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
 };
 
@@ -53,7 +55,9 @@ struct alignas(64) AreaHeader {  // what the area holds: which operation (seq, s
   std::uint64_t count = 0;  // the signature's element count
   std::uint32_t call = 0;   // the signature's call word
   std::uint32_t step = 0;   // the operation's superstep
+  std::uint32_t flags = 0;  // area_cancelled: the operation was cancelled, the area holds nothing
 };
+inline constexpr std::uint32_t area_cancelled = 1;
 
 class Arena : public std::enable_shared_from_this<Arena> {
  public:
@@ -91,12 +95,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
   /// Whether rank r has not; the ranks that have not (for reports).
   bool behind(int r) const noexcept;
   std::vector<int> behind() const;
-
-  // ---- leaving
-  void retire(std::uint64_t seq) noexcept;
-  bool retired() const noexcept;
-  /// A rank that left the arena, with the seq it left in; -1 when none has.
-  int retired_peer(std::uint64_t* seq) const noexcept;
 
   /// What waits for the superstep: resumed when every rank reached it, or when interrupted() (a failure,
   /// a deadline, a cancel: it decides) becomes true. Loop thread only; one at a time.
