@@ -482,26 +482,36 @@ TEST_CASE("a cancelled receive is withdrawn and the group stays usable", "[error
   REQUIRE(checks_made.load() > before);
 }
 
+namespace {
+
+// all_reduce #1 of `x`, which rank 0 cancels 50 ms after its call while rank `late` comes 500 ms late:
+// every rank must fail it as cancelled.
+void cancel_with_a_late_rank(Group& g, int late, std::vector<float>& x) {
+  if (g.rank() == late) {
+    // The late rank calls the collective after rank 0 cancelled it: its call fails at once.
+    std::this_thread::sleep_for(500ms);
+    expect_error([&] { g.all_reduce(x).get(); }, Errc::cancelled, {"rank 0 cancelled all_reduce #1"});
+    return;
+  }
+  Future<void> f = g.all_reduce(x);
+  if (g.rank() == 0) {
+    std::this_thread::sleep_for(50ms);
+    f.cancel();
+  }
+  check(f.wait_for(15s), "the all_reduce hung after rank 0 cancelled it");
+  // Rank 0 sees its own cancellation; the other rank in the operation learns it from the cancel frame
+  // (or, over shm, from the arena), naming rank 0.
+  expect_error([&] { f.get(); }, Errc::cancelled, {g.rank() == 0 ? "cancelled" : "rank 0 cancelled all_reduce #1"});
+}
+
+}  // namespace
+
 TEST_CASE("a cancelled collective is cancelled on every rank, and the group goes on", "[errors][cancel]") {
   const long before = checks_made.load();
   for (const int late : {1, 2}) {
     run_ranks(3, [&](Group& g) {
       std::vector<float> x(1000, 1.0f);
-      if (g.rank() == late) {
-        // The late rank calls the collective after rank 0 cancelled it: its call fails at once.
-        std::this_thread::sleep_for(500ms);
-        expect_error([&] { g.all_reduce(x).get(); }, Errc::cancelled, {"rank 0 cancelled all_reduce #1"});
-      } else {
-        Future<void> f = g.all_reduce(x);
-        if (g.rank() == 0) {
-          std::this_thread::sleep_for(50ms);
-          f.cancel();
-        }
-        check(f.wait_for(15s), "the all_reduce hung after rank 0 cancelled it");
-        // Rank 0 sees its own cancellation; the other rank in the operation learns it from the cancel
-        // frame, naming rank 0.
-        expect_error([&] { f.get(); }, Errc::cancelled, {g.rank() == 0 ? "cancelled" : "rank 0 cancelled all_reduce #1"});
-      }
+      cancel_with_a_late_rank(g, late, x);
       // The group is still usable: the next collective is correct everywhere.
       std::vector<float> y(1001, static_cast<float>(g.rank() + 1));
       g.all_reduce(y).get();
@@ -523,18 +533,7 @@ TEST_CASE("a collective of several steps cancelled halfway, with one rank late, 
   for (const int late : {1, 2}) {
     run_ranks(3, [&](Group& g) {
       std::vector<float> big(std::size_t{3} << 18, 1.0f);
-      if (g.rank() == late) {
-        std::this_thread::sleep_for(300ms);
-        expect_error([&] { g.all_reduce(big).get(); }, Errc::cancelled, {"rank 0 cancelled all_reduce #1"});
-      } else {
-        Future<void> f = g.all_reduce(big);
-        if (g.rank() == 0) {
-          std::this_thread::sleep_for(50ms);
-          f.cancel();
-        }
-        check(f.wait_for(15s), "the all_reduce hung after rank 0 cancelled it");
-        expect_error([&] { f.get(); }, Errc::cancelled, {g.rank() == 0 ? "cancelled" : "rank 0 cancelled all_reduce #1"});
-      }
+      cancel_with_a_late_rank(g, late, big);
       // Every kind of collective after it, small and of several steps, in flight together.
       const int p = g.size();
       const int r = g.rank();
