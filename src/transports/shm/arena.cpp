@@ -81,7 +81,6 @@ void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
   poller_ = loop.add_poller(std::make_shared<WeakPoller<Arena>>(weak_from_this()));
 }
 
-RankControl& Arena::control(int r) const noexcept { return controls_[r]; }
 
 std::byte* Arena::area_at(int r, std::uint64_t parity) const noexcept {
   const std::size_t index = static_cast<std::size_t>(r) * 2 + static_cast<std::size_t>(parity);
@@ -108,14 +107,7 @@ void Arena::wake_sleepers() noexcept {
   }
 }
 
-bool Arena::reached() const noexcept {
-  for (int r = 0; r < ranks_; ++r) {
-    if (behind(r)) return false;
-  }
-  return true;
-}
 
-bool Arena::behind(int r) const noexcept { return control(r).count.load(std::memory_order_acquire) < count_; }
 
 std::vector<int> Arena::behind() const {
   std::vector<int> out;

@@ -91,9 +91,15 @@ class Arena : public std::enable_shared_from_this<Arena> {
   /// Makes this rank's area visible (count + 1) and wakes the ranks that sleep.
   void publish() noexcept;
   /// Whether every rank has published as many supersteps as this one.
-  bool reached() const noexcept;
+  bool reached() const noexcept {
+    // Inline, as every check here: the fast path looks at the counts once or a few times per collective.
+    for (int r = 0; r < ranks_; ++r) {
+      if (r != rank_ && behind(r)) return false;
+    }
+    return true;
+  }
   /// Whether rank r has not; the ranks that have not (for reports).
-  bool behind(int r) const noexcept;
+  bool behind(int r) const noexcept { return control(r).count.load(std::memory_order_acquire) < count_; }
   std::vector<int> behind() const;
 
   /// What waits for the superstep: resumed when every rank reached it, or when interrupted() (a failure,
@@ -124,7 +130,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
  private:
   Arena(Segment segment, int ranks, int rank);
-  RankControl& control(int r) const noexcept;
+  RankControl& control(int r) const noexcept { return controls_[r]; }
   std::byte* area_at(int r, std::uint64_t parity) const noexcept;
   AreaHeader& header_at(int r, std::uint64_t parity) const noexcept;
   void wake_sleepers() noexcept;
