@@ -16,6 +16,8 @@
 #include "transports/asio/asio_stream.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "transports/framed/wire.hpp"
+#include "group/state.hpp"
+#include "transports/shm/arena.hpp"
 
 using namespace weft;
 using namespace weft::test;
@@ -555,6 +557,12 @@ TEST_CASE("a collective of several steps cancelled halfway, with one rank late, 
         check(gathered.front() == 0.0f && gathered.back() == static_cast<float>(p - 1), "all_gather after the cancel");
         check(bcast.front() == 7.0f && bcast.back() == 7.0f, "broadcast after the cancel");
         check(mine.front() == static_cast<float>(p) && mine.back() == static_cast<float>(p), "reduce_scatter after the cancel");
+      }
+      // And they ran in the arena: the ten collectives after the cancel take 20 supersteps there (a
+      // group that left the arena on a cancel stopped at 1 or 2). Read once all are done: nothing else
+      // writes the count then.
+      if (const auto& arena = g.state()->arena) {
+        check(arena->count() >= 20, fmt::format("only {} supersteps in the arena: the collectives after the cancel left it", arena->count()));
       }
     }, options);
   }
