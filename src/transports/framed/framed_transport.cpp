@@ -944,7 +944,7 @@ void FramedTransport::close_connection(Connection& c, std::vector<TransportOp*>&
   matcher_.take_posted_if([peer = c.peer](const Matcher::Key& key) { return key.peer == peer; }, ops);
 }
 
-const std::string* FramedTransport::cancellation_of(const MessageKey& key) {
+const std::string* FramedTransport::cancellation_of(const MessageKey& key) const {
   if (key.seq == 0) return nullptr;  // point-to-point messages: cancelled one by one, not by seq
   const ContextState* state = contexts_.find(key.context);
   if (!state || state->cancelled.empty()) return nullptr;
@@ -952,8 +952,7 @@ const std::string* FramedTransport::cancellation_of(const MessageKey& key) {
 }
 
 bool FramedTransport::operation_cancelled(std::uint32_t context, std::uint64_t seq, std::string* reason) const {
-  const ContextState* state = contexts_.find(context);
-  const std::string* why = state && !state->cancelled.empty() ? state->cancellation(seq) : nullptr;
+  const std::string* why = cancellation_of(MessageKey{context, seq, 0});
   if (why && reason) *reason = *why;
   return why != nullptr;
 }
@@ -979,7 +978,7 @@ void FramedTransport::cancel_locally(std::uint32_t context, std::uint64_t seq, c
   ContextState* state = contexts_.find(context);
   if (!state || state->failed || state->cancellation(seq)) return;
   state->note_cancelled(seq, reason);
-  cancelled_seqs_[seq / 64 % cancelled_seqs_.size()].fetch_or(std::uint64_t{1} << (seq % 64), std::memory_order_release);
+  cancelled_seqs_[cancelled_word(seq)].fetch_or(cancelled_bit(seq), std::memory_order_release);
   std::vector<TransportOp*> ops;
   matcher_.take_posted_if([&](const Matcher::Key& key) { return key.key.context == context && key.key.seq == seq; }, ops,
                           /*drop_early=*/true);

@@ -60,7 +60,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   bool any_context_failed() const noexcept override { return contexts_.any_failed(); }
   bool operation_cancelled(std::uint32_t context, std::uint64_t seq, std::string* reason) const override;
   bool maybe_cancelled(std::uint64_t seq) const noexcept override {
-    return (cancelled_seqs_[seq / 64 % cancelled_seqs_.size()].load(std::memory_order_acquire) >> (seq % 64) & 1) != 0;
+    return (cancelled_seqs_[cancelled_word(seq)].load(std::memory_order_acquire) & cancelled_bit(seq)) != 0;
   }
 
   void shutdown() override;
@@ -138,7 +138,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   // Fails operation (context, seq) here: its posted receives, queued sends and kept early messages.
   void cancel_locally(std::uint32_t context, std::uint64_t seq, const std::string& reason);
   // The cancellation of the operation `key` belongs to, if any (cheap when nothing was cancelled).
-  const std::string* cancellation_of(const MessageKey& key);
+  const std::string* cancellation_of(const MessageKey& key) const;
   // Progress queries this rank asked and waits on (ask_progress).
   struct Query {
     std::uint32_t context = 0;
@@ -226,6 +226,8 @@ class FramedTransport final : public Transport, private StreamEvents {
   // loop, read by maybe_cancelled on any thread. A bit set by another seq only sends a collective the
   // slower way.
   std::array<std::atomic<std::uint64_t>, 16> cancelled_seqs_{};
+  static std::size_t cancelled_word(std::uint64_t seq) noexcept { return seq / 64 % std::tuple_size_v<decltype(cancelled_seqs_)>; }
+  static std::uint64_t cancelled_bit(std::uint64_t seq) noexcept { return std::uint64_t{1} << (seq % 64); }
   void take_noted_elsewhere();
 
   Loop& loop_;
