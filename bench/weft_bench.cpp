@@ -325,9 +325,21 @@ struct Case {
         if (in_place) return group.all_to_all(ConstBufferView(out, count * pn, t, where), BufferView(out, count * pn, t, where));
         return group.all_to_all(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(out, count * pn, t, where));
       case Kind::barrier: return group.barrier();
-      // Point to point has no in-place form: both columns send `input` and receive into `output`.
-      case Kind::ping_pong: return spawn(group.loop(), ping_pong(in_ptr(), out));
-      case Kind::stream: return spawn(group.loop(), stream(in_ptr(), out));
+      // Point to point has no in-place form: both columns send `input` and receive into `output`. Waited
+      // on from this thread, each send and receive is waited on by it as MPI_Send and MPI_Recv are (the
+      // Future returned is ready); with --await, the coroutine co_awaits them.
+      case Kind::ping_pong:
+        if (!args.awaited) {
+          ping_pong_waited(in_ptr(), out);
+          return make_ready_future();
+        }
+        return spawn(group.loop(), ping_pong(in_ptr(), out));
+      case Kind::stream:
+        if (!args.awaited) {
+          stream_waited(in_ptr(), out);
+          return make_ready_future();
+        }
+        return spawn(group.loop(), stream(in_ptr(), out));
     }
     return group.barrier();
   }
@@ -372,6 +384,18 @@ struct Case {
     }
   }
 
+  // The same, each call waited on by this thread.
+  void ping_pong_waited(const std::byte* send_from, std::byte* receive_into) {
+    const auto t = args.dtype;
+    if (r() == 0) {
+      group.send(ConstBufferView(send_from, count, t, where), 1).get();
+      group.recv(BufferView(receive_into, count, t, where), 1).get();
+    } else if (r() == 1) {
+      group.recv(BufferView(receive_into, count, t, where), 0).get();
+      group.send(ConstBufferView(receive_into, count, t, where), 0).get();
+    }
+  }
+
   // Rank 0 starts a window of sends, rank 1 the receives; rank 1 acknowledges the whole window with an
   // empty message once it has them all.
   Task<void> stream(const std::byte* send_from, std::byte* receive_into) {
@@ -386,6 +410,22 @@ struct Case {
       for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t, where), 0));
       for (std::size_t i = 0; i < window.size(); ++i) co_await std::move(window[i]);
       co_await group.send(ConstBufferView(receive_into, 0, t, where), 0);
+    }
+  }
+
+  // The same, the window waited on by this thread (as osu_bw's MPI_Waitall).
+  void stream_waited(const std::byte* send_from, std::byte* receive_into) {
+    const auto t = args.dtype;
+    std::vector<Future<void>> window;
+    window.reserve(stream_window);
+    if (r() == 0) {
+      for (int i = 0; i < stream_window; ++i) window.push_back(group.send(ConstBufferView(send_from, count, t, where), 1));
+      for (auto& f : window) f.get();
+      group.recv(BufferView(receive_into, 0, t, where), 1).get();
+    } else if (r() == 1) {
+      for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t, where), 0));
+      for (auto& f : window) f.get();
+      group.send(ConstBufferView(receive_into, 0, t, where), 0).get();
     }
   }
 

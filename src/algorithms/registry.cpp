@@ -1,6 +1,7 @@
 #include "algorithms/registry.hpp"
 
 #include <array>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -70,10 +71,23 @@ const Algorithm* find(Collective collective, std::string_view name) noexcept {
   return nullptr;
 }
 
-const Algorithm& entry(Collective collective, Kind kind) {
-  for (const Algorithm& a : registry()) {
-    if (a.collective == collective && a.kind == kind) return a;
+// entry() runs on every collective call (the selection's answer): a table built at compile time, not a
+// search of the registry.
+constexpr std::size_t kinds = static_cast<std::size_t>(Kind::shm) + 1;
+constexpr auto entry_index = [] {
+  std::array<std::array<std::int8_t, kinds>, all_collectives.size()> index{};
+  for (auto& row : index) row.fill(-1);
+  for (std::size_t i = 0; i < std::size(entries); ++i) {
+    index[static_cast<std::size_t>(entries[i].collective)][static_cast<std::size_t>(entries[i].kind)] = static_cast<std::int8_t>(i);
   }
+  return index;
+}();
+static_assert(std::size(entries) < 128, "entry_index holds entries' positions in an int8_t");
+
+const Algorithm& entry(Collective collective, Kind kind) {
+  const auto c = static_cast<std::size_t>(collective);
+  const auto k = static_cast<std::size_t>(kind);
+  if (c < entry_index.size() && k < kinds && entry_index[c][k] >= 0) return entries[static_cast<std::size_t>(entry_index[c][k])];
   throw std::logic_error("weft: no algorithm of kind " + std::to_string(static_cast<int>(kind)) + " for " +
                          std::string(to_string(collective)) + " in the registry");
 }

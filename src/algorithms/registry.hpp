@@ -29,6 +29,7 @@ enum class Kind : std::uint8_t {
   pairwise,
   dissemination,
   shm,  // the direct shared-memory collectives (group arena): groups whose ranks share one host
+  // (shm stays last: registry.cpp sizes its table of entries by it)
 };
 
 struct Algorithm {

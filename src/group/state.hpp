@@ -65,7 +65,7 @@ struct CollectiveCall {
 // it after its copy in, which takes a different time on every rank). A ticket is taken at the call, on
 // the caller's thread, right after the seq. Its holder runs on the loop, or on the caller's thread for a
 // collective of one superstep whose turn has come (the fast path, shm_collectives.cpp): so the turn is
-// handed over with atomics and a mutex, not loop-thread state. Callers and the loop; thread-safe.
+// handed over with atomics (and a mutex when someone waits), not loop-thread state. Callers and the loop; thread-safe.
 class ArenaTurns {
  public:
   std::uint64_t take() noexcept { return issued_.fetch_add(1, std::memory_order_relaxed); }
@@ -74,32 +74,71 @@ class ArenaTurns {
   /// Registers `waiter`, to be resumed on `loop` when `ticket`'s turn comes; false (not registered) when
   /// it has come already.
   bool wait(std::uint64_t ticket, std::coroutine_handle<> waiter) {
+    attention_.fetch_add(1, std::memory_order_seq_cst);  // announced before the look (see leave)
     std::lock_guard lock(mutex_);
-    if (serving_.load(std::memory_order_relaxed) == ticket) return false;
-    waiting_.emplace_back(ticket, waiter);
+    if (serving_.load(std::memory_order_seq_cst) == ticket) {
+      attention_.fetch_sub(1, std::memory_order_relaxed);
+      return false;
+    }
+    waiting_.emplace_back(ticket, waiter);  // counted in attention_ until it is taken
     return true;
   }
   /// Ends `ticket`'s turn, or, when its operation never ran and never will (a device collective whose
   /// copy in failed), gives it up so that it is skipped; the next holder is resumed on `loop` (at once on
   /// the loop's thread).
+  ///
+  /// Without a lock when nobody waits and nothing was given up (every small collective of the fast path):
+  /// the holder stores the next number, then looks at `attention_`, which a waiter or a ticket given up
+  /// raises before it looks at `serving_` (Dekker, both sequentially consistent): either the waiter sees
+  /// its turn come, or the holder sees it and hands over under the mutex. Only a ticket's holder moves
+  /// `serving_` on from it, so the store needs no exchange; a number given up is passed over under the
+  /// mutex by whoever finds the turn there.
   void leave(std::uint64_t ticket, Loop& loop) {
-    std::coroutine_handle<> next;
+    if (serving_.load(std::memory_order_relaxed) == ticket) {
+      serving_.store(ticket + 1, std::memory_order_seq_cst);
+      if (attention_.load(std::memory_order_seq_cst) == 0) return;
+      hand_over(loop);
+      return;
+    }
+    attention_.fetch_add(1, std::memory_order_seq_cst);  // given up: counted until passed over
     {
       std::lock_guard lock(mutex_);
-      std::erase_if(waiting_, [&](const auto& w) { return w.first == ticket; });
-      std::uint64_t serving = serving_.load(std::memory_order_relaxed);
-      if (serving != ticket) {
+      if (serving_.load(std::memory_order_seq_cst) != ticket) {
+        std::erase_if(waiting_, [&](const auto& w) {
+          if (w.first != ticket) return false;
+          attention_.fetch_sub(1, std::memory_order_relaxed);
+          return true;
+        });
         abandoned_.push_back(ticket);
         return;
       }
-      ++serving;
-      while (std::erase(abandoned_, serving) > 0) ++serving;
-      serving_.store(serving, std::memory_order_release);
-      for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-        if (it->first != serving) continue;
-        next = it->second;
-        waiting_.erase(it);
-        break;
+      // Its turn came meanwhile: it leaves as a holder.
+      attention_.fetch_sub(1, std::memory_order_relaxed);
+      serving_.store(ticket + 1, std::memory_order_seq_cst);
+    }
+    hand_over(loop);
+  }
+
+ private:
+  // After the turn moved on: passes over the numbers given up, drops waiters whose turn is past (a
+  // waiting coroutine destroyed before its turn), and resumes the next holder if it waits.
+  void hand_over(Loop& loop) {
+    std::coroutine_handle<> next;
+    {
+      std::lock_guard lock(mutex_);
+      std::uint64_t serving = serving_.load(std::memory_order_seq_cst);
+      while (std::erase(abandoned_, serving) > 0) {
+        attention_.fetch_sub(1, std::memory_order_relaxed);
+        serving_.store(++serving, std::memory_order_seq_cst);
+      }
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if (it->first > serving) {
+          ++it;
+          continue;
+        }
+        if (it->first == serving) next = it->second;
+        attention_.fetch_sub(1, std::memory_order_relaxed);
+        it = waiting_.erase(it);
       }
     }
     if (!next) return;
@@ -110,9 +149,11 @@ class ArenaTurns {
     }
   }
 
- private:
   std::atomic<std::uint64_t> issued_{0};
   std::atomic<std::uint64_t> serving_{0};
+  // Waiters registered or registering, and numbers given up not yet passed over: while it is not zero a
+  // leaving holder hands over under the mutex.
+  std::atomic<std::uint64_t> attention_{0};
   std::mutex mutex_;
   std::vector<std::pair<std::uint64_t, std::coroutine_handle<>>> waiting_;  // guarded by mutex_
   std::vector<std::uint64_t> abandoned_;                                    // guarded by mutex_

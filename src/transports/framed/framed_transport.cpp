@@ -297,26 +297,35 @@ void FramedTransport::note_started(std::uint32_t context, std::uint64_t seq, con
     note_local_signature(context, seq, signature);
     return;
   }
-  std::lock_guard lock(noted_elsewhere_mutex_);
-  noted_elsewhere_[noted_elsewhere_pushed_++ % noted_elsewhere_.size()] = NotedElsewhere{context, seq, signature};
-  any_noted_elsewhere_.store(true, std::memory_order_relaxed);
+  const std::uint64_t number = noted_elsewhere_pushed_.fetch_add(1, std::memory_order_acq_rel);
+  NotedElsewhere& slot = noted_elsewhere_[number % noted_elsewhere_.size()];
+  slot.stamp.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);  // the 0 is seen before any word of the new entry
+  slot.seq.store(seq, std::memory_order_relaxed);
+  slot.count.store(signature.count, std::memory_order_relaxed);
+  slot.context.store(context, std::memory_order_relaxed);
+  slot.call.store(signature.call, std::memory_order_relaxed);
+  slot.stamp.store(number + 1, std::memory_order_release);
 }
 
 void FramedTransport::take_noted_elsewhere() {
-  std::array<NotedElsewhere, 64> taken;
-  std::size_t n = 0;
-  {
-    std::lock_guard lock(noted_elsewhere_mutex_);
-    // The latest 64 when more came since the last look (older ones only answer older queries).
-    const std::size_t from = std::max(noted_elsewhere_taken_, noted_elsewhere_pushed_ > taken.size() ? noted_elsewhere_pushed_ - taken.size() : 0);
-    for (std::size_t i = from; i < noted_elsewhere_pushed_; ++i) taken[n++] = noted_elsewhere_[i % taken.size()];
-    noted_elsewhere_taken_ = noted_elsewhere_pushed_;
-    any_noted_elsewhere_.store(false, std::memory_order_relaxed);
+  const std::uint64_t pushed = noted_elsewhere_pushed_.load(std::memory_order_acquire);
+  const std::uint64_t size = noted_elsewhere_.size();
+  std::uint64_t number = std::max(noted_elsewhere_taken_, pushed > size ? pushed - size : 0);
+  for (; number < pushed; ++number) {
+    const NotedElsewhere& slot = noted_elsewhere_[number % size];
+    const std::uint64_t stamp = slot.stamp.load(std::memory_order_acquire);
+    if (stamp < number + 1) break;      // still being written: taken next time
+    if (stamp != number + 1) continue;  // written over by a later push, taken in its place
+    const std::uint32_t context = slot.context.load(std::memory_order_relaxed);
+    const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
+    const OpSignature signature{slot.call.load(std::memory_order_relaxed), slot.count.load(std::memory_order_relaxed)};
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (slot.stamp.load(std::memory_order_relaxed) != stamp) continue;  // written over while read
+    if (signature.call == 0 || contexts_.noted_last(context, seq)) continue;
+    note_new_local_signature(context, seq, signature);
   }
-  for (std::size_t i = 0; i < n; ++i) {
-    if (taken[i].signature.call == 0 || contexts_.noted_last(taken[i].context, taken[i].seq)) continue;
-    note_new_local_signature(taken[i].context, taken[i].seq, taken[i].signature);
-  }
+  noted_elsewhere_taken_ = number;
 }
 
 // The searches start at the latest entries and stop once past the seq sought (with a little slack for
@@ -754,7 +763,7 @@ void FramedTransport::on_header_only(Connection& c) {
   answer.kind = wire::FrameKind::progress;
   answer.context = h.context;
   answer.seq = h.seq;
-  if (any_noted_elsewhere_.load(std::memory_order_relaxed)) take_noted_elsewhere();
+  if (any_noted_elsewhere()) take_noted_elsewhere();
   const ContextState* state = contexts_.find(h.context);
   answer.tag = state ? state->started : 0;
   // How this rank called the operation asked about: the asker compares it with its own call.
@@ -1039,7 +1048,7 @@ void FramedTransport::send_abort(std::uint32_t context, const std::vector<int>& 
 
 void FramedTransport::ask_progress(std::uint32_t context, std::uint64_t seq, std::chrono::milliseconds patience,
                                 std::function<void(std::vector<Progress>)> done) {
-  if (any_noted_elsewhere_.load(std::memory_order_relaxed)) take_noted_elsewhere();  // signature_of reads them after
+  if (any_noted_elsewhere()) take_noted_elsewhere();  // signature_of reads them after
   auto query = std::make_shared<Query>();
   query->context = context;
   query->seq = seq;

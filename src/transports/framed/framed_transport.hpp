@@ -154,7 +154,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   // Records a signature of `context` (this rank's own operation, or a message from `peer` that came
   // early) and aborts the context with Errc::mismatch when the other side disagrees for the same seq.
   void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
-    if (any_noted_elsewhere_.load(std::memory_order_relaxed)) take_noted_elsewhere();
+    if (any_noted_elsewhere()) take_noted_elsewhere();
     // Once per operation: its later messages return here.
     if (signature.call == 0 || contexts_.noted_last(context, seq)) return;
     note_new_local_signature(context, seq, signature);
@@ -211,17 +211,22 @@ class FramedTransport final : public Transport, private StreamEvents {
 
   // Operations started on another thread (the group arena's fast path, which runs on the caller's):
   // kept here, the latest 64, and noted on the loop before anything reads the contexts' records (a
-  // progress query's answer, this rank's own signatures). Callers push; the loop takes.
+  // progress query's answer, this rank's own signatures). Callers push, the loop takes, without a lock:
+  // a push claims a slot (`noted_elsewhere_pushed_`), writes it, and stamps it with its number + 1; the
+  // loop takes the slots in order up to the first not stamped yet (it looks again next time), and skips
+  // one written over by a push 64 later (older ones only answer older queries). Every word is atomic, so
+  // a slot read while it is written over is only seen torn by its stamp, and skipped.
   struct NotedElsewhere {
-    std::uint32_t context;
-    std::uint64_t seq;
-    OpSignature signature;
+    std::atomic<std::uint64_t> stamp{0};  // the push's number + 1 once written; 0 while it is
+    std::atomic<std::uint64_t> seq{0};
+    std::atomic<std::uint64_t> count{0};
+    std::atomic<std::uint32_t> context{0};
+    std::atomic<std::uint32_t> call{0};
   };
-  std::mutex noted_elsewhere_mutex_;
-  std::array<NotedElsewhere, 64> noted_elsewhere_{};  // guarded by noted_elsewhere_mutex_
-  std::size_t noted_elsewhere_pushed_ = 0;            // guarded by noted_elsewhere_mutex_
-  std::size_t noted_elsewhere_taken_ = 0;             // loop thread
-  std::atomic<bool> any_noted_elsewhere_{false};
+  std::array<NotedElsewhere, 64> noted_elsewhere_{};
+  std::atomic<std::uint64_t> noted_elsewhere_pushed_{0};
+  std::uint64_t noted_elsewhere_taken_ = 0;  // loop thread
+  bool any_noted_elsewhere() const noexcept { return noted_elsewhere_pushed_.load(std::memory_order_relaxed) != noted_elsewhere_taken_; }
   // The seqs of operations cancelled so far, as bits (seq modulo 1024, any context): written on the
   // loop, read by maybe_cancelled on any thread. A bit set by another seq only sends a collective the
   // slower way.
