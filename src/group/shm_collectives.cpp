@@ -89,8 +89,9 @@ class ArenaRun final : public shm::Arena::Waiter {
   }
 
   shm::Arena& arena() noexcept { return arena_; }
-  std::byte* area() noexcept { return arena_.next_area(); }
-  const std::byte* area_of(int r) const noexcept { return arena_.area(r); }
+  /// This rank's next area and rank r's last one, holding `bytes` (the same on every rank: arena.hpp).
+  std::byte* area(std::size_t bytes) noexcept { return arena_.next_area(bytes); }
+  const std::byte* area_of(int r, std::size_t bytes) const noexcept { return arena_.area(r, bytes); }
   /// Supersteps of this operation published so far (`n` before this run: the caller's thread's).
   std::uint32_t published() const noexcept { return published_; }
   void published_before(std::uint32_t n) noexcept { published_ = n; }
@@ -268,7 +269,7 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
     case Collective::all_reduce:
     case Collective::all_gather: {
       const std::size_t esize = dtype_size(call.in.dtype);
-      std::memcpy(run.area(), call.in.bytes_ptr() + off * esize, c * esize);
+      std::memcpy(run.area(c * esize), call.in.bytes_ptr() + off * esize, c * esize);
       break;
     }
     case Collective::reduce_scatter:
@@ -277,13 +278,13 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
       const auto p = static_cast<std::size_t>(g.size);
       const std::size_t n = call.in.count / p;
       for (std::size_t q = 0; q < p; ++q) {
-        std::memcpy(run.area() + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
+        std::memcpy(run.area(p * c * esize) + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
       }
       break;
     }
     case Collective::broadcast: {
       const std::size_t esize = dtype_size(call.out.dtype);
-      if (g.rank == call.root) std::memcpy(run.area(), call.out.bytes_ptr() + off * esize, c * esize);
+      if (g.rank == call.root) std::memcpy(run.area(c * esize), call.out.bytes_ptr() + off * esize, c * esize);
       break;
     }
     default: break;  // barrier: the header says it all
@@ -300,7 +301,7 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
     case Collective::all_reduce: {
       const std::size_t esize = dtype_size(call.out.dtype);
       sources.resize(p);
-      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r));
+      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), c * esize);
       algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
       break;
     }
@@ -308,7 +309,7 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
       const std::size_t esize = dtype_size(call.in.dtype);
       const std::size_t n = call.in.count;
       for (int r = 0; r < g.size; ++r) {
-        std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r), c * esize);
+        std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r, c * esize), c * esize);
       }
       break;
     }
@@ -320,18 +321,18 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
       const std::size_t mine = static_cast<std::size_t>(g.rank) * c * esize;
       if (call.collective == Collective::reduce_scatter) {
         sources.resize(p);
-        for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r)) + mine;
+        for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), p * c * esize) + mine;
         algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
       } else {
         for (std::size_t r = 0; r < p; ++r) {
-          std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r)) + mine, c * esize);
+          std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r), p * c * esize) + mine, c * esize);
         }
       }
       break;
     }
     case Collective::broadcast: {
       const std::size_t esize = dtype_size(call.out.dtype);
-      if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root), c * esize);
+      if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root, c * esize), c * esize);
       break;
     }
     default: break;
@@ -357,20 +358,20 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
     const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
-    std::memcpy(run.area(), in + off * esize, c * esize);
+    std::memcpy(run.area(c * esize), in + off * esize, c * esize);
     run.publish(step);
     co_await run.wait(step++);
     // This rank's block of the chunk, reduced from every area into its own next area; then every block
     // from its owner's area.
     const algo::Range mine = algo::block(c, g.size, g.rank);
-    for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r)) + mine.offset * esize;
-    std::byte* reduced = run.area() + mine.offset * esize;
+    for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), c * esize) + mine.offset * esize;
+    std::byte* reduced = run.area(c * esize) + mine.offset * esize;
     algo::fold_in_rank_order(reduced, sources, mine.count, call.out.dtype, call.op);
     run.publish(step);
     co_await run.wait(step++);
     for (int r = 0; r < g.size; ++r) {
       const algo::Range theirs = algo::block(c, g.size, r);
-      std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r) + theirs.offset * esize, theirs.count * esize);
+      std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r, c * esize) + theirs.offset * esize, theirs.count * esize);
     }
   }
 }

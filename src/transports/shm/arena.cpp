@@ -18,7 +18,8 @@ std::size_t controls_offset() noexcept { return round_up(sizeof(ArenaHeader), 64
 std::size_t areas_offset(int ranks) noexcept {
   return round_up(controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(ranks), 4096);
 }
-std::size_t stride_of(std::size_t area_bytes) noexcept { return round_up(sizeof(AreaHeader) + area_bytes, 4096); }
+// An area: its header's line, then its bytes (small contents on the header's line: arena.hpp).
+std::size_t stride_of(std::size_t area_bytes) noexcept { return round_up(64 + area_bytes, 4096); }
 std::size_t segment_bytes(int ranks, std::size_t area_bytes) noexcept {
   return areas_offset(ranks) + 2 * static_cast<std::size_t>(ranks) * stride_of(area_bytes);
 }
@@ -37,7 +38,6 @@ Arena::Arena(Segment segment, int ranks, int rank)
   area_stride_ = stride_of(area_bytes_);
   controls_ = reinterpret_cast<RankControl*>(base + controls_offset());
   areas_ = base + areas_offset(ranks);
-  count_ = control(rank).count.load(std::memory_order_relaxed);
 }
 
 std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
@@ -46,7 +46,11 @@ std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
   auto* base = static_cast<std::byte*>(segment.data());
   new (base) ArenaHeader{arena_magic, arena_version, static_cast<std::uint32_t>(ranks), area};
   for (int r = 0; r < ranks; ++r) new (base + controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(r)) RankControl{};
-  return std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
+  auto arena = std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
+  for (int r = 0; r < ranks; ++r) {
+    for (std::uint64_t parity = 0; parity < 2; ++parity) new (&arena->header_at(r, parity)) AreaHeader{};
+  }
+  return arena;
 }
 
 std::shared_ptr<Arena> Arena::adopt(int fd, int ranks, int rank) {
@@ -82,18 +86,9 @@ void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
 }
 
 
-std::byte* Arena::area_at(int r, std::uint64_t parity) const noexcept {
-  const std::size_t index = static_cast<std::size_t>(r) * 2 + static_cast<std::size_t>(parity);
-  return areas_ + index * area_stride_ + sizeof(AreaHeader);
-}
-
-AreaHeader& Arena::header_at(int r, std::uint64_t parity) const noexcept {
-  return *reinterpret_cast<AreaHeader*>(area_at(r, parity) - sizeof(AreaHeader));
-}
-
 void Arena::publish() noexcept {
   ++count_;
-  store_and_fence(control(rank_).count, count_, std::memory_order_release);
+  store_and_fence(header_at(rank_, (count_ - 1) & 1).published, count_, std::memory_order_release);
   wake_sleepers();
 }
 

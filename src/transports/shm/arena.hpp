@@ -6,6 +6,12 @@
 //   write into my area (the one of parity count % 2), publish (count + 1), wait until every rank's count
 //   reached mine, read the other ranks' areas of that parity.
 //
+// Where the counts live: in each area's header, on the first cache line of the area (`published`: the
+// count that made the area visible). A reader waits on the very line it then checks, and an area that
+// holds at most `bytes_beside_header` bytes keeps them on that line too: an 8-byte all_reduce costs a
+// reader one line from each peer, not three (a count line, a header line, a data line). Larger contents
+// start on the next line, aligned for the copies.
+//
 // Why two areas and no "done reading" word: a rank reads parity b's areas between its wait for count
 // x + 1 and its next publish (x + 2); a writer writes parity b again only at count x + 2, after it has
 // waited for every rank to reach x + 2, so every reader has left. Every word has one writer (its rank);
@@ -14,8 +20,8 @@
 // outside the segment.
 //
 // Waking (ring.hpp's Dekker pair): a waiting rank about to sleep stores sleeping = 1, fences, and looks at
-// the counts once more; a publishing rank stores its count, fences, and writes the eventfd of every peer
-// whose sleeping word it finds set.
+// the counts once more; a publishing rank stores its count (in the area's header), fences, and writes
+// the eventfd of every peer whose sleeping word it finds set.
 //
 // Cancelling: the ranks never leave the arena. A collective cancelled on one rank (its Future) is
 // cancelled on every rank (the transport's cancel frame, operation_cancelled): each fails its Future at
@@ -36,7 +42,7 @@
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
-inline constexpr std::uint32_t arena_version = 2;
+inline constexpr std::uint32_t arena_version = 3;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -46,17 +52,22 @@ struct alignas(64) ArenaHeader {  // written once by the rank that makes the seg
 };
 
 struct alignas(64) RankControl {
-  std::atomic<std::uint64_t> count{0};  // supersteps published
-  alignas(64) std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
+  std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
 };
 
-struct alignas(64) AreaHeader {  // what the area holds: which operation (seq, signature), which step
+// What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
+// first cache line (areas start on a page); contents of at most `Arena::bytes_beside_header` bytes
+// follow it on that line, larger ones start on the next.
+struct AreaHeader {
+  std::atomic<std::uint64_t> published{0};  // the rank's count when it published this area (release)
   std::uint64_t seq = 0;
   std::uint64_t count = 0;  // the signature's element count
   std::uint32_t call = 0;   // the signature's call word
   std::uint32_t step = 0;   // the operation's superstep
   std::uint32_t flags = 0;  // area_cancelled: the operation was cancelled, the area holds nothing
+  std::uint32_t unused = 0;
 };
+static_assert(sizeof(AreaHeader) == 40, "small contents start 8-aligned beside the header, on its line");
 inline constexpr std::uint32_t area_cancelled = 1;
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -82,11 +93,13 @@ class Arena : public std::enable_shared_from_this<Arena> {
 
   // ---- one superstep: write, publish, wait (until_reached), read
   std::uint64_t count() const noexcept { return count_; }
-  /// This rank's area for the next superstep (written before publish()), and its header.
-  std::byte* next_area() const noexcept { return area_at(rank_, count_ & 1); }
+  /// This rank's area for the next superstep, to hold `bytes` (written before publish()), and its
+  /// header. Every rank of a superstep passes the same `bytes` for an area (they follow from the call,
+  /// which the headers check): where the contents start depends on it.
+  std::byte* next_area(std::size_t bytes) const noexcept { return area_at(rank_, count_ & 1, bytes); }
   AreaHeader& next_header() const noexcept { return header_at(rank_, count_ & 1); }
-  /// Rank r's area of the superstep last published (read after the wait), and its header.
-  const std::byte* area(int r) const noexcept { return area_at(r, (count_ - 1) & 1); }
+  /// Rank r's area of the superstep last published, holding `bytes` (read after the wait), and its header.
+  const std::byte* area(int r, std::size_t bytes) const noexcept { return area_at(r, (count_ - 1) & 1, bytes); }
   const AreaHeader& header(int r) const noexcept { return header_at(r, (count_ - 1) & 1); }
   /// Makes this rank's area visible (count + 1) and wakes the ranks that sleep.
   void publish() noexcept;
@@ -98,8 +111,14 @@ class Arena : public std::enable_shared_from_this<Arena> {
     }
     return true;
   }
-  /// Whether rank r has not; the ranks that have not (for reports).
-  bool behind(int r) const noexcept { return control(r).count.load(std::memory_order_acquire) < count_; }
+  /// Whether rank r has not; the ranks that have not (for reports). Rank r has published count_ when
+  /// its area of that parity says so: it cannot publish into that area again (count_ + 2) before this
+  /// rank published count_ + 1.
+  bool behind(int r) const noexcept {
+    return count_ != 0 && header_at(r, (count_ - 1) & 1).published.load(std::memory_order_acquire) < count_;
+  }
+  /// How many of an area's bytes share the cache line of its header.
+  static constexpr std::size_t bytes_beside_header = 64 - sizeof(AreaHeader);
   std::vector<int> behind() const;
 
   /// What waits for the superstep: resumed when every rank reached it, or when interrupted() (a failure,
@@ -131,8 +150,13 @@ class Arena : public std::enable_shared_from_this<Arena> {
  private:
   Arena(Segment segment, int ranks, int rank);
   RankControl& control(int r) const noexcept { return controls_[r]; }
-  std::byte* area_at(int r, std::uint64_t parity) const noexcept;
-  AreaHeader& header_at(int r, std::uint64_t parity) const noexcept;
+  std::byte* line_at(int r, std::uint64_t parity) const noexcept {
+    return areas_ + (static_cast<std::size_t>(r) * 2 + static_cast<std::size_t>(parity)) * area_stride_;
+  }
+  std::byte* area_at(int r, std::uint64_t parity, std::size_t bytes) const noexcept {
+    return line_at(r, parity) + (bytes <= bytes_beside_header ? sizeof(AreaHeader) : 64);
+  }
+  AreaHeader& header_at(int r, std::uint64_t parity) const noexcept { return *reinterpret_cast<AreaHeader*>(line_at(r, parity)); }
   void wake_sleepers() noexcept;
   bool ready_or_interrupted() const noexcept { return reached() || (waiter_ && waiter_->interrupted()); }
 
