@@ -10,7 +10,7 @@
 # peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks). ITERS (default 20) sets the
 # timed iterations per size of every side (more steadies the small sizes). COLLECTIVE all_gatherv or
 # all_to_allv compares the variable-size forms (equal counts: weft-bench --variable, MPI_Allgatherv,
-# MPI_Alltoallv).
+# MPI_Alltoallv). WEFT_BENCH_FLAGS adds flags to weft-bench (e.g. --await).
 set -euo pipefail
 build=$1
 ranks=${2:-2}
@@ -30,6 +30,9 @@ fi
 weft_collective=$collective
 weft_flags=()
 case $collective in all_gatherv | all_to_allv) weft_collective=${collective%v}; weft_flags=(--variable) ;; esac
+# WEFT_BENCH_FLAGS: more weft-bench flags, e.g. --await (the calls co_awaited from one coroutine).
+read -r -a extra_flags <<< "${WEFT_BENCH_FLAGS:-}"
+weft_flags+=("${extra_flags[@]}")
 gloo_has=0
 case $collective in all_reduce | all_gather | reduce_scatter | broadcast) gloo_has=1 ;; esac
 if [ $gloo_has = 1 ] && [ ! -x "$build/bench/gloo-allreduce-bench" ]; then

@@ -413,18 +413,20 @@ struct Case {
     }
   }
 
-  // The same, the window waited on by this thread (as osu_bw's MPI_Waitall).
+  // The same, the window waited on by this thread at once (when_all, as osu_bw's MPI_Waitall): one
+  // wait for all, not one per Future (each of which would hand the loop back while the others are in
+  // flight: docs/DESIGN.md, "Caller-driven progress").
   void stream_waited(const std::byte* send_from, std::byte* receive_into) {
     const auto t = args.dtype;
     std::vector<Future<void>> window;
     window.reserve(stream_window);
     if (r() == 0) {
       for (int i = 0; i < stream_window; ++i) window.push_back(group.send(ConstBufferView(send_from, count, t, where), 1));
-      for (auto& f : window) f.get();
+      (void)sync_wait(group.loop(), when_all(std::move(window)));
       group.recv(BufferView(receive_into, 0, t, where), 1).get();
     } else if (r() == 1) {
       for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t, where), 0));
-      for (auto& f : window) f.get();
+      (void)sync_wait(group.loop(), when_all(std::move(window)));
       group.send(ConstBufferView(receive_into, 0, t, where), 0).get();
     }
   }
