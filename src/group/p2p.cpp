@@ -90,27 +90,24 @@ class P2pOp final : public FutureState<void> {
     if (timeout_.count() <= 0) return;
     GroupState& g = *g_;
     watch_id_ = g.p2p_ids++;
-    std::function<void()> expire;
-    if (sending_) {
-      expire = [weak = weak_] {
-        auto op = weak.lock();
-        if (!op || op->finished_) return;
-        op->timed_out_ = true;
-        GroupState& g = *op->g_;
-        g.transport->abort_context(g.context, Errc::timeout,
-                                   fmt::format("a send from rank {} to rank {} [tag {}] passed its deadline: the receiver did not take it "
-                                               "(a send cannot be withdrawn once started)",
-                                               g.rank, op->peer_, op->tag_));
-      };
-    } else {
-      expire = [weak = weak_] {
-        auto op = weak.lock();
-        if (!op || op->finished_) return;
-        op->timed_out_ = true;  // before: a withdrawn receive completes inside cancel_recv
-        if (!op->g_->transport->cancel_recv(op->op_)) op->timed_out_ = false;  // it matched: let it finish
-      };
+    g.watch(GroupState::Watched{watch_id_, std::chrono::steady_clock::now(), timeout_, nullptr, &P2pOp::expire, this});
+  }
+
+  // The watchdog found it past its deadline (loop thread; it is still watched, so not finished).
+  static void expire(void* context) {
+    auto* op = static_cast<P2pOp*>(context);
+    if (op->finished_) return;
+    const std::shared_ptr<P2pOp> keep = op->self_;  // completing it may release its last owner
+    op->timed_out_ = true;
+    GroupState& g = *op->g_;
+    if (op->sending_) {
+      g.transport->abort_context(g.context, Errc::timeout,
+                                 fmt::format("a send from rank {} to rank {} [tag {}] passed its deadline: the receiver did not take it "
+                                             "(a send cannot be withdrawn once started)",
+                                             g.rank, op->peer_, op->tag_));
+    } else if (!g.transport->cancel_recv(op->op_)) {  // a withdrawn receive completes inside cancel_recv
+      op->timed_out_ = false;  // it matched: let it finish
     }
-    g.watch(GroupState::Watched{watch_id_, std::chrono::steady_clock::now(), timeout_, nullptr, std::move(expire)});
   }
 
   // The transport completed op_ (loop thread): the Future completes with its outcome.

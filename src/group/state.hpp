@@ -230,7 +230,11 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     // A collective expires through time_out(id, op, timeout): nothing to allocate per operation (a
     // std::function holding those four words would have allocated on every call).
     const char* op = nullptr;
-    std::function<void()> expire;  // otherwise (point-to-point): small captures only
+    // Otherwise (point-to-point): `expire(context)`, called only while the entry is still watched (its
+    // owner unwatches before it goes). A pointer and a context, not a std::function: one holding a
+    // weak_ptr allocated on every receive that had to wait.
+    void (*expire)(void* context) = nullptr;
+    void* context = nullptr;
   };
   std::vector<Watched> watched;
   bool watchdog_armed = false;

@@ -31,7 +31,7 @@ std::chrono::milliseconds GroupState::deadline_of(std::uint64_t seq) {
 void GroupState::watch(std::uint64_t seq, const char* op) {
   const auto timeout = deadline_of(seq);
   if (timeout.count() <= 0) return;
-  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, op, {}});
+  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, op});
 }
 
 void GroupState::watch(Watched w) {
@@ -68,7 +68,10 @@ void GroupState::on_watchdog() {
   // Expiring completes operations, whose coroutines then unwatch: work on the copy.
   for (const Watched& w : late) {
     if (w.expire) {
-      w.expire();
+      // Only while still watched: an earlier expiry may have completed its owner, which unwatched and
+      // may be gone.
+      const bool watching = std::any_of(watched.begin(), watched.end(), [&](const Watched& v) { return v.id == w.id; });
+      if (watching) w.expire(w.context);
     } else {
       time_out(w.id, w.op, w.timeout);
     }

@@ -961,6 +961,44 @@ TEST_CASE("one operation's deadline: with_timeout on a collective and on a recei
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a send past its own deadline aborts the group, naming the send", "[errors][deadline]") {
+  // 64 MiB, more than any stream holds (socket buffers, the shm ring), to a rank whose loop reads
+  // nothing for 4 s (a receiver that reads keeps an unexpected message, so the send would complete).
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> data(std::size_t{16} << 20, 1.0f);
+    if (g.rank() == 1) {
+      std::promise<void> blocked;
+      g.loop().post([&] {
+        blocked.set_value();
+        std::this_thread::sleep_for(4s);  // the loop's thread, busy elsewhere: nothing reads
+      });
+      blocked.get_future().wait();
+    }
+    if (g.rank() == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      Future<void> s = g.with_timeout(300ms).send(data, 1, 9);
+      check(s.wait_for(10s), "a send past its deadline hung");
+      // Its frame is half written: the Future ends once the stream lets go of the buffer, when the
+      // frame has not moved for a while (stuck_grace, 1 s) and the connection is closed; well before
+      // the receiver would read again.
+      check(std::chrono::steady_clock::now() - t0 < 3500ms, "the send's deadline took too long");
+      expect_error([&] { s.get(); }, Errc::timeout,
+                   {"rank 0", "send", "a send from rank 0 to rank 1 [tag 9] passed its deadline", "cannot be withdrawn"});
+    }
+    // The group failed on both ranks: a later collective fails at once (rank 1 learns it from the
+    // closed connection, rank 0 names its own deadline).
+    Future<void> f = g.all_reduce(data);
+    check(f.wait_for(10s), "a collective after the send's deadline hung");
+    if (g.rank() == 0) {
+      expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted}, {"passed its deadline"});
+    } else {
+      expect_error([&] { f.get(); }, {Errc::peer_failure, Errc::aborted, Errc::timeout}, {"rank 0"});
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("a rank that stops reading for longer than four heartbeats is alive, not dead", "[errors][liveness]") {
   // Rank 1's loop is blocked for 7 s (its process alive, nothing reading its sockets) while rank 0 sends
   // it 64 MiB: rank 0 sees a zero window for most of that, four heartbeats being 4 s. TCP_USER_TIMEOUT

@@ -494,7 +494,7 @@ void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
   }
   if (ec) {
     if (c.alive) fail_connection(c, fmt::format("write failed: {}", describe_error(ec)));
-    if (done) done->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+    if (done) complete_cut_off(*done, c);
     return;
   }
   // Without an error the frame was wholly handed to the stream, also where the connection ended since
@@ -919,8 +919,20 @@ void FramedTransport::fail_connection(Connection& c, const std::string& reason) 
     // they learn which rank failed rather than only that this one went away.
     send_abort(context, state.members, fmt::format("rank {} reports: {}", rank_, c.lost_reason));
   }
-  for (TransportOp* op : ops) op->complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
+  for (TransportOp* op : ops) complete_cut_off(*op, c);
   for (std::uint32_t context : failed_now) watch_stuck_io(context);
+}
+
+// An operation the lost connection `c` ends. Its context's failure, when the context failed first (a
+// send past its deadline, an abort: the connection was then closed because the operation's frame could
+// not move), is the cause the caller needs, with the code that goes with it; otherwise the loss itself.
+void FramedTransport::complete_cut_off(TransportOp& op, const Connection& c) {
+  const ContextState* state = contexts_.find(op.key.context);
+  if (state && state->failed && state->reason != c.lost_reason) {
+    op.complete(state->code, state->failed_peer >= 0 ? state->failed_peer : c.peer, fmt::format("{} (its frame was cut off: {})", state->reason, c.lost_reason));
+    return;
+  }
+  op.complete(code_of(Errc::peer_failure), c.peer, c.lost_reason);
 }
 
 // The peer said goodbye: it finished everything it had to send. Receives from it that are not satisfied

@@ -162,6 +162,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   void note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
   void note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer);
 
+  void complete_cut_off(TransportOp& op, const Connection& c);
   void on_written(int peer, const std::error_code& ec) override;
   void on_lent(int peer) override;
   void on_released(int peer, std::size_t writes) override;
