@@ -1009,20 +1009,33 @@ TEST_CASE("a rank that stops reading for longer than four heartbeats is alive, n
   run_ranks(2, [](Group& g) {
     const std::size_t count = std::size_t{16} << 20;  // 64 MiB of floats: far beyond the socket buffers
     std::vector<float> data(count, 1.0f);
+    // When the send started and ended (rank 0) and when rank 1's loop read again, on the host's
+    // monotonic clock: the sender must have been held until then, however late either rank came on a
+    // loaded machine (comparing the send's length with the block's failed in CI when rank 0 came late).
+    std::vector<std::int64_t> times(3, 0);
+    const auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
+    g.barrier().get();
     if (g.rank() == 1) {
       std::promise<void> blocked;
       g.loop().post([&] {
         blocked.set_value();
         std::this_thread::sleep_for(7s);  // the loop's thread, busy elsewhere: nothing reads
+        times[2] = now_ns();
       });
       blocked.get_future().wait();
       g.recv(data, 0, 1).get();
       check(data[0] == 2.0f && data[count - 1] == 2.0f, "the message did not arrive whole");
     } else {
       std::fill(data.begin(), data.end(), 2.0f);
-      const auto t0 = std::chrono::steady_clock::now();
+      times[0] = now_ns();
       g.send(data, 1, 1).get();
-      check(std::chrono::steady_clock::now() - t0 >= 5s, "the receiver did not hold the sender back: the test means nothing");
+      times[1] = now_ns();
+    }
+    g.all_reduce(BufferView(times.data(), times.size(), DType::i64)).get();
+    if (g.rank() == 0) {
+      check(times[2] - times[0] >= std::chrono::nanoseconds(4s).count(),
+            "the send started less than four heartbeats before the receiver read again: the test means nothing");
+      check(times[1] >= times[2] - std::chrono::nanoseconds(100ms).count(), "the receiver did not hold the sender back");
     }
     std::vector<float> x{1.0f};
     g.all_reduce(x).get();
