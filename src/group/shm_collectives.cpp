@@ -217,10 +217,13 @@ class ArenaRun final : public shm::Arena::Waiter {
 struct Chunks {
   std::size_t n;
   std::size_t chunk;
+  std::size_t unit;  // bytes an area holds per element of a chunk: the element's size times the pieces
   std::size_t count() const noexcept { return n == 0 ? 1 : (n + chunk - 1) / chunk; }
   algo::Range operator[](std::size_t k) const noexcept {
     return algo::Range{k * chunk, n == 0 ? 0 : std::min(chunk, n - k * chunk)};
   }
+  /// What each rank's area holds for chunk k (where its contents start follows from it: arena.hpp).
+  std::size_t area_bytes(std::size_t k) const noexcept { return (*this)[k].count * unit; }
 };
 
 // The chunks of `call` on `arena`: one piece per chunk, but for reduce_scatter and all_to_all, whose
@@ -238,7 +241,7 @@ Chunks chunks_of(const shm::Arena& arena, const CollectiveCall& call, int ranks)
     case Collective::all_to_all: n = call.in.count / p, esize = dtype_size(call.in.dtype), pieces = p; break;
     default: break;  // barrier: one empty chunk
   }
-  return Chunks{n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces))};
+  return Chunks{n, std::max<std::size_t>(1, arena.area_bytes() / (esize * pieces)), esize * pieces};
 }
 
 // The collectives with a script on the arena.
@@ -269,7 +272,7 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
     case Collective::all_reduce:
     case Collective::all_gather: {
       const std::size_t esize = dtype_size(call.in.dtype);
-      std::memcpy(run.area(c * esize), call.in.bytes_ptr() + off * esize, c * esize);
+      std::memcpy(run.area(chunks.area_bytes(k)), call.in.bytes_ptr() + off * esize, c * esize);
       break;
     }
     case Collective::reduce_scatter:
@@ -278,13 +281,13 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
       const auto p = static_cast<std::size_t>(g.size);
       const std::size_t n = call.in.count / p;
       for (std::size_t q = 0; q < p; ++q) {
-        std::memcpy(run.area(p * c * esize) + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
+        std::memcpy(run.area(chunks.area_bytes(k)) + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
       }
       break;
     }
     case Collective::broadcast: {
       const std::size_t esize = dtype_size(call.out.dtype);
-      if (g.rank == call.root) std::memcpy(run.area(c * esize), call.out.bytes_ptr() + off * esize, c * esize);
+      if (g.rank == call.root) std::memcpy(run.area(chunks.area_bytes(k)), call.out.bytes_ptr() + off * esize, c * esize);
       break;
     }
     default: break;  // barrier: the header says it all
@@ -301,7 +304,7 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
     case Collective::all_reduce: {
       const std::size_t esize = dtype_size(call.out.dtype);
       sources.resize(p);
-      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), c * esize);
+      for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), chunks.area_bytes(k));
       algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
       break;
     }
@@ -309,7 +312,7 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
       const std::size_t esize = dtype_size(call.in.dtype);
       const std::size_t n = call.in.count;
       for (int r = 0; r < g.size; ++r) {
-        std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r, c * esize), c * esize);
+        std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r, chunks.area_bytes(k)), c * esize);
       }
       break;
     }
@@ -321,18 +324,18 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
       const std::size_t mine = static_cast<std::size_t>(g.rank) * c * esize;
       if (call.collective == Collective::reduce_scatter) {
         sources.resize(p);
-        for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), p * c * esize) + mine;
+        for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), chunks.area_bytes(k)) + mine;
         algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
       } else {
         for (std::size_t r = 0; r < p; ++r) {
-          std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r), p * c * esize) + mine, c * esize);
+          std::memcpy(call.out.bytes_ptr() + (r * n + off) * esize, run.area_of(static_cast<int>(r), chunks.area_bytes(k)) + mine, c * esize);
         }
       }
       break;
     }
     case Collective::broadcast: {
       const std::size_t esize = dtype_size(call.out.dtype);
-      if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root, c * esize), c * esize);
+      if (g.rank != call.root) std::memcpy(call.out.bytes_ptr() + off * esize, run.area_of(call.root, chunks.area_bytes(k)), c * esize);
       break;
     }
     default: break;
@@ -358,20 +361,21 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
     const algo::Range chunk = chunks[k];
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
-    std::memcpy(run.area(c * esize), in + off * esize, c * esize);
+    const std::size_t held = chunks.area_bytes(k);
+    std::memcpy(run.area(held), in + off * esize, c * esize);
     run.publish(step);
     co_await run.wait(step++);
     // This rank's block of the chunk, reduced from every area into its own next area; then every block
     // from its owner's area.
     const algo::Range mine = algo::block(c, g.size, g.rank);
-    for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), c * esize) + mine.offset * esize;
-    std::byte* reduced = run.area(c * esize) + mine.offset * esize;
+    for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), held) + mine.offset * esize;
+    std::byte* reduced = run.area(held) + mine.offset * esize;
     algo::fold_in_rank_order(reduced, sources, mine.count, call.out.dtype, call.op);
     run.publish(step);
     co_await run.wait(step++);
     for (int r = 0; r < g.size; ++r) {
       const algo::Range theirs = algo::block(c, g.size, r);
-      std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r, c * esize) + theirs.offset * esize, theirs.count * esize);
+      std::memcpy(out + (off + theirs.offset) * esize, run.area_of(r, held) + theirs.offset * esize, theirs.count * esize);
     }
   }
 }
