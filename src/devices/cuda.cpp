@@ -2,11 +2,17 @@
 // host off the driver's threads.
 //
 // Every queued item is followed by an event (cudaEventDisableTiming | cudaEventBlockingSync): the item's
-// sequence number is that event. One completion thread per stream takes the events in order, polls
-// cudaEventQuery for a short while (a completion soon after it is asked for costs no sleep), then blocks
-// in cudaEventSynchronize (which sleeps, with the blocking-sync flag), marks the item done and calls the
-// notifications, which post to the loop (device.cpp). No CUDA call runs inside a host function: the only
-// host functions are Stream::enqueue_host's, which run the user's callable and nothing else.
+// sequence number is that event. One completion thread per stream takes the events in order, learns that
+// each was reached, marks the item done and calls the notifications, which post to the loop (device.cpp).
+// How it learns it is the notifier, WEFT_CUDA_NOTIFIER (measured against each other in weft-gpu-bench):
+//   poll      (the default) cudaEventQuery for 50 us (a completion soon after it is asked for costs no
+//             sleep), then cudaEventSynchronize, which sleeps with the blocking-sync flag;
+//   spin      cudaEventQuery until reached, yielding in between: no sleep ever, a core busy while any
+//             work is queued (a closed gate too);
+//   hostfunc  a host function queued after each event counts it and wakes the completion thread, which
+//             then reads the event's status (cudaLaunchHostFunc; the host function makes no CUDA call).
+// No CUDA call runs inside a host function: the others are Stream::enqueue_host's, which run the user's
+// callable and nothing else.
 //
 // A CUDA error while queueing or completing fails the stream from that item on, with the error's words;
 // a sticky error (the context is lost: illegal address, launch failure, ...) fails the device, and with
@@ -14,16 +20,19 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "core/log.hpp"
 #include "devices/backend.hpp"
 #include "kernels/cuda/gate.cuh"
 #include "kernels/cuda/reduce.cuh"
@@ -53,6 +62,38 @@ bool sticky(cudaError_t e) {
 }
 
 class CudaBackend;
+
+/// An event shared by its stream's completion thread and the waits queued on it (cudaEventDestroy when
+/// the last lets go).
+using SharedEvent = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
+
+enum class Notifier { poll, spin, hostfunc };
+
+Notifier notifier_from_environment() {
+  const char* v = std::getenv("WEFT_CUDA_NOTIFIER");
+  const std::string_view name = v ? v : "poll";
+  if (name == "poll" || name.empty()) return Notifier::poll;
+  if (name == "spin") return Notifier::spin;
+  if (name == "hostfunc") return Notifier::hostfunc;
+  throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("WEFT_CUDA_NOTIFIER={} is not one of poll, spin, hostfunc", name));
+}
+
+/// What a `hostfunc` notifier's host functions count: shared with them, since a stream destroyed with work
+/// queued is not waited for and its host functions run after it is gone.
+struct HostSignal {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::uint64_t ran = 0;  // guarded: host functions run so far
+
+  static void on_reached(void* p) {
+    std::unique_ptr<std::shared_ptr<HostSignal>> self(static_cast<std::shared_ptr<HostSignal>*>(p));
+    {
+      std::lock_guard lock((*self)->mutex);
+      ++(*self)->ran;
+    }
+    (*self)->cv.notify_one();
+  }
+};
 
 class CudaStream final : public StreamImpl {
  public:
@@ -91,14 +132,12 @@ class CudaStream final : public StreamImpl {
   }
   std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
     auto& waited = static_cast<CudaStream&>(*other);
-    cudaEvent_t event = waited.event_of(seq);  // null: reached (or failed) already
-    const std::uint64_t queued = enqueue(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq), [&] {
-      return event ? cudaStreamWaitEvent(stream_, event, 0) : cudaSuccess;
+    const SharedEvent event = waited.event_of(seq);  // null: reached (or failed) already
+    // The shared event is destroyed once the last holder lets go, also where this wait is still queued:
+    // CUDA defers an event's destruction until the work that waits on it has.
+    return enqueue(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq), [&] {
+      return event ? cudaStreamWaitEvent(stream_, event.get(), 0) : cudaSuccess;
     });
-    // Also where enqueue did not launch (a failed stream): a queued wait holds what it needs, and CUDA
-    // defers the destruction until then.
-    if (event) cudaEventDestroy(event);
-    return queued;
   }
   std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) override;
   std::uint64_t last() override {
@@ -122,22 +161,28 @@ class CudaStream final : public StreamImpl {
  private:
   struct Pending {
     std::uint64_t seq;
-    cudaEvent_t event;
+    SharedEvent event;  // recorded right after the item: its fence, for this thread and for waits
     std::shared_ptr<void> keep;  // what the item's kernel reads, held until it ran (a gate's word)
+    std::uint64_t signal = 0;    // hostfunc: the count of host functions run once this item's has
   };
 
   /// Queues one item (`launch`, under the stream's device) and its event; the number is the item's.
   template <class Launch>
   std::uint64_t enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep = {});
-  /// An event that is reached no earlier than `seq` (destroyed by the caller), or null when it was reached.
-  cudaEvent_t event_of(std::uint64_t seq);
+  /// The event recorded right after item `seq`, or null when that was reached (or failed) already.
+  SharedEvent event_of(std::uint64_t seq);
 
   void run_completions();
+  /// Waits until `next`'s event is reached or failed, the notifier's way; returns its status.
+  cudaError_t await_event(const Pending& next);
   void finish(std::uint64_t seq, const std::string& failure);
 
   CudaBackend& backend_;
+  const Notifier notifier_;
   cudaStream_t stream_ = nullptr;
   std::thread completer_;
+  std::shared_ptr<HostSignal> signal_ = std::make_shared<HostSignal>();
+  std::uint64_t signals_queued_ = 0;  // guarded by mutex_: host functions queued (hostfunc)
 
   std::mutex mutex_;
   std::condition_variable work_cv_;
@@ -149,7 +194,10 @@ class CudaStream final : public StreamImpl {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int devices) : devices_(devices), failures_(static_cast<std::size_t>(devices)) {}
+  explicit CudaBackend(int devices)
+      : devices_(devices), failures_(static_cast<std::size_t>(devices)), notifier_(notifier_from_environment()) {}
+
+  Notifier notifier() const noexcept { return notifier_; }
 
   std::string_view name() const noexcept override { return "cuda"; }
   int device_count() override { return devices_; }
@@ -267,9 +315,11 @@ class CudaBackend final : public Backend {
   std::mutex mutex_;
   std::vector<std::string> failures_;  // guarded
   std::vector<std::uint32_t*> free_words_;  // guarded: gate words not in use (pages are never freed)
+  const Notifier notifier_;
 };
 
-CudaStream::CudaStream(CudaBackend& backend, Loop& loop, int device) : StreamImpl(loop, device), backend_(backend) {
+CudaStream::CudaStream(CudaBackend& backend, Loop& loop, int device)
+    : StreamImpl(loop, device), backend_(backend), notifier_(backend.notifier()) {
   cudaError_t e = cudaSetDevice(device);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
@@ -302,6 +352,11 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared
     if (e == cudaSuccess) e = launch();
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync);
     if (e == cudaSuccess) e = cudaEventRecord(event, stream_);
+    if (e == cudaSuccess && notifier_ == Notifier::hostfunc) {
+      auto* held = new std::shared_ptr<HostSignal>(signal_);
+      e = cudaLaunchHostFunc(stream_, &HostSignal::on_reached, held);
+      if (e != cudaSuccess) delete held;
+    }
     if (e != cudaSuccess) {
       backend_.note(device(), e);
       if (event) cudaEventDestroy(event);
@@ -312,7 +367,8 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared
     book_.fail(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
     return seq;
   }
-  pending_.push_back(Pending{seq, event, std::move(keep)});
+  pending_.push_back(Pending{seq, SharedEvent(event, cudaEventDestroy), std::move(keep),
+                             notifier_ == Notifier::hostfunc ? ++signals_queued_ : 0});
   work_cv_.notify_one();
   return seq;
 }
@@ -330,22 +386,19 @@ std::uint64_t CudaStream::wait_gate(const std::shared_ptr<GateState>& gate) {
   }, std::shared_ptr<void>(word, nullptr));  // holds the word (aliasing: volatile does not convert to void)
 }
 
-cudaEvent_t CudaStream::event_of(std::uint64_t seq) {
+SharedEvent CudaStream::event_of(std::uint64_t seq) {
   std::lock_guard lock(mutex_);
   std::string failure;
   if (book_.reached(seq, failure)) return nullptr;
-  // A fresh event recorded now orders after every item queued so far, `seq` among them (it may also
-  // wait for later ones: that delays, never reorders). The item's own event is the completion thread's,
-  // which destroys it once reached, so it cannot be handed out.
-  cudaEvent_t event = nullptr;
-  if (cudaSetDevice(device()) != cudaSuccess || cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
-    return nullptr;
+  // The item's own event, not a fresh one recorded now: that would also wait for everything queued
+  // since, and what was queued since may be a gate that opens only once the waiting stream went on (a
+  // stream-ordered collective: the caller's stream waits at a gate for the collective, whose copy in
+  // waits for the caller's earlier work). That deadlock hung the device suites on an H100.
+  for (auto it = pending_.rbegin(); it != pending_.rend(); ++it) {
+    if (it->seq == seq) return it->event;
+    if (it->seq < seq) break;
   }
-  if (cudaEventRecord(event, stream_) != cudaSuccess) {
-    cudaEventDestroy(event);
-    return nullptr;
-  }
-  return event;
+  return nullptr;  // not pending: it failed to queue, and the book has its failure
 }
 
 void CudaStream::run_completions() {
@@ -357,15 +410,8 @@ void CudaStream::run_completions() {
       if (pending_.empty()) return;
       next = pending_.front();
     }
-    // Poll first: a completion that comes within a few tens of microseconds costs no sleep.
-    cudaError_t e = cudaEventQuery(next.event);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-    while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < until) {
-      std::this_thread::yield();
-      e = cudaEventQuery(next.event);
-    }
-    if (e == cudaErrorNotReady) e = cudaEventSynchronize(next.event);
-    cudaEventDestroy(next.event);
+    const cudaError_t e = await_event(next);
+    next.event.reset();
     std::string failure;
     if (e != cudaSuccess) {
       backend_.note(device(), e);
@@ -373,6 +419,39 @@ void CudaStream::run_completions() {
     }
     finish(next.seq, failure);
   }
+}
+
+cudaError_t CudaStream::await_event(const Pending& next) {
+  cudaEvent_t event = next.event.get();
+  cudaError_t e = cudaEventQuery(event);
+  switch (notifier_) {
+    case Notifier::spin:
+      while (e == cudaErrorNotReady) {
+        std::this_thread::yield();
+        e = cudaEventQuery(event);
+      }
+      return e;
+    case Notifier::hostfunc:
+      while (e == cudaErrorNotReady) {
+        // The host function may never run after a failure that ends the context: look at the event again
+        // every few milliseconds, so an error is still seen.
+        std::unique_lock lock(signal_->mutex);
+        signal_->cv.wait_for(lock, std::chrono::milliseconds(5), [&] { return signal_->ran >= next.signal; });
+        lock.unlock();
+        e = cudaEventQuery(event);
+      }
+      return e;
+    case Notifier::poll:
+      break;
+  }
+  // Poll first: a completion that comes within a few tens of microseconds costs no sleep.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < until) {
+    std::this_thread::yield();
+    e = cudaEventQuery(event);
+  }
+  if (e == cudaErrorNotReady) e = cudaEventSynchronize(event);
+  return e;
 }
 
 void CudaStream::finish(std::uint64_t seq, const std::string& failure) {
@@ -387,7 +466,36 @@ void CudaStream::finish(std::uint64_t seq, const std::string& failure) {
 
 }  // namespace
 
+namespace {
+
+// How many hardware queues the streams of a device are spread over. A gate is a kernel that spins until
+// the host opens it (kernels/cuda/gate.cu), and a queue runs its work in order whatever stream it came
+// from: with more busy streams than queues, a gate holds the work of every stream that shares its
+// queue, among them the very copies its collective waits for. The runtime's default is 8, and eight
+// ranks sharing an H100, with a stream of their own and the group's each, hung there; with 32 (CUDA's
+// most) the device suites pass. The variable is read when the runtime starts, so it is set before
+// weft's first CUDA call, and only where the user did not set it.
+constexpr int wanted_connections = 32;
+
+void ask_for_hardware_queues() {
+  const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (!set) {
+    ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(wanted_connections).c_str(), 0);
+    return;
+  }
+  if (std::atoi(set) < wanted_connections) {
+    log().warn("CUDA_DEVICE_MAX_CONNECTIONS={}: stream-ordered operations (Group::on) on more busy streams of a "
+               "device than that can hang, since a stream's gate holds every stream that shares its hardware "
+               "queue; weft asks for {} where the variable is not set",
+               set, wanted_connections);
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_cuda_backend(std::string& why_not) {
+  // Too late where CUDA was started before weft (by a framework): its setting holds then.
+  ask_for_hardware_queues();
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
