@@ -154,6 +154,11 @@ class StreamImpl {
 
   virtual void* native() noexcept { return nullptr; }
 
+  /// The pinned memory that copies from and to pageable host memory are staged through (device.cpp),
+  /// made on the first such copy.
+  std::mutex pageable_mutex;
+  std::shared_ptr<struct PageableSlot> pageable_slot;  // guarded by pageable_mutex
+
  private:
   Loop* loop_;
   int device_;

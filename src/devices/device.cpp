@@ -1,6 +1,9 @@
 // The public device layer (weft/gpu.hpp) over the process's backend (backend.hpp): argument checks,
 // the backend's choice, and completions turned into Futures that resume on the stream's loop.
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <thread>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -144,6 +147,56 @@ bool can_access_peer(Device a, Device b) {
   return a.index == b.index || detail::backend().can_access_peer(a.index, b.index);
 }
 
+// ---- Copies from and to pageable host memory ----
+
+namespace detail {
+
+// Pageable host memory is staged through a pinned slot of the stream's, in pieces: for each piece, to
+// the device, a host function copies it into the slot and the device copies the slot out; from the
+// device, the device copies into the slot and a host function copies it out. The stream's order keeps a
+// piece's slot from being written before the last piece's copy read it, so one slot serves every copy of
+// the stream. Why not hand pageable memory to the runtime: cudaMemcpyAsync from the device to pageable
+// memory returns only once the copy ran, so it blocks the calling thread behind whatever the stream
+// waits for first (a gate that this very thread's loop is to open: a deadlock, seen on an H100), and it
+// holds the stream meanwhile. Every call here returns at once.
+struct PageableSlot {
+  static constexpr std::size_t bytes = std::size_t{4} << 20;
+  void* data = nullptr;
+
+  PageableSlot() : data(backend().allocate_pinned(bytes)) {}
+  PageableSlot(const PageableSlot&) = delete;
+  PageableSlot& operator=(const PageableSlot&) = delete;
+  ~PageableSlot() {
+    // Freeing pinned memory waits for the whole device (cudaFreeHost), gates included: not on the
+    // thread that dropped the stream, which may be a loop's.
+    std::thread([data = data] { backend().free_pinned(data, bytes); }).detach();
+  }
+};
+
+std::uint64_t copy_pageable(StreamImpl& stream, void* dst, const void* src, std::size_t size, CopyKind kind,
+                            int device) {
+  if (size == 0) return stream.copy(dst, src, 0, kind, device, device);
+  std::lock_guard lock(stream.pageable_mutex);
+  if (!stream.pageable_slot) stream.pageable_slot = std::make_shared<PageableSlot>();
+  const std::shared_ptr<PageableSlot> slot = stream.pageable_slot;  // held by each host function
+  std::uint64_t seq = 0;
+  for (std::size_t at = 0; at < size; at += PageableSlot::bytes) {
+    const std::size_t n = std::min(PageableSlot::bytes, size - at);
+    if (kind == CopyKind::host_to_device) {
+      const auto* from = static_cast<const std::byte*>(src) + at;
+      stream.host([slot, from, n] { std::memcpy(slot->data, from, n); });
+      seq = stream.copy(static_cast<std::byte*>(dst) + at, slot->data, n, kind, -1, device);
+    } else {
+      auto* to = static_cast<std::byte*>(dst) + at;
+      stream.copy(slot->data, static_cast<const std::byte*>(src) + at, n, kind, device, -1);
+      seq = stream.host([slot, to, n] { std::memcpy(to, slot->data, n); });
+    }
+  }
+  return seq;
+}
+
+}  // namespace detail
+
 // ---- DeviceBuffer / PinnedBuffer ----
 
 DeviceBuffer DeviceBuffer::allocate(Device device, std::size_t bytes) {
@@ -261,8 +314,15 @@ Future<void> Stream::copy(BufferView dst, ConstBufferView src) {
                 fmt::format("the stream is on {}, which is neither the source's nor the destination's device",
                             detail::device_name(mine.index)));
   }
-  const std::uint64_t seq = impl_->copy(dst.data, src.data, src.bytes(), copy_kind(dst.device, src.device),
-                                        src.device.index, dst.device.index);
+  const detail::CopyKind kind = copy_kind(dst.device, src.device);
+  std::uint64_t seq = 0;
+  if (kind == detail::CopyKind::host_to_device && !detail::backend().is_pinned(src.data, src.bytes())) {
+    seq = detail::copy_pageable(*impl_, dst.data, src.data, src.bytes(), kind, dst.device.index);
+  } else if (kind == detail::CopyKind::device_to_host && !detail::backend().is_pinned(dst.data, dst.bytes())) {
+    seq = detail::copy_pageable(*impl_, dst.data, src.data, src.bytes(), kind, src.device.index);
+  } else {
+    seq = impl_->copy(dst.data, src.data, src.bytes(), kind, src.device.index, dst.device.index);
+  }
   return spawn(impl_->loop(), await_fence(impl_, seq, "copy"));
 }
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -27,6 +28,15 @@ struct DeviceStaging : std::enable_shared_from_this<DeviceStaging> {
   std::map<int, std::vector<std::unique_ptr<gpu::Stream>>> spare_streams;  // guarded: copy-back streams, by device
   std::multimap<std::size_t, gpu::PinnedBuffer> free;   // guarded: by size
   std::size_t cached = 0;                                // guarded: bytes in `free`
+
+  DeviceStaging() = default;
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
+  // The pool's buffers are freed on a thread of their own: freeing pinned memory waits for the whole
+  // device (cudaFreeHost), and the last holder may be a loop that another group's gate waits for.
+  ~DeviceStaging() {
+    if (!free.empty()) std::thread([dropped = std::move(free)] {}).detach();
+  }
 
   gpu::Stream& stream_of(Loop& loop, Device device) {
     std::lock_guard lock(mutex);
@@ -72,7 +82,12 @@ struct DeviceStaging : std::enable_shared_from_this<DeviceStaging> {
   }
   void give_back(gpu::PinnedBuffer buffer) {
     std::lock_guard lock(mutex);
-    if (cached + buffer.bytes() > max_cached) return;  // freed here, outside the pool
+    if (cached + buffer.bytes() > max_cached) {
+      // Freeing pinned memory waits for the whole device (cudaFreeHost), gates included, and this runs
+      // on the loop that opens them: the free goes to a thread of its own.
+      std::thread([dropped = std::move(buffer)] {}).detach();
+      return;
+    }
     cached += buffer.bytes();
     const std::size_t size = buffer.bytes();
     free.emplace(size, std::move(buffer));
