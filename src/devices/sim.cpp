@@ -6,7 +6,9 @@
 // memory is host memory held in a registry, so that a host pointer passed as device memory, memory of
 // another device, a buffer too short, or freed device memory are caught and named; freed blocks are
 // poisoned and held back for a while (a quarantine) so that a late use reads poison instead of a new
-// allocation. WEFT_SIM_FAIL=<n> fails the n-th item the process runs, and its device with it, for good
+// allocation. As on a GPU, the host cannot touch device memory: an allocation is one shared mapping seen
+// twice, at the address handed out (no access: a host read or write of device memory faults here as it
+// would under CUDA) and at a second address that only the streams' workers use (`worker_address`). WEFT_SIM_FAIL=<n> fails the n-th item the process runs, and its device with it, for good
 // (a sticky CUDA error): the item, everything after it on the device's streams, and waits on them fail.
 #include <algorithm>
 #include <atomic>
@@ -21,6 +23,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include "devices/backend.hpp"
@@ -33,6 +38,7 @@ namespace {
 constexpr std::byte poison{0xDB};
 constexpr std::size_t alignment = 256;  // cudaMalloc's guarantee
 constexpr std::size_t quarantine_bytes = 64u << 20;
+constexpr std::size_t quarantine_blocks = 1024;  // each holds two mappings, and a process has ~65,000
 
 long env_long(const char* name, long fallback) {
   const char* v = std::getenv(name);
@@ -61,6 +67,11 @@ long copy_mbps() {
 }
 
 class SimBackend;
+
+/// Where a stream's worker reads and writes `p`: the second view of a device allocation, or `p` itself
+/// for host memory (defined below, with the backend's registry).
+void* worker_address(SimBackend& backend, const void* p);
+bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes);
 
 /// A stream's queue and worker. The worker thread holds the queue (not the stream), so that a stream
 /// can go at any time and from any thread, its queued work still runs, and no thread ever joins another
@@ -141,15 +152,21 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
 class SimStream final : public StreamImpl {
  public:
   SimStream(SimBackend& backend, Loop& loop, int device)
-      : StreamImpl(loop, device), queue_(std::make_shared<SimQueue>(backend, device)) {
+      : StreamImpl(loop, device), backend_(backend), queue_(std::make_shared<SimQueue>(backend, device)) {
     queue_->start();
   }
   ~SimStream() override { queue_->stop(); }
 
   std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int, int) override {
-    return queue_->push(fmt::format("copy {} of {} bytes", to_string(kind), bytes), [dst, src, bytes] {
+    const std::uint64_t seq = push_copy(dst, src, bytes, kind);
+    // As cudaMemcpyAsync: a copy from the device into pageable memory returns only once it ran.
+    if (kind == CopyKind::device_to_host && !host_pinned(backend_, dst, bytes)) queue_->block_until(seq);
+    return seq;
+  }
+  std::uint64_t push_copy(void* dst, const void* src, std::size_t bytes, CopyKind kind) {
+    return queue_->push(fmt::format("copy {} of {} bytes", to_string(kind), bytes), [this, dst, src, bytes] {
       const auto start = std::chrono::steady_clock::now();
-      if (bytes > 0) std::memmove(dst, src, bytes);
+      if (bytes > 0) std::memmove(worker_address(backend_, dst), worker_address(backend_, src), bytes);
       // A copy engine's pace (WEFT_SIM_COPY_GBPS): the worker sleeps what the copy has left, so the
       // copy takes time without taking a core, as DMA does.
       // (Not for what is left under 50 us: a sleep that short lasts the timer's slack and a wake-up,
@@ -163,8 +180,11 @@ class SimStream final : public StreamImpl {
   }
   std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) override {
     const kernels::ReduceFn fn = kernels::find_reduce(dtype, op);
-    return queue_->push(fmt::format("reduce {} {} of {} elements", to_string(op), to_string(dtype), count), [=] {
-      if (count > 0) fn(inout, inout, src, count);
+    return queue_->push(fmt::format("reduce {} {} of {} elements", to_string(op), to_string(dtype), count), [=, this] {
+      if (count > 0) {
+        void* at = worker_address(backend_, inout);
+        fn(at, at, worker_address(backend_, src), count);
+      }
       return std::string();
     });
   }
@@ -192,6 +212,7 @@ class SimStream final : public StreamImpl {
   const std::shared_ptr<SimQueue>& queue() const noexcept { return queue_; }
 
  private:
+  SimBackend& backend_;  // outlives every stream (the process's backend)
   std::shared_ptr<SimQueue> queue_;
 };
 
@@ -214,27 +235,56 @@ class SimBackend final : public Backend {
     if (auto why = failure(device); !why.empty()) {
       throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{} failed earlier: {}", device_name(device), why));
     }
-    const std::size_t size = std::max<std::size_t>(alignment, (bytes + alignment - 1) / alignment * alignment);
-    void* p = std::aligned_alloc(alignment, size);
-    if (!p) throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{}: out of memory for {} bytes", device_name(device), bytes));
-    std::memset(p, 0xA5, size);  // uninitialised device memory is not zero: nothing may count on it
+    const std::size_t size = mapped_size(bytes);
+    void* seen = MAP_FAILED;
+    void* worker = MAP_FAILED;
+    if (const int fd = memfd_create("weft-sim-device", MFD_CLOEXEC); fd >= 0) {
+      if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
+        seen = mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd, 0);
+        worker = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      }
+      ::close(fd);
+    }
+    if (seen == MAP_FAILED || worker == MAP_FAILED) {
+      if (seen != MAP_FAILED) munmap(seen, size);
+      if (worker != MAP_FAILED) munmap(worker, size);
+      throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{}: out of memory for {} bytes", device_name(device), bytes));
+    }
+    std::memset(worker, 0xA5, size);  // uninitialised device memory is not zero: nothing may count on it
     std::lock_guard lock(mutex_);
-    blocks_[reinterpret_cast<std::uintptr_t>(p)] = Block{bytes, device};
-    return p;
+    blocks_[reinterpret_cast<std::uintptr_t>(seen)] = Block{bytes, device, worker};
+    return seen;
   }
   void free(int device, void* data, std::size_t bytes) noexcept override {
     if (!data) return;
     for (const auto& queue : queues_of(device)) queue->drain();
     std::lock_guard lock(mutex_);
-    blocks_.erase(reinterpret_cast<std::uintptr_t>(data));
-    std::memset(data, static_cast<int>(poison), std::max<std::size_t>(bytes, 1));
-    quarantine_.push_back({data, bytes, device});
+    auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(data));
+    if (it == blocks_.end()) return;
+    void* worker = it->second.worker;
+    blocks_.erase(it);
+    std::memset(worker, static_cast<int>(poison), std::max<std::size_t>(bytes, 1));
+    quarantine_.push_back({data, bytes, device, worker});
     quarantined_ += bytes;
-    while (quarantined_ > quarantine_bytes && !quarantine_.empty()) {
-      quarantined_ -= quarantine_.front().bytes;
-      std::free(quarantine_.front().data);
+    while ((quarantined_ > quarantine_bytes || quarantine_.size() > quarantine_blocks) && !quarantine_.empty()) {
+      const Quarantined& q = quarantine_.front();
+      quarantined_ -= q.bytes;
+      munmap(q.data, mapped_size(q.bytes));
+      munmap(q.worker, mapped_size(q.bytes));
       quarantine_.pop_front();
     }
+  }
+
+  /// The worker's view of `p` (see worker_address).
+  void* worker_view(const void* p) {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    std::lock_guard lock(mutex_);
+    auto it = blocks_.upper_bound(at);
+    if (it != blocks_.begin()) {
+      --it;
+      if (at < it->first + mapped_size(it->second.bytes)) return static_cast<std::byte*>(it->second.worker) + (at - it->first);
+    }
+    return const_cast<void*>(p);
   }
   void* allocate_pinned(std::size_t bytes) override {
     void* p = std::aligned_alloc(alignment, std::max<std::size_t>(alignment, (bytes + alignment - 1) / alignment * alignment));
@@ -245,6 +295,11 @@ class SimBackend final : public Backend {
   }
   void free_pinned(void* data, std::size_t) noexcept override {
     if (!data) return;
+    // cudaFreeHost waits for every device's queued work (gates too): so does the sim, so that a free on
+    // a thread the work waits for hangs here as it would on a GPU.
+    for (int d = 0; d < devices_; ++d) {
+      for (const auto& queue : queues_of(d)) queue->drain();
+    }
     {
       std::lock_guard lock(mutex_);
       pinned_.erase(reinterpret_cast<std::uintptr_t>(data));
@@ -337,12 +392,19 @@ class SimBackend final : public Backend {
   struct Block {
     std::size_t bytes;
     int device;
+    void* worker;  // the second view, the only one the host may touch (the workers do)
   };
   struct Quarantined {
     void* data;
     std::size_t bytes;
     int device;
+    void* worker;
   };
+
+  static std::size_t mapped_size(std::size_t bytes) {
+    static const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    return (std::max<std::size_t>(bytes, 1) + page - 1) / page * page;
+  }
 
   std::vector<std::shared_ptr<SimQueue>> queues_of(int device) {
     std::vector<std::shared_ptr<SimQueue>> found;
@@ -368,6 +430,9 @@ class SimBackend final : public Backend {
   std::vector<std::string> failures_;            // guarded: per device, "" while it works
   std::vector<std::pair<int, std::weak_ptr<SimQueue>>> queues_;  // guarded: the queues of live workers
 };
+
+void* worker_address(SimBackend& backend, const void* p) { return backend.worker_view(p); }
+bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes) { return backend.is_pinned(p, bytes); }
 
 void SimQueue::run_worker() {
   for (;;) {
