@@ -10,9 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
+
+#include <csignal>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
@@ -114,8 +119,10 @@ TEST_CASE("streams: a fence orders work across streams (device side, the host do
     auto read = consumer.enqueue_host([&] { seen = written.load(); });
     read.get();
     CHECK(seen == round + 1);
-    CHECK(fence.reached());
+    // The device passed the fence; the host learns it a little later (its completion thread), so
+    // reached() is checked once done() completed, not right after the consumer ran.
     fence.done().get();
+    CHECK(fence.reached());
   }
   // A stream's own fence, and a fence of nothing queued, are reached.
   gpu::Stream s(loop, d0);
@@ -152,6 +159,80 @@ TEST_CASE("streams: work after a gate waits until the host opens it; a dropped g
     s.wait(dropped);
   }
   s.synchronize().get();
+}
+
+TEST_CASE("streams: a fence wait waits for the fence, not for work queued after it", "[gpu]") {
+  // The caller's stream of a stream-ordered collective: its earlier work (the fence), then a gate that
+  // opens once the collective is done. The collective's copy in waits for the fence; if it also waited
+  // for the gate, neither would ever go on (what hung the device suites on an H100, where a fence wait
+  // was an event recorded at the wait, after the gate).
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  gpu::Stream caller(loop, d0);
+  gpu::Stream group(loop, gpu::device(gpu::device_count() - 1));
+  std::atomic<int> earlier{0};
+  (void)caller.enqueue_host([&] { earlier = 1; });
+  const gpu::Fence fence = caller.record();
+  gpu::Gate gate;
+  caller.wait(gate);
+  group.wait(fence);
+  std::atomic<int> seen{-1};
+  Future<void> copy_in = group.enqueue_host([&] { seen = earlier.load(); });
+  const bool went_on = copy_in.wait_for(10s);
+  gate.open();  // either way, so that nothing is left waiting
+  REQUIRE(went_on);
+  copy_in.get();
+  CHECK(seen == 1);
+  caller.synchronize().get();
+}
+
+TEST_CASE("copies into pageable memory behind a closed gate return at once; the host cannot touch device memory", "[gpu]") {
+  // cudaMemcpyAsync from the device into pageable memory returns only once the copy ran: behind a gate
+  // that the caller's own loop is to open, that blocked the caller for good on an H100. Pageable memory
+  // is staged through pinned memory instead, and the sim blocks such a copy as CUDA does, so this fails
+  // here too if the staging goes.
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  gpu::Stream s(loop, d0);
+  const std::size_t n = (std::size_t{9} << 20) + 3;  // pieces of the pinned slot, the last one short
+  auto dev = gpu::DeviceBuffer::allocate(d0, n);
+  std::vector<std::byte> in(n), out(n, std::byte{0});
+  for (std::size_t i = 0; i < n; ++i) in[i] = static_cast<std::byte>(i * 7 + 1);
+  s.copy(dev.view(DType::u8), bytes_of(in)).get();
+  gpu::Gate gate;
+  s.wait(gate);
+  std::atomic<bool> returned{false};
+  std::optional<Future<void>> copied;
+  std::thread caller([&] {
+    copied.emplace(s.copy(bytes_of(out), dev.view(DType::u8)));
+    returned = true;
+  });
+  for (int i = 0; i < 1000 && !returned; ++i) std::this_thread::sleep_for(10ms);
+  const bool at_once = returned.load();
+  CHECK_FALSE(std::any_of(out.begin(), out.end(), [](std::byte b) { return b != std::byte{0}; }));  // nothing before the gate
+  gate.open();
+  caller.join();
+  REQUIRE(at_once);
+  copied->get();
+  CHECK(out == in);
+#ifdef __linux__
+  if (gpu::backend() == gpu::Backend::sim) {
+    // A host read of device memory faults, as on a GPU (a child process takes the fault).
+    const pid_t child = ::fork();
+    if (child == 0) {
+      volatile const std::byte* p = static_cast<const std::byte*>(dev.data());
+      const std::byte b = *p;
+      (void)b;
+      ::_exit(0);
+    }
+    int status = 0;
+    REQUIRE(::waitpid(child, &status, 0) == child);
+    CHECK(WIFSIGNALED(status));
+    CHECK(WTERMSIG(status) == SIGSEGV);
+  }
+#endif
 }
 
 TEST_CASE("copies: host to device to device to host, of 0, 1, odd and 64 MiB bytes", "[gpu]") {
@@ -366,11 +447,12 @@ TEST_CASE("an injected device failure reaches the Futures, names the device, and
   const Device d0 = gpu::device(0);
   gpu::Stream s(loop, d0);
   auto dev = gpu::DeviceBuffer::allocate(d0, 4096);
-  std::vector<std::byte> host(4096, std::byte{1});
-  s.copy(dev.view(DType::u8), bytes_of(host)).get();                  // item 1
-  s.copy(bytes_of(host), dev.view(DType::u8)).get();                  // item 2
-  auto failing = s.copy(dev.view(DType::u8), bytes_of(host));         // item 3: fails
-  auto after = s.copy(bytes_of(host), dev.view(DType::u8));           // later items fail with it
+  // Pinned: a copy is one item (pageable memory is staged, two items a piece).
+  auto host = gpu::PinnedBuffer::allocate(4096);
+  s.copy(dev.view(DType::u8), host.view(DType::u8)).get();                  // item 1
+  s.copy(host.view(DType::u8), dev.view(DType::u8)).get();                  // item 2
+  auto failing = s.copy(dev.view(DType::u8), host.view(DType::u8));         // item 3: fails
+  auto after = s.copy(host.view(DType::u8), dev.view(DType::u8));           // later items fail with it
   for (Future<void>* f : {&failing, &after}) {
     try {
       f->get();
