@@ -310,7 +310,12 @@ struct Case {
         if (in_place) return group.reduce_scatter(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(in_ptr() + static_cast<std::size_t>(r()) * b, count, t, where), args.op);
         return group.reduce_scatter(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(out, count, t, where), args.op);
       case Kind::broadcast:
-        if (!in_place && at_root()) copy_bytes(out, in_ptr(), b);
+        if (!in_place && at_root()) {
+          // The root's input into its output first (weft's broadcast is in place), on the device with
+          // --device: the host cannot touch device memory.
+          if (args.device) copies->copy(BufferView(out, count, t, where), ConstBufferView(in_ptr(), count, t, where)).get();
+          else copy_bytes(out, in_ptr(), b);
+        }
         return group.broadcast(BufferView(out, count, t, where), args.root);
       case Kind::reduce:
         if (in_place) return group.reduce(ConstBufferView(out, count, t, where), BufferView(out, count, t, where), args.root, args.op);

@@ -6,6 +6,11 @@
 #
 #   tools/gpu_check.sh OUT_DIR          (BUILD=<dir> to use or make another build directory)
 #
+# PREBUILT=1 runs the programs already in BUILD (tests/, bench/, tools/) without configuring or building:
+# for a GPU machine that has the driver but not the build's dependencies (their .so files on
+# LD_LIBRARY_PATH). Each step has a time limit (seconds, SCALE multiplies them), so one that hangs is
+# reported as failed (rc 124) and the others still run.
+#
 # Needs what the README's build needs plus nvcc (the CUDA toolkit) and a driver. Exits non-zero when a
 # step failed; a step whose tool is missing (compute-sanitizer) is reported as skipped, not passed.
 set -uo pipefail
@@ -24,34 +29,42 @@ step() {  # step NAME RC
   echo "$1: $word" | tee -a "$summary"
 }
 
+limit() {  # limit SECONDS COMMAND...: the command, killed after SECONDS x SCALE
+  local s=$(( $1 * ${SCALE:-1} ))
+  shift
+  timeout -k 5 "$s" "$@"
+}
+
 { nvidia-smi || echo "nvidia-smi: not found"; } > "$out/nvidia-smi.txt" 2>&1
-if [ ! -f "$build/build.ninja" ]; then
-  meson setup "$build" -Dcuda=enabled --buildtype=release > "$out/configure.txt" 2>&1
-  step configure $?
+if [ -z "${PREBUILT:-}" ]; then
+  if [ ! -f "$build/build.ninja" ]; then
+    meson setup "$build" -Dcuda=enabled --buildtype=release > "$out/configure.txt" 2>&1
+    step configure $?
+  fi
+  ninja -C "$build" > "$out/build.txt" 2>&1
+  step build $?
 fi
-ninja -C "$build" > "$out/build.txt" 2>&1
-step build $?
 
 # The device suites on the real device (WEFT_GPU=cuda: no fallback to the simulated one).
-WEFT_GPU=cuda "$build/tests/test_gpu" '~[fail]' -r junit -o "$out/test_gpu.xml" > "$out/test_gpu.txt" 2>&1
+WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -r junit -o "$out/test_gpu.xml" > "$out/test_gpu.txt" 2>&1
 step "test_gpu (cuda)" $?
 # Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
-WEFT_GPU=cuda "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/test_device.xml" > "$out/test_device.txt" 2>&1
+WEFT_GPU=cuda limit 120 "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/test_device.xml" > "$out/test_device.txt" 2>&1
 step "test_device (cuda)" $?
 # Python device arrays on the real device (where the module was built: needs python3-numpy, pybind11).
 if [ -f "$build/python/weft/__init__.py" ]; then
-  WEFT_GPU=cuda PYTHONPATH="$build/python" /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k 'device or dlpack' \
+  WEFT_GPU=cuda PYTHONPATH="$build/python" limit 60 /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k 'device or dlpack' \
     > "$out/python_device.txt" 2>&1
   step "python device arrays (cuda)" $?
 fi
 # The same program on the simulated device, for comparison on this machine.
-WEFT_GPU=sim WEFT_SIM_DELAY_US=300 "$build/tests/test_gpu" '~[fail]' > "$out/test_gpu_sim.txt" 2>&1
+WEFT_GPU=sim WEFT_SIM_DELAY_US=300 limit 30 "$build/tests/test_gpu" '~[fail]' > "$out/test_gpu_sim.txt" 2>&1
 step "test_gpu (sim, delays)" $?
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ -x "$sanitizer" ]; then
   for tool in memcheck synccheck; do
-    WEFT_GPU=cuda "$sanitizer" --tool "$tool" --error-exitcode 3 "$build/tests/test_gpu" \
+    WEFT_GPU=cuda limit 90 "$sanitizer" --tool "$tool" --error-exitcode 3 "$build/tests/test_gpu" \
       'device reductions equal the CPU kernels on every dtype and op' > "$out/$tool.txt" 2>&1
     step "compute-sanitizer $tool (device reductions)" $?
   done
@@ -62,20 +75,20 @@ fi
 
 # The pipelined staging with its pieces small enough to pipeline every size above 64 KiB, on the device.
 WEFT_GPU=cuda WEFT_STAGING_COPY_BYTES=65536 WEFT_ALGO='all_reduce:ring;broadcast:scatter_all_gather' \
-  "$build/tests/test_device" '[collectives],[order],[large]' > "$out/test_device_pipelined.txt" 2>&1
+  limit 60 "$build/tests/test_device" '[collectives],[order],[large]' > "$out/test_device_pipelined.txt" 2>&1
 step "test_device pipelined (cuda)" $?
 
-WEFT_GPU=cuda "$build/bench/weft-gpu-bench" --json "$out/gpu_bench.json" > "$out/gpu_bench.txt" 2>&1
+WEFT_GPU=cuda limit 40 "$build/bench/weft-gpu-bench" --json "$out/gpu_bench.json" > "$out/gpu_bench.txt" 2>&1
 step "weft-gpu-bench" $?
 cat "$out/gpu_bench.txt"
 # The same without the pieces (WEFT_STAGING_COPY_BYTES=0: the serial staging), to see what pipelining wins.
-WEFT_GPU=cuda WEFT_STAGING_COPY_BYTES=0 "$build/bench/weft-gpu-bench" --runs 1000 --json "$out/gpu_bench_serial_staging.json" \
+WEFT_GPU=cuda WEFT_STAGING_COPY_BYTES=0 limit 40 "$build/bench/weft-gpu-bench" --runs 1000 --json "$out/gpu_bench_serial_staging.json" \
   > "$out/gpu_bench_serial_staging.txt" 2>&1
 step "weft-gpu-bench (serial staging)" $?
 grep all_reduce "$out/gpu_bench_serial_staging.txt"
 # nccl-tests' columns on device buffers: 2 processes sharing the GPU(s), all_reduce and broadcast up to 256 MiB.
 for c in all_reduce broadcast; do
-  WEFT_GPU=cuda WEFT_TRANSPORT=tcp "$build/tools/weft-run" -n 2 -- "$build/bench/weft-bench" --device -c "$c" -b 8 -e 256M -f 4 \
+  WEFT_GPU=cuda WEFT_TRANSPORT=tcp limit 45 "$build/tools/weft-run" -n 2 -- "$build/bench/weft-bench" --device -c "$c" -b 8 -e 256M -f 4 \
     --check --json "$out/weft_bench_device_$c.json" > "$out/weft_bench_device_$c.txt" 2>&1
   step "weft-bench --device -c $c (2 processes, tcp)" $?
   cat "$out/weft_bench_device_$c.txt"
