@@ -108,6 +108,13 @@ class Loop {
   /// Runs `fn` on the loop's thread, later. Thread-safe.
   void post(std::function<void()> fn);
 
+  /// A number that names this loop for its whole life and no other loop after it (for post_if_alive).
+  std::uint64_t id() const noexcept;
+  /// Posts `fn` to the loop `id` names if that loop still lives; returns false and drops `fn` (on the
+  /// calling thread) once it is gone. For threads that may outlive a loop: a device stream's worker
+  /// finishing work queued before the loop's owner destroyed it. Thread-safe.
+  static bool post_if_alive(std::uint64_t id, std::function<void()> fn);
+
   /// Runs `fn` on the loop's thread when a turn next asks the kernel for events, just before it does (or
   /// before it sleeps): for work that itself costs a system call and is worth doing only once the loop
   /// has nothing else, such as a TCP stream's first try at a read. `fn` returns true when it found work

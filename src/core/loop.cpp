@@ -112,8 +112,9 @@ void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::u
                                     });
 }
 
-// Every live Loop, for Loop::current(): few per process, and looked up only by offload.
+// Every live Loop, for Loop::current() and Loop::post_if_alive: few per process.
 std::mutex loops_mutex;
+std::atomic<std::uint64_t> next_loop_id{1};
 std::vector<Loop*>& live_loops() {
   static auto* loops = new std::vector<Loop*>();  // never destroyed: a static Loop may outlive static destructors
   return *loops;
@@ -163,6 +164,7 @@ thread_local PreemptionWatch preemption_here;
 }  // namespace
 
 struct Loop::Impl {
+  const std::uint64_t id = next_loop_id.fetch_add(1, std::memory_order_relaxed);
   std::unique_ptr<asio::io_context> owned_io;
   asio::io_context* io = nullptr;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> keep_running;
@@ -570,6 +572,22 @@ void Loop::before_kernel_poll(std::function<bool()> fn) {
   } else {
     asio::post(*impl_->io, [fn = std::move(fn)] { (void)fn(); });
   }
+}
+
+std::uint64_t Loop::id() const noexcept { return impl_->id; }
+
+bool Loop::post_if_alive(std::uint64_t id, std::function<void()> fn) {
+  {
+    // Held while posting: ~Loop unregisters under this lock first, so the loop cannot go meanwhile.
+    std::lock_guard lock(loops_mutex);
+    for (Loop* loop : live_loops()) {
+      if (loop->impl_->id == id) {
+        loop->post(std::move(fn));
+        return true;
+      }
+    }
+  }
+  return false;  // `fn` is dropped here, outside the lock (it may hold what destroys another loop)
 }
 
 void Loop::post(std::function<void()> fn) {

@@ -98,11 +98,14 @@ struct FenceAwait {
 
   bool await_ready() { return stream->poll(seq, outcome->failure); }
   void await_suspend(std::coroutine_handle<> waiter) {
-    auto fire = [outcome = outcome, waiter, loop = &stream->loop()](const std::string& failure, bool cancelled) {
+    // By the loop's id, not a pointer: the backend's thread may reach the fence after the loop's owner
+    // destroyed the loop (a rank that failed and left while its device work still ran), and the
+    // waiter, whose frame went with the loop, is then not resumed.
+    auto fire = [outcome = outcome, waiter, loop = stream->loop().id()](const std::string& failure, bool cancelled) {
       if (outcome->fired.exchange(true)) return;
       outcome->failure = failure;
       outcome->cancelled = cancelled;
-      loop->post([waiter] { waiter.resume(); });
+      Loop::post_if_alive(loop, [waiter] { waiter.resume(); });
     };
     stream->notify(seq, [fire](const std::string& failure) { fire(failure, false); });
     if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([fire] { fire({}, true); }));
