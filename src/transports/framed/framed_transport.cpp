@@ -402,7 +402,7 @@ void FramedTransport::start_send(int peer, const MessageKey& key, const void* da
 }
 
 void FramedTransport::start_write(Connection& c, TransportOp* starting) {
-  if (!c.alive) return;
+  if (!c.alive || c.write_failed) return;
   wire::Header h;
   ConstBytes first{c.send_header.data(), header_bytes()};
   ConstBytes second;
@@ -493,8 +493,24 @@ void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
     c.send_queue.pop_front();
   }
   if (ec) {
-    if (c.alive) fail_connection(c, fmt::format("write failed: {}", describe_error(ec)));
-    if (done) complete_cut_off(*done, c);
+    if (!c.alive) {
+      if (done) complete_cut_off(*done, c);
+      return;
+    }
+    // A write fails when the peer closed (broken pipe, reset), often with its last frames still unread
+    // here: its abort among them, which names the cause (a rank whose device failed aborts the group and
+    // leaves). Reading those first, the operations fail naming the cause, not the closed connection. So
+    // nothing more is written, the frame goes back to the queue, and the connection fails a little later
+    // if its read side has not failed it first.
+    if (done) c.send_queue.push_front(done);
+    c.write_failed = true;  // nothing more is written
+    auto timer = std::make_shared<asio::steady_timer>(loop_.context(), std::chrono::milliseconds(20));
+    timer->async_wait([this, timer, peer = c.peer, alive = std::weak_ptr<bool>(alive_),
+                       reason = fmt::format("write failed: {}", describe_error(ec))](const std::error_code&) {
+      if (alive.expired()) return;
+      Connection& conn = *connections_[static_cast<std::size_t>(peer)];
+      if (conn.alive) fail_connection(conn, reason);
+    });
     return;
   }
   // Without an error the frame was wholly handed to the stream, also where the connection ended since

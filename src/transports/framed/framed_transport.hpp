@@ -106,6 +106,7 @@ class FramedTransport final : public Transport, private StreamEvents {
     std::deque<TransportOp*> lent;  // sends written whose buffers the peer still reads (StreamEvents::on_lent)
     std::deque<std::pair<wire::Header, std::string>> control_queue;  // abort frames, sent before data
     bool writing = false;
+    bool write_failed = false;  // a write failed: the connection fails shortly (on_write_done)
     bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
     std::array<std::byte, wire::header_size + 4> send_header{};  // the header, then its check (sealed frames)
     std::string control_payload;
