@@ -144,6 +144,14 @@ struct CopyBack {
   ConstBufferView from;
 };
 
+// Continues on the loop after what was posted to it before (an abort) has run.
+struct AfterPosted {
+  Loop* loop;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) { loop->post([h] { h.resume(); }); }
+  void await_resume() const noexcept {}
+};
+
 // Awaits a copy; its failure is the device's (device_failed: the group is aborted).
 Task<void> device_step(GroupState& g, const char* op, std::uint64_t seq, Future<void> copy) {
   std::optional<Error> failure;
@@ -152,7 +160,13 @@ Task<void> device_step(GroupState& g, const char* op, std::uint64_t seq, Future<
   } catch (const Error& e) {
     failure = e;
   }
-  if (failure) device_failed(g, op, seq, *failure);
+  if (failure) {
+    // The abort first, then this rank's failure: its caller may leave the group at once, and the peers
+    // are to learn the cause from the abort rather than from a connection that went.
+    abort_for_device(g, op, seq, *failure);
+    co_await AfterPosted{g.loop};
+    throw Error(Errc::device_failure, g.where(op, seq ? static_cast<std::int64_t>(seq) : -1), failure->detail());
+  }
 }
 
 // The staging of one operation, on loan until the device is done with it.
@@ -219,13 +233,6 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
   on_exit.leases.reset();  // every copy that used them ran
 }
 
-// Continues on the loop after what was posted to it before (an abort) has run.
-struct AfterPosted {
-  Loop* loop;
-  bool await_ready() const noexcept { return false; }
-  void await_suspend(std::coroutine_handle<> h) { loop->post([h] { h.resume(); }); }
-  void await_resume() const noexcept {}
-};
 
 // The copies of a pipelined operation (the plan runs over buffers still being filled): the copy in,
 // queued at the call piece by piece, each piece awaited only when the plan first touches it; and the
