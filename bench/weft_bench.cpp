@@ -311,10 +311,14 @@ struct Case {
         return group.reduce_scatter(ConstBufferView(in_ptr(), count * pn, t, where), BufferView(out, count, t, where), args.op);
       case Kind::broadcast:
         if (!in_place && at_root()) {
-          // The root's input into its output first (weft's broadcast is in place), on the device with
-          // --device: the host cannot touch device memory.
-          if (args.device) copies->copy(BufferView(out, count, t, where), ConstBufferView(in_ptr(), count, t, where)).get();
-          else copy_bytes(out, in_ptr(), b);
+          // The root's input into its output first (weft's broadcast is in place). With --device on the
+          // device (the host cannot touch device memory), queued, and the broadcast ordered after it on
+          // that stream (this may run on the loop, with --await, where nothing can be waited for).
+          if (args.device) {
+            (void)copies->copy(BufferView(out, count, t, where), ConstBufferView(in_ptr(), count, t, where));
+            return group.on(*copies).broadcast(BufferView(out, count, t, where), args.root);
+          }
+          copy_bytes(out, in_ptr(), b);
         }
         return group.broadcast(BufferView(out, count, t, where), args.root);
       case Kind::reduce:
