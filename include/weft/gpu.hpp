@@ -47,6 +47,7 @@ bool can_access_peer(Device a, Device b);
 namespace detail {
 class StreamImpl;
 struct GateOwner;
+struct DeviceSetState;
 }
 
 /// Device memory: an owning allocation on one device. Move-only; freeing waits for the device's streams
@@ -182,6 +183,48 @@ class Stream {
 
  private:
   std::shared_ptr<detail::StreamImpl> impl_;  // knows its device and loop
+};
+
+/// The devices of one process that all_reduce together (NCCL's one process, many GPUs; issue 17). A
+/// device may appear more than once (logical devices sharing one GPU). The set keeps a stream per entry
+/// and what the exchange needs (signals, scratch), made once.
+///
+/// Paths: **peer to peer** where every pair of entries can access each other (can_access_peer) and the
+/// backend runs the peer kernels (the sim, for now: src/kernels/peer; the GPU kernels are compiled but
+/// not yet wired): each device reads every input and writes its own output, in rank order, so the
+/// outputs are bitwise the same; one stage for small buffers and two (reduce-scatter, then all-gather)
+/// for large ones or in place. **Naive** otherwise, and under cuda for now: each device copies every
+/// input into scratch of its own and accumulates in rank order, then writes its output once every device
+/// has read every input. Both give the CPU kernels' bits for integers and for the float ops that are
+/// exact; sums of floats are added in rank order (0, 1, ..., n-1).
+///
+/// Lifetime: the set outlives the calls it started; the views outlive their Future.
+class DeviceSet {
+ public:
+  /// Errors: invalid_argument (no device, more than 8, a device that does not exist).
+  static DeviceSet create(Loop& loop, std::vector<Device> devices);
+  DeviceSet(DeviceSet&&) noexcept;
+  DeviceSet& operator=(DeviceSet&&) noexcept;
+  ~DeviceSet();
+
+  const std::vector<Device>& devices() const noexcept;
+  /// Whether all_reduce takes the peer-to-peer path.
+  bool peer_to_peer() const noexcept;
+
+  /// outputs[i] = inputs[0] op ... op inputs[n-1] (avg: the sum divided by n) on every entry i.
+  /// inputs[i] and outputs[i] on devices()[i], one dtype and count for all; an output may be its own
+  /// input (in place), not another entry's. The inputs must be ready (the work that wrote them done, or
+  /// on the set's streams); the Future completes once every output is written.
+  /// Errors: invalid_argument at once (counts, dtypes, devices, op undefined on the dtype, views that
+  /// are not what they say); device_failure through the Future.
+  /// Cancellation: cancelling completes the Future at once; the device work goes on.
+  Future<void> all_reduce(std::vector<ConstBufferView> inputs, std::vector<BufferView> outputs, ReduceOp op = ReduceOp::sum);
+  /// In place: every view is its entry's input and output.
+  Future<void> all_reduce(std::vector<BufferView> inout, ReduceOp op = ReduceOp::sum);
+
+ private:
+  explicit DeviceSet(std::shared_ptr<detail::DeviceSetState> state);
+  std::shared_ptr<detail::DeviceSetState> state_;
 };
 
 /// Copies `host` to a new device buffer on `device`, through `stream` (which must be on `device`).

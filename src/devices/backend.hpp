@@ -139,6 +139,8 @@ class StreamImpl {
   virtual std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int src_device,
                              int dst_device) = 0;
   virtual std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) = 0;
+  /// data[i] /= divisor (avg's division; integer division for integers).
+  virtual std::uint64_t divide(void* data, std::size_t count, DType dtype, int divisor) = 0;
   virtual std::uint64_t host(std::function<void()> fn) = 0;
   /// Later items wait until `other` reaches `seq` (other != this).
   virtual std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) = 0;
@@ -175,6 +177,9 @@ class Backend {
   /// Waits for the device's queued work (as cudaFree), then frees.
   virtual void free(int device, void* data, std::size_t bytes) noexcept = 0;
   virtual void* allocate_pinned(std::size_t bytes) = 0;
+  /// Where host code that runs as device work (the sim's workers) reaches device memory `p`; `p` itself
+  /// where the host cannot reach it anyway (cuda) or it is host memory.
+  virtual void* worker_address(const void* p) { return const_cast<void*>(p); }
   virtual void free_pinned(void* data, std::size_t bytes) noexcept = 0;
 
   /// Throws weft::Error (invalid_argument) unless [data, data + bytes) is memory of the kind `device`

@@ -116,6 +116,11 @@ class CudaStream final : public StreamImpl {
                                                                    static_cast<int>(op), stream_));
     });
   }
+  std::uint64_t divide(void* data, std::size_t count, DType dtype, int divisor) override {
+    return enqueue(fmt::format("divide {} elements of {} by {}", count, to_string(dtype), divisor), [&] {
+      return static_cast<cudaError_t>(kernels::cuda::launch_divide(data, count, static_cast<int>(dtype), divisor, stream_));
+    });
+  }
   std::uint64_t host(std::function<void()> fn) override {
     return enqueue("host function", [&] {
       auto* call = new std::function<void()>(std::move(fn));

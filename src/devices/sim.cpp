@@ -188,6 +188,12 @@ class SimStream final : public StreamImpl {
       return std::string();
     });
   }
+  std::uint64_t divide(void* data, std::size_t count, DType dtype, int divisor) override {
+    return queue_->push(fmt::format("divide {} elements of {} by {}", count, to_string(dtype), divisor), [=, this] {
+      if (count > 0) kernels::divide_in_place(worker_address(backend_, data), count, dtype, divisor);
+      return std::string();
+    });
+  }
   std::uint64_t host(std::function<void()> fn) override {
     return queue_->push("host function", [fn = std::move(fn)] {
       fn();
@@ -274,6 +280,8 @@ class SimBackend final : public Backend {
       quarantine_.pop_front();
     }
   }
+
+  void* worker_address(const void* p) override { return worker_view(p); }
 
   /// The worker's view of `p` (see worker_address).
   void* worker_view(const void* p) {

@@ -476,3 +476,125 @@ TEST_CASE("an injected device failure reaches the Futures, names the device, and
     expect_error(Errc::device_failure, "the stream it waited for failed", [&] { healthy.synchronize().get(); });
   }
 }
+
+namespace {
+
+// The reference of a device set's all_reduce: the CPU kernels in rank order, avg divided at the end.
+std::vector<std::byte> set_reference(DType dtype, ReduceOp op, const std::vector<std::vector<std::byte>>& inputs, std::size_t count) {
+  std::vector<std::byte> acc = inputs[0];
+  const kernels::ReduceFn fn = kernels::find_reduce(dtype, op == ReduceOp::avg ? ReduceOp::sum : op);
+  for (std::size_t k = 1; k < inputs.size(); ++k) {
+    if (count > 0) fn(acc.data(), acc.data(), inputs[k].data(), count);
+  }
+  if (op == ReduceOp::avg && inputs.size() > 1 && count > 0) {
+    kernels::divide_in_place(acc.data(), count, dtype, static_cast<int>(inputs.size()));
+  }
+  return acc;
+}
+
+// One all_reduce over a set of `n` entries (device i % device_count()): uploads, the call, downloads;
+// checks every output against the reference, bitwise. Returns "" or what differed.
+std::string check_set_all_reduce(Loop& loop, gpu::DeviceSet& set, std::vector<gpu::Stream>& streams, DType dtype, ReduceOp op,
+                                 std::size_t count, bool in_place) {
+  const std::size_t n = set.devices().size();
+  const std::size_t bytes = count * dtype_size(dtype);
+  std::vector<std::vector<std::byte>> inputs;
+  std::vector<gpu::DeviceBuffer> in, out;
+  for (std::size_t k = 0; k < n; ++k) {
+    inputs.push_back(reference::make_input(dtype, op, static_cast<int>(k), count, 3));
+    in.push_back(gpu::DeviceBuffer::allocate(set.devices()[k], bytes));
+    out.push_back(gpu::DeviceBuffer::allocate(set.devices()[k], bytes));
+    streams[k].copy(in[k].view(DType::u8), bytes_of(inputs[k])).get();
+  }
+  std::vector<ConstBufferView> ins;
+  std::vector<BufferView> outs;
+  for (std::size_t k = 0; k < n; ++k) {
+    ins.push_back(in[k].view(dtype));
+    outs.push_back((in_place ? in[k] : out[k]).view(dtype));
+  }
+  if (in_place) {
+    set.all_reduce(outs, op).get();
+  } else {
+    set.all_reduce(ins, outs, op).get();
+  }
+  const std::vector<std::byte> want = set_reference(dtype, op, inputs, count);
+  for (std::size_t k = 0; k < n; ++k) {
+    std::vector<std::byte> got(bytes);
+    streams[k].copy(BufferView(got.data(), bytes, DType::u8), outs[k].data ? ConstBufferView(outs[k].data, bytes, DType::u8, outs[k].device)
+                                                                             : ConstBufferView()).get();
+    if (got != want) {
+      return fmt::format("entry {} of {}, {} {} x {}{}: {}", k, n, to_string(op), to_string(dtype), count, in_place ? ", in place" : "",
+                         reference::compare(dtype, got.data(), want.data(), count));
+    }
+  }
+  (void)loop;
+  return {};
+}
+
+std::vector<Device> set_of(int n) {
+  std::vector<Device> devices;
+  for (int i = 0; i < n; ++i) devices.push_back(gpu::device(i % gpu::device_count()));
+  return devices;
+}
+
+}  // namespace
+
+TEST_CASE("a device set all_reduces across 1-8 entries on every dtype and op, bitwise as the CPU in rank order", "[gpu][set]") {
+  need_backend();
+  Loop loop;
+  int checked = 0;
+  auto check = [&](bool ok, const std::string& why) {
+    ++checked;
+    if (!ok) FAIL_CHECK(why);
+  };
+  for (int n : {1, 2, 3, 4, 8}) {
+    gpu::DeviceSet set = gpu::DeviceSet::create(loop, set_of(n));
+    std::vector<gpu::Stream> streams;
+    for (const Device& d : set.devices()) streams.emplace_back(loop, d);
+    // Every dtype and op on 3 and 8 entries; the others on a few, at sizes 1, odd and past a block's share.
+    const bool all = n == 3 || n == 8;
+    for (DType dtype : all_dtypes) {
+      if (!all && dtype != DType::f32 && dtype != DType::i32 && dtype != DType::bf16) continue;
+      for (ReduceOp op : all_reduce_ops) {
+        if (!is_defined(dtype, op)) continue;
+        for (std::size_t count : {std::size_t(1), std::size_t(7), std::size_t(4099)}) {
+          for (bool in_place : {false, true}) {
+            const std::string why = check_set_all_reduce(loop, set, streams, dtype, op, count, in_place);
+            check(why.empty(), fmt::format("{} (peer to peer: {})", why, set.peer_to_peer()));
+          }
+        }
+      }
+    }
+    // Empty buffers, and a large one (the two-stage form from 256 KiB on more than 2 entries).
+    check(check_set_all_reduce(loop, set, streams, DType::f32, ReduceOp::sum, 0, false).empty(), "count 0");
+    check(check_set_all_reduce(loop, set, streams, DType::f32, ReduceOp::sum, 300001, false).empty(), "300001 floats");
+  }
+  REQUIRE(checked > 100);
+}
+
+TEST_CASE("a device set: 10^4 calls back to back, and bad arguments refused at the call", "[gpu][set]") {
+  need_backend();
+  Loop loop;
+  gpu::DeviceSet set = gpu::DeviceSet::create(loop, set_of(2));
+  std::vector<gpu::DeviceBuffer> data;
+  for (const Device& d : set.devices()) data.push_back(gpu::DeviceBuffer::allocate(d, 16 * sizeof(float)));
+  std::vector<BufferView> views{data[0].view<float>(), data[1].view<float>()};
+  std::vector<Future<void>> calls;
+  for (int i = 0; i < 10000; ++i) {
+    calls.push_back(set.all_reduce(views, ReduceOp::max));
+    if (calls.size() == 64) {
+      for (auto& f : calls) f.get();
+      calls.clear();
+    }
+  }
+  for (auto& f : calls) f.get();
+  expect_error(Errc::invalid_argument, "one of each per device", [&] { (void)set.all_reduce(std::vector<BufferView>{views[0]}); });
+  expect_error(Errc::invalid_argument, "is not defined", [&] {
+    (void)set.all_reduce(views, ReduceOp::bitwise_and);
+  });
+  std::vector<float> host(16);
+  expect_error(Errc::invalid_argument, "must be on device", [&] {
+    (void)set.all_reduce(std::vector<BufferView>{BufferView(host.data(), 16, DType::f32), views[1]});
+  });
+  expect_error(Errc::invalid_argument, "a set holds 1 to 8", [&] { (void)gpu::DeviceSet::create(loop, set_of(9)); });
+}
