@@ -31,7 +31,7 @@ ALLOWED = {
     "transports_uring": {"core", "transports/framed"},
     "transports_shm": {"core", "transports/framed"},
     "transports": {"core", "transports/framed", "transports/asio", "transports/uring", "transports/shm"},
-    "devices": {"core", "kernels/cpu", "kernels/cuda"},
+    "devices": {"core", "kernels/cpu", "kernels/cuda", "kernels/peer"},
     "algorithms": {"core", "kernels/cpu"},
     "rendezvous": {"core"},
     "group": {"core", "transports", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
@@ -53,7 +53,7 @@ OWN = {
     "group": "group",
     "tensors": "tensors",
 }
-FOLDERS = ["core", "kernels/cpu", "kernels/cuda", "devices", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
+FOLDERS = ["core", "kernels/cpu", "kernels/cuda", "kernels/peer", "devices", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
            "rendezvous", "group", "tensors"]
 
 failures = []
