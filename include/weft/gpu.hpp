@@ -20,10 +20,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "weft/buffer.hpp"
+#include "weft/epilogue_functions.hpp"
 #include "weft/future.hpp"
 #include "weft/loop.hpp"
 #include "weft/reduce_op.hpp"
@@ -101,6 +105,74 @@ class PinnedBuffer {
   std::size_t bytes_ = 0;
 };
 
+/// What an all_reduce does to each reduced element before it stores it (issue 17): scale it, cast it to
+/// another dtype, both, or a function of your own. The output then has the epilogue's dtype. Built in
+/// (usable from any file): identity (the default), scale(f), cast(t), scale_and_cast(f, t), with the
+/// arithmetic of src/kernels/cpu/epilogue.hpp on every backend: the value is scaled in double and
+/// converted with rounding to nearest even for float types and saturation toward zero for integers (so an
+/// integer of more than 53 bits loses its low bits when scaled; a cast between integers is C++'s).
+/// Your own: custom(functions) from weft/gpu_epilogue.cuh (compiled by nvcc; runs on a GPU and, through
+/// its host copy, on the sim), or on_host<In, Out>(f) (the sim, and host buffers, only).
+/// Copyable (a custom's functor is shared); cheap to pass by value.
+class Epilogue {
+ public:
+  enum class Kind : std::uint8_t { identity, scale_and_cast, custom };
+
+  Epilogue() = default;
+  static Epilogue identity() { return Epilogue(); }
+  /// out = in * factor, in the input's dtype. Errors: invalid_argument for a factor that is not finite.
+  static Epilogue scale(double factor);
+  /// out = in converted to `to`.
+  static Epilogue cast(DType to);
+  /// out = (in * factor) converted to `to`.
+  static Epilogue scale_and_cast(double factor, DType to);
+  /// A function of yours (weft/gpu_epilogue.cuh's make_epilogue_functions). `name` is for messages.
+  /// Errors: invalid_argument when neither function is given or a dtype is not one of weft's.
+  static Epilogue custom(EpilogueFunctions functions, std::string name = "custom");
+  /// A host function f(In) or f(In, std::size_t index) -> Out: runs where device work runs on the host
+  /// (the sim) and on host buffers; a GPU refuses it (invalid_argument at the call).
+  template <class In, class Out, class F>
+  static Epilogue on_host(F f, std::string name = "custom") {
+    EpilogueFunctions fns;
+    fns.input_dtype = static_cast<int>(dtype_of<In>);
+    fns.output_dtype = static_cast<int>(dtype_of<Out>);
+    fns.host = [](const void* functor, const void* in, void* out, std::size_t first, std::size_t count) {
+      const F& fn = *static_cast<const F*>(functor);
+      const In* src = static_cast<const In*>(in);
+      Out* dst = static_cast<Out*>(out);
+      for (std::size_t k = 0; k < count; ++k) {
+        if constexpr (std::is_invocable_v<const F&, In, std::size_t>) dst[k] = static_cast<Out>(fn(src[k], first + k));
+        else dst[k] = static_cast<Out>(fn(src[k]));
+      }
+    };
+    fns.functor = std::make_shared<F>(std::move(f));
+    return custom(std::move(fns), std::move(name));
+  }
+
+  Kind kind() const noexcept { return kind_; }
+  bool is_identity() const noexcept { return kind_ == Kind::identity; }
+  double factor() const noexcept { return factor_; }
+  /// The dtype stored for reduced elements of `input`. Errors: invalid_argument when a custom
+  /// epilogue was made for another input dtype (naming both).
+  DType output(DType input) const;
+  /// "identity", "scale 0.5", "cast to bf16", "scale 0.25 and cast to f16", "custom 'bias' (f32 -> bf16)".
+  std::string describe() const;
+  /// The custom's functions (null for the built-ins).
+  const EpilogueFunctions* functions() const noexcept { return kind_ == Kind::custom ? &functions_ : nullptr; }
+
+  /// Applies the epilogue to host memory, here, on the calling thread: out[i] = epilogue(in[i]). `in`
+  /// of the reduced dtype, `out` of output(in.dtype), one count; out may be in where the sizes match.
+  /// Errors: invalid_argument (dtypes, counts, device memory, a custom without a host function).
+  void apply(ConstBufferView in, BufferView out) const;
+
+ private:
+  Kind kind_ = Kind::identity;
+  double factor_ = 1.0;
+  std::optional<DType> to_;  // scale_and_cast: the stored dtype (none: the input's)
+  EpilogueFunctions functions_;
+  std::string name_;
+};
+
 /// A point in a stream's order: reached once everything queued on the stream before it has run.
 /// Copyable; keeps its stream's state alive.
 class Fence {
@@ -163,6 +235,13 @@ class Stream {
   /// this stream's device, same dtype and count, op defined on the dtype (weft::is_defined).
   Future<void> reduce(BufferView inout, ConstBufferView src, ReduceOp op);
 
+  /// out[i] = epilogue(in[i]) on the device: `in` of the reduced dtype, `out` of epilogue.output(in.dtype),
+  /// one count, both on this stream's device; out may be in itself where the element sizes match, and
+  /// must not overlap it otherwise. Errors: invalid_argument at once (devices, dtypes, counts, overlap, a
+  /// custom epilogue without the function this backend runs: launch under cuda, host under the sim);
+  /// device_failure through the Future.
+  Future<void> apply(ConstBufferView in, BufferView out, const Epilogue& epilogue);
+
   /// A fence after everything queued so far.
   Fence record();
   /// Later work on this stream waits (on the device, the host does not block) until `fence` is reached.
@@ -211,16 +290,19 @@ class DeviceSet {
   /// Whether all_reduce takes the peer-to-peer path.
   bool peer_to_peer() const noexcept;
 
-  /// outputs[i] = inputs[0] op ... op inputs[n-1] (avg: the sum divided by n) on every entry i.
-  /// inputs[i] and outputs[i] on devices()[i], one dtype and count for all; an output may be its own
-  /// input (in place), not another entry's. The inputs must be ready (the work that wrote them done, or
+  /// outputs[i] = epilogue(inputs[0] op ... op inputs[n-1]) (avg: the sum divided by n, then the
+  /// epilogue) on every entry i, the epilogue applied once per element as it is stored.
+  /// inputs[i] and outputs[i] on devices()[i], one count for all, the inputs of one dtype and the outputs
+  /// of epilogue.output(it); an output may be its own input (in place, where the epilogue keeps the
+  /// dtype), not another entry's. The inputs must be ready (the work that wrote them done, or
   /// on the set's streams); the Future completes once every output is written.
   /// Errors: invalid_argument at once (counts, dtypes, devices, op undefined on the dtype, views that
   /// are not what they say); device_failure through the Future.
   /// Cancellation: cancelling completes the Future at once; the device work goes on.
-  Future<void> all_reduce(std::vector<ConstBufferView> inputs, std::vector<BufferView> outputs, ReduceOp op = ReduceOp::sum);
+  Future<void> all_reduce(std::vector<ConstBufferView> inputs, std::vector<BufferView> outputs, ReduceOp op = ReduceOp::sum,
+                          const Epilogue& epilogue = {});
   /// In place: every view is its entry's input and output.
-  Future<void> all_reduce(std::vector<BufferView> inout, ReduceOp op = ReduceOp::sum);
+  Future<void> all_reduce(std::vector<BufferView> inout, ReduceOp op = ReduceOp::sum, const Epilogue& epilogue = {});
 
  private:
   explicit DeviceSet(std::shared_ptr<detail::DeviceSetState> state);

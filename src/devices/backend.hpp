@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "weft/buffer.hpp"
+#include "weft/gpu.hpp"
 #include "weft/loop.hpp"
 #include "weft/reduce_op.hpp"
 
@@ -141,6 +142,9 @@ class StreamImpl {
   virtual std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) = 0;
   /// data[i] /= divisor (avg's division; integer division for integers).
   virtual std::uint64_t divide(void* data, std::size_t count, DType dtype, int divisor) = 0;
+  /// out[i] = epilogue(in[i]) for `count` elements (in_type in, epilogue.output(in_type) out); the
+  /// caller checked that the backend runs it (a custom's function for it exists).
+  virtual std::uint64_t epilogue(const void* in, DType in_type, void* out, std::size_t count, const Epilogue& epilogue) = 0;
   virtual std::uint64_t host(std::function<void()> fn) = 0;
   /// Later items wait until `other` reaches `seq` (other != this).
   virtual std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) = 0;

@@ -35,6 +35,7 @@
 #include "core/log.hpp"
 #include "devices/backend.hpp"
 #include "kernels/cuda/gate.cuh"
+#include "kernels/cuda/epilogue.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "weft/error.hpp"
 
@@ -119,6 +120,16 @@ class CudaStream final : public StreamImpl {
   std::uint64_t divide(void* data, std::size_t count, DType dtype, int divisor) override {
     return enqueue(fmt::format("divide {} elements of {} by {}", count, to_string(dtype), divisor), [&] {
       return static_cast<cudaError_t>(kernels::cuda::launch_divide(data, count, static_cast<int>(dtype), divisor, stream_));
+    });
+  }
+  std::uint64_t epilogue(const void* in, DType in_type, void* out, std::size_t count, const Epilogue& epilogue) override {
+    return enqueue(fmt::format("epilogue {} on {} elements of {}", epilogue.describe(), count, to_string(in_type)), [&] {
+      if (const EpilogueFunctions* fns = epilogue.functions()) {
+        return count == 0 ? cudaSuccess : static_cast<cudaError_t>(fns->launch(fns->functor.get(), in, out, count, stream_));
+      }
+      return static_cast<cudaError_t>(kernels::cuda::launch_epilogue(in, static_cast<int>(in_type), out,
+                                                                     static_cast<int>(epilogue.output(in_type)), count,
+                                                                     epilogue.factor(), stream_));
     });
   }
   std::uint64_t host(std::function<void()> fn) override {

@@ -16,8 +16,8 @@
 
 #include "core/log.hpp"
 #include "kernels/cpu/reduce.hpp"
-#include "kernels/peer/all_reduce.hpp"
 #include "devices/backend.hpp"
+#include "devices/checks.hpp"
 #include "weft/error.hpp"
 #include "weft/gpu.hpp"
 
@@ -62,9 +62,7 @@ std::string device_name(int device) { return fmt::format("device {} ({})", devic
 
 }  // namespace detail
 
-namespace {
-
-using detail::StreamImpl;
+namespace detail {
 
 void check_device(Device d, const char* op, const char* what) {
   if (d.kind != Device::Kind::cuda) {
@@ -128,6 +126,15 @@ Task<void> await_fence(std::shared_ptr<StreamImpl> stream, std::uint64_t seq, co
   }
   if (!wait.outcome->failure.empty()) throw Error(Errc::device_failure, {.op = op}, wait.outcome->failure);
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::StreamImpl;
+using detail::await_fence;
+using detail::check_device;
+using detail::check_view;
 
 detail::CopyKind copy_kind(Device dst, Device src) {
   const bool from_device = src.kind == Device::Kind::cuda;
@@ -357,6 +364,27 @@ Future<void> Stream::reduce(BufferView inout, ConstBufferView src, ReduceOp op) 
   return spawn(impl_->loop(), await_fence(impl_, seq, "reduce"));
 }
 
+Future<void> Stream::apply(ConstBufferView in, BufferView out, const Epilogue& epilogue) {
+  constexpr const char* op = "Stream::apply";
+  const Device mine = device();
+  if (!(in.device == mine) || !(out.device == mine)) {
+    throw Error(Errc::invalid_argument, {.op = op},
+                fmt::format("both views must be on the stream's device ({})", detail::device_name(mine.index)));
+  }
+  const DType to = epilogue.output(in.dtype);
+  if (out.dtype != to || out.count != in.count) {
+    throw Error(Errc::invalid_argument, {.op = op},
+                fmt::format("{} x {} in, {} x {} out: the epilogue {} stores {} x {}", in.count, to_string(in.dtype), out.count,
+                            to_string(out.dtype), epilogue.describe(), in.count, to_string(to)));
+  }
+  detail::check_epilogue_runs(epilogue, op);
+  check_view(in.data, in.bytes(), in.device, op, "in");
+  check_view(out.data, out.bytes(), out.device, op, "out");
+  detail::check_overlap(in, out, op);
+  const std::uint64_t seq = impl_->epilogue(in.data, in.dtype, out.data, in.count, epilogue);
+  return spawn(impl_->loop(), await_fence(impl_, seq, op));
+}
+
 Fence Stream::record() { return Fence(impl_, impl_->last()); }
 
 void Stream::wait(const Fence& fence) {
@@ -405,259 +433,6 @@ Future<std::vector<std::byte>> to_host(ConstBufferView device_view, Stream& stre
   Future<void> copied = stream.copy(BufferView(host.data(), host.size(), DType::u8),
                                     ConstBufferView(device_view.data, device_view.bytes(), DType::u8, device_view.device));
   return spawn(stream.loop(), finish_to_host(std::move(copied), std::move(host)));
-}
-
-// ---- DeviceSet ----
-
-namespace detail {
-
-struct DeviceSetState {
-  Loop* loop = nullptr;
-  std::vector<Device> devices;
-  std::vector<std::shared_ptr<StreamImpl>> streams;  // one per entry
-  bool peer_to_peer = false;
-  // The peer path's signals (the sim: host memory its workers share), zeroed once.
-  std::vector<std::unique_ptr<kernels::peer::Signal>> signals;
-  // The naive path's scratch per entry: the sum so far and the input being added.
-  std::mutex mutex;
-  std::vector<DeviceBuffer> sums, addends;  // guarded; grown between calls
-};
-
-}  // namespace detail
-
-namespace {
-
-using detail::DeviceSetState;
-
-// One element of `size` bytes, for the peer algorithms over any dtype (the CPU kernels do the arithmetic).
-template <std::size_t N>
-struct Element {
-  std::byte bytes[N];
-};
-
-// Runs entry `rank`'s part of the peer all_reduce as the sim's device work: a thread per block, the same
-// code as the GPU's (kernels/peer). Returns "" or why it gave up.
-template <std::size_t N>
-std::string run_peer_blocks(const DeviceSetState& set, int rank, const std::vector<const void*>& inputs, void* output,
-                            std::size_t count, DType dtype, ReduceOp op, bool two_stage, const std::vector<std::byte*>& scratch) {
-  struct HostAtomics {
-    static void store_release(std::uint32_t* p, std::uint32_t v) { std::atomic_ref<std::uint32_t>(*p).store(v, std::memory_order_release); }
-    static std::uint32_t load_acquire(const std::uint32_t* p) {
-      return std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(p)).load(std::memory_order_acquire);
-    }
-    static bool pause(std::uint64_t spins) {
-      std::this_thread::yield();
-      return spins < (std::uint64_t{1} << 34);  // the peers' workers all run; a lost one is a bug, not a wait
-    }
-    static void sync_block() {}
-    static bool sync_block_all(bool ok) { return ok; }
-  };
-  using E = Element<N>;
-  kernels::peer::Devices devices;
-  devices.rank = rank;
-  devices.n = static_cast<int>(set.devices.size());
-  for (int k = 0; k < devices.n; ++k) devices.signals[k] = set.signals[static_cast<std::size_t>(k)].get();
-  std::vector<const E*> in(inputs.size());
-  for (std::size_t k = 0; k < inputs.size(); ++k) in[k] = static_cast<const E*>(detail::backend().worker_address(inputs[k]));
-  E* out = static_cast<E*>(detail::backend().worker_address(output));
-  std::vector<E*> tmp(scratch.size());
-  for (std::size_t k = 0; k < scratch.size(); ++k) tmp[k] = reinterpret_cast<E*>(scratch[k]);
-  const kernels::ReduceFn fn = kernels::find_reduce(dtype, op == ReduceOp::avg ? ReduceOp::sum : op);
-  const int divisor = op == ReduceOp::avg ? devices.n : 1;
-  auto combine = [fn](E a, const E& b) {
-    fn(&a, &a, &b, 1);
-    return a;
-  };
-  auto epilogue = [dtype, divisor](E v) {
-    if (divisor > 1) kernels::divide_in_place(&v, 1, dtype, divisor);
-    return v;
-  };
-  constexpr int blocks = 2;
-  std::atomic<bool> ok{true};
-  auto block = [&](int b) {
-    const bool done = two_stage ? kernels::peer::two_stage<HostAtomics, E, E>(devices, b, blocks, 0, 1, in.data(), out, tmp.data(),
-                                                                               count, combine, epilogue)
-                                : kernels::peer::one_stage<HostAtomics, E, E>(devices, b, blocks, 0, 1, in.data(), out, count, combine,
-                                                                              epilogue);
-    if (!done) ok = false;
-  };
-  std::thread second([&] { block(1); });
-  block(0);
-  second.join();
-  return ok ? std::string() : fmt::format("device {}: a peer barrier gave up (a peer's work never came)", set.devices[static_cast<std::size_t>(rank)].index);
-}
-
-Task<void> await_all(std::vector<Future<void>> each, std::shared_ptr<std::string> failure) {
-  co_await when_all(std::move(each));
-  if (!failure->empty()) throw Error(Errc::device_failure, {.op = "DeviceSet::all_reduce"}, *failure);
-}
-
-}  // namespace
-
-DeviceSet::DeviceSet(std::shared_ptr<detail::DeviceSetState> state) : state_(std::move(state)) {}
-DeviceSet::DeviceSet(DeviceSet&&) noexcept = default;
-DeviceSet& DeviceSet::operator=(DeviceSet&&) noexcept = default;
-DeviceSet::~DeviceSet() = default;
-
-DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
-  if (devices.empty() || devices.size() > static_cast<std::size_t>(kernels::peer::max_devices)) {
-    throw Error(Errc::invalid_argument, {.op = "DeviceSet"},
-                fmt::format("{} devices: a set holds 1 to {}", devices.size(), kernels::peer::max_devices));
-  }
-  auto state = std::make_shared<DeviceSetState>();
-  state->loop = &loop;
-  for (std::size_t i = 0; i < devices.size(); ++i) {
-    check_device(devices[i], "DeviceSet", fmt::format("entry {}", i).c_str());
-    state->streams.push_back(detail::backend().make_stream(loop, devices[i].index));
-  }
-  bool reach = true;
-  for (const Device& a : devices) {
-    for (const Device& b : devices) reach = reach && can_access_peer(a, b);
-  }
-  // The peer kernels run on the sim's workers; on a GPU they are compiled but not yet wired.
-  state->peer_to_peer = reach && backend() == Backend::sim;
-  if (state->peer_to_peer) {
-    for (std::size_t i = 0; i < devices.size(); ++i) state->signals.push_back(std::make_unique<kernels::peer::Signal>());
-  }
-  state->sums.resize(devices.size());
-  state->addends.resize(devices.size());
-  state->devices = std::move(devices);
-  return DeviceSet(std::move(state));
-}
-
-const std::vector<Device>& DeviceSet::devices() const noexcept { return state_->devices; }
-bool DeviceSet::peer_to_peer() const noexcept { return state_->peer_to_peer; }
-
-Future<void> DeviceSet::all_reduce(std::vector<BufferView> inout, ReduceOp op) {
-  std::vector<ConstBufferView> inputs(inout.begin(), inout.end());
-  return all_reduce(std::move(inputs), std::move(inout), op);
-}
-
-Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vector<BufferView> outputs, ReduceOp op) {
-  DeviceSetState& set = *state_;
-  const std::size_t n = set.devices.size();
-  constexpr const char* what = "DeviceSet::all_reduce";
-  if (inputs.size() != n || outputs.size() != n) {
-    throw Error(Errc::invalid_argument, {.op = what},
-                fmt::format("{} inputs and {} outputs for a set of {} devices: one of each per device", inputs.size(), outputs.size(), n));
-  }
-  const DType dtype = inputs[0].dtype;
-  const std::size_t count = inputs[0].count;
-  if (!is_defined(dtype, op)) {
-    throw Error(Errc::invalid_argument, {.op = what}, fmt::format("{} is not defined on {}", to_string(op), to_string(dtype)));
-  }
-  bool in_place = false;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::string at = fmt::format("entry {}", i);
-    for (const auto* view : {&inputs[i].device, &outputs[i].device}) {
-      if (!(*view == set.devices[i])) {
-        throw Error(Errc::invalid_argument, {.op = what}, fmt::format("{}: its views must be on device {}", at, set.devices[i].index));
-      }
-    }
-    if (inputs[i].dtype != dtype || outputs[i].dtype != dtype || inputs[i].count != count || outputs[i].count != count) {
-      throw Error(Errc::invalid_argument, {.op = what},
-                  fmt::format("{}: {} x {} in, {} x {} out; entry 0 has {} x {}: every view holds the same", at, inputs[i].count,
-                              to_string(inputs[i].dtype), outputs[i].count, to_string(outputs[i].dtype), count, to_string(dtype)));
-    }
-    check_view(inputs[i].data, inputs[i].bytes(), inputs[i].device, what, (at + " input").c_str());
-    check_view(outputs[i].data, outputs[i].bytes(), outputs[i].device, what, (at + " output").c_str());
-    const auto* o = static_cast<const std::byte*>(outputs[i].data);
-    for (std::size_t k = 0; k < n && count > 0; ++k) {
-      const auto* in = static_cast<const std::byte*>(inputs[k].data);
-      const bool overlap = o < in + inputs[k].bytes() && in < o + outputs[i].bytes();
-      if (!overlap) continue;
-      if (k != i || o != in) {
-        throw Error(Errc::invalid_argument, {.op = what},
-                    fmt::format("{}: its output overlaps entry {}'s input: an output may only be its own input", at, k));
-      }
-      in_place = true;
-    }
-  }
-  auto failure = std::make_shared<std::string>();
-  std::vector<Future<void>> each;
-  if (count == 0) {
-    for (auto& stream : set.streams) each.push_back(spawn(*set.loop, await_fence(stream, stream->last(), what)));
-    return spawn(*set.loop, await_all(std::move(each), failure));
-  }
-  // Each entry's work waits for what every other stream of the set queued before (the last call's
-  // outputs, which may be this call's inputs).
-  std::vector<std::uint64_t> before(n);
-  for (std::size_t i = 0; i < n; ++i) before[i] = set.streams[i]->last();
-  auto wait_for_others = [&](std::size_t i, const std::vector<std::uint64_t>& seqs) {
-    for (std::size_t k = 0; k < n; ++k) {
-      if (k != i && seqs[k] > 0) set.streams[i]->wait(set.streams[k], seqs[k]);
-    }
-  };
-  const std::size_t bytes = inputs[0].bytes();
-  const std::size_t esize = dtype_size(dtype);
-  if (set.peer_to_peer) {
-    const bool two_stage = in_place || (n > 2 && bytes > (std::size_t{256} << 10));
-    std::vector<const void*> in(n);
-    for (std::size_t k = 0; k < n; ++k) in[k] = inputs[k].data;
-    // Two-stage: every entry's slice of the sum, shared by this call's bodies (host memory on the sim).
-    auto scratch = std::make_shared<std::vector<std::vector<std::byte>>>(n);
-    if (two_stage) {
-      for (std::size_t k = 0; k < n; ++k) {
-        const auto slice = kernels::peer::share(count, static_cast<int>(k), static_cast<int>(n));
-        (*scratch)[k].resize((slice.last - slice.first + 1) * esize);
-      }
-    }
-    for (std::size_t i = 0; i < n; ++i) {
-      wait_for_others(i, before);
-      auto body = [state = state_, i, in, out = outputs[i].data, count, dtype, op, two_stage, failure, esize, scratch] {
-        std::vector<std::byte*> tmp(scratch->size());
-        for (std::size_t k = 0; k < tmp.size(); ++k) tmp[k] = (*scratch)[k].data();
-        std::string why;
-        const int rank = static_cast<int>(i);
-        switch (esize) {
-          case 1: why = run_peer_blocks<1>(*state, rank, in, out, count, dtype, op, two_stage, tmp); break;
-          case 2: why = run_peer_blocks<2>(*state, rank, in, out, count, dtype, op, two_stage, tmp); break;
-          case 4: why = run_peer_blocks<4>(*state, rank, in, out, count, dtype, op, two_stage, tmp); break;
-          default: why = run_peer_blocks<8>(*state, rank, in, out, count, dtype, op, two_stage, tmp); break;
-        }
-        if (!why.empty()) {
-          std::lock_guard lock(state->mutex);
-          if (failure->empty()) *failure = why;
-        }
-      };
-      each.push_back(spawn(*set.loop, await_fence(set.streams[i], set.streams[i]->host(std::move(body)), what)));
-    }
-    return spawn(*set.loop, await_all(std::move(each), failure));
-  }
-  // Naive: every entry copies every input (rank order) into scratch of its own and adds it up; then,
-  // once every entry has read every input, writes its output (which may be its input).
-  {
-    std::lock_guard lock(set.mutex);
-    for (std::size_t i = 0; i < n; ++i) {
-      if (set.sums[i].bytes() < bytes) set.sums[i] = DeviceBuffer::allocate(set.devices[i], bytes);
-      if (n > 1 && set.addends[i].bytes() < bytes) set.addends[i] = DeviceBuffer::allocate(set.devices[i], bytes);
-    }
-  }
-  const ReduceOp combine = op == ReduceOp::avg ? ReduceOp::sum : op;
-  std::vector<std::uint64_t> summed(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    StreamImpl& s = *set.streams[i];
-    wait_for_others(i, before);
-    void* sum = set.sums[i].data();
-    void* addend = set.addends[i].data();
-    const int me = set.devices[i].index;
-    constexpr auto d2d = detail::CopyKind::device_to_device;
-    s.copy(sum, inputs[0].data, bytes, d2d, set.devices[0].index, me);
-    for (std::size_t k = 1; k < n; ++k) {
-      s.copy(addend, inputs[k].data, bytes, d2d, set.devices[k].index, me);
-      s.reduce(sum, addend, count, dtype, combine);
-    }
-    summed[i] = s.last();
-  }
-  for (std::size_t i = 0; i < n; ++i) {
-    StreamImpl& s = *set.streams[i];
-    wait_for_others(i, summed);
-    const int me = set.devices[i].index;
-    s.copy(outputs[i].data, set.sums[i].data(), bytes, detail::CopyKind::device_to_device, me, me);
-    if (op == ReduceOp::avg && n > 1) s.divide(outputs[i].data, count, dtype, static_cast<int>(n));
-    each.push_back(spawn(*set.loop, await_fence(set.streams[i], s.last(), what)));
-  }
-  return spawn(*set.loop, await_all(std::move(each), failure));
 }
 
 }  // namespace weft::gpu

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include "devices/backend.hpp"
+#include "kernels/cpu/epilogue.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "weft/error.hpp"
 
@@ -193,6 +194,20 @@ class SimStream final : public StreamImpl {
       if (count > 0) kernels::divide_in_place(worker_address(backend_, data), count, dtype, divisor);
       return std::string();
     });
+  }
+  std::uint64_t epilogue(const void* in, DType in_type, void* out, std::size_t count, const Epilogue& epilogue) override {
+    return queue_->push(fmt::format("epilogue {} on {} elements of {}", epilogue.describe(), count, to_string(in_type)),
+                        [=, this] {
+                          if (count == 0) return std::string();
+                          const void* src = worker_address(backend_, in);
+                          void* dst = worker_address(backend_, out);
+                          if (const EpilogueFunctions* fns = epilogue.functions()) {
+                            fns->host(fns->functor.get(), src, dst, 0, count);
+                          } else {
+                            kernels::apply_epilogue(src, in_type, dst, epilogue.output(in_type), count, epilogue.factor());
+                          }
+                          return std::string();
+                        });
   }
   std::uint64_t host(std::function<void()> fn) override {
     return queue_->push("host function", [fn = std::move(fn)] {

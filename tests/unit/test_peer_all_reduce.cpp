@@ -21,27 +21,14 @@
 #include <fmt/format.h>
 
 #include "kernels/peer/all_reduce.hpp"
+#include "kernels/peer/host_atomics.hpp"
 
 namespace peer = weft::kernels::peer;
 
 namespace {
 
-struct HostAtomics {
-  static void store_release(std::uint32_t* p, std::uint32_t v) { std::atomic_ref<std::uint32_t>(*p).store(v, std::memory_order_release); }
-  static std::uint32_t load_acquire(const std::uint32_t* p) {
-    return std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(p)).load(std::memory_order_acquire);
-  }
-  // Yields; gives up after 20 s of spinning (a lost wake-up fails the test instead of hanging it).
-  static bool pause(std::uint64_t spins) {
-    thread_local std::chrono::steady_clock::time_point since;
-    if (spins == 0) since = std::chrono::steady_clock::now();
-    std::this_thread::yield();
-    return (spins & 1023) != 1023 || std::chrono::steady_clock::now() - since < std::chrono::seconds(20);
-  }
-  static void sync_block() {}  // a simulated block has one lane
-  static bool sync_block_all(bool ok) { return ok; }
-
-};
+// A lost wake-up fails the test after 20 s instead of hanging it.
+using HostAtomics = peer::HostAtomics<20>;
 
 enum class Algorithm { one_stage, two_stage, two_stage_in_place };
 
@@ -56,7 +43,7 @@ struct Sum {
 };
 struct Scale {
   float factor;
-  float operator()(float v) const { return v * factor; }
+  float operator()(float v, std::size_t) const { return v * factor; }
 };
 
 struct Run {

@@ -31,7 +31,7 @@ struct Sum {
   __device__ float operator()(float a, float b) const { return a + b; }
 };
 struct Identity {
-  __device__ float operator()(float v) const { return v; }
+  __device__ float operator()(float v, std::size_t) const { return v; }
 };
 
 __global__ void peer_all_reduce_f32_sum(peer::Devices devices, PeerPointers pointers, float* out, std::size_t count,

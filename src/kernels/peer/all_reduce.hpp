@@ -111,9 +111,9 @@ struct Barrier {
   }
 };
 
-/// One block's part of the one-stage all_reduce: out[i] = epilogue(in_0[i] op in_1[i] op ... in_{n-1}[i])
-/// for this block's share of the elements. `Op` and `Epilogue`: functors on T (the epilogue may return
-/// another type, Out). Returns false if a barrier's spin was given up.
+/// One block's part of the one-stage all_reduce: out[i] = epilogue(in_0[i] op in_1[i] op ... in_{n-1}[i], i)
+/// for this block's share of the elements. `Op`: a functor on T; `Epilogue`: (T, std::size_t index) -> Out,
+/// called once per element as it is stored. Returns false if a barrier's spin was given up.
 template <class Atomics, class T, class Out, class Op, class Epilogue>
 WEFT_PEER_FN bool one_stage(const Devices& d, int block, int blocks, int lane, int lanes, const T* const* inputs, Out* out,
                             std::size_t count, Op op, Epilogue epilogue) {
@@ -124,7 +124,7 @@ WEFT_PEER_FN bool one_stage(const Devices& d, int block, int blocks, int lane, i
   for (std::size_t i = r.first + static_cast<std::size_t>(lane); i < r.last; i += static_cast<std::size_t>(lanes)) {
     T acc = inputs[0][i];
     for (int k = 1; k < d.n; ++k) acc = op(acc, inputs[k][i]);
-    out[i] = epilogue(acc);
+    out[i] = epilogue(acc, i);
   }
   return B::all_arrive(d, block, lane, lanes, flag, false);
 }
@@ -152,7 +152,7 @@ WEFT_PEER_FN bool two_stage(const Devices& d, int block, int blocks, int lane, i
   for (int k = 0; k < d.n; ++k) {
     const Range slice = share(count, k, d.n);
     const Range p = share(slice.last - slice.first, block, blocks);
-    for (std::size_t j = p.first + static_cast<std::size_t>(lane); j < p.last; j += step) out[slice.first + j] = epilogue(tmp[k][j]);
+    for (std::size_t j = p.first + static_cast<std::size_t>(lane); j < p.last; j += step) out[slice.first + j] = epilogue(tmp[k][j], slice.first + j);
   }
   return true;
 }

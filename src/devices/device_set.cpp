@@ -1,0 +1,322 @@
+// gpu::DeviceSet: all_reduce across the devices of one process (issue 17; docs/DESIGN.md, "Several
+// devices of one process"): the peer path (kernels/peer's protocol, on the sim's workers for now) and
+// the naive path (stream copies into scratch of each entry's own), both with the output epilogue.
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "devices/backend.hpp"
+#include "devices/checks.hpp"
+#include "kernels/cpu/epilogue.hpp"
+#include "kernels/cpu/reduce.hpp"
+#include "kernels/peer/all_reduce.hpp"
+#include "kernels/peer/host_atomics.hpp"
+#include "weft/error.hpp"
+#include "weft/gpu.hpp"
+#include "weft/when.hpp"
+
+namespace weft::gpu {
+
+namespace detail {
+
+struct DeviceSetState {
+  Loop* loop = nullptr;
+  std::vector<Device> devices;
+  std::vector<std::shared_ptr<StreamImpl>> streams;  // one per entry
+  bool peer_to_peer = false;
+  // The peer path's signals (the sim: host memory its workers share), zeroed once.
+  std::vector<std::unique_ptr<kernels::peer::Signal>> signals;
+  // The naive path's scratch per entry: the sum so far and the input being added.
+  std::mutex mutex;
+  std::vector<DeviceBuffer> sums, addends;  // guarded; grown between calls
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::await_fence;
+using detail::check_device;
+using detail::check_view;
+using detail::DeviceSetState;
+using detail::StreamImpl;
+
+// The sim's workers wait for their peers' as long as a device would: a peer may be held by work queued
+// before it (a gate the host opens late); only a lost one is a bug, and that fails after 10 minutes.
+using SimAtomics = kernels::peer::HostAtomics<600>;
+
+// One element of `size` bytes, for the peer algorithms over any dtype (the CPU kernels do the arithmetic).
+template <std::size_t N>
+struct Element {
+  std::byte bytes[N];
+};
+
+// What one entry's peer work needs to know of the call.
+struct PeerCall {
+  std::vector<const void*> inputs;  // every entry's (device addresses)
+  void* output = nullptr;           // this entry's
+  std::size_t count = 0;
+  DType dtype = DType::f32;
+  ReduceOp op = ReduceOp::sum;
+  Epilogue epilogue;
+  DType out_dtype = DType::f32;
+  bool two_stage = false;
+};
+
+// Runs entry `rank`'s part of the peer all_reduce as the sim's device work: a thread per block, the same
+// code as the GPU's (kernels/peer). N: the reduced element's size, M: the stored one's. Returns "" or why
+// it gave up.
+template <std::size_t N, std::size_t M>
+std::string run_peer_blocks(const DeviceSetState& set, int rank, const PeerCall& call, const std::vector<std::byte*>& scratch) {
+  using E = Element<N>;
+  using O = Element<M>;
+  kernels::peer::Devices devices;
+  devices.rank = rank;
+  devices.n = static_cast<int>(set.devices.size());
+  for (int k = 0; k < devices.n; ++k) devices.signals[k] = set.signals[static_cast<std::size_t>(k)].get();
+  std::vector<const E*> in(call.inputs.size());
+  for (std::size_t k = 0; k < in.size(); ++k) in[k] = static_cast<const E*>(detail::backend().worker_address(call.inputs[k]));
+  O* out = static_cast<O*>(detail::backend().worker_address(call.output));
+  std::vector<E*> tmp(scratch.size());
+  for (std::size_t k = 0; k < scratch.size(); ++k) tmp[k] = reinterpret_cast<E*>(scratch[k]);
+  const kernels::ReduceFn fn = kernels::find_reduce(call.dtype, call.op == ReduceOp::avg ? ReduceOp::sum : call.op);
+  const int divisor = call.op == ReduceOp::avg ? devices.n : 1;
+  auto combine = [fn](E a, const E& b) {
+    fn(&a, &a, &b, 1);
+    return a;
+  };
+  const EpilogueFunctions* custom = call.epilogue.functions();
+  auto epilogue = [&call, custom, divisor](E v, std::size_t i) {
+    if (divisor > 1) kernels::divide_in_place(&v, 1, call.dtype, divisor);
+    O o;
+    if (custom) custom->host(custom->functor.get(), &v, &o, i, 1);
+    else kernels::apply_epilogue(&v, call.dtype, &o, call.out_dtype, 1, call.epilogue.factor());
+    return o;
+  };
+  constexpr int blocks = 2;
+  std::atomic<bool> ok{true};
+  auto block = [&](int b) {
+    namespace peer = kernels::peer;
+    const bool done = call.two_stage
+                          ? peer::two_stage<SimAtomics, E, O>(devices, b, blocks, 0, 1, in.data(), out, tmp.data(), call.count, combine, epilogue)
+                          : peer::one_stage<SimAtomics, E, O>(devices, b, blocks, 0, 1, in.data(), out, call.count, combine, epilogue);
+    if (!done) ok = false;
+  };
+  std::thread second([&] { block(1); });
+  block(0);
+  second.join();
+  return ok ? std::string() : fmt::format("device {}: a peer barrier gave up (a peer's work never came)", set.devices[static_cast<std::size_t>(rank)].index);
+}
+
+template <std::size_t N>
+std::string run_peer_blocks_to(const DeviceSetState& set, int rank, const PeerCall& call, const std::vector<std::byte*>& scratch) {
+  switch (dtype_size(call.out_dtype)) {
+    case 1: return run_peer_blocks<N, 1>(set, rank, call, scratch);
+    case 2: return run_peer_blocks<N, 2>(set, rank, call, scratch);
+    case 4: return run_peer_blocks<N, 4>(set, rank, call, scratch);
+    default: return run_peer_blocks<N, 8>(set, rank, call, scratch);
+  }
+}
+
+std::string run_peer(const DeviceSetState& set, int rank, const PeerCall& call, const std::vector<std::byte*>& scratch) {
+  switch (dtype_size(call.dtype)) {
+    case 1: return run_peer_blocks_to<1>(set, rank, call, scratch);
+    case 2: return run_peer_blocks_to<2>(set, rank, call, scratch);
+    case 4: return run_peer_blocks_to<4>(set, rank, call, scratch);
+    default: return run_peer_blocks_to<8>(set, rank, call, scratch);
+  }
+}
+
+Task<void> await_all(std::vector<Future<void>> each, std::shared_ptr<std::string> failure) {
+  co_await when_all(std::move(each));
+  if (!failure->empty()) throw Error(Errc::device_failure, {.op = "DeviceSet::all_reduce"}, *failure);
+}
+
+}  // namespace
+
+DeviceSet::DeviceSet(std::shared_ptr<detail::DeviceSetState> state) : state_(std::move(state)) {}
+DeviceSet::DeviceSet(DeviceSet&&) noexcept = default;
+DeviceSet& DeviceSet::operator=(DeviceSet&&) noexcept = default;
+DeviceSet::~DeviceSet() = default;
+
+DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
+  if (devices.empty() || devices.size() > static_cast<std::size_t>(kernels::peer::max_devices)) {
+    throw Error(Errc::invalid_argument, {.op = "DeviceSet"},
+                fmt::format("{} devices: a set holds 1 to {}", devices.size(), kernels::peer::max_devices));
+  }
+  auto state = std::make_shared<DeviceSetState>();
+  state->loop = &loop;
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    check_device(devices[i], "DeviceSet", fmt::format("entry {}", i).c_str());
+    state->streams.push_back(detail::backend().make_stream(loop, devices[i].index));
+  }
+  bool reach = true;
+  for (const Device& a : devices) {
+    for (const Device& b : devices) reach = reach && can_access_peer(a, b);
+  }
+  // The peer kernels run on the sim's workers; on a GPU they are compiled but not yet wired.
+  state->peer_to_peer = reach && backend() == Backend::sim;
+  if (state->peer_to_peer) {
+    for (std::size_t i = 0; i < devices.size(); ++i) state->signals.push_back(std::make_unique<kernels::peer::Signal>());
+  }
+  state->sums.resize(devices.size());
+  state->addends.resize(devices.size());
+  state->devices = std::move(devices);
+  return DeviceSet(std::move(state));
+}
+
+const std::vector<Device>& DeviceSet::devices() const noexcept { return state_->devices; }
+bool DeviceSet::peer_to_peer() const noexcept { return state_->peer_to_peer; }
+
+Future<void> DeviceSet::all_reduce(std::vector<BufferView> inout, ReduceOp op, const Epilogue& epilogue) {
+  std::vector<ConstBufferView> inputs(inout.begin(), inout.end());
+  return all_reduce(std::move(inputs), std::move(inout), op, epilogue);
+}
+
+Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vector<BufferView> outputs, ReduceOp op,
+                                   const Epilogue& epilogue) {
+  DeviceSetState& set = *state_;
+  const std::size_t n = set.devices.size();
+  constexpr const char* what = "DeviceSet::all_reduce";
+  if (inputs.size() != n || outputs.size() != n) {
+    throw Error(Errc::invalid_argument, {.op = what},
+                fmt::format("{} inputs and {} outputs for a set of {} devices: one of each per device", inputs.size(), outputs.size(), n));
+  }
+  const DType dtype = inputs[0].dtype;
+  const std::size_t count = inputs[0].count;
+  if (!is_defined(dtype, op)) {
+    throw Error(Errc::invalid_argument, {.op = what}, fmt::format("{} is not defined on {}", to_string(op), to_string(dtype)));
+  }
+  detail::check_epilogue_runs(epilogue, what);
+  const DType out_dtype = epilogue.output(dtype);
+  bool in_place = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string at = fmt::format("entry {}", i);
+    for (const auto* view : {&inputs[i].device, &outputs[i].device}) {
+      if (!(*view == set.devices[i])) {
+        throw Error(Errc::invalid_argument, {.op = what}, fmt::format("{}: its views must be on device {}", at, set.devices[i].index));
+      }
+    }
+    if (inputs[i].dtype != dtype || inputs[i].count != count || outputs[i].count != count || outputs[i].dtype != out_dtype) {
+      throw Error(Errc::invalid_argument, {.op = what},
+                  fmt::format("{}: {} x {} in, {} x {} out; every input must be {} x {} (entry 0's) and every output {} x {}{}", at,
+                              inputs[i].count, to_string(inputs[i].dtype), outputs[i].count, to_string(outputs[i].dtype), count,
+                              to_string(dtype), count, to_string(out_dtype),
+                              epilogue.is_identity() ? std::string() : fmt::format(" (the epilogue {})", epilogue.describe())));
+    }
+    check_view(inputs[i].data, inputs[i].bytes(), inputs[i].device, what, (at + " input").c_str());
+    check_view(outputs[i].data, outputs[i].bytes(), outputs[i].device, what, (at + " output").c_str());
+    const auto* o = static_cast<const std::byte*>(outputs[i].data);
+    for (std::size_t k = 0; k < n && count > 0; ++k) {
+      const auto* in = static_cast<const std::byte*>(inputs[k].data);
+      const bool overlap = o < in + inputs[k].bytes() && in < o + outputs[i].bytes();
+      if (!overlap) continue;
+      if (k != i || o != in) {
+        throw Error(Errc::invalid_argument, {.op = what},
+                    fmt::format("{}: its output overlaps entry {}'s input: an output may only be its own input", at, k));
+      }
+      if (dtype_size(out_dtype) != dtype_size(dtype)) {
+        throw Error(Errc::invalid_argument, {.op = what},
+                    fmt::format("{}: in place, but the epilogue {} stores {}-byte elements for {}-byte ones: give it an output of its own",
+                                at, epilogue.describe(), dtype_size(out_dtype), dtype_size(dtype)));
+      }
+      in_place = true;
+    }
+  }
+  auto failure = std::make_shared<std::string>();
+  std::vector<Future<void>> each;
+  if (count == 0) {
+    for (auto& stream : set.streams) each.push_back(spawn(*set.loop, await_fence(stream, stream->last(), what)));
+    return spawn(*set.loop, await_all(std::move(each), failure));
+  }
+  // Each entry's work waits for what every other stream of the set queued before (the last call's
+  // outputs, which may be this call's inputs).
+  std::vector<std::uint64_t> before(n);
+  for (std::size_t i = 0; i < n; ++i) before[i] = set.streams[i]->last();
+  auto wait_for_others = [&](std::size_t i, const std::vector<std::uint64_t>& seqs) {
+    for (std::size_t k = 0; k < n; ++k) {
+      if (k != i && seqs[k] > 0) set.streams[i]->wait(set.streams[k], seqs[k]);
+    }
+  };
+  const std::size_t bytes = inputs[0].bytes();
+  const std::size_t esize = dtype_size(dtype);
+  if (set.peer_to_peer) {
+    auto call = std::make_shared<PeerCall>();
+    call->inputs.resize(n);
+    for (std::size_t k = 0; k < n; ++k) call->inputs[k] = inputs[k].data;
+    call->count = count;
+    call->dtype = dtype;
+    call->op = op;
+    call->epilogue = epilogue;
+    call->out_dtype = out_dtype;
+    call->two_stage = in_place || (n > 2 && bytes > (std::size_t{256} << 10));
+    // Two-stage: every entry's slice of the sum, shared by this call's bodies (host memory on the sim).
+    auto scratch = std::make_shared<std::vector<std::vector<std::byte>>>(n);
+    if (call->two_stage) {
+      for (std::size_t k = 0; k < n; ++k) {
+        const auto slice = kernels::peer::share(count, static_cast<int>(k), static_cast<int>(n));
+        (*scratch)[k].resize((slice.last - slice.first + 1) * esize);
+      }
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      wait_for_others(i, before);
+      auto body = [state = state_, i, call, out = outputs[i].data, failure, scratch] {
+        std::vector<std::byte*> tmp(scratch->size());
+        for (std::size_t k = 0; k < tmp.size(); ++k) tmp[k] = (*scratch)[k].data();
+        PeerCall mine = *call;
+        mine.output = out;
+        const std::string why = run_peer(*state, static_cast<int>(i), mine, tmp);
+        if (!why.empty()) {
+          std::lock_guard lock(state->mutex);
+          if (failure->empty()) *failure = why;
+        }
+      };
+      each.push_back(spawn(*set.loop, await_fence(set.streams[i], set.streams[i]->host(std::move(body)), what)));
+    }
+    return spawn(*set.loop, await_all(std::move(each), failure));
+  }
+  // Naive: every entry copies every input (rank order) into scratch of its own and adds it up; then,
+  // once every entry has read every input, writes its output (which may be its input), through the
+  // epilogue where there is one.
+  {
+    std::lock_guard lock(set.mutex);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (set.sums[i].bytes() < bytes) set.sums[i] = DeviceBuffer::allocate(set.devices[i], bytes);
+      if (n > 1 && set.addends[i].bytes() < bytes) set.addends[i] = DeviceBuffer::allocate(set.devices[i], bytes);
+    }
+  }
+  const ReduceOp combine = op == ReduceOp::avg ? ReduceOp::sum : op;
+  std::vector<std::uint64_t> summed(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    StreamImpl& s = *set.streams[i];
+    wait_for_others(i, before);
+    void* sum = set.sums[i].data();
+    void* addend = set.addends[i].data();
+    const int me = set.devices[i].index;
+    constexpr auto d2d = detail::CopyKind::device_to_device;
+    s.copy(sum, inputs[0].data, bytes, d2d, set.devices[0].index, me);
+    for (std::size_t k = 1; k < n; ++k) {
+      s.copy(addend, inputs[k].data, bytes, d2d, set.devices[k].index, me);
+      s.reduce(sum, addend, count, dtype, combine);
+    }
+    summed[i] = s.last();
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    StreamImpl& s = *set.streams[i];
+    wait_for_others(i, summed);
+    const int me = set.devices[i].index;
+    void* sum = set.sums[i].data();
+    if (op == ReduceOp::avg && n > 1) s.divide(sum, count, dtype, static_cast<int>(n));
+    if (epilogue.is_identity()) s.copy(outputs[i].data, sum, bytes, detail::CopyKind::device_to_device, me, me);
+    else s.epilogue(sum, dtype, outputs[i].data, count, epilogue);
+    each.push_back(spawn(*set.loop, await_fence(set.streams[i], s.last(), what)));
+  }
+  return spawn(*set.loop, await_all(std::move(each), failure));
+}
+
+}  // namespace weft::gpu
