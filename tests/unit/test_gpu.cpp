@@ -500,36 +500,41 @@ std::vector<std::byte> set_reference(DType dtype, ReduceOp op, const std::vector
 // One all_reduce over a set of `n` entries (device i % device_count()): uploads, the call, downloads;
 // checks every output against the reference, bitwise. Returns "" or what differed.
 std::string check_set_all_reduce(Loop& loop, gpu::DeviceSet& set, std::vector<gpu::Stream>& streams, DType dtype, ReduceOp op,
-                                 std::size_t count, bool in_place) {
+                                 std::size_t count, bool in_place, const gpu::Epilogue& epilogue = {}) {
   const std::size_t n = set.devices().size();
   const std::size_t bytes = count * dtype_size(dtype);
+  const DType out_dtype = epilogue.output(dtype);
+  const std::size_t out_bytes = count * dtype_size(out_dtype);
   std::vector<std::vector<std::byte>> inputs;
   std::vector<gpu::DeviceBuffer> in, out;
   for (std::size_t k = 0; k < n; ++k) {
     inputs.push_back(reference::make_input(dtype, op, static_cast<int>(k), count, 3));
     in.push_back(gpu::DeviceBuffer::allocate(set.devices()[k], bytes));
-    out.push_back(gpu::DeviceBuffer::allocate(set.devices()[k], bytes));
+    out.push_back(gpu::DeviceBuffer::allocate(set.devices()[k], out_bytes));
     streams[k].copy(in[k].view(DType::u8), bytes_of(inputs[k])).get();
   }
   std::vector<ConstBufferView> ins;
   std::vector<BufferView> outs;
   for (std::size_t k = 0; k < n; ++k) {
     ins.push_back(in[k].view(dtype));
-    outs.push_back((in_place ? in[k] : out[k]).view(dtype));
+    outs.push_back((in_place ? in[k] : out[k]).view(out_dtype));
   }
-  if (in_place) {
-    set.all_reduce(outs, op).get();
+  if (in_place && epilogue.output(dtype) == dtype) {
+    set.all_reduce(outs, op, epilogue).get();
   } else {
-    set.all_reduce(ins, outs, op).get();
+    set.all_reduce(ins, outs, op, epilogue).get();  // in place too: the outputs are the inputs' memory
   }
-  const std::vector<std::byte> want = set_reference(dtype, op, inputs, count);
+  const std::vector<std::byte> sum = set_reference(dtype, op, inputs, count);
+  std::vector<std::byte> want(out_bytes);
+  epilogue.apply(ConstBufferView(sum.data(), count, dtype), BufferView(want.data(), count, out_dtype));
   for (std::size_t k = 0; k < n; ++k) {
-    std::vector<std::byte> got(bytes);
-    streams[k].copy(BufferView(got.data(), bytes, DType::u8), outs[k].data ? ConstBufferView(outs[k].data, bytes, DType::u8, outs[k].device)
-                                                                             : ConstBufferView()).get();
+    std::vector<std::byte> got(out_bytes);
+    streams[k].copy(BufferView(got.data(), out_bytes, DType::u8),
+                    outs[k].data ? ConstBufferView(outs[k].data, out_bytes, DType::u8, outs[k].device) : ConstBufferView()).get();
     if (got != want) {
-      return fmt::format("entry {} of {}, {} {} x {}{}: {}", k, n, to_string(op), to_string(dtype), count, in_place ? ", in place" : "",
-                         reference::compare(dtype, got.data(), want.data(), count));
+      return fmt::format("entry {} of {}, {} {} x {}{}{}: {}", k, n, to_string(op), to_string(dtype), count, in_place ? ", in place" : "",
+                         epilogue.is_identity() ? "" : ", epilogue " + epilogue.describe(),
+                         reference::compare(out_dtype, got.data(), want.data(), count));
     }
   }
   (void)loop;
@@ -602,4 +607,175 @@ TEST_CASE("a device set: 10^4 calls back to back, and bad arguments refused at t
     (void)set.all_reduce(std::vector<BufferView>{BufferView(host.data(), 16, DType::f32), views[1]});
   });
   expect_error(Errc::invalid_argument, "a set holds 1 to 8", [&] { (void)gpu::DeviceSet::create(loop, set_of(9)); });
+}
+
+// ---- Epilogues (issue 17: what an all_reduce does to each reduced element as it stores it) ----
+
+namespace {
+
+// Host data of `dtype` with the values that tell conversions apart: fractions of both signs, halves
+// (ties), values past every integer type's range, NaN and infinities for the float types, random bits
+// for the integers (every pattern is a value).
+std::vector<std::byte> epilogue_input(DType dtype, std::size_t count, unsigned seed) {
+  std::vector<std::byte> out = random_bytes(count * dtype_size(dtype), seed);
+  const double specials[] = {0.0, 1.0, -1.0, 2.5, -2.5, 0.2, 127.6, 300.7, -300.7, 65520.0, 1e10, -1e10, 3e19, -3e19,
+                             std::nan(""), INFINITY, -INFINITY, 1e-30, 12345.678};
+  for (std::size_t i = 0; i < count; ++i) {
+    auto* p = out.data() + i * dtype_size(dtype);
+    const double v = i < std::size(specials) ? specials[i] : (static_cast<double>(std::to_integer<int>(p[0])) - 128.0) * 0.37;
+    switch (dtype) {
+      case DType::boolean: *p = static_cast<std::byte>(std::to_integer<int>(*p) & 1); break;
+      case DType::f16: { const half h(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+      case DType::bf16: { const bfloat16 h(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+      case DType::f32: { const float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
+      case DType::f64: std::memcpy(p, &v, 8); break;
+      default: break;  // integers: the random bits
+    }
+  }
+  return out;
+}
+
+template <class T>
+T element(const std::vector<std::byte>& v, std::size_t i) {
+  T x;
+  std::memcpy(&x, v.data() + i * sizeof(T), sizeof(T));
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("epilogues: the built-in arithmetic (scale in double, round to nearest even, saturate toward zero)", "[gpu][epilogue]") {
+  const std::vector<float> in{2.5f, -2.5f, 300.7f, -300.7f, NAN, 1e10f, 65520.0f, 0.2f, 3.0f};
+  auto run = [&](const gpu::Epilogue& e, DType to) {
+    std::vector<std::byte> out(in.size() * dtype_size(to));
+    e.apply(ConstBufferView(in.data(), in.size(), DType::f32), BufferView(out.data(), in.size(), to));
+    return out;
+  };
+  const auto i8 = run(gpu::Epilogue::cast(DType::i8), DType::i8);
+  CHECK(element<std::int8_t>(i8, 0) == 2);      // toward zero
+  CHECK(element<std::int8_t>(i8, 1) == -2);
+  CHECK(element<std::int8_t>(i8, 2) == 127);    // saturated
+  CHECK(element<std::int8_t>(i8, 3) == -128);
+  CHECK(element<std::int8_t>(i8, 4) == 0);      // NaN
+  const auto u8 = run(gpu::Epilogue::cast(DType::u8), DType::u8);
+  CHECK(element<std::uint8_t>(u8, 1) == 0);     // negative to unsigned: saturated at 0
+  CHECK(element<std::uint8_t>(u8, 2) == 255);
+  const auto f16 = run(gpu::Epilogue::cast(DType::f16), DType::f16);
+  CHECK(element<std::uint16_t>(f16, 6) == 0x7c00);  // 65520 rounds to infinity in half
+  const auto b = run(gpu::Epilogue::cast(DType::boolean), DType::boolean);
+  CHECK(element<std::uint8_t>(b, 7) == 1);
+  CHECK(element<std::uint8_t>(b, 4) == 1);  // NaN != 0
+  const auto scaled = run(gpu::Epilogue::scale_and_cast(0.5, DType::i32), DType::i32);
+  CHECK(element<std::int32_t>(scaled, 8) == 1);  // 1.5 toward zero
+  CHECK(element<std::int32_t>(scaled, 5) == 2147483647);
+  const auto same = run(gpu::Epilogue::scale(0.25), DType::f32);
+  CHECK(element<float>(same, 8) == 0.75f);
+  // Between integers: C++'s conversion (modular), not through double.
+  const std::vector<std::int64_t> big{-1, (std::int64_t{1} << 62) + 1};
+  std::vector<std::uint64_t> ubig(2);
+  gpu::Epilogue::cast(DType::u64).apply(ConstBufferView(big.data(), 2, DType::i64), BufferView(ubig.data(), 2, DType::u64));
+  CHECK(ubig[0] == ~std::uint64_t{0});
+  CHECK(ubig[1] == (std::uint64_t{1} << 62) + 1);
+  CHECK(gpu::Epilogue::scale_and_cast(0.25, DType::bf16).describe() == "scale 0.25 and cast to bf16");
+  CHECK(gpu::Epilogue::scale(1.0).is_identity());
+}
+
+TEST_CASE("epilogues: Stream::apply equals the CPU on every pair of dtypes, scaled or not, and bad ones are refused", "[gpu][epilogue]") {
+  need_backend();
+  Loop loop;
+  const Device d = gpu::device(0);
+  gpu::Stream s(loop, d);
+  const std::size_t count = 1031;
+  int checked = 0;
+  for (DType from : all_dtypes) {
+    const std::vector<std::byte> host_in = epilogue_input(from, count, static_cast<unsigned>(from) + 1);
+    gpu::DeviceBuffer in = gpu::DeviceBuffer::allocate(d, host_in.size());
+    s.copy(in.view(DType::u8), bytes_of(host_in)).get();
+    for (DType to : all_dtypes) {
+      for (double factor : {1.0, 0.25, -3.0}) {
+        const gpu::Epilogue e = gpu::Epilogue::scale_and_cast(factor, to);
+        gpu::DeviceBuffer out = gpu::DeviceBuffer::allocate(d, count * dtype_size(to));
+        s.apply(in.view(from), out.view(to), e).get();
+        std::vector<std::byte> got(count * dtype_size(to)), want(got.size());
+        s.copy(BufferView(got.data(), got.size(), DType::u8), out.view(DType::u8)).get();
+        e.apply(ConstBufferView(host_in.data(), count, from), BufferView(want.data(), count, to));
+        ++checked;
+        if (got != want) {
+          FAIL_CHECK(fmt::format("{} on {}: {}", e.describe(), to_string(from), reference::compare(to, got.data(), want.data(), count)));
+        }
+      }
+    }
+  }
+  CHECK(checked == 13 * 13 * 3);
+  gpu::DeviceBuffer buffer = gpu::DeviceBuffer::allocate(d, 64 * sizeof(float));
+  // In place where the size stays; refused where it changes.
+  s.apply(buffer.view<float>(), BufferView(buffer.data(), 64, DType::i32, d), gpu::Epilogue::scale_and_cast(2.0, DType::i32)).get();
+  expect_error(Errc::invalid_argument, "overlaps", [&] {
+    (void)s.apply(buffer.view<float>(), BufferView(buffer.data(), 64, DType::f16, d), gpu::Epilogue::cast(DType::f16));
+  });
+  expect_error(Errc::invalid_argument, "stores 64 x bf16", [&] { (void)s.apply(buffer.view<float>(), buffer.view<float>(), gpu::Epilogue::cast(DType::bf16)); });
+  expect_error(Errc::invalid_argument, "not finite", [&] { (void)gpu::Epilogue::scale(std::nan("")); });
+  const gpu::Epilogue plus_one = gpu::Epilogue::on_host<double, double>([](double x) { return x + 1; }, "plus one");
+  expect_error(Errc::invalid_argument, "takes f64 elements, and the reduced ones are f32",
+               [&] { (void)s.apply(buffer.view<float>(), buffer.view<float>(), plus_one); });
+  gpu::EpilogueFunctions device_only;
+  device_only.input_dtype = static_cast<int>(DType::f32);
+  device_only.output_dtype = static_cast<int>(DType::f32);
+  device_only.launch = [](const void*, const void*, void*, std::size_t, void*) { return 0; };
+  const gpu::Epilogue gpu_only = gpu::Epilogue::custom(device_only, "gpu only");
+  if (gpu::backend() == gpu::Backend::sim) {
+    expect_error(Errc::invalid_argument, "no host function", [&] { (void)s.apply(buffer.view<float>(), buffer.view<float>(), gpu_only); });
+  }
+  expect_error(Errc::invalid_argument, "neither a launch nor a host function", [&] { (void)gpu::Epilogue::custom({}, "empty"); });
+}
+
+TEST_CASE("a device set applies the epilogue once per element: scale, cast, both, and a function of the index", "[gpu][set][epilogue]") {
+  need_backend();
+  Loop loop;
+  int checked = 0;
+  for (int n : {1, 2, 3, 4, 8}) {
+    gpu::DeviceSet set = gpu::DeviceSet::create(loop, set_of(n));
+    std::vector<gpu::Stream> streams;
+    for (const Device& d : set.devices()) streams.emplace_back(loop, d);
+    // avg then cast to bf16 (a trainer's gradients), sum scaled by 1/n into f32, a cast between integers,
+    // and x + index (applied twice, or to the wrong element, it shows).
+    const gpu::Epilogue plus_index = gpu::Epilogue::on_host<float, double>([](float x, std::size_t i) { return double(x) + double(i); }, "plus index");
+    const gpu::Epilogue add_one = gpu::Epilogue::on_host<float, float>([](float x) { return x + 1.0f; }, "add one");
+    struct Case {
+      DType dtype;
+      ReduceOp op;
+      gpu::Epilogue epilogue;
+    };
+    const std::vector<Case> cases{{DType::f32, ReduceOp::avg, gpu::Epilogue::cast(DType::bf16)},
+                                  {DType::i32, ReduceOp::sum, gpu::Epilogue::scale_and_cast(1.0 / n, DType::f32)},
+                                  {DType::f16, ReduceOp::max, gpu::Epilogue::scale(3.0)},
+                                  {DType::i64, ReduceOp::sum, gpu::Epilogue::cast(DType::u8)},
+                                  {DType::f32, ReduceOp::sum, plus_index},
+                                  {DType::f32, ReduceOp::sum, add_one}};
+    for (const Case& c : cases) {
+      for (std::size_t count : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4099), std::size_t(300001)}) {
+        for (bool in_place : {false, true}) {
+          if (in_place && dtype_size(c.epilogue.output(c.dtype)) != dtype_size(c.dtype)) continue;
+          ++checked;
+          const std::string why = check_set_all_reduce(loop, set, streams, c.dtype, c.op, count, in_place, c.epilogue);
+          if (!why.empty()) FAIL_CHECK(fmt::format("{} (peer to peer: {})", why, set.peer_to_peer()));
+        }
+      }
+    }
+    // In place where the epilogue changes the element's size: refused, saying why.
+    std::vector<gpu::DeviceBuffer> data;
+    std::vector<BufferView> views;
+    for (const Device& d : set.devices()) {
+      data.push_back(gpu::DeviceBuffer::allocate(d, 16 * sizeof(float)));
+      views.push_back(BufferView(data.back().data(), 16, DType::f32, d));
+    }
+    std::vector<ConstBufferView> ins(views.begin(), views.end());
+    std::vector<BufferView> halves;
+    for (const BufferView& v : views) halves.push_back(BufferView(v.data, 16, DType::f16, v.device));
+    expect_error(Errc::invalid_argument, "in place, but the epilogue cast to f16 stores 2-byte elements for 4-byte ones",
+                 [&] { (void)set.all_reduce(ins, halves, ReduceOp::sum, gpu::Epilogue::cast(DType::f16)); });
+    expect_error(Errc::invalid_argument, "every output 16 x bf16",
+                 [&] { (void)set.all_reduce(views, ReduceOp::sum, gpu::Epilogue::cast(DType::bf16)); });
+  }
+  REQUIRE(checked > 200);
 }
