@@ -50,6 +50,7 @@ struct CollectiveCall;
 }
 namespace gpu {
 class Stream;
+class Epilogue;
 }
 
 class Group {
@@ -96,6 +97,17 @@ class Group {
   Future<void> all_reduce(BufferView data, ReduceOp op = ReduceOp::sum);
   /// Out of place: `out` (same count and dtype as `in`) receives the reduction.
   Future<void> all_reduce(ConstBufferView in, BufferView out, ReduceOp op = ReduceOp::sum);
+  /// Out of place, through an epilogue (weft/gpu.hpp: scale, cast, both, or your own): `out`, of
+  /// epilogue.output(in.dtype) and in.count elements, receives the epilogue of the reduction (avg: of
+  /// the mean), applied once per element. It runs where `out` is: on its device, in the operation's
+  /// stream order (on(stream): queued after the operation's copy back, and later work on the stream
+  /// waits for it), or on the loop for host memory. `out` may be `in`'s memory (the reduction is taken
+  /// first). An epilogue that keeps the dtype is applied in `out`; one that changes it reduces into
+  /// scratch of in.dtype first (device memory of `out`'s device, freed off the loop afterwards).
+  /// Errors (at the call): invalid_argument for an out of another dtype or count, a custom epilogue made
+  /// for another input dtype or without the function where `out` is (a GPU needs its launch function,
+  /// the sim and host memory its host function); then as all_reduce.
+  Future<void> all_reduce(ConstBufferView in, BufferView out, ReduceOp op, const gpu::Epilogue& epilogue);
   /// `out` holds size() blocks of in.count elements, block i from rank i. `in` may be block rank() of `out`.
   Future<void> all_gather(ConstBufferView in, BufferView out);
   /// `in` holds size() blocks of out.count elements; rank i receives the reduction of every rank's block i.

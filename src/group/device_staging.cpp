@@ -578,4 +578,6 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
                                     host(host_in, host_out, seq, nullptr), std::move(gate), std::move(copied_out), back));
 }
 
+gpu::Stream& own_stream(GroupState& g, Device device) { return staging_of(g).stream_of(*g.loop, device); }
+
 }  // namespace weft::detail

@@ -58,6 +58,9 @@ struct StagedCall {
 /// pipelined call, the staging still being copied (its plan must be given it; null otherwise).
 using HostOperation = std::function<Task<void>(ConstBufferView in, BufferView out, std::uint64_t seq, algo::StagedBuffers* staged)>;
 
+/// The group's own stream of `device` (what an operation given no stream uses); made at the first use.
+gpu::Stream& own_stream(GroupState& g, Device device);
+
 /// Runs `call` through staging on `stream` (the caller's, or the group's own stream of the buffers' device
 /// when null). Queues the copies and the gate now, in the caller's order, then takes the sequence number.
 /// Errors: invalid_argument at once (views on two devices, a stream of another device, bad device memory);

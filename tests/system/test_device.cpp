@@ -398,3 +398,79 @@ TEST_CASE("cancelling a stream-ordered operation ends it and lets the stream go 
   });
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("all_reduce through an epilogue: host buffers, device buffers, and on a stream in its order", "[device][epilogue]") {
+  need_backend();
+  const long before = checks_made.load();
+  for (int p : {1, 2, 3}) {
+    run_ranks(p, [p](Group& g) {
+      gpu::Stream stream(g.loop(), device_of(g));
+      const gpu::Epilogue plus_index = gpu::Epilogue::on_host<float, double>([](float x, std::size_t i) { return double(x) + double(i); }, "plus index");
+      struct EpilogueCase {
+        DType dtype;
+        ReduceOp op;
+        gpu::Epilogue epilogue;
+        bool in_place;  // the output is the input's memory
+      };
+      const std::vector<EpilogueCase> cases{{DType::f32, ReduceOp::avg, gpu::Epilogue::cast(DType::bf16), false},
+                                            {DType::i32, ReduceOp::sum, gpu::Epilogue::scale_and_cast(0.5, DType::f32), true},
+                                            {DType::f64, ReduceOp::sum, gpu::Epilogue::scale(0.25), true},
+                                            {DType::f32, ReduceOp::sum, plus_index, false}};
+      for (const EpilogueCase& c : cases) {
+        for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(4099)}) {
+          const DType to = c.epilogue.output(c.dtype);
+          const std::string what = fmt::format("p={} {} {} x {} through {}{}", p, to_string(c.op), to_string(c.dtype), n,
+                                               c.epilogue.describe(), c.in_place ? ", in place" : "");
+          const std::vector<std::byte> input = make_input(c.dtype, c.op, g.rank(), n);
+          // The reference: the plain all_reduce on host memory, then the epilogue on the host.
+          std::vector<std::byte> sum(input.size()), want(n * dtype_size(to));
+          g.all_reduce(ConstBufferView(input.data(), n, c.dtype), BufferView(sum.data(), n, c.dtype), c.op).get();
+          c.epilogue.apply(ConstBufferView(sum.data(), n, c.dtype), BufferView(want.data(), n, to));
+          const std::size_t bytes = std::max(input.size(), want.size());
+          // Host buffers.
+          {
+            std::vector<std::byte> in = input, out(bytes);
+            in.resize(bytes);
+            BufferView o(c.in_place ? in.data() : out.data(), n, to);
+            g.all_reduce(ConstBufferView(in.data(), n, c.dtype), o, c.op, c.epilogue).get();
+            check(std::memcmp(o.data, want.data(), want.size()) == 0, what + ", host: " + compare(to, o.data, want.data(), n));
+          }
+          // Device buffers, on the group's own stream and on the caller's (copies queued back to back).
+          for (bool ordered : {false, true}) {
+            // Freed between two barriers: freeing waits for the whole device, which a rank of the same
+            // device must not hold with a gate of an operation that needs this rank (Group::on).
+            g.barrier().get();
+            gpu::DeviceBuffer in = gpu::DeviceBuffer::allocate(stream.device(), bytes);
+            gpu::DeviceBuffer out = gpu::DeviceBuffer::allocate(stream.device(), bytes);
+            const BufferView o(c.in_place ? in.data() : out.data(), n, to, stream.device());
+            std::vector<std::byte> got(want.size());
+            Future<void> written = stream.copy(BufferView(in.data(), input.size(), DType::u8, stream.device()),
+                                               ConstBufferView(input.data(), input.size(), DType::u8));
+            if (!ordered) written.get();
+            // On a stream, the copy back is queued right after: it reads the epilogue's output only if it
+            // waited for it on the device.
+            Future<void> reduced = (ordered ? g.on(stream) : g).all_reduce(ConstBufferView(in.data(), n, c.dtype, stream.device()), o, c.op, c.epilogue);
+            if (!ordered) reduced.get();
+            Future<void> read = stream.copy(BufferView(got.data(), got.size(), DType::u8), ConstBufferView(o.data, got.size(), DType::u8, stream.device()));
+            read.get();
+            reduced.get();
+            written.get();
+            check(got == want, fmt::format("{}, device{}: {}", what, ordered ? " (on a stream)" : "", compare(to, got.data(), want.data(), n)));
+            g.barrier().get();  // before the buffers go
+          }
+        }
+      }
+      // Refused at the call, naming the rank and the operation.
+      std::vector<float> host(8);
+      try {
+        (void)g.all_reduce(ConstBufferView(host.data(), 8, DType::f32), BufferView(host.data(), 8, DType::f32), ReduceOp::sum,
+                           gpu::Epilogue::cast(DType::f16));
+        check(false, "an output of the wrong dtype was taken");
+      } catch (const Error& e) {
+        check(std::string(e.what()).find("the epilogue cast to f16 stores 8 x f16") != std::string::npos, e.what());
+        check(std::string(e.what()).find("all_reduce") != std::string::npos, e.what());
+      }
+    });
+  }
+  REQUIRE(checks_made.load() > before);
+}
