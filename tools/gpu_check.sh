@@ -48,6 +48,11 @@ fi
 # The device suites on the real device (WEFT_GPU=cuda: no fallback to the simulated one).
 WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -r junit -o "$out/test_gpu.xml" > "$out/test_gpu.txt" 2>&1
 step "test_gpu (cuda)" $?
+
+if [ -x "$build/tests/test_epilogue_cuh" ]; then
+  WEFT_GPU=cuda limit 60 "$build/tests/test_epilogue_cuh" > "$out/test_epilogue_cuh.txt" 2>&1
+  step "test_epilogue_cuh (cuda: a user's nvcc epilogue)" $?
+fi
 # Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
 WEFT_GPU=cuda limit 120 "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/test_device.xml" > "$out/test_device.txt" 2>&1
 step "test_device (cuda)" $?
