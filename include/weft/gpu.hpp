@@ -48,6 +48,11 @@ Device device(int index);
 /// Whether kernels on `a` can read and write `b`'s memory (peer to peer). A device with itself: true.
 bool can_access_peer(Device a, Device b);
 
+/// Throws weft::Error (invalid_argument, naming `op` and `what`) unless `view`'s memory is what its
+/// `device` says: host memory, or an allocation of that device long enough for the view (the sim knows
+/// every allocation; under cuda the runtime is asked). An empty view passes.
+void check_view(ConstBufferView view, const char* op, const char* what);
+
 namespace detail {
 class StreamImpl;
 struct GateOwner;
@@ -187,6 +192,7 @@ class Fence {
 
  private:
   friend class Stream;
+  friend class DeviceSet;
   Fence(std::shared_ptr<detail::StreamImpl> stream, std::uint64_t seq) : stream_(std::move(stream)), seq_(seq) {}
   std::shared_ptr<detail::StreamImpl> stream_;
   std::uint64_t seq_ = 0;
@@ -234,6 +240,10 @@ class Stream {
   /// inout[i] = inout[i] op src[i] on the device (avg: the sum; dividing is the caller's). Both views on
   /// this stream's device, same dtype and count, op defined on the dtype (weft::is_defined).
   Future<void> reduce(BufferView inout, ConstBufferView src, ReduceOp op);
+
+  /// data[i] /= divisor on the device (avg's division: integer division for integers, bool unchanged,
+  /// 16-bit floats through float). Errors: invalid_argument (not on this device, divisor < 1).
+  Future<void> divide(BufferView data, int divisor);
 
   /// out[i] = epilogue(in[i]) on the device: `in` of the reduced dtype, `out` of epilogue.output(in.dtype),
   /// one count, both on this stream's device; out may be in itself where the element sizes match, and
@@ -294,8 +304,8 @@ class DeviceSet {
   /// epilogue) on every entry i, the epilogue applied once per element as it is stored.
   /// inputs[i] and outputs[i] on devices()[i], one count for all, the inputs of one dtype and the outputs
   /// of epilogue.output(it); an output may be its own input (in place, where the epilogue keeps the
-  /// dtype), not another entry's. The inputs must be ready (the work that wrote them done, or
-  /// on the set's streams); the Future completes once every output is written.
+  /// element size), not another entry's. The inputs must be ready (the work that wrote them done, or
+  /// on the set's streams, or ordered with wait()); the Future completes once every output is written.
   /// Errors: invalid_argument at once (counts, dtypes, devices, op undefined on the dtype, views that
   /// are not what they say); device_failure through the Future.
   /// Cancellation: cancelling completes the Future at once; the device work goes on.
@@ -303,6 +313,13 @@ class DeviceSet {
                           const Epilogue& epilogue = {});
   /// In place: every view is its entry's input and output.
   Future<void> all_reduce(std::vector<BufferView> inout, ReduceOp op = ReduceOp::sum, const Epilogue& epilogue = {});
+
+  /// Stream order with the set (as Stream::record and Stream::wait, for entry `entry`'s stream): a fence
+  /// after everything the set queued for that entry so far (a call's output written), and later work of
+  /// the set for that entry waits for `fence` (a kernel of yours that writes the next input) on the
+  /// device. Errors: invalid_argument (an entry out of range, a default Fence).
+  Fence record(std::size_t entry) const;
+  void wait(std::size_t entry, const Fence& fence);
 
  private:
   explicit DeviceSet(std::shared_ptr<detail::DeviceSetState> state);

@@ -151,6 +151,10 @@ Backend backend() { return detail::backend().name() == "cuda" ? Backend::cuda : 
 std::string_view backend_name() { return detail::backend().name(); }
 int device_count() { return detail::backend().device_count(); }
 
+void check_view(ConstBufferView view, const char* op, const char* what) {
+  detail::check_view(view.data, view.bytes(), view.device, op, what);
+}
+
 Device device(int index) {
   const Device d{Device::Kind::cuda, index};
   check_device(d, "gpu::device", "the index");
@@ -362,6 +366,17 @@ Future<void> Stream::reduce(BufferView inout, ConstBufferView src, ReduceOp op) 
   const std::uint64_t seq =
       impl_->reduce(inout.data, src.data, inout.count, inout.dtype, op == ReduceOp::avg ? ReduceOp::sum : op);
   return spawn(impl_->loop(), await_fence(impl_, seq, "reduce"));
+}
+
+Future<void> Stream::divide(BufferView data, int divisor) {
+  constexpr const char* op = "Stream::divide";
+  if (!(data.device == device())) {
+    throw Error(Errc::invalid_argument, {.op = op}, fmt::format("the view must be on the stream's device ({})", detail::device_name(device().index)));
+  }
+  if (divisor < 1) throw Error(Errc::invalid_argument, {.op = op}, fmt::format("the divisor {} is not positive", divisor));
+  check_view(data.data, data.bytes(), data.device, op, "data");
+  const std::uint64_t seq = impl_->divide(data.data, data.count, data.dtype, divisor);
+  return spawn(impl_->loop(), await_fence(impl_, seq, op));
 }
 
 Future<void> Stream::apply(ConstBufferView in, BufferView out, const Epilogue& epilogue) {

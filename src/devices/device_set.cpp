@@ -173,6 +173,23 @@ DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
 const std::vector<Device>& DeviceSet::devices() const noexcept { return state_->devices; }
 bool DeviceSet::peer_to_peer() const noexcept { return state_->peer_to_peer; }
 
+Fence DeviceSet::record(std::size_t entry) const {
+  if (entry >= state_->streams.size()) {
+    throw Error(Errc::invalid_argument, {.op = "DeviceSet::record"}, fmt::format("entry {} of a set of {}", entry, state_->streams.size()));
+  }
+  return Fence(state_->streams[entry], state_->streams[entry]->last());
+}
+
+void DeviceSet::wait(std::size_t entry, const Fence& fence) {
+  constexpr const char* op = "DeviceSet::wait";
+  if (entry >= state_->streams.size()) {
+    throw Error(Errc::invalid_argument, {.op = op}, fmt::format("entry {} of a set of {}", entry, state_->streams.size()));
+  }
+  if (!fence.stream_) throw Error(Errc::invalid_argument, {.op = op}, "a default-constructed Fence belongs to no stream");
+  if (fence.stream_ == state_->streams[entry]) return;
+  state_->streams[entry]->wait(fence.stream_, fence.seq_);
+}
+
 Future<void> DeviceSet::all_reduce(std::vector<BufferView> inout, ReduceOp op, const Epilogue& epilogue) {
   std::vector<ConstBufferView> inputs(inout.begin(), inout.end());
   return all_reduce(std::move(inputs), std::move(inout), op, epilogue);
@@ -284,11 +301,22 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
   // once every entry has read every input, writes its output (which may be its input), through the
   // epilogue where there is one.
   {
+    // The smaller buffers they replace are freed on a thread of their own: freeing waits for the whole
+    // device (cudaFree), where a gate of another rank's operation may wait for this thread's loop.
+    std::vector<DeviceBuffer> dropped;
     std::lock_guard lock(set.mutex);
     for (std::size_t i = 0; i < n; ++i) {
-      if (set.sums[i].bytes() < bytes) set.sums[i] = DeviceBuffer::allocate(set.devices[i], bytes);
-      if (n > 1 && set.addends[i].bytes() < bytes) set.addends[i] = DeviceBuffer::allocate(set.devices[i], bytes);
+      if (set.sums[i].bytes() < bytes) {
+        dropped.push_back(std::move(set.sums[i]));
+        set.sums[i] = DeviceBuffer::allocate(set.devices[i], bytes);
+      }
+      if (n > 1 && set.addends[i].bytes() < bytes) {
+        dropped.push_back(std::move(set.addends[i]));
+        set.addends[i] = DeviceBuffer::allocate(set.devices[i], bytes);
+      }
     }
+    std::erase_if(dropped, [](const DeviceBuffer& b) { return b.bytes() == 0; });
+    if (!dropped.empty()) std::thread([gone = std::move(dropped)] {}).detach();
   }
   const ReduceOp combine = op == ReduceOp::avg ? ReduceOp::sum : op;
   std::vector<std::uint64_t> summed(n);

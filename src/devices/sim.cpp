@@ -28,6 +28,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.hpp"
 #include "devices/backend.hpp"
 #include "kernels/cpu/epilogue.hpp"
 #include "kernels/cpu/reduce.hpp"
@@ -125,7 +126,14 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   void drain() {
     std::unique_lock lock(mutex_);
     const std::uint64_t target = queued_;
-    reached_cv_.wait(lock, [&] { return book_.done() >= target; });
+    // A free that waits long names what it waits for (a gate nobody opens is a deadlock in the making:
+    // freeing device memory waits for the whole device, as cudaFree does).
+    if (!reached_cv_.wait_for(lock, std::chrono::seconds(10), [&] { return book_.done() >= target; })) {
+      std::string held = fmt::format("running '{}'", running_);
+      for (std::size_t k = 0; k < queue_.size() && k < 3; ++k) held += fmt::format(", then '{}'", queue_[k].what);
+      weft::log().warn("sim: freeing memory of {} has waited 10 s for a stream of it: {}", device_name(device_), held);
+      reached_cv_.wait(lock, [&] { return book_.done() >= target; });
+    }
   }
   int device() const noexcept { return device_; }
 
@@ -145,6 +153,7 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   std::condition_variable work_cv_;     // the worker: work queued, or stopping
   std::condition_variable reached_cv_;  // streams waiting on this one, drain()
   std::deque<Item> queue_;              // guarded by mutex_
+  std::string running_;                 // guarded by mutex_: what the worker runs (or ran last)
   std::uint64_t queued_ = 0;            // guarded: the last sequence number given out
   FenceBook book_;                      // guarded
   bool stopping_ = false;               // guarded
@@ -466,6 +475,7 @@ void SimQueue::run_worker() {
       if (queue_.empty()) return;  // stopping, and everything queued ran
       item = std::move(queue_.front());
       queue_.pop_front();
+      running_ = item.what;
     }
     backend_.delay();
     bool failed = false;

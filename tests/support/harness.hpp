@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -50,7 +51,12 @@ inline std::atomic<long> checks_made{0};
 
 inline void check(bool ok, const std::string& what) {
   checks_made.fetch_add(1, std::memory_order_relaxed);
-  if (!ok) throw std::runtime_error(what);
+  if (!ok) {
+    // Said at once too: the throw unwinds the rank's frames, and a destructor there that waits (freeing
+    // device memory waits for the device) may hang the test before run_ranks could report it.
+    std::fprintf(stderr, "check failed: %s\n", what.c_str());
+    throw std::runtime_error(what);
+  }
 }
 
 struct RankFailure : std::runtime_error {

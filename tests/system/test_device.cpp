@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <weft/gpu.hpp>
+#include <weft/multi_device.hpp>
 
 #include "support/check_data.hpp"
 #include "support/gpu_backend.hpp"
@@ -470,6 +471,112 @@ TEST_CASE("all_reduce through an epilogue: host buffers, device buffers, and on 
         check(std::string(e.what()).find("the epilogue cast to f16 stores 8 x f16") != std::string::npos, e.what());
         check(std::string(e.what()).find("all_reduce") != std::string::npos, e.what());
       }
+    });
+  }
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a group whose ranks drive several devices all_reduces over every device of every rank", "[device][multi]") {
+  need_backend();
+  const long before = checks_made.load();
+  // 1 rank x 3 devices, 2 ranks x 2 devices (the issue's case), 3 ranks with 2, 1 and 3.
+  const std::vector<std::vector<int>> layouts{{3}, {2, 2}, {2, 1, 3}};
+  for (const std::vector<int>& layout : layouts) {
+    const int p = static_cast<int>(layout.size());
+    run_ranks(p, [&layout, p](Group& g) {
+      std::vector<Device> devices;
+      for (int k = 0; k < layout[static_cast<std::size_t>(g.rank())]; ++k) devices.push_back(gpu::device((g.rank() + k) % gpu::device_count()));
+      gpu::MultiDeviceGroup multi = gpu::MultiDeviceGroup::create(g, devices).get();
+      int total = 0;
+      for (int c : layout) total += c;
+      check(multi.total_devices() == total, fmt::format("{} devices in all, not {}", multi.total_devices(), total));
+      gpu::Stream copier(g.loop(), devices[0]);
+      struct MultiCase {
+        DType dtype;
+        ReduceOp op;
+        gpu::Epilogue epilogue;
+      };
+      const std::vector<MultiCase> cases{{DType::f32, ReduceOp::sum, {}},         {DType::i32, ReduceOp::max, {}},
+                                         {DType::f64, ReduceOp::avg, {}},         {DType::bf16, ReduceOp::sum, {}},
+                                         {DType::u8, ReduceOp::bitwise_xor, {}},  {DType::i64, ReduceOp::prod, {}},
+                                         {DType::f32, ReduceOp::avg, gpu::Epilogue::cast(DType::bf16)},
+                                         {DType::i32, ReduceOp::sum, gpu::Epilogue::scale_and_cast(0.5, DType::f32)}};
+      for (const MultiCase& c : cases) {
+        for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4099)}) {
+          for (bool in_place : {false, true}) {
+            const DType to = c.epilogue.output(c.dtype);
+            if (in_place && to != c.dtype) continue;
+            const std::string what = fmt::format("layout {} rank {}: {} {} x {}{}{}", fmt::join(layout, "+"), g.rank(), to_string(c.op),
+                                                 to_string(c.dtype), n, in_place ? ", in place" : "",
+                                                 c.epilogue.is_identity() ? "" : ", then " + c.epilogue.describe());
+            // Buffers are freed between two barriers: freeing waits for the whole device, which a rank
+            // of the same device must not hold with a gate of an operation that needs this rank.
+            g.barrier().get();
+            std::vector<gpu::DeviceBuffer> ins, outs;
+            std::vector<ConstBufferView> in_views;
+            std::vector<BufferView> out_views;
+            for (std::size_t k = 0; k < devices.size(); ++k) {
+              const auto input = make_input(c.dtype, c.op, multi.first_device_rank() + static_cast<int>(k), n);
+              ins.push_back(gpu::DeviceBuffer::allocate(devices[k], input.size()));
+              outs.push_back(gpu::DeviceBuffer::allocate(devices[k], n * dtype_size(to)));
+              gpu::Stream(g.loop(), devices[k]).copy(ins.back().view(DType::u8), ConstBufferView(input.data(), input.size(), DType::u8)).get();
+              in_views.push_back(ins.back().view(c.dtype));
+              out_views.push_back(in_place ? ins.back().view(c.dtype) : outs.back().view(to));
+            }
+            multi.all_reduce(in_views, out_views, c.op, c.epilogue).get();
+            const auto reduced = make_reduced(c.dtype, c.op, total, n);
+            std::vector<std::byte> want(n * dtype_size(to));
+            c.epilogue.apply(ConstBufferView(reduced.data(), n, c.dtype), BufferView(want.data(), n, to));
+            for (std::size_t k = 0; k < devices.size(); ++k) {
+              std::vector<std::byte> got(want.size());
+              gpu::Stream(g.loop(), devices[k]).copy(BufferView(got.data(), got.size(), DType::u8),
+                                                     ConstBufferView(out_views[k].data, got.size(), DType::u8, devices[k])).get();
+              check(got == want, fmt::format("{}, device entry {}: {}", what, k, compare(to, got.data(), want.data(), n)));
+            }
+            g.barrier().get();  // before the buffers go (freeing waits for the device)
+          }
+        }
+      }
+      // Back to back without waiting: every call's output is the next one's input (in place), ordered
+      // on the devices alone. max makes every element total - 1, and each sum multiplies it by total
+      // (i64, wrapping: exact at any size).
+      {
+        g.barrier().get();  // after every rank freed the last case's buffers
+        const std::size_t n = 1000;
+        std::vector<gpu::DeviceBuffer> data;
+        std::vector<BufferView> views;
+        for (std::size_t k = 0; k < devices.size(); ++k) {
+          const std::vector<std::int64_t> init(n, multi.first_device_rank() + static_cast<int>(k));
+          data.push_back(gpu::DeviceBuffer::allocate(devices[k], n * sizeof(std::int64_t)));
+          gpu::Stream(g.loop(), devices[k]).copy(data.back().view<std::int64_t>(), ConstBufferView(init.data(), n, DType::i64)).get();
+          views.push_back(data.back().view<std::int64_t>());
+        }
+        std::vector<Future<void>> calls;
+        for (int round = 0; round < 50; ++round) calls.push_back(multi.all_reduce(views, round % 2 ? ReduceOp::sum : ReduceOp::max));
+        for (auto& f : calls) f.get();
+        std::uint64_t want = static_cast<std::uint64_t>(total - 1);
+        for (int round = 1; round < 50; round += 2) want *= static_cast<std::uint64_t>(total);
+        for (std::size_t k = 0; k < devices.size(); ++k) {
+          std::vector<std::int64_t> got(n);
+          gpu::Stream(g.loop(), devices[k]).copy(BufferView(got.data(), n, DType::i64), views[k]).get();
+          const auto wrong = std::count_if(got.begin(), got.end(), [&](std::int64_t v) { return static_cast<std::uint64_t>(v) != want; });
+          check(wrong == 0, fmt::format("50 calls back to back, entry {}: {} of {} elements are not {} (got {})", k, wrong, n,
+                                        static_cast<std::int64_t>(want), got[0]));
+        }
+        g.barrier().get();
+      }
+      // A bad output fails at the call, before anything is queued (the group's count stays in step).
+      g.barrier().get();
+      gpu::DeviceBuffer one = gpu::DeviceBuffer::allocate(devices[0], 64);
+      std::vector<BufferView> wrong_dtype(devices.size(), BufferView(one.data(), 4, DType::i32, devices[0]));
+      std::vector<ConstBufferView> fine(devices.size(), ConstBufferView(one.data(), 4, DType::f32, devices[0]));
+      try {
+        (void)multi.all_reduce(fine, wrong_dtype);
+        check(false, "an output of the wrong dtype was taken");
+      } catch (const Error& e) {
+        check(std::string(e.what()).find("entry 0: the output is 4 x i32") != std::string::npos, e.what());
+      }
+      g.barrier().get();
     });
   }
   REQUIRE(checks_made.load() > before);

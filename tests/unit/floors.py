@@ -37,6 +37,7 @@ ALLOWED = {
     "group": {"core", "transports", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
               "rendezvous", "devices"},
     "tensors": set(),
+    "multi_device": set(),
 }
 # The folder each room is (its own headers).
 OWN = {
@@ -52,9 +53,10 @@ OWN = {
     "rendezvous": "rendezvous",
     "group": "group",
     "tensors": "tensors",
+    "multi_device": "multi_device",
 }
 FOLDERS = ["core", "kernels/cpu", "kernels/cuda", "kernels/peer", "devices", "transports/framed", "transports/asio", "transports/uring", "transports/shm", "algorithms",
-           "rendezvous", "group", "tensors"]
+           "rendezvous", "group", "tensors", "multi_device"]
 
 failures = []
 
