@@ -96,9 +96,10 @@ Future<void> MultiDeviceGroup::all_reduce(std::vector<ConstBufferView> inputs, s
                                           const Epilogue& epilogue) {
   if (!state_) throw Error(Errc::invalid_argument, {.op = op_name}, "an empty MultiDeviceGroup");
   detail::MultiDeviceState& s = *state_;
+  const ErrorContext where{.rank = s.group.rank(), .op = op_name};
   const std::size_t n = s.devices.size();
   if (inputs.size() != n || outputs.size() != n) {
-    throw Error(Errc::invalid_argument, {.op = op_name},
+    throw Error(Errc::invalid_argument, where,
                 fmt::format("{} inputs and {} outputs for {} devices: one of each per device", inputs.size(), outputs.size(), n));
   }
   const DType dtype = inputs[0].dtype;
@@ -108,19 +109,23 @@ Future<void> MultiDeviceGroup::all_reduce(std::vector<ConstBufferView> inputs, s
   // The outputs are written last (stage 3), after the group's collective took its number: checked now,
   // so that a bad one fails the call before anything is queued. (The inputs: stage 1, at once.)
   if (!is_defined(dtype, op)) {
-    throw Error(Errc::invalid_argument, {.op = op_name}, fmt::format("{} is not defined on {}", to_string(op), to_string(dtype)));
+    throw Error(Errc::invalid_argument, where, fmt::format("{} is not defined on {}", to_string(op), to_string(dtype)));
   }
   const DType out_dtype = epilogue.output(dtype);
   for (std::size_t i = 0; i < n; ++i) {
     const BufferView& o = outputs[i];
     if (!(o.device == s.devices[i]) || o.dtype != out_dtype || o.count != count) {
-      throw Error(Errc::invalid_argument, {.op = op_name},
+      throw Error(Errc::invalid_argument, where,
                   fmt::format("entry {}: the output is {} x {} on {}; it must be {} x {}{} on device {}", i, o.count,
                               to_string(o.dtype), o.device.kind == Device::Kind::host ? std::string("the host") : fmt::format("device {}", o.device.index),
                               count, to_string(out_dtype), epilogue.is_identity() ? "" : " (the epilogue " + epilogue.describe() + ")",
                               s.devices[i].index));
     }
-    check_view(o, op_name, fmt::format("entry {} output", i).c_str());
+    try {
+      check_view(o, op_name, fmt::format("entry {} output", i).c_str());
+    } catch (const Error& e) {
+      throw Error(e.errc(), where, e.detail());  // with the rank
+    }
   }
 
   // Scratch of the input's dtype per entry (stage 1 writes it, stage 3 reads it): an output of another
@@ -142,8 +147,11 @@ Future<void> MultiDeviceGroup::all_reduce(std::vector<ConstBufferView> inputs, s
   std::vector<Future<void>> stages;
   // 1. Inside the process: every entry's scratch gets the reduction of this rank's inputs (checks the
   //    inputs, at once).
-  std::vector<ConstBufferView> local_in(inputs.begin(), inputs.end());
-  stages.push_back(s.set->all_reduce(local_in, scratch, combine));
+  try {
+    stages.push_back(s.set->all_reduce(inputs, scratch, combine));
+  } catch (const Error& e) {
+    throw Error(e.errc(), where, e.detail());  // with the rank; nothing was queued
+  }
 
   // 2. Across processes, on entry 0's stream once stage 1 wrote its scratch: the collective takes its
   //    sequence number now, in the caller's order.
