@@ -2,6 +2,8 @@
 // devices of one process"): the peer path (kernels/peer's protocol, on the sim's workers for now) and
 // the naive path (stream copies into scratch of each entry's own), both with the output epilogue.
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -47,8 +49,19 @@ using detail::DeviceSetState;
 using detail::StreamImpl;
 
 // The sim's workers wait for their peers' as long as a device would: a peer may be held by work queued
-// before it (a gate the host opens late); only a lost one is a bug, and that fails after 10 minutes.
-using SimAtomics = kernels::peer::HostAtomics<600>;
+// before it (a gate the host opens late); only a lost one is a bug, and that fails after 10 minutes
+// (WEFT_SIM_PEER_SPIN_MS: another bound, for the tests of a peer that never comes).
+struct SimSpinBound {
+  static std::chrono::milliseconds limit() {
+    static const std::chrono::milliseconds bound = [] {
+      const char* text = std::getenv("WEFT_SIM_PEER_SPIN_MS");
+      const long ms = text ? std::atol(text) : 0;
+      return std::chrono::milliseconds(ms > 0 ? ms : 600000);
+    }();
+    return bound;
+  }
+};
+using SimAtomics = kernels::peer::HostAtomics<SimSpinBound>;
 
 // One element of `size` bytes, for the peer algorithms over any dtype (the CPU kernels do the arithmetic).
 template <std::size_t N>

@@ -779,3 +779,51 @@ TEST_CASE("a device set applies the epilogue once per element: scale, cast, both
   }
   REQUIRE(checked > 200);
 }
+
+TEST_CASE("a device set whose peer never comes (its device failed) fails instead of hanging", "[gpu][spin]") {
+  need_backend();
+  // Run alone with WEFT_SIM_FAIL=3 and a short spin bound (WEFT_SIM_PEER_SPIN_MS): meson's 'gpu (device
+  // set, a peer that never comes)'. The two copies below are operations 1 and 2; one entry's part of the
+  // all_reduce is the 3rd and fails with its device, so the other entry's part waits at the peer barrier
+  // for a peer that never comes, until its bound.
+  if (gpu::backend() != gpu::Backend::sim || !std::getenv("WEFT_SIM_PEER_SPIN_MS") || !std::getenv("WEFT_SIM_FAIL")) {
+    SUCCEED("needs the sim with WEFT_SIM_FAIL=3 and WEFT_SIM_PEER_SPIN_MS");
+    return;
+  }
+  Loop loop;
+  gpu::DeviceSet set = gpu::DeviceSet::create(loop, set_of(2));
+  if (!set.peer_to_peer()) {
+    SUCCEED("no peer access: the naive path has no spin");
+    return;
+  }
+  std::vector<gpu::DeviceBuffer> data;
+  std::vector<gpu::Stream> streams;
+  gpu::PinnedBuffer host = gpu::PinnedBuffer::allocate(64 * sizeof(float));  // one operation per copy (pageable: two)
+  std::fill_n(static_cast<float*>(host.data()), 64, 1.0f);
+  for (const Device& d : set.devices()) {
+    data.push_back(gpu::DeviceBuffer::allocate(d, 64 * sizeof(float)));
+    streams.emplace_back(loop, d);
+    streams.back().copy(data.back().view<float>(), host.view<float>()).get();
+  }
+  std::vector<BufferView> views{data[0].view<float>(), data[1].view<float>()};
+  const auto start = std::chrono::steady_clock::now();
+  Future<void> call = set.all_reduce(views, ReduceOp::sum);
+  try {
+    call.get();
+    FAIL("the call succeeded, with a failed device");
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.errc() == Errc::device_failure);
+    CHECK(std::string(e.what()).find("device") != std::string::npos);
+  }
+  // Both parts ended: the survivor's at its bound (no hang), and the set's streams report it.
+  for (std::size_t k = 0; k < 2; ++k) {
+    const gpu::Fence f = set.record(k);
+    try {
+      f.done().get();
+    } catch (const Error&) {
+      // the failed device's stream stays failed
+    }
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));
+}

@@ -28,7 +28,7 @@ namespace peer = weft::kernels::peer;
 namespace {
 
 // A lost wake-up fails the test after 20 s instead of hanging it.
-using HostAtomics = peer::HostAtomics<20>;
+using HostAtomics = peer::HostAtomics<peer::Seconds<20>>;
 
 enum class Algorithm { one_stage, two_stage, two_stage_in_place };
 

@@ -1,7 +1,7 @@
 #pragma once
 // The peer protocol's atomic operations on the host (all_reduce.hpp's `Atomics`): what the simulated
 // device runs the protocol with (one thread per (device, block), one lane each), and the protocol's own
-// tests. A spin gives up after `BoundSeconds` of waiting, so a lost arrival fails instead of hanging.
+// tests. A spin gives up after `Bound::limit()` of waiting, so a lost arrival fails instead of hanging.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -9,7 +9,13 @@
 
 namespace weft::kernels::peer {
 
-template <int BoundSeconds>
+/// A spin bound of N seconds.
+template <int N>
+struct Seconds {
+  static std::chrono::milliseconds limit() { return std::chrono::seconds(N); }
+};
+
+template <class Bound>
 struct HostAtomics {
   static void store_release(std::uint32_t* p, std::uint32_t v) { std::atomic_ref<std::uint32_t>(*p).store(v, std::memory_order_release); }
   static std::uint32_t load_acquire(const std::uint32_t* p) {
@@ -20,7 +26,7 @@ struct HostAtomics {
     thread_local std::chrono::steady_clock::time_point since;
     if (spins == 0) since = std::chrono::steady_clock::now();
     std::this_thread::yield();
-    return (spins & 1023) != 1023 || std::chrono::steady_clock::now() - since < std::chrono::seconds(BoundSeconds);
+    return (spins & 1023) != 1023 || std::chrono::steady_clock::now() - since < Bound::limit();
   }
   static void sync_block() {}  // a simulated block has one lane
   static bool sync_block_all(bool ok) { return ok; }
