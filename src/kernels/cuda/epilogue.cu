@@ -60,52 +60,22 @@ int launch_pair(const void* in, void* out, std::size_t n, double factor, cudaStr
   return static_cast<int>(cudaGetLastError());
 }
 
-template <class In>
-int launch_from(const void* in, void* out, int out_dtype, std::size_t n, double factor, cudaStream_t stream) {
-  switch (out_dtype) {
-    case boolean: return launch_pair<In, bool>(in, out, n, factor, stream);
-    case i8: return launch_pair<In, std::int8_t>(in, out, n, factor, stream);
-    case u8: return launch_pair<In, std::uint8_t>(in, out, n, factor, stream);
-    case i16: return launch_pair<In, std::int16_t>(in, out, n, factor, stream);
-    case u16: return launch_pair<In, std::uint16_t>(in, out, n, factor, stream);
-    case i32: return launch_pair<In, std::int32_t>(in, out, n, factor, stream);
-    case u32: return launch_pair<In, std::uint32_t>(in, out, n, factor, stream);
-    case i64: return launch_pair<In, std::int64_t>(in, out, n, factor, stream);
-    case u64: return launch_pair<In, std::uint64_t>(in, out, n, factor, stream);
-    case f16: return launch_pair<In, Half>(in, out, n, factor, stream);
-    case bf16: return launch_pair<In, BFloat>(in, out, n, factor, stream);
-    case f32: return launch_pair<In, float>(in, out, n, factor, stream);
-    case f64: return launch_pair<In, double>(in, out, n, factor, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
-}
-
 }  // namespace
 
 int launch_epilogue(const void* in, int in_dtype, void* out, int out_dtype, std::size_t n, double factor, void* stream_handle) {
   if (n == 0) return 0;
   auto stream = static_cast<cudaStream_t>(stream_handle);
+  if (in_dtype < boolean || in_dtype > f64) return static_cast<int>(cudaErrorInvalidValue);
   if (factor == 1.0 && in_dtype == out_dtype) {
     if (in == out) return 0;
     static constexpr std::size_t sizes[] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8};
     return static_cast<int>(cudaMemcpyAsync(out, in, n * sizes[in_dtype], cudaMemcpyDeviceToDevice, stream));
   }
-  switch (in_dtype) {
-    case boolean: return launch_from<bool>(in, out, out_dtype, n, factor, stream);
-    case i8: return launch_from<std::int8_t>(in, out, out_dtype, n, factor, stream);
-    case u8: return launch_from<std::uint8_t>(in, out, out_dtype, n, factor, stream);
-    case i16: return launch_from<std::int16_t>(in, out, out_dtype, n, factor, stream);
-    case u16: return launch_from<std::uint16_t>(in, out, out_dtype, n, factor, stream);
-    case i32: return launch_from<std::int32_t>(in, out, out_dtype, n, factor, stream);
-    case u32: return launch_from<std::uint32_t>(in, out, out_dtype, n, factor, stream);
-    case i64: return launch_from<std::int64_t>(in, out, out_dtype, n, factor, stream);
-    case u64: return launch_from<std::uint64_t>(in, out, out_dtype, n, factor, stream);
-    case f16: return launch_from<Half>(in, out, out_dtype, n, factor, stream);
-    case bf16: return launch_from<BFloat>(in, out, out_dtype, n, factor, stream);
-    case f32: return launch_from<float>(in, out, out_dtype, n, factor, stream);
-    case f64: return launch_from<double>(in, out, out_dtype, n, factor, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return with_element_type<bool>(in_dtype, [&](auto in_tag) {
+    return with_element_type<bool>(out_dtype, [&](auto out_tag) {
+      return launch_pair<typename decltype(in_tag)::type, typename decltype(out_tag)::type>(in, out, n, factor, stream);
+    });
+  });
 }
 
 }  // namespace weft::kernels::cuda

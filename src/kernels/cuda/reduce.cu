@@ -152,43 +152,18 @@ int divide_typed(void* data, std::size_t n, int divisor, cudaStream_t stream) {
 int launch_reduce(void* dst, const void* a, const void* b, std::size_t n, int dtype, int op, void* stream_handle) {
   if (n == 0) return 0;
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  switch (dtype) {
-    // bool is one byte holding 0 or 1, as on the CPU.
-    case boolean: return launch_for_type<std::uint8_t>(dst, a, b, n, op, stream);
-    case i8: return launch_for_type<std::int8_t>(dst, a, b, n, op, stream);
-    case u8: return launch_for_type<std::uint8_t>(dst, a, b, n, op, stream);
-    case i16: return launch_for_type<std::int16_t>(dst, a, b, n, op, stream);
-    case u16: return launch_for_type<std::uint16_t>(dst, a, b, n, op, stream);
-    case i32: return launch_for_type<std::int32_t>(dst, a, b, n, op, stream);
-    case u32: return launch_for_type<std::uint32_t>(dst, a, b, n, op, stream);
-    case i64: return launch_for_type<std::int64_t>(dst, a, b, n, op, stream);
-    case u64: return launch_for_type<std::uint64_t>(dst, a, b, n, op, stream);
-    case f16: return launch_for_type<Half>(dst, a, b, n, op, stream);
-    case bf16: return launch_for_type<BFloat>(dst, a, b, n, op, stream);
-    case f32: return launch_for_type<float>(dst, a, b, n, op, stream);
-    case f64: return launch_for_type<double>(dst, a, b, n, op, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  // bool is one byte holding 0 or 1, as on the CPU.
+  return with_element_type<std::uint8_t>(dtype, [&](auto tag) {
+    return launch_for_type<typename decltype(tag)::type>(dst, a, b, n, op, stream);
+  });
 }
 
 int launch_divide(void* data, std::size_t n, int dtype, int divisor, void* stream_handle) {
   if (n == 0 || dtype == boolean) return 0;
   auto stream = static_cast<cudaStream_t>(stream_handle);
-  switch (dtype) {
-    case i8: return divide_typed<std::int8_t>(data, n, divisor, stream);
-    case u8: return divide_typed<std::uint8_t>(data, n, divisor, stream);
-    case i16: return divide_typed<std::int16_t>(data, n, divisor, stream);
-    case u16: return divide_typed<std::uint16_t>(data, n, divisor, stream);
-    case i32: return divide_typed<std::int32_t>(data, n, divisor, stream);
-    case u32: return divide_typed<std::uint32_t>(data, n, divisor, stream);
-    case i64: return divide_typed<std::int64_t>(data, n, divisor, stream);
-    case u64: return divide_typed<std::uint64_t>(data, n, divisor, stream);
-    case f16: return divide_typed<Half>(data, n, divisor, stream);
-    case bf16: return divide_typed<BFloat>(data, n, divisor, stream);
-    case f32: return divide_typed<float>(data, n, divisor, stream);
-    case f64: return divide_typed<double>(data, n, divisor, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return with_element_type<std::uint8_t>(dtype, [&](auto tag) {
+    return divide_typed<typename decltype(tag)::type>(data, n, divisor, stream);
+  });
 }
 
 }  // namespace weft::kernels::cuda

@@ -35,6 +35,33 @@ __device__ inline BFloat from_float<BFloat>(float f) { return BFloat{__bfloat16_
 template <class T>
 constexpr bool is_half_like = std::is_same_v<T, Half> || std::is_same_v<T, BFloat>;
 
+/// Calls fn(TypeTag<T>{}) with T the element type of weft dtype `dtype` (bool as Bool: a byte for the
+/// reductions, `bool` for the conversions) and returns what it returns; cudaErrorInvalidValue for a code
+/// that is no dtype.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+template <class Bool, class Fn>
+int with_element_type(int dtype, Fn&& fn) {
+  switch (dtype) {
+    case boolean: return fn(TypeTag<Bool>{});
+    case i8: return fn(TypeTag<std::int8_t>{});
+    case u8: return fn(TypeTag<std::uint8_t>{});
+    case i16: return fn(TypeTag<std::int16_t>{});
+    case u16: return fn(TypeTag<std::uint16_t>{});
+    case i32: return fn(TypeTag<std::int32_t>{});
+    case u32: return fn(TypeTag<std::uint32_t>{});
+    case i64: return fn(TypeTag<std::int64_t>{});
+    case u64: return fn(TypeTag<std::uint64_t>{});
+    case f16: return fn(TypeTag<Half>{});
+    case bf16: return fn(TypeTag<BFloat>{});
+    case f32: return fn(TypeTag<float>{});
+    case f64: return fn(TypeTag<double>{});
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
 inline constexpr int threads_per_block = 256;
 
 inline dim3 grid_for(std::size_t n) {
