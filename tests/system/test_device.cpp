@@ -581,3 +581,37 @@ TEST_CASE("a group whose ranks drive several devices all_reduces over every devi
   }
   REQUIRE(checks_made.load() > before);
 }
+
+TEST_CASE("a multi-device all_reduce whose peer rank aborts fails naming it, and its devices go on", "[device][multi]") {
+  need_backend();
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<Device> devices{gpu::device(g.rank() % gpu::device_count()), gpu::device((g.rank() + 1) % gpu::device_count())};
+    gpu::MultiDeviceGroup multi = gpu::MultiDeviceGroup::create(g, devices).get();
+    std::vector<gpu::DeviceBuffer> data;
+    std::vector<BufferView> views;
+    for (const Device& d : devices) {
+      data.push_back(gpu::DeviceBuffer::allocate(d, 4099 * sizeof(float)));
+      views.push_back(data.back().view<float>());
+    }
+    multi.all_reduce(views).get();  // one that works
+    g.barrier().get();
+    if (g.rank() == 1) {
+      g.abort("rank 1 leaves");
+      return;
+    }
+    bool failed = false;
+    try {
+      multi.all_reduce(views, ReduceOp::avg, gpu::Epilogue::scale(2.0)).get();
+    } catch (const Error& e) {
+      failed = true;
+      check(e.errc() == Errc::aborted || e.errc() == Errc::group_failed, fmt::format("not an abort: {}", e.what()));
+      check(std::string(e.what()).find("rank 1") != std::string::npos, fmt::format("the error does not name rank 1: {}", e.what()));
+    }
+    check(failed, "the all_reduce succeeded without its peer");
+    // The stages after the failed one ran (their gate opened): the devices' streams go on.
+    for (std::size_t k = 0; k < devices.size(); ++k) multi.set().record(k).done().get();
+    gpu::Stream(g.loop(), devices[0]).synchronize().get();
+  });
+  REQUIRE(checks_made.load() > before);
+}
