@@ -49,6 +49,10 @@ fi
 WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -r junit -o "$out/test_gpu.xml" > "$out/test_gpu.txt" 2>&1
 step "test_gpu (cuda)" $?
 
+# The device set's peer kernels (opt-in while they have not run on a GPU): every set test with them.
+WEFT_GPU=cuda WEFT_CUDA_PEER=1 limit 120 "$build/tests/test_gpu" '[set]' > "$out/test_gpu_set_peer.txt" 2>&1
+step "test_gpu [set] with the peer kernels (cuda, WEFT_CUDA_PEER=1)" $?
+
 if [ -x "$build/tests/test_epilogue_cuh" ]; then
   WEFT_GPU=cuda limit 60 "$build/tests/test_epilogue_cuh" > "$out/test_epilogue_cuh.txt" 2>&1
   step "test_epilogue_cuh (cuda: a user's nvcc epilogue)" $?

@@ -126,6 +126,8 @@ class GateState {
   std::vector<std::function<void()>> on_open_;    // guarded
 };
 
+struct PeerLaunch;  // peer_launch.hpp: what the device set hands the backend
+
 class StreamImpl {
  public:
   StreamImpl(Loop& loop, int device) : loop_(&loop), device_(device) {}
@@ -146,6 +148,9 @@ class StreamImpl {
   /// caller checked that the backend runs it (a custom's function for it exists).
   virtual std::uint64_t epilogue(const void* in, DType in_type, void* out, std::size_t count, const Epilogue& epilogue) = 0;
   virtual std::uint64_t host(std::function<void()> fn) = 0;
+  /// Queues this device's instance of the peer all_reduce kernel (the backends that run it on the
+  /// device: cuda). Throws weft::Error (invalid_argument) elsewhere.
+  virtual std::uint64_t peer_all_reduce(const PeerLaunch& launch);
   /// Later items wait until `other` reaches `seq` (other != this).
   virtual std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) = 0;
   /// Later items wait until `gate` is open (the host's signal; the device does not block the host).
@@ -193,6 +198,18 @@ class Backend {
   virtual bool is_pinned(const void* data, std::size_t bytes) = 0;
 
   virtual std::shared_ptr<StreamImpl> make_stream(Loop& loop, int device) = 0;
+  /// Lets kernels on `a` reach `b`'s memory (cudaDeviceEnablePeerAccess; enabled already counts): "" or
+  /// why not. The sim's devices reach each other as can_access_peer says.
+  virtual std::string enable_peer_access(int a, int b) {
+    (void)a;
+    (void)b;
+    return {};
+  }
+  /// The device's multiprocessors (0 where the backend has none to count: the sim).
+  virtual int multiprocessors(int device) {
+    (void)device;
+    return 0;
+  }
   /// "" while the device works, else why it failed (sticky).
   virtual std::string failure(int device) = 0;
 };

@@ -5,12 +5,13 @@
 #include <cstdint>
 #include <memory>
 
-#include "devices/backend.hpp"
 #include "weft/buffer.hpp"
 #include "weft/gpu.hpp"
 #include "weft/task.hpp"
 
 namespace weft::gpu::detail {
+
+class StreamImpl;  // backend.hpp
 
 /// Throws weft::Error (invalid_argument) unless `d` is an existing device; `what` names the argument.
 void check_device(Device d, const char* op, const char* what);

@@ -34,8 +34,10 @@
 
 #include "core/log.hpp"
 #include "devices/backend.hpp"
+#include "devices/peer_launch.hpp"
 #include "kernels/cuda/gate.cuh"
 #include "kernels/cuda/epilogue.cuh"
+#include "kernels/cuda/peer.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "weft/error.hpp"
 
@@ -132,6 +134,20 @@ class CudaStream final : public StreamImpl {
                                                                      epilogue.factor(), stream_));
     });
   }
+  std::uint64_t peer_all_reduce(const PeerLaunch& l) override {
+    return enqueue(fmt::format("peer all_reduce {} {} of {} elements ({} stage{}, {} blocks)", to_string(l.op), to_string(l.dtype), l.count,
+                               l.two_stage ? 2 : 1, l.two_stage ? "s" : "", l.blocks),
+                   [&] {
+                     kernels::cuda::PeerPointers pointers{};
+                     for (int k = 0; k < kernels::peer::max_devices; ++k) {
+                       pointers.inputs[k] = l.inputs[k];
+                       pointers.scratch[k] = l.scratch[k];
+                     }
+                     return static_cast<cudaError_t>(kernels::cuda::launch_peer_all_reduce(
+                         l.devices, pointers, l.out, l.count, static_cast<int>(l.dtype), static_cast<int>(l.op), l.divisor, l.two_stage,
+                         l.blocks, l.lanes, l.failed, stream_));
+                   });
+  }
   std::uint64_t host(std::function<void()> fn) override {
     return enqueue("host function", [&] {
       auto* call = new std::function<void()>(std::move(fn));
@@ -221,6 +237,29 @@ class CudaBackend final : public Backend {
     if (a == b) return true;  // a device with itself: yes (cudaDeviceCanAccessPeer says no)
     int can = 0;
     return cudaDeviceCanAccessPeer(&can, a, b) == cudaSuccess && can != 0;
+  }
+
+  std::string enable_peer_access(int a, int b) override {
+    if (a == b) return {};
+    cudaError_t e = cudaSetDevice(a);
+    if (e == cudaSuccess) e = cudaDeviceEnablePeerAccess(b, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // not sticky: clear it
+      return {};
+    }
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return fmt::format("{} cannot reach {}: {}", device_name(a), device_name(b), words(e));
+    }
+    return {};
+  }
+  int multiprocessors(int device) override {
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return count;
   }
 
   void* allocate(int device, std::size_t bytes) override {

@@ -17,6 +17,7 @@
 #include "core/log.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "devices/backend.hpp"
+#include "devices/peer_launch.hpp"
 #include "devices/checks.hpp"
 #include "weft/error.hpp"
 #include "weft/gpu.hpp"
@@ -59,6 +60,10 @@ Backend& backend() {
 }
 
 std::string device_name(int device) { return fmt::format("device {} ({})", device, backend().name()); }
+
+std::uint64_t StreamImpl::peer_all_reduce(const PeerLaunch&) {
+  throw Error(Errc::invalid_argument, {.op = "peer all_reduce"}, fmt::format("the {} backend runs no peer kernels", backend().name()));
+}
 
 }  // namespace detail
 

@@ -1,7 +1,11 @@
 // gpu::DeviceSet: all_reduce across the devices of one process (issue 17; docs/DESIGN.md, "Several
 // devices of one process"): the peer path (kernels/peer's protocol, on the sim's workers for now) and
 // the naive path (stream copies into scratch of each entry's own), both with the output epilogue.
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <map>
+#include <string_view>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -14,6 +18,8 @@
 
 #include "devices/backend.hpp"
 #include "devices/checks.hpp"
+#include "devices/peer_launch.hpp"
+#include "core/log.hpp"
 #include "kernels/cpu/epilogue.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "kernels/peer/all_reduce.hpp"
@@ -36,6 +42,15 @@ struct DeviceSetState {
   // The naive path's scratch per entry: the sum so far and the input being added.
   std::mutex mutex;
   std::vector<DeviceBuffer> sums, addends;  // guarded; grown between calls
+  // The peer path on a GPU (WEFT_CUDA_PEER=1): each entry's signal in its device's memory (zeroed once,
+  // copied from `zeros` on its stream before any call), each entry's slice of the two-stage scratch, a
+  // word per entry that a kernel whose spin gave up sets, and the most blocks per kernel that keep every
+  // entry's instance resident at once (the barriers spin).
+  bool kernels_on_device = false;
+  std::vector<DeviceBuffer> device_signals;
+  PinnedBuffer zeros, failed_words;
+  std::vector<DeviceBuffer> peer_scratch;  // guarded; grown between calls
+  int most_blocks = kernels::peer::max_blocks;
 };
 
 }  // namespace detail
@@ -172,9 +187,40 @@ DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
   for (const Device& a : devices) {
     for (const Device& b : devices) reach = reach && can_access_peer(a, b);
   }
-  // The peer kernels run on the sim's workers; on a GPU they are compiled but not yet wired.
-  state->peer_to_peer = reach && backend() == Backend::sim;
-  if (state->peer_to_peer) {
+  // The peer kernels run on the sim's workers, and on a GPU where WEFT_CUDA_PEER=1 asks for them (they
+  // have not run on one yet: the naive path stays the default there).
+  const char* cuda_peer = std::getenv("WEFT_CUDA_PEER");
+  const bool on_gpu = backend() == Backend::cuda && cuda_peer && std::string_view(cuda_peer) == "1";
+  state->peer_to_peer = reach && (backend() == Backend::sim || on_gpu);
+  if (state->peer_to_peer && on_gpu) {
+    for (const Device& a : devices) {
+      for (const Device& b : devices) {
+        if (const std::string why = detail::backend().enable_peer_access(a.index, b.index); !why.empty() && state->peer_to_peer) {
+          weft::log().warn("DeviceSet: the naive path, not peer to peer: {}", why);
+          state->peer_to_peer = false;
+        }
+      }
+    }
+  }
+  if (state->peer_to_peer && on_gpu) {
+    state->kernels_on_device = true;
+    const std::size_t n = devices.size();
+    state->zeros = PinnedBuffer::allocate(sizeof(kernels::peer::Signal));
+    std::memset(state->zeros.data(), 0, state->zeros.bytes());
+    state->failed_words = PinnedBuffer::allocate(n * sizeof(std::uint32_t));
+    std::memset(state->failed_words.data(), 0, state->failed_words.bytes());
+    std::map<int, int> entries_on;  // physical device -> entries
+    for (const Device& d : devices) ++entries_on[d.index];
+    for (std::size_t i = 0; i < n; ++i) {
+      state->device_signals.push_back(DeviceBuffer::allocate(devices[i], sizeof(kernels::peer::Signal)));
+      // Zeroed on the entry's stream: every entry's first call waits for what the others queued before.
+      state->streams[i]->copy(state->device_signals[i].data(), state->zeros.data(), sizeof(kernels::peer::Signal),
+                              detail::CopyKind::host_to_device, -1, devices[i].index);
+      const int sms = detail::backend().multiprocessors(devices[i].index);
+      if (sms > 0) state->most_blocks = std::min(state->most_blocks, std::max(1, sms / entries_on[devices[i].index]));
+    }
+    state->peer_scratch.resize(n);
+  } else if (state->peer_to_peer) {
     for (std::size_t i = 0; i < devices.size(); ++i) state->signals.push_back(std::make_unique<kernels::peer::Signal>());
   }
   state->sums.resize(devices.size());
@@ -275,7 +321,61 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
   };
   const std::size_t bytes = inputs[0].bytes();
   const std::size_t esize = dtype_size(dtype);
-  if (set.peer_to_peer) {
+  const bool two_stage = in_place || (n > 2 && bytes > (std::size_t{256} << 10));
+  // On a GPU the kernels store avg's quotient, not an epilogue's value: a set with an epilogue takes the
+  // naive path there (its epilogue is a pass of its own).
+  if (set.kernels_on_device && epilogue.is_identity()) {
+    std::vector<void*> scratch(n, nullptr);
+    if (two_stage) {
+      std::vector<DeviceBuffer> dropped;
+      std::lock_guard lock(set.mutex);
+      for (std::size_t k = 0; k < n; ++k) {
+        const auto slice = kernels::peer::share(count, static_cast<int>(k), static_cast<int>(n));
+        const std::size_t need = (slice.last - slice.first + 1) * esize;
+        if (set.peer_scratch[k].bytes() < need) {
+          dropped.push_back(std::move(set.peer_scratch[k]));
+          set.peer_scratch[k] = DeviceBuffer::allocate(set.devices[k], need);
+        }
+        scratch[k] = set.peer_scratch[k].data();
+      }
+      std::erase_if(dropped, [](const DeviceBuffer& b) { return b.bytes() == 0; });
+      if (!dropped.empty()) std::thread([gone = std::move(dropped)] {}).detach();
+    }
+    constexpr int lanes = 512;
+    const std::size_t wanted = (count + lanes * 8 - 1) / (lanes * 8);
+    const int blocks = static_cast<int>(std::clamp<std::size_t>(wanted, 1, static_cast<std::size_t>(set.most_blocks)));
+    auto* failed = static_cast<std::uint32_t*>(set.failed_words.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      wait_for_others(i, before);
+      detail::PeerLaunch l;
+      l.devices.rank = static_cast<int>(i);
+      l.devices.n = static_cast<int>(n);
+      for (std::size_t k = 0; k < n; ++k) {
+        l.devices.signals[k] = static_cast<kernels::peer::Signal*>(set.device_signals[k].data());
+        l.inputs[k] = inputs[k].data;
+        l.scratch[k] = scratch[k];
+      }
+      l.out = outputs[i].data;
+      l.count = count;
+      l.dtype = dtype;
+      l.op = op == ReduceOp::avg ? ReduceOp::sum : op;
+      l.divisor = op == ReduceOp::avg ? static_cast<int>(n) : 1;
+      l.two_stage = two_stage;
+      l.blocks = blocks;
+      l.lanes = lanes;
+      l.failed = failed + i;
+      set.streams[i]->peer_all_reduce(l);
+      // A spin that gave up (builds with WEFT_PEER_SPIN_BOUND) set the word: the call fails, naming the device.
+      const std::uint64_t checked = set.streams[i]->host([word = failed + i, failure, state = state_, device = set.devices[i].index] {
+        if (std::atomic_ref<std::uint32_t>(*word).exchange(0) == 0) return;
+        std::lock_guard lock(state->mutex);
+        if (failure->empty()) *failure = fmt::format("device {}: a peer barrier gave up (a peer's kernel never came)", device);
+      });
+      each.push_back(spawn(*set.loop, await_fence(set.streams[i], checked, what)));
+    }
+    return spawn(*set.loop, await_all(std::move(each), failure));
+  }
+  if (set.peer_to_peer && !set.kernels_on_device) {
     auto call = std::make_shared<PeerCall>();
     call->inputs.resize(n);
     for (std::size_t k = 0; k < n; ++k) call->inputs[k] = inputs[k].data;
@@ -284,7 +384,7 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
     call->op = op;
     call->epilogue = epilogue;
     call->out_dtype = out_dtype;
-    call->two_stage = in_place || (n > 2 && bytes > (std::size_t{256} << 10));
+    call->two_stage = two_stage;
     // Two-stage: every entry's slice of the sum, shared by this call's bodies (host memory on the sim).
     auto scratch = std::make_shared<std::vector<std::vector<std::byte>>>(n);
     if (call->two_stage) {

@@ -16,49 +16,6 @@
 namespace weft::kernels::cuda {
 namespace {
 
-template <class T>
-using Wide = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
-
-template <class T>
-__device__ inline bool truth(T v) {
-  if constexpr (is_half_like<T>) return to_float(v) != 0.0f;
-  else return v != T(0);
-}
-template <class T>
-__device__ inline T from_truth(bool v) {
-  if constexpr (is_half_like<T>) return from_float<T>(v ? 1.0f : 0.0f);
-  else return static_cast<T>(v ? 1 : 0);
-}
-
-template <class T, int Op>
-__device__ inline T apply(T a, T b) {
-  if constexpr (Op == sum) {
-    if constexpr (is_half_like<T>) return from_float<T>(to_float(a) + to_float(b));
-    else if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wide<T>>(a) + static_cast<Wide<T>>(b));
-    else return a + b;
-  } else if constexpr (Op == prod) {
-    if constexpr (is_half_like<T>) return from_float<T>(to_float(a) * to_float(b));
-    else if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wide<T>>(a) * static_cast<Wide<T>>(b));
-    else return a * b;
-  } else if constexpr (Op == min_op) {
-    if constexpr (is_half_like<T>) return to_float(b) < to_float(a) ? b : a;
-    else return b < a ? b : a;
-  } else if constexpr (Op == max_op) {
-    if constexpr (is_half_like<T>) return to_float(a) < to_float(b) ? b : a;
-    else return a < b ? b : a;
-  } else if constexpr (Op == logical_and) {
-    return from_truth<T>(truth(a) && truth(b));
-  } else if constexpr (Op == logical_or) {
-    return from_truth<T>(truth(a) || truth(b));
-  } else if constexpr (Op == bitwise_and) {
-    return static_cast<T>(a & b);
-  } else if constexpr (Op == bitwise_or) {
-    return static_cast<T>(a | b);
-  } else {
-    return static_cast<T>(a ^ b);
-  }
-}
-
 template <class T, int Op>
 __global__ void reduce_kernel(T* dst, const T* a, const T* b, std::size_t n) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;

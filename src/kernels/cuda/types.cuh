@@ -1,6 +1,6 @@
 #pragma once
 // What the GPU kernels share (nvcc only): weft's dtype and op codes as integers, the 16-bit float types
-// as their bits, and the launch shape.
+// as their bits, the element arithmetic of every reduction op, the dtype dispatch and the launch shape.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,6 +34,51 @@ __device__ inline BFloat from_float<BFloat>(float f) { return BFloat{__bfloat16_
 
 template <class T>
 constexpr bool is_half_like = std::is_same_v<T, Half> || std::is_same_v<T, BFloat>;
+
+// One element op another, as the CPU kernels compute it (reduce.cuh's words): integers through a wide
+// unsigned type (they wrap), 16-bit floats through float, min and max keep the operand the CPU picks.
+template <class T>
+using Wide = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
+template <class T>
+__device__ inline bool truth(T v) {
+  if constexpr (is_half_like<T>) return to_float(v) != 0.0f;
+  else return v != T(0);
+}
+template <class T>
+__device__ inline T from_truth(bool v) {
+  if constexpr (is_half_like<T>) return from_float<T>(v ? 1.0f : 0.0f);
+  else return static_cast<T>(v ? 1 : 0);
+}
+
+template <class T, int Op>
+__device__ inline T apply(T a, T b) {
+  if constexpr (Op == sum) {
+    if constexpr (is_half_like<T>) return from_float<T>(to_float(a) + to_float(b));
+    else if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wide<T>>(a) + static_cast<Wide<T>>(b));
+    else return a + b;
+  } else if constexpr (Op == prod) {
+    if constexpr (is_half_like<T>) return from_float<T>(to_float(a) * to_float(b));
+    else if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wide<T>>(a) * static_cast<Wide<T>>(b));
+    else return a * b;
+  } else if constexpr (Op == min_op) {
+    if constexpr (is_half_like<T>) return to_float(b) < to_float(a) ? b : a;
+    else return b < a ? b : a;
+  } else if constexpr (Op == max_op) {
+    if constexpr (is_half_like<T>) return to_float(a) < to_float(b) ? b : a;
+    else return a < b ? b : a;
+  } else if constexpr (Op == logical_and) {
+    return from_truth<T>(truth(a) && truth(b));
+  } else if constexpr (Op == logical_or) {
+    return from_truth<T>(truth(a) || truth(b));
+  } else if constexpr (Op == bitwise_and) {
+    return static_cast<T>(a & b);
+  } else if constexpr (Op == bitwise_or) {
+    return static_cast<T>(a | b);
+  } else {
+    return static_cast<T>(a ^ b);
+  }
+}
 
 /// Calls fn(TypeTag<T>{}) with T the element type of weft dtype `dtype` (bool as Bool: a byte for the
 /// reductions, `bool` for the conversions) and returns what it returns; cudaErrorInvalidValue for a code
