@@ -49,8 +49,9 @@ class MultiDeviceGroup {
   /// set().wait()); later work orders after the call with set().record(i) or waits for the Future.
   /// Errors: invalid_argument at once (as DeviceSet::all_reduce, naming the entry); the group's
   /// failures (every rank's call fails) and device_failure through the Future.
-  /// Cancellation: as a collective of the group: cancelling the Future cancels the cross-process part,
-  /// which fails the operation on every rank (Group's rules); the device work already queued goes on.
+  /// Cancellation: cancelling the Future cancels the cross-process part as any collective of the group
+  /// (on every member: their calls fail with CancelledError; the group stays usable); the device work
+  /// already queued goes on.
   /// Lifetime: the views outlive the Future; the MultiDeviceGroup outlives its calls.
   Future<void> all_reduce(std::vector<ConstBufferView> inputs, std::vector<BufferView> outputs, ReduceOp op = ReduceOp::sum,
                           const Epilogue& epilogue = {});
