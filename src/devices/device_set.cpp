@@ -119,11 +119,20 @@ std::string run_peer_blocks(const DeviceSetState& set, int rank, const PeerCall&
     return a;
   };
   const EpilogueFunctions* custom = call.epilogue.functions();
-  auto epilogue = [&call, custom, divisor](E v, std::size_t i) {
+  std::atomic<bool> threw{false};  // a user's function that throws: the element stores zeros, the call fails
+  auto epilogue = [&call, custom, divisor, &threw](E v, std::size_t i) {
     if (divisor > 1) kernels::divide_in_place(&v, 1, call.dtype, divisor);
-    O o;
-    if (custom) custom->host(custom->functor.get(), &v, &o, i, 1);
-    else kernels::apply_epilogue(&v, call.dtype, &o, call.out_dtype, 1, call.epilogue.factor());
+    O o{};
+    if (!custom) {
+      kernels::apply_epilogue(&v, call.dtype, &o, call.out_dtype, 1, call.epilogue.factor());
+      return o;
+    }
+    try {
+      custom->host(custom->functor.get(), &v, &o, i, 1);
+    } catch (...) {
+      threw = true;  // the protocol goes on (the peers wait at its barriers): only the values are lost
+      o = O{};
+    }
     return o;
   };
   constexpr int blocks = 2;
@@ -138,7 +147,10 @@ std::string run_peer_blocks(const DeviceSetState& set, int rank, const PeerCall&
   std::thread second([&] { block(1); });
   block(0);
   second.join();
-  return ok ? std::string() : fmt::format("device {}: a peer barrier gave up (a peer's work never came)", set.devices[static_cast<std::size_t>(rank)].index);
+  const int device = set.devices[static_cast<std::size_t>(rank)].index;
+  if (!ok) return fmt::format("device {}: a peer barrier gave up (a peer's work never came)", device);
+  if (threw) return fmt::format("device {}: the epilogue {} threw", device, call.epilogue.describe());
+  return {};
 }
 
 template <std::size_t N>

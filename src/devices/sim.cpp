@@ -211,7 +211,15 @@ class SimStream final : public StreamImpl {
                           const void* src = worker_address(backend_, in);
                           void* dst = worker_address(backend_, out);
                           if (const EpilogueFunctions* fns = epilogue.functions()) {
-                            fns->host(fns->functor.get(), src, dst, 0, count);
+                            // A user's function that throws fails the item (and the device, as a kernel
+                            // that traps fails its context), instead of ending the process.
+                            try {
+                              fns->host(fns->functor.get(), src, dst, 0, count);
+                            } catch (const std::exception& e) {
+                              return fmt::format("the epilogue {} threw: {}", epilogue.describe(), e.what());
+                            } catch (...) {
+                              return fmt::format("the epilogue {} threw", epilogue.describe());
+                            }
                           } else {
                             kernels::apply_epilogue(src, in_type, dst, epilogue.output(in_type), count, epilogue.factor());
                           }

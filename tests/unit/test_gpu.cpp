@@ -827,3 +827,35 @@ TEST_CASE("a device set whose peer never comes (its device failed) fails instead
   }
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));
 }
+
+TEST_CASE("an epilogue of the user's that throws fails the call, not the process", "[gpu][epilogue]") {
+  need_backend();
+  if (gpu::backend() != gpu::Backend::sim) {
+    SUCCEED("a host function runs on the simulated device only");
+    return;
+  }
+  Loop loop;
+  const gpu::Epilogue throws = gpu::Epilogue::on_host<float, float>(
+      [](float x, std::size_t i) {
+        if (i == 5) throw std::runtime_error("element 5 is cursed");
+        return x;
+      },
+      "cursed");
+  // On a stream of its own: the item fails, and the stream with it (as a kernel that traps).
+  gpu::Stream s(loop, gpu::device(0));
+  gpu::DeviceBuffer buffer = gpu::DeviceBuffer::allocate(gpu::device(0), 16 * sizeof(float));
+  expect_error(Errc::device_failure, "the epilogue custom 'cursed' (f32 -> f32) threw: element 5 is cursed",
+               [&] { s.apply(buffer.view<float>(), buffer.view<float>(), throws).get(); });
+  // In a device set's peer kernels: the call fails and the protocol still ends on every entry, so the
+  // set goes on.
+  gpu::DeviceSet set = gpu::DeviceSet::create(loop, set_of(2));
+  if (!set.peer_to_peer()) return;
+  std::vector<gpu::DeviceBuffer> data;
+  std::vector<BufferView> views;
+  for (const Device& d : set.devices()) {
+    data.push_back(gpu::DeviceBuffer::allocate(d, 16 * sizeof(float)));
+    views.push_back(data.back().view<float>());
+  }
+  expect_error(Errc::device_failure, "threw", [&] { set.all_reduce(views, ReduceOp::sum, throws).get(); });
+  set.all_reduce(views, ReduceOp::sum).get();
+}
