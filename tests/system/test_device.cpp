@@ -434,7 +434,7 @@ TEST_CASE("all_reduce through an epilogue: host buffers, device buffers, and on 
             in.resize(bytes);
             BufferView o(c.in_place ? in.data() : out.data(), n, to);
             g.all_reduce(ConstBufferView(in.data(), n, c.dtype), o, c.op, c.epilogue).get();
-            check(std::memcmp(o.data, want.data(), want.size()) == 0, what + ", host: " + compare(to, o.data, want.data(), n));
+            check(want.empty() || std::memcmp(o.data, want.data(), want.size()) == 0, what + ", host: " + compare(to, o.data, want.data(), n));
           }
           // Device buffers, on the group's own stream and on the caller's (copies queued back to back).
           for (bool ordered : {false, true}) {
