@@ -87,6 +87,49 @@ class DeviceBuffer {
   Device device_{Device::Kind::cuda, 0};
 };
 
+/// Device memory that another process of this host may open (CUDA IPC: cudaIpcGetMemHandle; the sim:
+/// the memory's file, opened through /proc by a process of the same user). Plain bytes: send it any way
+/// (a Group's send, a pipe). Valid while the exporting buffer lives.
+struct IpcHandle {
+  std::uint32_t magic = 0;   ///< 0x77667469 ("weft ipc") once made by export_memory
+  std::int32_t device = 0;   ///< the device index the memory belongs to, as the exporter numbers it
+  std::uint64_t bytes = 0;   ///< the allocation's size
+  std::uint32_t length = 0;  ///< how many of `words` the backend's handle takes
+  std::byte words[100] = {};
+};
+
+/// The handle of `buffer`'s memory for another process. Errors: invalid_argument (an empty buffer),
+/// device_failure (the backend refuses).
+IpcHandle export_memory(const DeviceBuffer& buffer);
+
+/// Another process's device memory, opened here (cudaIpcOpenMemHandle). Move-only; dropping it closes
+/// the mapping (after the work queued on the device, as cudaIpcCloseMemHandle); the exporter's buffer is
+/// what frees the memory, and must outlive every importer's use.
+class ImportedBuffer {
+ public:
+  ImportedBuffer() = default;
+  /// Errors: invalid_argument (not a handle of this backend's, a device that does not exist),
+  /// device_failure (the exporter is gone or refused, the backend cannot map it).
+  static ImportedBuffer open(const IpcHandle& handle);
+  ImportedBuffer(ImportedBuffer&& other) noexcept;
+  ImportedBuffer& operator=(ImportedBuffer&& other) noexcept;
+  ImportedBuffer(const ImportedBuffer&) = delete;
+  ImportedBuffer& operator=(const ImportedBuffer&) = delete;
+  ~ImportedBuffer();
+
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  Device device() const noexcept { return device_; }
+  BufferView view(DType dtype) const noexcept;
+  template <class T>
+  BufferView view() const noexcept { return view(dtype_of<T>); }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  Device device_{Device::Kind::cuda, 0};
+};
+
 /// Page-locked host memory (sim: ordinary host memory): the fast path for copies between host and device,
 /// and the staging memory of device collectives. Move-only.
 class PinnedBuffer {

@@ -205,6 +205,14 @@ class Backend {
     (void)b;
     return {};
   }
+  /// Device memory shared between processes of one host (CUDA IPC). export_memory: the bytes another
+  /// process passes to import_memory (at most 96); import_memory maps that memory here and returns its
+  /// address here (memory of `device` in this process), close_imported unmaps it. Errors: weft::Error
+  /// (invalid_argument for memory that is not an allocation of this backend's, device_failure when the
+  /// backend refuses).
+  virtual std::vector<std::byte> export_memory(int device, void* data, std::size_t bytes) = 0;
+  virtual void* import_memory(int device, const std::vector<std::byte>& handle, std::size_t bytes) = 0;
+  virtual void close_imported(int device, void* data, std::size_t bytes) noexcept = 0;
   /// The device's multiprocessors (0 where the backend has none to count: the sim).
   virtual int multiprocessors(int device) {
     (void)device;

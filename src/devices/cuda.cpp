@@ -253,6 +253,38 @@ class CudaBackend final : public Backend {
     }
     return {};
   }
+  std::vector<std::byte> export_memory(int device, void* data, std::size_t) override {
+    cudaIpcMemHandle_t handle{};
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaIpcGetMemHandle(&handle, data);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw Error(Errc::device_failure, {.op = "export_memory"}, fmt::format("{}: cudaIpcGetMemHandle: {}", device_name(device), words(e)));
+    }
+    std::vector<std::byte> bytes(sizeof handle);
+    std::memcpy(bytes.data(), &handle, sizeof handle);
+    return bytes;
+  }
+  void* import_memory(int device, const std::vector<std::byte>& bytes, std::size_t) override {
+    cudaIpcMemHandle_t handle{};
+    if (bytes.size() != sizeof handle) {
+      throw Error(Errc::invalid_argument, {.op = "import_memory"}, fmt::format("a handle of {} bytes is not CUDA's", bytes.size()));
+    }
+    std::memcpy(&handle, bytes.data(), sizeof handle);
+    void* p = nullptr;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw Error(Errc::device_failure, {.op = "import_memory"}, fmt::format("{}: cudaIpcOpenMemHandle: {}", device_name(device), words(e)));
+    }
+    return p;
+  }
+  void close_imported(int device, void* data, std::size_t) noexcept override {
+    if (!data) return;
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(data);
+  }
   int multiprocessors(int device) override {
     int count = 0;
     if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {

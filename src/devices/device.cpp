@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -251,6 +252,63 @@ DeviceBuffer::~DeviceBuffer() {
 }
 
 BufferView DeviceBuffer::view(DType dtype) const noexcept {
+  return BufferView(data_, bytes_ / dtype_size(dtype), dtype, device_);
+}
+
+// ---- Device memory between processes (IPC) ----
+
+namespace {
+constexpr std::uint32_t ipc_magic = 0x77667469;
+}
+
+IpcHandle export_memory(const DeviceBuffer& buffer) {
+  if (!buffer.data()) throw Error(Errc::invalid_argument, {.op = "export_memory"}, "an empty DeviceBuffer has no memory to share");
+  const std::vector<std::byte> words = detail::backend().export_memory(buffer.device().index, buffer.data(), buffer.bytes());
+  IpcHandle handle;
+  if (words.size() > sizeof handle.words) {
+    throw Error(Errc::device_failure, {.op = "export_memory"}, fmt::format("the backend's handle takes {} bytes", words.size()));
+  }
+  handle.magic = ipc_magic;
+  handle.device = buffer.device().index;
+  handle.bytes = buffer.bytes();
+  handle.length = static_cast<std::uint32_t>(words.size());
+  std::memcpy(handle.words, words.data(), words.size());
+  return handle;
+}
+
+ImportedBuffer ImportedBuffer::open(const IpcHandle& handle) {
+  constexpr const char* op = "ImportedBuffer::open";
+  if (handle.magic != ipc_magic || handle.length > sizeof handle.words) {
+    throw Error(Errc::invalid_argument, {.op = op}, "not a handle that export_memory made");
+  }
+  const Device device{Device::Kind::cuda, handle.device};
+  check_device(device, op, "the handle's device");
+  const std::vector<std::byte> words(handle.words, handle.words + handle.length);
+  ImportedBuffer b;
+  b.data_ = detail::backend().import_memory(handle.device, words, static_cast<std::size_t>(handle.bytes));
+  b.bytes_ = static_cast<std::size_t>(handle.bytes);
+  b.device_ = device;
+  return b;
+}
+
+ImportedBuffer::ImportedBuffer(ImportedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)), device_(other.device_) {}
+
+ImportedBuffer& ImportedBuffer::operator=(ImportedBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_) detail::backend().close_imported(device_.index, data_, bytes_);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+ImportedBuffer::~ImportedBuffer() {
+  if (data_) detail::backend().close_imported(device_.index, data_, bytes_);
+}
+
+BufferView ImportedBuffer::view(DType dtype) const noexcept {
   return BufferView(data_, bytes_ / dtype_size(dtype), dtype, device_);
 }
 

@@ -11,6 +11,7 @@
 // would under CUDA) and at a second address that only the streams' workers use (`worker_address`). WEFT_SIM_FAIL=<n> fails the n-th item the process runs, and its device with it, for good
 // (a sticky CUDA error): the item, everything after it on the device's streams, and waits on them fail.
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,10 +21,13 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -276,21 +280,22 @@ class SimBackend final : public Backend {
     const std::size_t size = mapped_size(bytes);
     void* seen = MAP_FAILED;
     void* worker = MAP_FAILED;
-    if (const int fd = memfd_create("weft-sim-device", MFD_CLOEXEC); fd >= 0) {
-      if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
-        seen = mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd, 0);
-        worker = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      }
-      ::close(fd);
+    // The memory's file stays open while the block lives: it is what another process opens to share it
+    // (export_memory, as CUDA IPC).
+    const int fd = memfd_create("weft-sim-device", MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(size)) == 0) {
+      seen = mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd, 0);
+      worker = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     }
     if (seen == MAP_FAILED || worker == MAP_FAILED) {
       if (seen != MAP_FAILED) munmap(seen, size);
       if (worker != MAP_FAILED) munmap(worker, size);
+      if (fd >= 0) ::close(fd);
       throw Error(Errc::device_failure, {.op = "allocate"}, fmt::format("{}: out of memory for {} bytes", device_name(device), bytes));
     }
     std::memset(worker, 0xA5, size);  // uninitialised device memory is not zero: nothing may count on it
     std::lock_guard lock(mutex_);
-    blocks_[reinterpret_cast<std::uintptr_t>(seen)] = Block{bytes, device, worker};
+    blocks_[reinterpret_cast<std::uintptr_t>(seen)] = Block{bytes, device, worker, fd, false};
     return seen;
   }
   void free(int device, void* data, std::size_t bytes) noexcept override {
@@ -300,6 +305,7 @@ class SimBackend final : public Backend {
     auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(data));
     if (it == blocks_.end()) return;
     void* worker = it->second.worker;
+    if (it->second.fd >= 0) ::close(it->second.fd);
     blocks_.erase(it);
     std::memset(worker, static_cast<int>(poison), std::max<std::size_t>(bytes, 1));
     quarantine_.push_back({data, bytes, device, worker});
@@ -311,6 +317,87 @@ class SimBackend final : public Backend {
       munmap(q.worker, mapped_size(q.bytes));
       quarantine_.pop_front();
     }
+  }
+
+  // A handle is "weft-sim-ipc", the exporter's pid, the file's descriptor there, the size and the
+  // device: the importer opens /proc/<pid>/fd/<fd> (same user, as CUDA IPC wants one host).
+  struct IpcWords {
+    char magic[12] = {'w', 'e', 'f', 't', '-', 's', 'i', 'm', '-', 'i', 'p', 'c'};
+    std::int64_t pid = 0;
+    std::int32_t fd = -1;
+    std::int32_t device = 0;
+    std::uint64_t bytes = 0;
+  };
+  std::vector<std::byte> export_memory(int device, void* data, std::size_t bytes) override {
+    std::lock_guard lock(mutex_);
+    auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(data));
+    if (it == blocks_.end() || it->second.device != device || it->second.imported || it->second.bytes < bytes) {
+      throw Error(Errc::invalid_argument, {.op = "export_memory"},
+                  fmt::format("{} is not the start of an allocation of {} of {} bytes or more", data, device_name(device), bytes));
+    }
+    IpcWords words;
+    words.pid = static_cast<std::int64_t>(::getpid());
+    words.fd = it->second.fd;
+    words.device = device;
+    words.bytes = it->second.bytes;
+    std::vector<std::byte> handle(sizeof words);
+    std::memcpy(handle.data(), &words, sizeof words);
+    return handle;
+  }
+  void* import_memory(int device, const std::vector<std::byte>& handle, std::size_t bytes) override {
+    IpcWords words;
+    if (handle.size() != sizeof words) {
+      throw Error(Errc::invalid_argument, {.op = "import_memory"}, fmt::format("a handle of {} bytes is not the sim's", handle.size()));
+    }
+    std::memcpy(&words, handle.data(), sizeof words);
+    if (std::memcmp(words.magic, IpcWords{}.magic, sizeof words.magic) != 0 || words.bytes < bytes) {
+      throw Error(Errc::invalid_argument, {.op = "import_memory"}, "not a handle of the sim's device memory, or shorter than asked");
+    }
+    if (words.device != device) {
+      throw Error(Errc::invalid_argument, {.op = "import_memory"},
+                  fmt::format("the handle is memory of {}, not of {}", device_name(words.device), device_name(device)));
+    }
+    const std::string path = fmt::format("/proc/{}/fd/{}", words.pid, words.fd);
+    // The descriptor must still be the memory's file (a freed buffer's number may name another file now).
+    char target[256] = {};
+    const ssize_t length = ::readlink(path.c_str(), target, sizeof target - 1);
+    if (length > 0 && std::string_view(target, static_cast<std::size_t>(length)).find("weft-sim-device") == std::string_view::npos) {
+      throw Error(Errc::invalid_argument, {.op = "import_memory"},
+                  fmt::format("{} is no longer device memory (the exporter freed it)", path));
+    }
+    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      throw Error(Errc::device_failure, {.op = "import_memory"},
+                  fmt::format("{}: cannot open {} ({}): the exporting process is gone, or not this user's", device_name(device), path,
+                              std::strerror(errno)));
+    }
+    const std::size_t size = mapped_size(static_cast<std::size_t>(words.bytes));
+    struct stat file {};
+    if (::fstat(fd, &file) != 0 || static_cast<std::size_t>(file.st_size) < size) {
+      ::close(fd);
+      throw Error(Errc::invalid_argument, {.op = "import_memory"}, fmt::format("{} is no longer the memory the handle names", path));
+    }
+    void* seen = mmap(nullptr, size, PROT_NONE, MAP_SHARED, fd, 0);
+    void* worker = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (seen == MAP_FAILED || worker == MAP_FAILED) {
+      if (seen != MAP_FAILED) munmap(seen, size);
+      if (worker != MAP_FAILED) munmap(worker, size);
+      throw Error(Errc::device_failure, {.op = "import_memory"}, fmt::format("{}: cannot map {}", device_name(device), path));
+    }
+    std::lock_guard lock(mutex_);
+    blocks_[reinterpret_cast<std::uintptr_t>(seen)] = Block{static_cast<std::size_t>(words.bytes), device, worker, -1, true};
+    return seen;
+  }
+  void close_imported(int device, void* data, std::size_t) noexcept override {
+    for (const auto& queue : queues_of(device)) queue->drain();  // as cudaIpcCloseMemHandle: after the work on it
+    std::lock_guard lock(mutex_);
+    auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(data));
+    if (it == blocks_.end() || !it->second.imported) return;
+    const std::size_t size = mapped_size(it->second.bytes);
+    munmap(data, size);
+    munmap(it->second.worker, size);
+    blocks_.erase(it);
   }
 
   void* worker_address(const void* p) override { return worker_view(p); }
@@ -433,6 +520,8 @@ class SimBackend final : public Backend {
     std::size_t bytes;
     int device;
     void* worker;  // the second view, the only one the host may touch (the workers do)
+    int fd = -1;   // the memory's file (export_memory); -1 for memory imported from another process
+    bool imported = false;
   };
   struct Quarantined {
     void* data;
