@@ -59,9 +59,37 @@ struct GateOwner;
 struct DeviceSetState;
 }
 
+namespace detail {
+/// What DeviceBuffer and ImportedBuffer share: a region of one device's memory, and views of it.
+class DeviceRegion {
+ public:
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  Device device() const noexcept { return device_; }
+  /// The whole region as bytes() / dtype_size(dtype) elements of `dtype` (a remainder is left out).
+  BufferView view(DType dtype) const noexcept { return BufferView(data_, bytes_ / dtype_size(dtype), dtype, device_); }
+  template <class T>
+  BufferView view() const noexcept { return view(dtype_of<T>); }
+
+ protected:
+  /// Takes `other`'s region, leaving it empty (the owners' moves).
+  void take(DeviceRegion& other) noexcept {
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    device_ = other.device_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  Device device_{Device::Kind::cuda, 0};
+};
+}  // namespace detail
+
 /// Device memory: an owning allocation on one device. Move-only; freeing waits for the device's streams
 /// to finish the work already queued (as cudaFree does), then releases (sim: poisons) the memory.
-class DeviceBuffer {
+class DeviceBuffer : public detail::DeviceRegion {
  public:
   DeviceBuffer() = default;
   /// `bytes` may be 0 (a valid, empty buffer). Errors: invalid_argument (not a device, index out of
@@ -72,19 +100,6 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer();
-
-  void* data() const noexcept { return data_; }
-  std::size_t bytes() const noexcept { return bytes_; }
-  Device device() const noexcept { return device_; }
-  /// The whole buffer as bytes() / dtype_size(dtype) elements of `dtype` (a remainder is left out).
-  BufferView view(DType dtype) const noexcept;
-  template <class T>
-  BufferView view() const noexcept { return view(dtype_of<T>); }
-
- private:
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-  Device device_{Device::Kind::cuda, 0};
 };
 
 /// Device memory that another process of this host may open (CUDA IPC: cudaIpcGetMemHandle; the sim:
@@ -105,7 +120,7 @@ IpcHandle export_memory(const DeviceBuffer& buffer);
 /// Another process's device memory, opened here (cudaIpcOpenMemHandle). Move-only; dropping it closes
 /// the mapping (after the work queued on the device, as cudaIpcCloseMemHandle); the exporter's buffer is
 /// what frees the memory, and must outlive every importer's use.
-class ImportedBuffer {
+class ImportedBuffer : public detail::DeviceRegion {
  public:
   ImportedBuffer() = default;
   /// Errors: invalid_argument (not a handle of this backend's, a device that does not exist),
@@ -116,18 +131,6 @@ class ImportedBuffer {
   ImportedBuffer(const ImportedBuffer&) = delete;
   ImportedBuffer& operator=(const ImportedBuffer&) = delete;
   ~ImportedBuffer();
-
-  void* data() const noexcept { return data_; }
-  std::size_t bytes() const noexcept { return bytes_; }
-  Device device() const noexcept { return device_; }
-  BufferView view(DType dtype) const noexcept;
-  template <class T>
-  BufferView view() const noexcept { return view(dtype_of<T>); }
-
- private:
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-  Device device_{Device::Kind::cuda, 0};
 };
 
 /// Page-locked host memory (sim: ordinary host memory): the fast path for copies between host and device,

@@ -234,25 +234,18 @@ DeviceBuffer DeviceBuffer::allocate(Device device, std::size_t bytes) {
   return buffer;
 }
 
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)), device_(other.device_) {}
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept { take(other); }
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
     DeviceBuffer old(std::move(*this));
-    data_ = std::exchange(other.data_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-    device_ = other.device_;
+    take(other);
   }
   return *this;
 }
 
 DeviceBuffer::~DeviceBuffer() {
   if (data_) detail::backend().free(device_.index, data_, bytes_);
-}
-
-BufferView DeviceBuffer::view(DType dtype) const noexcept {
-  return BufferView(data_, bytes_ / dtype_size(dtype), dtype, device_);
 }
 
 // ---- Device memory between processes (IPC) ----
@@ -291,25 +284,18 @@ ImportedBuffer ImportedBuffer::open(const IpcHandle& handle) {
   return b;
 }
 
-ImportedBuffer::ImportedBuffer(ImportedBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)), device_(other.device_) {}
+ImportedBuffer::ImportedBuffer(ImportedBuffer&& other) noexcept { take(other); }
 
 ImportedBuffer& ImportedBuffer::operator=(ImportedBuffer&& other) noexcept {
   if (this != &other) {
-    if (data_) detail::backend().close_imported(device_.index, data_, bytes_);
-    data_ = std::exchange(other.data_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-    device_ = other.device_;
+    ImportedBuffer old(std::move(*this));
+    take(other);
   }
   return *this;
 }
 
 ImportedBuffer::~ImportedBuffer() {
   if (data_) detail::backend().close_imported(device_.index, data_, bytes_);
-}
-
-BufferView ImportedBuffer::view(DType dtype) const noexcept {
-  return BufferView(data_, bytes_ / dtype_size(dtype), dtype, device_);
 }
 
 PinnedBuffer PinnedBuffer::allocate(std::size_t bytes) {
