@@ -172,6 +172,20 @@ std::string run_peer(const DeviceSetState& set, int rank, const PeerCall& call, 
   }
 }
 
+// Scratch that only grows: `buffer` becomes at least `bytes` on `device`; the smaller one it replaces
+// joins `dropped` (for free_off_thread).
+void grow(DeviceBuffer& buffer, Device device, std::size_t bytes, std::vector<DeviceBuffer>& dropped) {
+  if (buffer.bytes() >= bytes) return;
+  if (buffer.bytes() > 0) dropped.push_back(std::move(buffer));
+  buffer = DeviceBuffer::allocate(device, bytes);
+}
+
+// Replaced scratch is freed on a thread of its own: freeing waits for the whole device (cudaFree), where
+// a gate of another rank's operation may wait for this thread's loop.
+void free_off_thread(std::vector<DeviceBuffer> dropped) {
+  if (!dropped.empty()) std::thread([gone = std::move(dropped)] {}).detach();
+}
+
 Task<void> await_all(std::vector<Future<void>> each, std::shared_ptr<std::string> failure) {
   co_await when_all(std::move(each));
   if (!failure->empty()) throw Error(Errc::device_failure, {.op = "DeviceSet::all_reduce"}, *failure);
@@ -343,15 +357,10 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
       std::lock_guard lock(set.mutex);
       for (std::size_t k = 0; k < n; ++k) {
         const auto slice = kernels::peer::share(count, static_cast<int>(k), static_cast<int>(n));
-        const std::size_t need = (slice.last - slice.first + 1) * esize;
-        if (set.peer_scratch[k].bytes() < need) {
-          dropped.push_back(std::move(set.peer_scratch[k]));
-          set.peer_scratch[k] = DeviceBuffer::allocate(set.devices[k], need);
-        }
+        grow(set.peer_scratch[k], set.devices[k], (slice.last - slice.first + 1) * esize, dropped);
         scratch[k] = set.peer_scratch[k].data();
       }
-      std::erase_if(dropped, [](const DeviceBuffer& b) { return b.bytes() == 0; });
-      if (!dropped.empty()) std::thread([gone = std::move(dropped)] {}).detach();
+      free_off_thread(std::move(dropped));
     }
     constexpr int lanes = 512;
     const std::size_t wanted = (count + lanes * 8 - 1) / (lanes * 8);
@@ -426,22 +435,13 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
   // once every entry has read every input, writes its output (which may be its input), through the
   // epilogue where there is one.
   {
-    // The smaller buffers they replace are freed on a thread of their own: freeing waits for the whole
-    // device (cudaFree), where a gate of another rank's operation may wait for this thread's loop.
     std::vector<DeviceBuffer> dropped;
     std::lock_guard lock(set.mutex);
     for (std::size_t i = 0; i < n; ++i) {
-      if (set.sums[i].bytes() < bytes) {
-        dropped.push_back(std::move(set.sums[i]));
-        set.sums[i] = DeviceBuffer::allocate(set.devices[i], bytes);
-      }
-      if (n > 1 && set.addends[i].bytes() < bytes) {
-        dropped.push_back(std::move(set.addends[i]));
-        set.addends[i] = DeviceBuffer::allocate(set.devices[i], bytes);
-      }
+      grow(set.sums[i], set.devices[i], bytes, dropped);
+      if (n > 1) grow(set.addends[i], set.devices[i], bytes, dropped);
     }
-    std::erase_if(dropped, [](const DeviceBuffer& b) { return b.bytes() == 0; });
-    if (!dropped.empty()) std::thread([gone = std::move(dropped)] {}).detach();
+    free_off_thread(std::move(dropped));
   }
   const ReduceOp combine = op == ReduceOp::avg ? ReduceOp::sum : op;
   std::vector<std::uint64_t> summed(n);
