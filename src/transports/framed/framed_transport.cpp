@@ -877,7 +877,20 @@ void FramedTransport::on_frame(Connection& c, bool discard) {
       cancel_locally(h.context, h.seq, reason);
       return;
     }
-    if (!contexts_.at(h.context).fail(code_of(Errc::aborted), c.peer, fmt::format("rank {} aborted: {}", c.peer, reason))) return;
+    // A relayed abort names the rank it came from (tag: that rank + 1); one that names nobody valid is
+    // the sender's own.
+    const int world = static_cast<int>(connections_.size());
+    const bool relayed = h.tag != 0 && h.tag <= static_cast<std::uint64_t>(world) && static_cast<int>(h.tag - 1) != rank_ &&
+                         static_cast<int>(h.tag - 1) != c.peer;
+    const int origin = relayed ? static_cast<int>(h.tag - 1) : c.peer;
+    const std::string what = relayed ? fmt::format("rank {} aborted: {} (relayed by rank {})", origin, reason, c.peer)
+                                     : fmt::format("rank {} aborted: {}", origin, reason);
+    auto& state = contexts_.at(h.context);
+    if (!state.fail(code_of(Errc::aborted), origin, what)) return;
+    // Passed on once (a context fails once), to every member but the sender and the origin: a member
+    // whose connection to the origin is slow or cut (the origin left right after its abort) learns the
+    // cause from this rank before it could see this rank leave, since the abort precedes the goodbye.
+    send_abort(h.context, state.members, reason, origin, c.peer);
     std::vector<TransportOp*> ops;
     collect_context_ops(h.context, ops);
     complete_all(ops, h.context);
@@ -1060,14 +1073,16 @@ void FramedTransport::send_control(Connection& c, const wire::Header& h, std::st
   if (!c.writing) start_write(c);
 }
 
-void FramedTransport::send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason) {
+void FramedTransport::send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason, int origin,
+                                 int skip) {
   wire::Header h;
   h.kind = wire::FrameKind::abort;
   h.context = context;
+  h.tag = origin < 0 ? 0 : static_cast<std::uint64_t>(origin) + 1;
   std::string payload = reason.substr(0, wire::max_control_payload);
   h.bytes = payload.size();
   for (int m : members) {
-    if (m == rank_) continue;
+    if (m == rank_ || m == skip || m == origin) continue;
     auto& c = connections_[static_cast<std::size_t>(m)];
     if (!c || !c->alive) continue;
     send_control(*c, h, payload);

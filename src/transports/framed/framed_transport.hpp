@@ -206,7 +206,10 @@ class FramedTransport final : public Transport, private StreamEvents {
   void fail_connection(Connection& c, const std::string& reason);
   void peer_departed(Connection& c);
   void close_connection(Connection& c, std::vector<TransportOp*>& ops);
-  void send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason);
+  /// Tells every member of `context` but this rank (and `skip`) that it failed. `origin`: the rank whose
+  /// failure it is, where this rank relays another's abort (-1: this rank's own).
+  void send_abort(std::uint32_t context, const std::vector<int>& members, const std::string& reason, int origin = -1,
+                  int skip = -1);
   void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
   void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
   bool context_usable(std::uint32_t context, TransportOp& op);
