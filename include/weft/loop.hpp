@@ -105,6 +105,30 @@ class Loop {
   void operation_started() noexcept;
   void operation_finished() noexcept;
 
+  /// Held by work that the loop's own tasks must finish before the loop may end: device staging that goes
+  /// back to its pool once the device's copies ran (a group's memory, whose group is gone already). An
+  /// owned loop's destructor keeps its progress thread running until every Linger taken from it is
+  /// released, up to 30 s (then it logs how many it left: their frames stay, never resumed). A borrowed
+  /// io_context runs on its owner's turns, so there the destructor does not wait. Thread-safe; a Linger
+  /// may outlive its loop.
+  class Linger {
+   public:
+    Linger() = default;
+    Linger(Linger&&) noexcept = default;
+    Linger& operator=(Linger&& other) noexcept;
+    Linger(const Linger&) = delete;
+    Linger& operator=(const Linger&) = delete;
+    ~Linger();
+
+    struct Count;
+
+   private:
+    friend class Loop;
+    explicit Linger(std::shared_ptr<Count> count) noexcept : count_(std::move(count)) {}
+    std::shared_ptr<Count> count_;
+  };
+  Linger linger();
+
   /// Runs `fn` on the loop's thread, later. Thread-safe.
   void post(std::function<void()> fn);
 

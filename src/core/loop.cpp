@@ -178,6 +178,7 @@ struct Loop::Impl {
   std::shared_ptr<Registry> registry = std::make_shared<Registry>();
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<int> in_flight{0};
+  std::shared_ptr<Linger::Count> lingering = std::make_shared<Linger::Count>();
 
   using Clock = std::chrono::steady_clock;
 
@@ -483,7 +484,42 @@ Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()) {
   register_loop(this);
 }
 
+struct Loop::Linger::Count {
+  std::mutex mutex;
+  std::condition_variable released;
+  int held = 0;  // guarded by mutex
+};
+
+Loop::Linger::~Linger() {
+  if (!count_) return;
+  std::lock_guard lock(count_->mutex);
+  if (--count_->held == 0) count_->released.notify_all();
+}
+
+Loop::Linger& Loop::Linger::operator=(Linger&& other) noexcept {
+  if (this != &other) {
+    Linger dropped(std::move(*this));
+    count_ = std::move(other.count_);
+  }
+  return *this;
+}
+
+Loop::Linger Loop::linger() {
+  std::lock_guard lock(impl_->lingering->mutex);
+  ++impl_->lingering->held;
+  return Linger(impl_->lingering);
+}
+
 Loop::~Loop() {
+  if (impl_->progress_thread.joinable()) {
+    // Work the loop's tasks finish (Linger): the progress thread runs them before it stops.
+    Linger::Count& count = *impl_->lingering;
+    std::unique_lock lock(count.mutex);
+    if (!count.released.wait_for(lock, std::chrono::seconds(30), [&] { return count.held == 0; })) {
+      log().warn("a loop ends with {} piece(s) of lingering work after 30 s (device work that never completed?); "
+                 "what they hold stays allocated", count.held);
+    }
+  }
   unregister_loop(this);
   if (impl_->progress_thread.joinable()) {
     {

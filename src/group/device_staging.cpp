@@ -179,7 +179,9 @@ struct Leases {
 // where queueing failed half way, those copies themselves, since the failed stream may give no fence).
 // The copies run on the device whatever happened to the operation on the host (cancelled, failed), so
 // the memory goes back to the pool only after them.
-Task<void> keep_until(std::vector<Future<void>> done, std::shared_ptr<Leases> leases) {
+// The loop lingers until then (Loop::Linger): a group that failed is often dropped, and its loop with
+// it, while its copies still run; the memory then goes back, and the frame is not left suspended.
+Task<void> keep_until(std::vector<Future<void>> done, std::shared_ptr<Leases> leases, Loop::Linger) {
   for (Future<void>& step : done) {
     try {
       co_await std::move(step);
@@ -216,7 +218,7 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
       if (!last) return;
       std::vector<Future<void>> done;
       done.push_back(last->done());
-      (void)spawn(loop, keep_until(std::move(done), std::move(leases)));
+      (void)spawn(loop, keep_until(std::move(done), std::move(leases), loop.linger()));
     }
   } on_exit{*g->loop, gate, std::move(leases), std::move(last), own};
   if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
@@ -416,7 +418,7 @@ Task<void> pipelined_task(std::shared_ptr<GroupState> g, const char* op, std::ui
         }
         staging->give_back(std::move(back));
       }
-      (void)spawn(loop, keep_until(std::move(done), std::move(leases)));
+      (void)spawn(loop, keep_until(std::move(done), std::move(leases), loop.linger()));
     }
   } on_exit{*g->loop, gate, std::move(leases), std::move(last_in), std::move(back), std::move(staging)};
   std::exception_ptr error;
@@ -534,7 +536,7 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
       }
       last_in = on.record();
     } catch (...) {
-      (void)spawn(*g.loop, keep_until(pieces->still_copying(), std::move(leases)));
+      (void)spawn(*g.loop, keep_until(pieces->still_copying(), std::move(leases), g.loop->linger()));
       if (back) staging.give_back(std::move(back));
       throw;
     }
@@ -568,7 +570,7 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
     std::vector<Future<void>> queued;
     if (copied_in) queued.push_back(std::move(*copied_in));
     if (copied_out) queued.push_back(std::move(*copied_out));
-    (void)spawn(*g.loop, keep_until(std::move(queued), std::move(leases)));
+    (void)spawn(*g.loop, keep_until(std::move(queued), std::move(leases), g.loop->linger()));
     throw;
   }
   CopyBack back;
