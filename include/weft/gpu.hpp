@@ -57,6 +57,7 @@ namespace detail {
 class StreamImpl;
 struct GateOwner;
 struct DeviceSetState;
+class PeerWindow;
 }
 
 namespace detail {
@@ -239,6 +240,7 @@ class Fence {
  private:
   friend class Stream;
   friend class DeviceSet;
+  friend class detail::PeerWindow;
   Fence(std::shared_ptr<detail::StreamImpl> stream, std::uint64_t seq) : stream_(std::move(stream)), seq_(seq) {}
   std::shared_ptr<detail::StreamImpl> stream_;
   std::uint64_t seq_ = 0;

@@ -19,6 +19,7 @@
 #include "devices/backend.hpp"
 #include "devices/checks.hpp"
 #include "devices/peer_launch.hpp"
+#include "devices/sim_peer.hpp"
 #include "core/log.hpp"
 #include "kernels/cpu/epilogue.hpp"
 #include "kernels/cpu/reduce.hpp"
@@ -62,115 +63,6 @@ using detail::check_device;
 using detail::check_view;
 using detail::DeviceSetState;
 using detail::StreamImpl;
-
-// The sim's workers wait for their peers' as long as a device would: a peer may be held by work queued
-// before it (a gate the host opens late); only a lost one is a bug, and that fails after 10 minutes
-// (WEFT_SIM_PEER_SPIN_MS: another bound, for the tests of a peer that never comes).
-struct SimSpinBound {
-  static std::chrono::milliseconds limit() {
-    static const std::chrono::milliseconds bound = [] {
-      const char* text = std::getenv("WEFT_SIM_PEER_SPIN_MS");
-      const long ms = text ? std::atol(text) : 0;
-      return std::chrono::milliseconds(ms > 0 ? ms : 600000);
-    }();
-    return bound;
-  }
-};
-using SimAtomics = kernels::peer::HostAtomics<SimSpinBound>;
-
-// One element of `size` bytes, for the peer algorithms over any dtype (the CPU kernels do the arithmetic).
-template <std::size_t N>
-struct Element {
-  std::byte bytes[N];
-};
-
-// What one entry's peer work needs to know of the call.
-struct PeerCall {
-  std::vector<const void*> inputs;  // every entry's (device addresses)
-  void* output = nullptr;           // this entry's
-  std::size_t count = 0;
-  DType dtype = DType::f32;
-  ReduceOp op = ReduceOp::sum;
-  Epilogue epilogue;
-  DType out_dtype = DType::f32;
-  bool two_stage = false;
-};
-
-// Runs entry `rank`'s part of the peer all_reduce as the sim's device work: a thread per block, the same
-// code as the GPU's (kernels/peer). N: the reduced element's size, M: the stored one's. Returns "" or why
-// it gave up.
-template <std::size_t N, std::size_t M>
-std::string run_peer_blocks(const DeviceSetState& set, int rank, const PeerCall& call, const std::vector<std::byte*>& scratch) {
-  using E = Element<N>;
-  using O = Element<M>;
-  kernels::peer::Devices devices;
-  devices.rank = rank;
-  devices.n = static_cast<int>(set.devices.size());
-  for (int k = 0; k < devices.n; ++k) devices.signals[k] = set.signals[static_cast<std::size_t>(k)].get();
-  std::vector<const E*> in(call.inputs.size());
-  for (std::size_t k = 0; k < in.size(); ++k) in[k] = static_cast<const E*>(detail::backend().worker_address(call.inputs[k]));
-  O* out = static_cast<O*>(detail::backend().worker_address(call.output));
-  std::vector<E*> tmp(scratch.size());
-  for (std::size_t k = 0; k < scratch.size(); ++k) tmp[k] = reinterpret_cast<E*>(scratch[k]);
-  const kernels::ReduceFn fn = kernels::find_reduce(call.dtype, call.op == ReduceOp::avg ? ReduceOp::sum : call.op);
-  const int divisor = call.op == ReduceOp::avg ? devices.n : 1;
-  auto combine = [fn](E a, const E& b) {
-    fn(&a, &a, &b, 1);
-    return a;
-  };
-  const EpilogueFunctions* custom = call.epilogue.functions();
-  std::atomic<bool> threw{false};  // a user's function that throws: the element stores zeros, the call fails
-  auto epilogue = [&call, custom, divisor, &threw](E v, std::size_t i) {
-    if (divisor > 1) kernels::divide_in_place(&v, 1, call.dtype, divisor);
-    O o{};
-    if (!custom) {
-      kernels::apply_epilogue(&v, call.dtype, &o, call.out_dtype, 1, call.epilogue.factor());
-      return o;
-    }
-    try {
-      custom->host(custom->functor.get(), &v, &o, i, 1);
-    } catch (...) {
-      threw = true;  // the protocol goes on (the peers wait at its barriers): only the values are lost
-      o = O{};
-    }
-    return o;
-  };
-  constexpr int blocks = 2;
-  std::atomic<bool> ok{true};
-  auto block = [&](int b) {
-    namespace peer = kernels::peer;
-    const bool done = call.two_stage
-                          ? peer::two_stage<SimAtomics, E, O>(devices, b, blocks, 0, 1, in.data(), out, tmp.data(), call.count, combine, epilogue)
-                          : peer::one_stage<SimAtomics, E, O>(devices, b, blocks, 0, 1, in.data(), out, call.count, combine, epilogue);
-    if (!done) ok = false;
-  };
-  std::thread second([&] { block(1); });
-  block(0);
-  second.join();
-  const int device = set.devices[static_cast<std::size_t>(rank)].index;
-  if (!ok) return fmt::format("device {}: a peer barrier gave up (a peer's work never came)", device);
-  if (threw) return fmt::format("device {}: the epilogue {} threw", device, call.epilogue.describe());
-  return {};
-}
-
-template <std::size_t N>
-std::string run_peer_blocks_to(const DeviceSetState& set, int rank, const PeerCall& call, const std::vector<std::byte*>& scratch) {
-  switch (dtype_size(call.out_dtype)) {
-    case 1: return run_peer_blocks<N, 1>(set, rank, call, scratch);
-    case 2: return run_peer_blocks<N, 2>(set, rank, call, scratch);
-    case 4: return run_peer_blocks<N, 4>(set, rank, call, scratch);
-    default: return run_peer_blocks<N, 8>(set, rank, call, scratch);
-  }
-}
-
-std::string run_peer(const DeviceSetState& set, int rank, const PeerCall& call, const std::vector<std::byte*>& scratch) {
-  switch (dtype_size(call.dtype)) {
-    case 1: return run_peer_blocks_to<1>(set, rank, call, scratch);
-    case 2: return run_peer_blocks_to<2>(set, rank, call, scratch);
-    case 4: return run_peer_blocks_to<4>(set, rank, call, scratch);
-    default: return run_peer_blocks_to<8>(set, rank, call, scratch);
-  }
-}
 
 // Scratch that only grows: `buffer` becomes at least `bytes` on `device`; the smaller one it replaces
 // joins `dropped` (for free_off_thread).
@@ -397,18 +289,22 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
     return spawn(*set.loop, await_all(std::move(each), failure));
   }
   if (set.peer_to_peer && !set.kernels_on_device) {
-    auto call = std::make_shared<PeerCall>();
-    call->inputs.resize(n);
-    for (std::size_t k = 0; k < n; ++k) call->inputs[k] = inputs[k].data;
-    call->count = count;
-    call->dtype = dtype;
-    call->op = op;
-    call->epilogue = epilogue;
-    call->out_dtype = out_dtype;
-    call->two_stage = two_stage;
+    detail::SimPeerCall call;
+    call.devices.n = static_cast<int>(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      call.devices.signals[k] = set.signals[k].get();
+      call.inputs.push_back(detail::backend().worker_address(inputs[k].data));
+    }
+    call.count = count;
+    call.dtype = dtype;
+    call.op = op;
+    call.divisor = op == ReduceOp::avg ? static_cast<int>(n) : 1;
+    call.epilogue = epilogue;
+    call.out_dtype = out_dtype;
+    call.two_stage = two_stage;
     // Two-stage: every entry's slice of the sum, shared by this call's bodies (host memory on the sim).
     auto scratch = std::make_shared<std::vector<std::vector<std::byte>>>(n);
-    if (call->two_stage) {
+    if (two_stage) {
       for (std::size_t k = 0; k < n; ++k) {
         const auto slice = kernels::peer::share(count, static_cast<int>(k), static_cast<int>(n));
         (*scratch)[k].resize((slice.last - slice.first + 1) * esize);
@@ -416,12 +312,13 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
     }
     for (std::size_t i = 0; i < n; ++i) {
       wait_for_others(i, before);
-      auto body = [state = state_, i, call, out = outputs[i].data, failure, scratch] {
-        std::vector<std::byte*> tmp(scratch->size());
-        for (std::size_t k = 0; k < tmp.size(); ++k) tmp[k] = (*scratch)[k].data();
-        PeerCall mine = *call;
-        mine.output = out;
-        const std::string why = run_peer(*state, static_cast<int>(i), mine, tmp);
+      detail::SimPeerCall mine = call;
+      mine.devices.rank = static_cast<int>(i);
+      mine.output = detail::backend().worker_address(outputs[i].data);
+      mine.device = set.devices[i].index;
+      auto body = [state = state_, mine = std::move(mine), failure, scratch]() mutable {
+        for (auto& slice : *scratch) mine.scratch.push_back(slice.data());
+        const std::string why = detail::run_peer_on_sim(mine);
         if (!why.empty()) {
           std::lock_guard lock(state->mutex);
           if (failure->empty()) *failure = why;

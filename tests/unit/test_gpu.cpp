@@ -6,6 +6,7 @@
 // own (a failed device stays failed).
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <weft/gpu.hpp>
 #include <weft/weft.hpp>
 
+#include "devices/peer_window.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "support/check_data.hpp"
 #include "support/gpu_backend.hpp"
@@ -952,4 +954,123 @@ TEST_CASE("ipc: another process opens device memory, reads it and writes it", "[
       CHECK((e.errc() == Errc::invalid_argument || e.errc() == Errc::device_failure));
     }
   }
+}
+
+// ---- The peer all_reduce over windows of several processes (issue 17, part 4) ----
+// Ranks as threads, each with a Loop and a window of its own, opened in each other through IpcHandles as
+// processes would (the sim opens /proc/<pid>/fd/<n>: the same path for this process).
+
+TEST_CASE("device windows: every rank's device reads every window, outputs equal the reference bitwise", "[gpu][windows]") {
+  need_backend();
+  if (gpu::backend() != gpu::Backend::sim) {
+    SUCCEED("the peer kernels over windows run on the sim only until they ran on a GPU");
+    return;
+  }
+  for (int n : {1, 2, 3, 4}) {
+    std::vector<gpu::IpcHandle> handles(static_cast<std::size_t>(n));
+    std::barrier meet(n);
+    std::vector<std::string> failures(static_cast<std::size_t>(n));
+    struct Case {
+      DType dtype;
+      ReduceOp op;
+      std::size_t count;
+      bool in_place;
+    };
+    const std::vector<Case> cases{{DType::f32, ReduceOp::sum, 1, false},   {DType::i32, ReduceOp::max, 1001, true},
+                                  {DType::f64, ReduceOp::avg, 4097, false}, {DType::bf16, ReduceOp::sum, 333, true},
+                                  {DType::u8, ReduceOp::bitwise_xor, 17, false}, {DType::f32, ReduceOp::prod, 0, false},
+                                  {DType::f32, ReduceOp::sum, 65536, true}};
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < n; ++r) {
+      ranks.emplace_back([&, r] {
+        std::string& failure = failures[static_cast<std::size_t>(r)];
+        try {
+          Loop loop;
+          const Device d = gpu::device(r % gpu::device_count());
+          gpu::Stream s(loop, d);
+          {
+            gpu::detail::PeerWindow window(loop, d, std::size_t{256} << 10);
+            handles[static_cast<std::size_t>(r)] = window.handle();
+            meet.arrive_and_wait();
+            window.connect(r, handles);
+            for (const Case& c : cases) {
+              {
+                const std::size_t bytes = c.count * dtype_size(c.dtype);
+                std::vector<std::vector<std::byte>> inputs;
+                for (int k = 0; k < n; ++k) inputs.push_back(reference::make_input(c.dtype, c.op, k, c.count, 3));
+                const std::vector<std::byte> want = set_reference(c.dtype, c.op, inputs, c.count);
+                gpu::DeviceBuffer in = gpu::DeviceBuffer::allocate(d, std::max<std::size_t>(bytes, 1));
+                gpu::DeviceBuffer out = gpu::DeviceBuffer::allocate(d, std::max<std::size_t>(bytes, 1));
+                const BufferView input(in.data(), c.count, c.dtype, d);
+                const BufferView result((c.in_place ? in : out).data(), c.count, c.dtype, d);
+                if (bytes > 0) s.copy(BufferView(in.data(), bytes, DType::u8, d), bytes_of(inputs[static_cast<std::size_t>(r)])).get();
+                window.queue(s.record(), input, result, c.op).done().get();
+                if (const std::string why = window.take_failure(); !why.empty()) throw std::runtime_error(why);
+                std::vector<std::byte> got(bytes);
+                if (bytes > 0) s.copy(BufferView(got.data(), bytes, DType::u8), ConstBufferView(result.data, bytes, DType::u8, d)).get();
+                if (got != want) {
+                  failure = fmt::format("{} {} x {}{}: the output differs from the reference", to_string(c.dtype), to_string(c.op), c.count,
+                                        c.in_place ? " in place" : "");
+                }
+              }
+              // Device memory is freed between two meetings: a free waits for the whole device, where a peer
+              // on the same device may already run its next call's instance, which waits for this rank.
+              meet.arrive_and_wait();
+            }
+          }
+          meet.arrive_and_wait();
+        } catch (const std::exception& e) {
+          failure = e.what();
+          meet.arrive_and_drop();  // the others' meetings go on without this rank
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+    for (int r = 0; r < n; ++r) {
+      INFO(n << " ranks, rank " << r);
+      CHECK(failures[static_cast<std::size_t>(r)].empty());
+      if (!failures[static_cast<std::size_t>(r)].empty()) WARN(failures[static_cast<std::size_t>(r)]);
+    }
+  }
+}
+
+TEST_CASE("device windows: a rank whose peer never comes gives up when aborted, and the call says so", "[gpu][windows]") {
+  need_backend();
+  if (gpu::backend() != gpu::Backend::sim) {
+    SUCCEED("the peer kernels over windows run on the sim only until they ran on a GPU");
+    return;
+  }
+  Loop loop;
+  const Device d = gpu::device(0);
+  gpu::detail::PeerWindow mine(loop, d, 4096);
+  gpu::detail::PeerWindow absent(loop, d, 4096);  // a peer whose host never queues its part
+  const std::vector<gpu::IpcHandle> handles{mine.handle(), absent.handle()};
+  mine.connect(0, handles);
+  gpu::Stream s(loop, d);
+  gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(d, 64 * sizeof(float));
+  Future<void> done = mine.queue(s.record(), data.view<float>(), data.view<float>(), ReduceOp::sum).done();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!done.ready());  // waiting at the start barrier for the absent peer
+  mine.abort();
+  done.get();
+  const std::string why = mine.take_failure();
+  INFO(why);
+  CHECK(why.find("abandoned") != std::string::npos);
+  CHECK(mine.take_failure().empty());  // read once
+}
+
+TEST_CASE("device windows: a call the window cannot take is refused at once", "[gpu][windows]") {
+  need_backend();
+  Loop loop;
+  const Device d = gpu::device(0);
+  gpu::detail::PeerWindow window(loop, d, 1024);
+  gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(d, 4096);
+  expect_error(Errc::invalid_argument, "not connected", [&] { (void)window.queue({}, data.view<float>(), data.view<float>(), ReduceOp::sum); });
+  window.connect(0, {window.handle()});
+  expect_error(Errc::invalid_argument, "at most its size", [&] { (void)window.queue({}, data.view<float>(), data.view<float>(), ReduceOp::sum); });
+  const BufferView small(data.data(), 16, DType::f32, d);
+  expect_error(Errc::invalid_argument, "the same count and dtype",
+               [&] { (void)window.queue({}, small, BufferView(data.data(), 16, DType::i32, d), ReduceOp::sum); });
+  window.queue({}, small, small, ReduceOp::sum).done().get();  // one rank: the sum is the input
+  CHECK(window.take_failure().empty());
 }

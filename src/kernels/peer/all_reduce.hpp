@@ -62,6 +62,10 @@ struct Devices {
   int rank = 0;  // this device's place in the set
   int n = 1;     // devices in the set (1 <= n <= max_devices)
   Signal* signals[max_devices] = {};  // every device's, signals[rank] its own
+  /// Where the host says give up (non-zero), looked at every 256th spin of a barrier's wait; null: never.
+  /// The devices of several processes (ImportedBuffer windows) wait for peers that a failed process's
+  /// host will never launch: its group's failure sets this word, so the spin ends and the call fails.
+  const std::uint32_t* abort = nullptr;
 };
 
 /// Block b's share of `count` elements split over `blocks`: [first, last).
@@ -81,9 +85,11 @@ struct Barrier {
     Atomics::store_release(&arrays[block][rank], flag);
   }
   /// Waits until device `peer`'s block arrived; false if the spin was given up.
-  WEFT_PEER_FN static bool wait(const std::uint32_t (*arrays)[max_devices], int block, int peer, std::uint32_t flag) {
+  WEFT_PEER_FN static bool wait(const std::uint32_t (*arrays)[max_devices], int block, int peer, std::uint32_t flag,
+                                const std::uint32_t* abort = nullptr) {
     for (std::uint64_t spins = 0; Atomics::load_acquire(&arrays[block][peer]) != flag; ++spins) {
       if (!Atomics::pause(spins)) return false;
+      if (abort && (spins & 255) == 255 && Atomics::load_acquire(abort) != 0) return false;
     }
     return true;
   }
@@ -106,7 +112,7 @@ struct Barrier {
     for (int i = lane; i < d.n; i += lanes) arrive(at_start ? d.signals[i]->start : d.signals[i]->end, block, d.rank, flag);
     const Signal& self = *d.signals[d.rank];
     bool ok = true;
-    for (int i = lane; ok && i < d.n; i += lanes) ok = wait(at_start ? self.start : self.end, block, i, flag);
+    for (int i = lane; ok && i < d.n; i += lanes) ok = wait(at_start ? self.start : self.end, block, i, flag, d.abort);
     return Atomics::sync_block_all(ok);  // every lane meets, and learns whether one gave up
   }
 };
