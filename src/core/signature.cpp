@@ -11,7 +11,8 @@ namespace {
 // Kind codes are part of the wire protocol: the Collective's value + 1 (its order is append-only).
 // 0: not a collective (unchecked).
 constexpr std::uint32_t plan_kind = 31;  // a user's plan (Group::run_plan), whatever its name
-static_assert(all_collectives.size() < plan_kind);
+constexpr std::uint32_t device_windows_kind = 30;  // all_reduce on device windows (one host's processes)
+static_assert(all_collectives.size() < device_windows_kind);
 
 constexpr std::uint32_t root_bits = 18;
 constexpr std::uint32_t no_root = 0;
@@ -32,6 +33,9 @@ OpSignature of(Collective collective, DType dtype, ReduceOp op, std::uint64_t co
 }
 
 OpSignature of_plan(DType dtype, ReduceOp op, std::uint64_t count) { return pack(plan_kind, true, dtype, op, count, -1); }
+OpSignature of_device_windows(DType dtype, ReduceOp op, std::uint64_t count) {
+  return pack(device_windows_kind, true, dtype, op, count, -1);
+}
 
 std::uint64_t counts_digest(std::span<const std::size_t> counts) noexcept {
   // FNV-1a over each count's 8 little-endian bytes, and the number of counts.
@@ -54,6 +58,7 @@ std::string describe(const OpSignature& s, std::uint64_t seq) {
   const std::uint32_t root = s.call & ((1u << root_bits) - 1);
   const std::string_view name = kind >= 1 && kind <= all_collectives.size() ? to_string(static_cast<Collective>(kind - 1))
                                 : kind == plan_kind                      ? "a plan"
+                                : kind == device_windows_kind            ? "all_reduce on device windows"
                                                                          : "an unknown collective";
   std::string detail = type >= 1 && type <= 13 ? std::string(to_string(static_cast<DType>(type - 1))) : fmt::format("type {}", type);
   // The variable-size collectives carry a digest of their per-rank counts (counts_digest), not a count.

@@ -22,6 +22,10 @@ namespace weft::signature {
 OpSignature of(Collective collective, DType dtype, ReduceOp op, std::uint64_t count, int root);
 /// The same for a user's plan (Group::run_plan, kind 31): dtype and op, whatever its name.
 OpSignature of_plan(DType dtype, ReduceOp op, std::uint64_t count);
+/// The same for an all_reduce that runs on device windows (kind 30: group/device_windows.cpp), so that a
+/// rank that calls all_reduce on host buffers while another runs it on device windows fails as a mismatch
+/// instead of waiting on the other.
+OpSignature of_device_windows(DType dtype, ReduceOp op, std::uint64_t count);
 
 /// What a variable-size collective signs instead of a count: a digest of the per-rank counts that every
 /// rank passes, so that a rank whose counts differ fails the operation (named by the peer that meets it).

@@ -46,8 +46,10 @@ PeerWindow::PeerWindow(Loop& loop, Device device, std::size_t capacity)
   std::memset(s.zeros.data(), 0, signal_bytes);
   s.words = PinnedBuffer::allocate(2 * sizeof(std::uint32_t));
   std::memset(s.words.data(), 0, s.words.bytes());
-  stream_->copy(s.mine.data(), s.zeros.data(), signal_bytes, CopyKind::host_to_device, -1, device.index);
+  zeroed_ = stream_->copy(s.mine.data(), s.zeros.data(), signal_bytes, CopyKind::host_to_device, -1, device.index);
 }
+
+Fence PeerWindow::ready() const { return Fence(stream_, zeroed_); }
 
 PeerWindow::~PeerWindow() {
   // Closing an import and freeing device memory both wait for the device's work.
@@ -89,6 +91,10 @@ std::string PeerWindow::take_failure() {
   const bool aborted = std::atomic_ref<std::uint32_t>(*shared_->abort_word()).load(std::memory_order_acquire) != 0;
   return aborted ? fmt::format("device {}: the peer all_reduce was abandoned (the group failed)", device_.index)
                  : fmt::format("device {}: a peer barrier gave up (a peer's work never came)", device_.index);
+}
+
+bool PeerWindow::aborted() const noexcept {
+  return std::atomic_ref<std::uint32_t>(*shared_->abort_word()).load(std::memory_order_acquire) != 0;
 }
 
 void PeerWindow::abort() noexcept {

@@ -37,6 +37,9 @@ class PeerWindow {
   PeerWindow(const PeerWindow&) = delete;
   PeerWindow& operator=(const PeerWindow&) = delete;
 
+  /// Reached once the window's signals are zeroed. Hand the handle to the peers only after it: a peer's
+  /// first call writes into this window's signals, and a zeroing that came after would erase it.
+  Fence ready() const;
   IpcHandle handle() const;
   std::size_t capacity() const noexcept { return capacity_; }
   Device device() const noexcept { return device_; }
@@ -58,6 +61,8 @@ class PeerWindow {
   /// Every instance of this rank's that waits at a barrier gives up, now and later (its group failed:
   /// its peers' instances may never come). Thread-safe.
   void abort() noexcept;
+  /// Whether abort() was called: the window's later calls give up at their first wait.
+  bool aborted() const noexcept;
 
  private:
   struct Shared;
@@ -65,6 +70,7 @@ class PeerWindow {
   std::shared_ptr<StreamImpl> stream_;
   Device device_;
   std::size_t capacity_ = 0;
+  std::uint64_t zeroed_ = 0;  // the window stream's item that zeroes the signals
   int rank_ = 0;
   int ranks_ = 0;
 };

@@ -16,6 +16,7 @@
 #include "core/signature.hpp"
 #include "group/checks.hpp"
 #include "group/device_staging.hpp"
+#include "group/device_windows.hpp"
 #include "group/shm_collectives.hpp"
 #include "group/staging.hpp"
 #include "group/state.hpp"
@@ -520,6 +521,7 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
   validate(g, call);
   // Chosen on the caller's thread, where override_algorithms changes the table.
   const algo::Algorithm& algorithm = *g.selection.choose(call.collective, selection_bytes(g, call), g.size, g.placement());
+  if (takes_device_windows(g, call)) return run_on_device_windows(state_, stream_, call, timeout_);
   if (on_device(call.in.device, call.in.bytes()) || on_device(call.out.device, call.out.bytes())) {
     const Rule& rule = rule_of(call.collective);
     const bool root_here = g.rank == call.root;

@@ -179,6 +179,7 @@ struct DeleteOnLoop {
 };
 
 struct DeviceStaging;  // device_staging.cpp
+struct DeviceWindows;  // device_windows.cpp
 
 struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- identity: written once before the group is handed out
@@ -249,6 +250,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- callers: device buffers (device_staging.cpp), made at the first device operation
   std::mutex device_staging_mutex;
   std::shared_ptr<DeviceStaging> device_staging;  // guarded by device_staging_mutex
+  std::shared_ptr<DeviceWindows> device_windows;  // guarded by device_staging_mutex: all_reduce on device windows
 
   ~GroupState() {
     if (!transport) return;

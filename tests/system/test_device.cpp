@@ -10,6 +10,7 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include <catch2/catch.hpp>
@@ -614,4 +615,43 @@ TEST_CASE("a multi-device all_reduce whose peer rank aborts fails naming it, and
     gpu::Stream(g.loop(), devices[0]).synchronize().get();
   });
   REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("all_reduce on device windows: a rank that passes host buffers fails every rank as a mismatch", "[device][windows]") {
+  need_backend();
+  const char* ipc = std::getenv("WEFT_DEVICE_IPC");
+  if (!ipc || std::string_view(ipc) != "1") {
+    SUCCEED("only where WEFT_DEVICE_IPC=1 (the device windows are opt-in)");
+    return;
+  }
+  std::vector<std::string> errors(2);
+  try {
+    run_ranks(2, [&](Group& g) {
+      gpu::Stream stream(g.loop(), device_of(g));
+      std::vector<float> host(1000, 1.0f);
+      gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), host.size() * sizeof(float));
+      try {
+        // Rank 0 on device buffers (the windows), rank 1 on host buffers (the host path).
+        if (g.rank() == 0) {
+          g.on(stream).all_reduce(data.view<float>()).get();
+        } else {
+          g.all_reduce(BufferView(host)).get();
+        }
+      } catch (const Error& e) {
+        errors[static_cast<std::size_t>(g.rank())] = fmt::format("{}|{}", static_cast<int>(e.errc()), e.what());
+      }
+      stream.synchronize().get();  // the gate opened: the stream goes on
+      g.barrier().get();
+    });
+  } catch (const RankFailure&) {
+    // the barrier after the failure fails too
+  }
+  for (int r = 0; r < 2; ++r) {
+    const std::string& e = errors[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << e);
+    CHECK(e.find("all_reduce on device windows") != std::string::npos);
+  }
+  // The rank that sees it first fails with mismatch; the other with mismatch or with its abort.
+  const std::string mismatch = fmt::format("{}|", static_cast<int>(Errc::mismatch));
+  CHECK((errors[0].rfind(mismatch, 0) == 0 || errors[1].rfind(mismatch, 0) == 0));
 }

@@ -990,6 +990,7 @@ TEST_CASE("device windows: every rank's device reads every window, outputs equal
           gpu::Stream s(loop, d);
           {
             gpu::detail::PeerWindow window(loop, d, std::size_t{256} << 10);
+            window.ready().done().get();  // zeroed before a peer can write into it
             handles[static_cast<std::size_t>(r)] = window.handle();
             meet.arrive_and_wait();
             window.connect(r, handles);
@@ -1044,6 +1045,8 @@ TEST_CASE("device windows: a rank whose peer never comes gives up when aborted, 
   const Device d = gpu::device(0);
   gpu::detail::PeerWindow mine(loop, d, 4096);
   gpu::detail::PeerWindow absent(loop, d, 4096);  // a peer whose host never queues its part
+  mine.ready().done().get();
+  absent.ready().done().get();
   const std::vector<gpu::IpcHandle> handles{mine.handle(), absent.handle()};
   mine.connect(0, handles);
   gpu::Stream s(loop, d);
