@@ -345,6 +345,11 @@ class SimBackend final : public Backend {
     return handle;
   }
   void* import_memory(int device, const std::vector<std::byte>& handle, std::size_t bytes) override {
+    // As a platform that refuses CUDA IPC (containers without the right capabilities, MIG slices): what
+    // the device windows' fallback is tested with.
+    if (const char* refuse = std::getenv("WEFT_SIM_IPC_REFUSE"); refuse && std::string_view(refuse) == "1") {
+      throw Error(Errc::device_failure, {.op = "import_memory"}, fmt::format("{}: IPC refused (WEFT_SIM_IPC_REFUSE=1)", device_name(device)));
+    }
     IpcWords words;
     if (handle.size() != sizeof words) {
       throw Error(Errc::invalid_argument, {.op = "import_memory"}, fmt::format("a handle of {} bytes is not the sim's", handle.size()));

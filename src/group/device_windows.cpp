@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -154,15 +155,22 @@ Task<void> open_windows(GroupState& g, DeviceWindows& w, std::uint64_t seq, OpSi
 // The fallback: the input through pinned memory, the host all_reduce, back.
 Task<void> through_host(GroupState& g, std::uint64_t seq, OpSignature signature, ConstBufferView in, BufferView out, ReduceOp op,
                         std::optional<gpu::Fence> before) {
+  // Freed on a thread of its own: freeing pinned memory waits for the whole device, where the caller's
+  // stream waits at this call's gate until this task ends.
+  struct FreedOffThread {
+    gpu::PinnedBuffer buffer;
+    ~FreedOffThread() {
+      if (buffer.data()) std::thread([gone = std::move(buffer)] {}).detach();
+    }
+  } host;
   gpu::Stream& own = own_stream(g, in.device);
-  gpu::PinnedBuffer host;
   try {
     if (before) own.wait(*before);
-    host = gpu::PinnedBuffer::allocate(in.bytes());
+    host.buffer = gpu::PinnedBuffer::allocate(in.bytes());
   } catch (const Error& e) {
     fail_for_device(g, seq, e);
   }
-  const BufferView staged(host.data(), in.count, in.dtype);
+  const BufferView staged(host.buffer.data(), in.count, in.dtype);
   co_await device_step(g, seq, own.copy(staged, in));
   const algo::Plan plan = algo::ring_all_reduce(g.size, g.rank, in.count);
   co_await g.run_signed(plan, seq, op_name, signature, algo::PlanBuffers{staged.bytes_ptr(), staged.bytes_ptr(), in.dtype, op},
