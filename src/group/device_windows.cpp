@@ -225,7 +225,9 @@ void watch_peers(std::shared_ptr<GroupState> g, std::shared_ptr<DeviceWindows> w
 
 Task<void> windows_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
                         std::optional<gpu::Fence> before, std::optional<gpu::Gate> gate, std::shared_ptr<Turn> previous,
-                        std::shared_ptr<Turn> mine) {
+                        std::shared_ptr<Turn> mine, Loop::Linger) {
+  // (The Linger: a Loop dropped while this rank's kernel waits keeps running until the call ends, so that
+  // the watcher can still abort the kernel where the group failed, instead of leaving it spinning.)
   // On every way out: the caller's stream goes on, and the next call's turn comes.
   struct OnExit {
     Loop& loop;
@@ -316,7 +318,7 @@ Future<void> run_on_device_windows(const std::shared_ptr<GroupState>& state, gpu
     previous = std::exchange(w.last_turn, mine);
   }
   return spawn(*g.loop, windows_task(state, seq, call.in, call.out, call.op, std::move(before), std::move(gate), std::move(previous),
-                                     std::move(mine)));
+                                     std::move(mine), g.loop->linger()));
 }
 
 }  // namespace weft::detail
