@@ -8,6 +8,12 @@
 //                             shrinks and runs 20 checked all_reduces on the survivors (tests/faults).
 //   worker soak N             N random collectives (every kind, sizes 0 to 64 Ki elements), each checked;
 //                             prints resident memory after the first 1000 and at the end.
+//   worker kill-windows VICTIM all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
+//                             one call every rank completes (the windows made and opened), then VICTIM
+//                             calls the next one behind a gate its stream never passes, so that every
+//                             other rank's kernel waits for its device at the barrier, and kills itself
+//                             (SIGKILL). The others must fail naming VICTIM, from the device wait ("on
+//                             device windows"), and not hang; each prints "rank R: failed at <epoch ms>".
 // WEFT_TEST_UNDUMPABLE=1 makes the rank's process non-dumpable (PR_SET_DUMPABLE 0) before it joins: a
 // peer without CAP_SYS_PTRACE cannot read its memory, even as the same user (the
 // single-copy fallback, tests/processes.sh single-copy).
@@ -29,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include <weft/gpu.hpp>
 #include <weft/weft.hpp>
 
 namespace {
@@ -232,6 +239,50 @@ int main(int argc, char** argv) {
       std::printf("rank %d: failed after %.1f ms: %s\n", group.rank(), ms, e.what());
       std::fflush(stdout);
       std::this_thread::sleep_for(500ms);  // survivors live on (as they would to shrink and continue)
+      return names ? 0 : 5;
+    }
+  }
+  if (mode == "kill-windows") {
+    namespace gpu = weft::gpu;
+    const int victim = argc > 2 ? std::atoi(argv[2]) : p - 1;
+    const std::size_t count = 4099;
+    const weft::Device device = gpu::device(group.rank() % gpu::device_count());
+    gpu::Stream stream(loop, device);
+    gpu::DeviceBuffer in = gpu::DeviceBuffer::allocate(device, count * sizeof(float));
+    gpu::DeviceBuffer out = gpu::DeviceBuffer::allocate(device, count * sizeof(float));
+    std::vector<float> host(count, static_cast<float>(group.rank() + 1));
+    try {
+      stream.copy(in.view<float>(), weft::ConstBufferView(host.data(), count, weft::DType::f32)).get();
+      group.all_reduce(in.view<float>(), out.view<float>()).get();
+      stream.copy(weft::BufferView(host.data(), count, weft::DType::f32), out.view<float>()).get();
+      const float want = static_cast<float>(p * (p + 1) / 2);
+      if (host[0] != want || host[count - 1] != want) {
+        std::printf("rank %d: the first all_reduce gave %g instead of %g\n", group.rank(), host[0], want);
+        return 6;
+      }
+      group.barrier().get();
+      if (group.rank() == victim) {
+        gpu::Gate never;  // this rank's instance of the next call never starts on its device
+        stream.wait(never);
+        weft::Future<void> f = group.on(stream).all_reduce(in.view<float>(), out.view<float>());
+        std::this_thread::sleep_for(500ms);  // the call's agreement done: the others' kernels wait for this device
+        std::printf("rank %d: killed at %lld\n", group.rank(), epoch_ms());
+        std::fflush(stdout);
+        raise(SIGKILL);
+      }
+      weft::Future<void> f = group.all_reduce(in.view<float>(), out.view<float>());
+      if (!f.wait_for(30s)) {
+        std::printf("rank %d: HUNG\n", group.rank());
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+      f.get();
+      std::printf("rank %d: no error after the victim died\n", group.rank());
+      return 4;
+    } catch (const weft::Error& e) {
+      const bool names = std::strstr(e.what(), ("rank " + std::to_string(victim)).c_str()) != nullptr;
+      std::printf("rank %d: failed at %lld: %s\n", group.rank(), epoch_ms(), e.what());
+      std::fflush(stdout);
       return names ? 0 : 5;
     }
   }

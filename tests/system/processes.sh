@@ -118,6 +118,41 @@ case $case_name in
     [ $victim -eq 137 ] || { echo "FAIL: the victim exited $victim, not by SIGKILL"; rc=1; }
     exit $rc
     ;;
+  kill-windows)
+    # all_reduce on device windows (simulated devices, WEFT_DEVICE_IPC=1): kill -9 of one rank of 3 while
+    # the others' kernels wait for its device at the barrier (its call agreed, its instance held behind a
+    # gate). Every survivor fails all_reduce #3 naming it within 2 s of the kill (the watcher looks every
+    # 2 ms; seen: 2-6 ms; 2 s for a loaded machine), and exits: its kernel gave up. (A watcher that does not
+    # abort the kernel leaves the survivors' Futures pending: they print HUNG after 30 s and fail here.)
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    port=$(free_port)
+    pids=()
+    for r in 0 1 2; do
+      WEFT_RANK=$r WEFT_WORLD_SIZE=3 WEFT_STORE=127.0.0.1:$port WEFT_GPU=sim WEFT_SIM_DEVICES=3 WEFT_DEVICE_IPC=1 \
+        timeout 90 "$worker" kill-windows 1 > "$tmp/$r.log" 2>&1 & pids+=($!)
+    done
+    rc=0
+    for r in 0 1 2; do
+      wait "${pids[$r]}"; code=$?
+      if [ $r -eq 1 ]; then
+        [ $code -eq 137 ] || { echo "FAIL: the victim exited $code, not by SIGKILL"; rc=1; }
+      else
+        [ $code -eq 0 ] || { echo "FAIL: rank $r exited $code"; rc=1; }
+      fi
+    done
+    cat "$tmp"/*.log
+    killed=$(sed -n 's/^rank 1: killed at \([0-9]*\).*/\1/p' "$tmp/1.log")
+    [ -n "$killed" ] || { echo "FAIL: the victim did not reach its kill"; exit 1; }
+    for r in 0 2; do
+      grep -q "^rank $r: failed at .*all_reduce #3: .*rank 1" "$tmp/$r.log" || { echo "FAIL: rank $r did not fail all_reduce #3 naming rank 1"; rc=1; }
+      failed=$(sed -n "s/^rank $r: failed at \([0-9]*\).*/\1/p" "$tmp/$r.log")
+      [ -n "$failed" ] || { echo "FAIL: rank $r did not fail"; rc=1; continue; }
+      echo "rank $r failed $((failed - killed)) ms after the kill"
+      [ $((failed - killed)) -le 2000 ] || { echo "FAIL: rank $r took $((failed - killed)) ms"; rc=1; }
+    done
+    exit $rc
+    ;;
   single-copy)
     # WEFT_SHM_CMA_BYTES: large writes go by single copy (the receiver reads the sender's memory with
     # process_vm_readv). Every collective and point to point, checked, with it on; then, as a user without
