@@ -52,6 +52,22 @@ if [ "$scope" = tsan ]; then
     echo "FAIL: test_device pipelined on the simulated device"
     rc=1
   fi
+  # all_reduce on device windows (WEFT_DEVICE_IPC=1): the ranks' instances of the peer kernel on the sim's
+  # workers read each other's windows while the loop's watcher may abort them; over tcp and shm, and a
+  # device failing under it.
+  for spec in "tcp|[collectives],[order],[cancel],[windows]" "shm|[collectives],[order],[windows]" "tcp|[device-failure]"; do
+    start=$SECONDS
+    fail_env=""
+    [ "${spec#*|}" = "[device-failure]" ] && fail_env="WEFT_SIM_FAIL=40"
+    if log=$(env $fail_env WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_SIM_DELAY_US=100 WEFT_DEVICE_IPC=1 WEFT_TRANSPORT=${spec%%|*} \
+             "$out/tests/test_device" "${spec#*|}" 2>&1); then
+      echo "ok: test_device ${spec#*|} on device windows over ${spec%%|*} ($((SECONDS - start)) s)"
+    else
+      echo "$log" | tail -60
+      echo "FAIL: test_device ${spec#*|} on device windows over ${spec%%|*}"
+      rc=1
+    fi
+  done
   # Single copy: the receiver reads the sender's memory while its send is lent.
   for t in "test_shm [stream]" "test_collectives [p2]" "test_errors [cancel]"; do
     start=$SECONDS

@@ -8,6 +8,10 @@
 //                             shrinks and runs 20 checked all_reduces on the survivors (tests/faults).
 //   worker soak N             N random collectives (every kind, sizes 0 to 64 Ki elements), each checked;
 //                             prints resident memory after the first 1000 and at the end.
+//   worker idle-latency N     N rounds, each after a barrier: rank 0 sleeps 10 ms outside weft, then sends
+//                             its CLOCK_MONOTONIC time; rank 1, blocked in recv().get() meanwhile, takes
+//                             the difference (the first message after idling, issue 15). Prints the
+//                             median, p90 and min in us.
 //   worker kill-windows VICTIM all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
 //                             one call every rank completes (the windows made and opened), then VICTIM
 //                             calls the next one behind a gate its stream never passes, so that every
@@ -23,6 +27,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -241,6 +246,29 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(500ms);  // survivors live on (as they would to shrink and continue)
       return names ? 0 : 5;
     }
+  }
+  if (mode == "idle-latency") {
+    const int rounds = argc > 2 ? std::atoi(argv[2]) : 40;
+    std::vector<double> us;
+    for (int i = 0; i < rounds; ++i) {
+      group.barrier().get();
+      std::int64_t sent = 0;
+      if (group.rank() == 0) {
+        std::this_thread::sleep_for(10ms);
+        sent = std::chrono::steady_clock::now().time_since_epoch().count();
+        group.send(weft::ConstBufferView(&sent, 1, weft::DType::i64), 1).get();
+      } else if (group.rank() == 1) {
+        group.recv(weft::BufferView(&sent, 1, weft::DType::i64), 0).get();
+        us.push_back((std::chrono::steady_clock::now().time_since_epoch().count() - sent) / 1000.0);
+      }
+    }
+    group.barrier().get();
+    if (group.rank() == 1 && !us.empty()) {
+      std::sort(us.begin(), us.end());
+      std::printf("idle-latency: %d rounds, median %.1f us, p90 %.1f us, min %.1f us\n", rounds, us[us.size() / 2],
+                  us[us.size() * 9 / 10], us.front());
+    }
+    return 0;
   }
   if (mode == "kill-windows") {
     namespace gpu = weft::gpu;
