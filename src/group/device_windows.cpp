@@ -260,6 +260,7 @@ Task<void> windows_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
     fail_for_device(*g, seq, e);
   }
   g->watch(seq, op_name);  // its deadline, as any collective's
+  g->device_windows_seq = seq;  // what its deadline report says it waits for
   auto watching = std::make_shared<bool>(true);
   watch_peers(g, w, seq, watching);
   std::optional<Error> failure;
@@ -269,6 +270,7 @@ Task<void> windows_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
     failure = e;
   }
   *watching = false;
+  g->device_windows_seq = 0;
   g->unwatch(seq);
   if (failure) fail_for_device(*g, seq, *failure);
   if (const std::string why = w->window->take_failure(); !why.empty()) {

@@ -242,6 +242,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   std::uint64_t p2p_ids = std::uint64_t{1} << 63;
   std::vector<std::uint64_t> reporting;  // operations whose progress query is out
   std::uint64_t arena_seq = 0;  // the operation in the arena now on the loop (0: none), for deadline reports
+  std::uint64_t device_windows_seq = 0;  // the all_reduce whose kernel runs on device windows now (0: none), likewise
   // ---- the holder of the arena's turn (either thread): the scripts' fold inputs (no allocation per call)
   std::vector<const std::byte*> arena_sources;
   // ---- callers and the loop

@@ -98,8 +98,10 @@ void GroupState::time_out(std::uint64_t seq, const char* op, std::chrono::millis
   }
   for (int peer : peers) names.push_back(std::to_string(group_rank(peer)));
   const std::string after = duration_text(timeout);
-  const std::string whom = names.empty() ? std::string("no peer (the operation had not reached the network)")
-                                         : fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "));
+  // A call on device windows waits in its kernel for the other ranks' devices; no message is missing.
+  const std::string whom = !names.empty()               ? fmt::format("rank{} {}", names.size() > 1 ? "s" : "", fmt::join(names, ", "))
+                           : device_windows_seq == seq ? std::string("the other ranks' devices (its kernel waits at the device windows' barrier)")
+                                                       : std::string("no peer (the operation had not reached the network)");
   const auto patience = std::clamp<std::chrono::milliseconds>(timeout / 4, std::chrono::milliseconds(50),
                                                               std::chrono::milliseconds(500));
   const std::string head = fmt::format("{} #{} passed its deadline ({}) on rank {}, still waiting for {}", op, seq, after, rank, whom);

@@ -12,12 +12,13 @@
 //                             its CLOCK_MONOTONIC time; rank 1, blocked in recv().get() meanwhile, takes
 //                             the difference (the first message after idling, issue 15). Prints the
 //                             median, p90 and min in us.
-//   worker kill-windows VICTIM all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
+//   worker kill-windows VICTIM [stop]
+//                             all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
 //                             one call every rank completes (the windows made and opened), then VICTIM
 //                             calls the next one behind a gate its stream never passes, so that every
 //                             other rank's kernel waits for its device at the barrier, and kills itself
-//                             (SIGKILL). The others must fail naming VICTIM, from the device wait ("on
-//                             device windows"), and not hang; each prints "rank R: failed at <epoch ms>".
+//                             (SIGKILL; with `stop`, stops itself: SIGSTOP). The others must fail naming
+//                             VICTIM and not hang; each prints "rank R: failed at <epoch ms>: <error>".
 // WEFT_TEST_UNDUMPABLE=1 makes the rank's process non-dumpable (PR_SET_DUMPABLE 0) before it joins: a
 // peer without CAP_SYS_PTRACE cannot read its memory, even as the same user (the
 // single-copy fallback, tests/processes.sh single-copy).
@@ -294,9 +295,10 @@ int main(int argc, char** argv) {
         stream.wait(never);
         weft::Future<void> f = group.on(stream).all_reduce(in.view<float>(), out.view<float>());
         std::this_thread::sleep_for(500ms);  // the call's agreement done: the others' kernels wait for this device
-        std::printf("rank %d: killed at %lld\n", group.rank(), epoch_ms());
+        const bool stop = argc > 3 && std::string(argv[3]) == "stop";
+        std::printf("rank %d: %s at %lld\n", group.rank(), stop ? "stopped" : "killed", epoch_ms());
         std::fflush(stdout);
-        raise(SIGKILL);
+        raise(stop ? SIGSTOP : SIGKILL);
       }
       weft::Future<void> f = group.all_reduce(in.view<float>(), out.view<float>());
       if (!f.wait_for(30s)) {

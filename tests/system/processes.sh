@@ -119,37 +119,50 @@ case $case_name in
     exit $rc
     ;;
   kill-windows)
-    # all_reduce on device windows (simulated devices, WEFT_DEVICE_IPC=1): kill -9 of one rank of 3 while
-    # the others' kernels wait for its device at the barrier (its call agreed, its instance held behind a
-    # gate). Every survivor fails all_reduce #3 naming it within 2 s of the kill (the watcher looks every
-    # 2 ms; seen: 2-6 ms; 2 s for a loaded machine), and exits: its kernel gave up. (A watcher that does not
-    # abort the kernel leaves the survivors' Futures pending: they print HUNG after 30 s and fail here.)
+    # all_reduce on device windows (simulated devices, WEFT_DEVICE_IPC=1), ranks as processes: rank 1 of 3
+    # agrees its call, holds its instance behind a gate its stream never passes, so that the others'
+    # kernels spin at the barrier for its device, and then
+    #  - kill: takes SIGKILL. Every survivor fails all_reduce #3 naming it within 2 s of the kill (the
+    #    watcher looks every 2 ms; seen: 1-10 ms; 2 s for a loaded machine), and exits: its kernel gave up.
+    #    (A watcher that does not abort the kernel leaves the survivors' Futures pending: they print HUNG
+    #    after 30 s and fail here.)
+    #  - stop: takes SIGSTOP (WEFT_TIMEOUT=2s). Every survivor fails with the deadline's report, which says
+    #    its kernel waited for the other ranks' devices and names rank 1 as not answering, within the
+    #    deadline + 1 s of the stop, and exits.
     tmp=$(mktemp -d)
-    trap 'rm -rf "$tmp"' EXIT
-    port=$(free_port)
-    pids=()
-    for r in 0 1 2; do
-      WEFT_RANK=$r WEFT_WORLD_SIZE=3 WEFT_STORE=127.0.0.1:$port WEFT_GPU=sim WEFT_SIM_DEVICES=3 WEFT_DEVICE_IPC=1 \
-        timeout 90 "$worker" kill-windows 1 > "$tmp/$r.log" 2>&1 & pids+=($!)
-    done
+    victim_pid=""
+    trap '[ -n "$victim_pid" ] && { kill -CONT "$victim_pid"; kill -9 "$victim_pid"; } 2>/dev/null; rm -rf "$tmp"' EXIT
     rc=0
-    for r in 0 1 2; do
-      wait "${pids[$r]}"; code=$?
-      if [ $r -eq 1 ]; then
-        [ $code -eq 137 ] || { echo "FAIL: the victim exited $code, not by SIGKILL"; rc=1; }
-      else
-        [ $code -eq 0 ] || { echo "FAIL: rank $r exited $code"; rc=1; }
-      fi
-    done
-    cat "$tmp"/*.log
-    killed=$(sed -n 's/^rank 1: killed at \([0-9]*\).*/\1/p' "$tmp/1.log")
-    [ -n "$killed" ] || { echo "FAIL: the victim did not reach its kill"; exit 1; }
-    for r in 0 2; do
-      grep -q "^rank $r: failed at .*all_reduce #3: .*rank 1" "$tmp/$r.log" || { echo "FAIL: rank $r did not fail all_reduce #3 naming rank 1"; rc=1; }
-      failed=$(sed -n "s/^rank $r: failed at \([0-9]*\).*/\1/p" "$tmp/$r.log")
-      [ -n "$failed" ] || { echo "FAIL: rank $r did not fail"; rc=1; continue; }
-      echo "rank $r failed $((failed - killed)) ms after the kill"
-      [ $((failed - killed)) -le 2000 ] || { echo "FAIL: rank $r took $((failed - killed)) ms"; rc=1; }
+    for how in kill stop; do
+      port=$(free_port)
+      pids=()
+      for r in 0 1 2; do
+        WEFT_RANK=$r WEFT_WORLD_SIZE=3 WEFT_STORE=127.0.0.1:$port WEFT_GPU=sim WEFT_SIM_DEVICES=3 WEFT_DEVICE_IPC=1 WEFT_TIMEOUT=2s \
+          timeout 90 "$worker" kill-windows 1 $how > "$tmp/$r.log" 2>&1 & pids+=($!)
+      done
+      victim_pid=${pids[1]}
+      for r in 0 2; do
+        wait "${pids[$r]}"; code=$?
+        [ $code -eq 0 ] || { echo "FAIL ($how): rank $r exited $code"; rc=1; }
+      done
+      if [ $how = stop ]; then kill -CONT "$victim_pid"; kill -9 "$victim_pid"; fi 2>/dev/null
+      wait "$victim_pid"; code=$?
+      victim_pid=""
+      [ $code -eq 137 ] || { echo "FAIL ($how): the victim exited $code, not by SIGKILL"; rc=1; }
+      cat "$tmp"/*.log
+      [ $how = kill ] && word=killed limit=2000 || word=stopped limit=3000
+      at=$(sed -n "s/^rank 1: $word at \([0-9]*\).*/\1/p" "$tmp/1.log")
+      [ -n "$at" ] || { echo "FAIL ($how): the victim did not get that far"; rc=1; continue; }
+      for r in 0 2; do
+        grep -q "^rank $r: failed at .*all_reduce #3: .*rank 1" "$tmp/$r.log" || { echo "FAIL ($how): rank $r did not fail all_reduce #3 naming rank 1"; rc=1; }
+        if [ $how = stop ]; then
+          grep -q "device windows' barrier" "$tmp/$r.log" || { echo "FAIL (stop): rank $r's report does not say its kernel waited"; rc=1; }
+        fi
+        failed=$(sed -n "s/^rank $r: failed at \([0-9]*\).*/\1/p" "$tmp/$r.log")
+        [ -n "$failed" ] || { echo "FAIL ($how): rank $r did not fail"; rc=1; continue; }
+        echo "$how: rank $r failed $((failed - at)) ms after the $how"
+        [ $((failed - at)) -le $limit ] || { echo "FAIL ($how): rank $r took $((failed - at)) ms"; rc=1; }
+      done
     done
     exit $rc
     ;;
