@@ -64,6 +64,16 @@ long resident_kb() {
 const char* const collectives[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                                    "gather",     "scatter",    "all_to_all",     "barrier"};
 
+// The survivors' wait in the kill tests: the Future's outcome, or "rank R: HUNG" and exit 3 after `limit`.
+void get_or_hang_up(const Group& group, weft::Future<void> f, std::chrono::seconds limit) {
+  if (!f.wait_for(limit)) {
+    std::printf("rank %d: HUNG\n", group.rank());
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+  f.get();
+}
+
 // When the latest collective was called (epoch ms): a failure's time is measured from it.
 long long called_at = 0;
 
@@ -229,13 +239,7 @@ int main(int argc, char** argv) {
         raise(SIGKILL);
       }
       for (int i = 0; i < 1000; ++i) {
-        weft::Future<void> f = group.all_reduce(v);
-        if (!f.wait_for(20s)) {
-          std::printf("rank %d: HUNG\n", group.rank());
-          std::fflush(stdout);
-          std::_Exit(3);
-        }
-        f.get();
+        get_or_hang_up(group, group.all_reduce(v), 20s);
       }
       std::printf("rank %d: no error after the victim died\n", group.rank());
       return 4;
@@ -300,13 +304,7 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
         raise(stop ? SIGSTOP : SIGKILL);
       }
-      weft::Future<void> f = group.all_reduce(in.view<float>(), out.view<float>());
-      if (!f.wait_for(30s)) {
-        std::printf("rank %d: HUNG\n", group.rank());
-        std::fflush(stdout);
-        std::_Exit(3);
-      }
-      f.get();
+      get_or_hang_up(group, group.all_reduce(in.view<float>(), out.view<float>()), 30s);
       std::printf("rank %d: no error after the victim died\n", group.rank());
       return 4;
     } catch (const weft::Error& e) {
