@@ -303,6 +303,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d: %s at %lld\n", group.rank(), stop ? "stopped" : "killed", epoch_ms());
         std::fflush(stdout);
         raise(stop ? SIGSTOP : SIGKILL);
+        return 0;  // continued after a stop by someone else: the victim's part ends here
       }
       get_or_hang_up(group, group.all_reduce(in.view<float>(), out.view<float>()), 30s);
       std::printf("rank %d: no error after the victim died\n", group.rank());

@@ -123,15 +123,17 @@ case $case_name in
     # agrees its call, holds its instance behind a gate its stream never passes, so that the others'
     # kernels spin at the barrier for its device, and then
     #  - kill: takes SIGKILL. Every survivor fails all_reduce #3 naming it within 2 s of the kill (the
-    #    watcher looks every 2 ms; seen: 1-10 ms; 2 s for a loaded machine), and exits: its kernel gave up.
+    #    watcher looks every 2 ms; seen: 1-10 ms idle, up to 250 ms with a build on both cores), and exits:
+    #    its kernel gave up.
     #    (A watcher that does not abort the kernel leaves the survivors' Futures pending: they print HUNG
     #    after 30 s and fail here.)
     #  - stop: takes SIGSTOP (WEFT_TIMEOUT=2s). Every survivor fails with the deadline's report, which says
-    #    its kernel waited for the other ranks' devices and names rank 1 as not answering, within the
-    #    deadline + 1 s of the stop, and exits.
+    #    its kernel waited for the other ranks' devices and names rank 1 as not answering, within 4 s of
+    #    the stop (the deadline runs from the call, ~0.5 s before it; seen 2.2-2.3 s idle, up to 2.6 s with
+    #    a build on both cores), and exits.
     tmp=$(mktemp -d)
     victim_pid=""
-    trap '[ -n "$victim_pid" ] && { kill -CONT "$victim_pid"; kill -9 "$victim_pid"; } 2>/dev/null; rm -rf "$tmp"' EXIT
+    trap '[ -n "$victim_pid" ] && kill -9 "$victim_pid" 2>/dev/null; rm -rf "$tmp"' EXIT
     rc=0
     for how in kill stop; do
       port=$(free_port)
@@ -145,12 +147,12 @@ case $case_name in
         wait "${pids[$r]}"; code=$?
         [ $code -eq 0 ] || { echo "FAIL ($how): rank $r exited $code"; rc=1; }
       done
-      if [ $how = stop ]; then kill -CONT "$victim_pid"; kill -9 "$victim_pid"; fi 2>/dev/null
+      [ $how = stop ] && kill -9 "$victim_pid" 2>/dev/null  # SIGKILL ends a stopped process as it is
       wait "$victim_pid"; code=$?
       victim_pid=""
       [ $code -eq 137 ] || { echo "FAIL ($how): the victim exited $code, not by SIGKILL"; rc=1; }
       cat "$tmp"/*.log
-      [ $how = kill ] && word=killed limit=2000 || word=stopped limit=3000
+      [ $how = kill ] && word=killed limit=2000 || word=stopped limit=4000
       at=$(sed -n "s/^rank 1: $word at \([0-9]*\).*/\1/p" "$tmp/1.log")
       [ -n "$at" ] || { echo "FAIL ($how): the victim did not get that far"; rc=1; continue; }
       for r in 0 2; do
