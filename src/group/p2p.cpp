@@ -6,7 +6,6 @@
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <stop_token>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -34,6 +33,7 @@ class P2pOp final : public FutureState<void> {
     auto op = std::make_shared<P2pOp>(std::move(g), sending, data, bytes, peer, tag, timeout);
     op->weak_ = op;
     op->set_loop(op->g_->loop);
+    op->set_cancel_hook(&P2pOp::on_cancel);
     if (op->g_->loop->in_loop_thread()) {
       op->begin(op);
     } else {
@@ -47,14 +47,13 @@ class P2pOp final : public FutureState<void> {
       : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), timeout_(timeout) {}
 
  private:
-  struct Cancel {
-    std::weak_ptr<P2pOp> weak;
-    void operator()() const {
-      if (auto op = weak.lock()) op->g_->loop->post([weak = weak] {
-          if (auto op = weak.lock()) op->cancel_now();
-        });
-    }
-  };
+  // Future::cancel(), on any thread, once, while the Future holds the operation: the loop cancels it.
+  static void on_cancel(FutureStateBase& state) noexcept {
+    auto& op = static_cast<P2pOp&>(state);
+    op.g_->loop->post([weak = op.weak_] {
+      if (auto op = weak.lock()) op->cancel_now();
+    });
+  }
 
   // Loop thread. `self` keeps the operation alive until the transport completes it.
   void begin(std::shared_ptr<P2pOp> self) {
@@ -69,10 +68,8 @@ class P2pOp final : public FutureState<void> {
     } else {
       g.transport->start_recv(transport_peer, key, data_, bytes_, op_);
     }
-    if (finished_) return;  // completed at once: nothing to watch or cancel
+    if (finished_) return;  // completed at once: nothing to watch
     watch();
-    const std::stop_token token = stop_token();
-    if (token.stop_possible()) on_stop_.emplace(token, Cancel{weak_});
   }
 
   // Loop thread.
@@ -121,7 +118,6 @@ class P2pOp final : public FutureState<void> {
     GroupState& g = *g_;
     finished_ = true;
     if (watch_id_) g.unwatch(watch_id_);
-    on_stop_.reset();
     const char* name = sending_ ? "send" : "recv";
     try {
       if (!sending_ && timed_out_) {
@@ -151,7 +147,6 @@ class P2pOp final : public FutureState<void> {
   bool finished_ = false;
   bool timed_out_ = false;  // its deadline passed (the watchdog withdrew or aborted it)
   std::uint64_t watch_id_ = 0;
-  std::optional<std::stop_callback<Cancel>> on_stop_;
 };
 
 // The same as a step of a coroutine (a staged device operation's transfer): its cancellation reaches the
