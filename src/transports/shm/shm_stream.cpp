@@ -208,7 +208,10 @@ bool ShmStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third)
 
 void ShmStream::read(void* dst, std::size_t min, std::size_t cap) {
   read_ = Read{true, static_cast<std::byte*>(dst), min, cap, 0};
-  post_progress();
+  // A loop with a thread of its own looks at this stream on its next turn (the hub's poller), and does
+  // not sleep past bytes already in the ring (arm() says so): the read needs no post of its own, which
+  // cost a lock, an allocation and a queue turn per frame read. A borrowed io_context runs no pollers.
+  if (!hub_->loop().owns_thread()) post_progress();
 }
 
 bool ShmStream::push_write() {
