@@ -4,8 +4,10 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <string>
 #include <chrono>
@@ -17,6 +19,13 @@
 #include "core/bytes.hpp"
 
 namespace weft {
+
+std::chrono::steady_clock::time_point CoarseClock::now() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return std::chrono::steady_clock::time_point(std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec));
+}
+
 namespace {
 
 // What a peer wrote into the ring that this rank cannot take (the connection fails with these words).
@@ -228,7 +237,7 @@ std::size_t ShmStream::take_released() {
   const std::uint64_t read = out_.referenced_read();
   if (read != referenced_seen_) {
     referenced_seen_ = read;
-    last_lent_read_ = std::chrono::steady_clock::now();  // the receiver is reading what was lent: it moves
+    last_lent_read_ = CoarseClock::now();  // the receiver is reading what was lent: it moves
   }
   std::size_t released = 0;
   while (!lent_.empty() && lent_.front() <= read) {
@@ -292,7 +301,7 @@ bool ShmStream::push_some() {
     moved = true;
   }
   if (moved) {
-    last_sent_ = std::chrono::steady_clock::now();
+    last_sent_ = CoarseClock::now();
     if (out_.publish()) wake_peer();
   }
   return write_.piece == 3;
@@ -350,7 +359,7 @@ bool ShmStream::pull_read() {
     break;
   }
   if (ring_moved) {
-    last_received_ = std::chrono::steady_clock::now();
+    last_received_ = CoarseClock::now();
     // The peer may sleep waiting for room to write: wake it.
     if (in_.release()) wake_peer();
   }
@@ -388,7 +397,7 @@ void ShmStream::read_referenced(std::size_t limit) {
   record_.address += got;
   record_.left -= got;
   referenced_read_ += got;
-  last_received_ = std::chrono::steady_clock::now();
+  last_received_ = CoarseClock::now();
   if (in_.referenced(referenced_read_)) wake_peer();
 }
 
@@ -419,7 +428,7 @@ std::size_t ShmStream::progress() {
       // Its references not all read yet: lent (the transport keeps the buffers until released).
       const bool lent = done && out_.referenced_read() < referenced_written_;
       if (lent) {
-        if (lent_.empty()) last_lent_read_ = std::chrono::steady_clock::now();
+        if (lent_.empty()) last_lent_read_ = CoarseClock::now();
         lent_.push_back(referenced_written_);
       }
       if (!alive_.expired()) {
@@ -463,8 +472,8 @@ std::optional<std::uint32_t> ShmStream::ms_since_data(bool received) const {
   // While writes are lent, what moves on the way out is the receiver reading them (it reads the ring in
   // order: nothing after a reference moves before it), not this side's later writes into the ring.
   const auto last = received ? last_received_ : !lent_.empty() ? last_lent_read_ : last_sent_;
-  const auto since = std::chrono::steady_clock::now() - last;
-  return static_cast<std::uint32_t>(std::chrono::duration_cast<std::chrono::milliseconds>(since).count());
+  const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(CoarseClock::now() - last).count();
+  return static_cast<std::uint32_t>(std::max<std::int64_t>(since, 0));
 }
 
 bool ShmStream::arm() {
