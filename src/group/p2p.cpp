@@ -37,7 +37,10 @@ class P2pOp final : public FutureState<void> {
     if (op->g_->loop->in_loop_thread()) {
       op->begin(op);
     } else {
-      op->g_->loop->post([op] { op->begin(op); });
+      // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
+      // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
+      op->self_ = op;
+      op->g_->loop->post([raw = op.get()] { raw->begin(std::move(raw->self_)); });
     }
     return Future<void>(std::move(op));
   }

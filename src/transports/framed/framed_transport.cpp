@@ -590,13 +590,18 @@ void FramedTransport::start_read_header(Connection& c) {
   const std::size_t have = c.inbox_end - c.inbox_begin;
   const std::size_t need = header_bytes();
   if (have >= need) {
-    // A whole header is here already: handle it from the loop's queue, not by recursion (a run of small
-    // frames would otherwise nest one call per frame).
+    // A whole header is here already: handled after this frame by the loop in handle_frames (not by
+    // recursion: a run of small frames would nest one call per frame), or, outside one, from the loop's
+    // queue.
     take_from_inbox(c, c.recv_header.data(), need);
+    if (c.handling) {
+      c.header_waiting = true;
+      return;
+    }
     loop_.post([this, peer = c.peer, alive = std::weak_ptr<bool>(alive_)] {
       if (alive.expired()) return;
       Connection& conn = *connections_[static_cast<std::size_t>(peer)];
-      if (conn.alive) on_header(conn);
+      if (conn.alive) handle_frames(conn, FrameStep::header);
     });
     return;
   }
@@ -607,6 +612,34 @@ void FramedTransport::start_read_header(Connection& c) {
   }
   c.reading = Reading::header;
   c.stream->read(c.inbox + c.inbox_end, need - have, Connection::inbox_size - c.inbox_end);
+}
+
+void FramedTransport::handle_frames(Connection& c, FrameStep step) {
+  // A completion runs the user's code, which may drop the group and with it this transport: after each
+  // frame, `alive` says whether it still exists, and `keep` holds the connection.
+  const std::weak_ptr<bool> alive = alive_;
+  const std::shared_ptr<Connection> keep = connections_[static_cast<std::size_t>(c.peer)];
+  c.handling = true;
+  switch (step) {
+    case FrameStep::header: on_header(c); break;
+    case FrameStep::payload: on_payload(c, false); break;
+    case FrameStep::trailer: on_trailer(c); break;
+  }
+  for (int frames = 1; !alive.expired() && c.alive && c.header_waiting; ++frames) {
+    c.header_waiting = false;
+    if (frames == frames_per_turn) {  // the others' turn: the rest from the loop's queue
+      c.handling = false;
+      loop_.post([this, peer = c.peer, alive] {
+        if (alive.expired()) return;
+        Connection& conn = *connections_[static_cast<std::size_t>(peer)];
+        if (conn.alive) handle_frames(conn, FrameStep::header);
+      });
+      return;
+    }
+    on_header(c);
+  }
+  c.handling = false;
+  c.header_waiting = false;
 }
 
 void FramedTransport::on_read(int peer, const std::error_code& ec, std::size_t bytes) {
@@ -629,13 +662,13 @@ void FramedTransport::on_read(int peer, const std::error_code& ec, std::size_t b
     case Reading::header:
       c.inbox_end += bytes;
       take_from_inbox(c, c.recv_header.data(), header_bytes());
-      on_header(c);
+      handle_frames(c, FrameStep::header);
       return;
     case Reading::payload:
-      on_payload(c, false);
+      handle_frames(c, FrameStep::payload);
       return;
     case Reading::trailer:
-      on_trailer(c);
+      handle_frames(c, FrameStep::trailer);
       return;
     case Reading::discard:
       if (c.recv_seal.on()) c.recv_seal.update(c.scratch.get(), c.discard_chunk);

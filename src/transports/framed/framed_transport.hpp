@@ -119,6 +119,8 @@ class FramedTransport final : public Transport, private StreamEvents {
     std::size_t inbox_begin = 0;
     std::size_t inbox_end = 0;
     Reading reading = Reading::header;  // what the read in flight is for
+    bool handling = false;        // handle_frames is below on the stack
+    bool header_waiting = false;  // a header taken whole from the inbox, for handle_frames's next round
     std::size_t discard_after = 0;      // Reading::discard: bytes still to drop after this chunk
     std::array<std::byte, wire::header_size + 4> recv_header{};
     wire::Header current{};
@@ -173,6 +175,12 @@ class FramedTransport final : public Transport, private StreamEvents {
   void start_write(Connection& c, TransportOp* starting = nullptr);
   void on_write_done(Connection& c, const std::error_code& ec);
   void start_read_header(Connection& c);
+  // Runs `step` (what a read event brought: a header, a payload, a trailer), then, in a loop, the frames
+  // whose headers the inbox already held (start_read_header leaves them here, Connection::header_waiting,
+  // instead of a post per frame), up to frames_per_turn; the rest through the loop's queue.
+  enum class FrameStep { header, payload, trailer };
+  void handle_frames(Connection& c, FrameStep step);
+  static constexpr int frames_per_turn = 64;
   // Moves up to `bytes` already-read bytes from the inbox to `dst` (null: drops them); returns how many.
   std::size_t take_from_inbox(Connection& c, void* dst, std::size_t bytes);
   // A header was read whole: checked (its CRC with sealed frames), decoded, and handed to one of:
