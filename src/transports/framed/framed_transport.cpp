@@ -598,11 +598,7 @@ void FramedTransport::start_read_header(Connection& c) {
       c.header_waiting = true;
       return;
     }
-    loop_.post([this, peer = c.peer, alive = std::weak_ptr<bool>(alive_)] {
-      if (alive.expired()) return;
-      Connection& conn = *connections_[static_cast<std::size_t>(peer)];
-      if (conn.alive) handle_frames(conn, FrameStep::header);
-    });
+    post_frames(c);
     return;
   }
   if (c.inbox_begin > 0) {
@@ -612,6 +608,14 @@ void FramedTransport::start_read_header(Connection& c) {
   }
   c.reading = Reading::header;
   c.stream->read(c.inbox + c.inbox_end, need - have, Connection::inbox_size - c.inbox_end);
+}
+
+void FramedTransport::post_frames(Connection& c) {
+  loop_.post([this, peer = c.peer, alive = std::weak_ptr<bool>(alive_)] {
+    if (alive.expired()) return;
+    Connection& conn = *connections_[static_cast<std::size_t>(peer)];
+    if (conn.alive) handle_frames(conn, FrameStep::header);
+  });
 }
 
 void FramedTransport::handle_frames(Connection& c, FrameStep step) {
@@ -629,11 +633,7 @@ void FramedTransport::handle_frames(Connection& c, FrameStep step) {
     c.header_waiting = false;
     if (frames == frames_per_turn) {  // the others' turn: the rest from the loop's queue
       c.handling = false;
-      loop_.post([this, peer = c.peer, alive] {
-        if (alive.expired()) return;
-        Connection& conn = *connections_[static_cast<std::size_t>(peer)];
-        if (conn.alive) handle_frames(conn, FrameStep::header);
-      });
+      post_frames(c);
       return;
     }
     on_header(c);

@@ -180,6 +180,8 @@ class FramedTransport final : public Transport, private StreamEvents {
   // instead of a post per frame), up to frames_per_turn; the rest through the loop's queue.
   enum class FrameStep { header, payload, trailer };
   void handle_frames(Connection& c, FrameStep step);
+  // handle_frames from the loop's queue, for a header already taken from the inbox.
+  void post_frames(Connection& c);
   static constexpr int frames_per_turn = 64;
   // Moves up to `bytes` already-read bytes from the inbox to `dst` (null: drops them); returns how many.
   std::size_t take_from_inbox(Connection& c, void* dst, std::size_t bytes);
