@@ -53,6 +53,10 @@ step "test_gpu (cuda)" $?
 WEFT_GPU=cuda WEFT_CUDA_PEER=1 limit 120 "$build/tests/test_gpu" '[set]' > "$out/test_gpu_set_peer.txt" 2>&1
 step "test_gpu [set] with the peer kernels (cuda, WEFT_CUDA_PEER=1)" $?
 
+# The multi-device groups (ranks driving several devices each) with the peer kernels.
+WEFT_GPU=cuda WEFT_CUDA_PEER=1 limit 120 "$build/tests/test_device" '[multi]' > "$out/test_device_multi_peer.txt" 2>&1
+step "test_device [multi] with the peer kernels (cuda, WEFT_CUDA_PEER=1)" $?
+
 if [ -x "$build/tests/test_epilogue_cuh" ]; then
   WEFT_GPU=cuda limit 60 "$build/tests/test_epilogue_cuh" > "$out/test_epilogue_cuh.txt" 2>&1
   step "test_epilogue_cuh (cuda: a user's nvcc epilogue)" $?
@@ -102,5 +106,33 @@ for c in all_reduce broadcast; do
   step "weft-bench --device -c $c (2 processes, tcp)" $?
   cat "$out/weft_bench_device_$c.txt"
 done
+# Issue 17: the device set's all_reduce, N = 2, 4, 8 entries on the GPU(s), 8 B .. 256 MiB, each path
+# forced in turn (the crossover, the naive path's cost), against the device-to-device copy.
+for path in one_stage two_stage naive; do
+  WEFT_GPU=cuda WEFT_DEVICE_SET=$path limit 90 "$build/bench/weft-device-set-bench" --json "$out/device_set_$path.json" \
+    > "$out/device_set_$path.txt" 2>&1
+  step "weft-device-set-bench ($path)" $?
+  cat "$out/device_set_$path.txt"
+done
+# What torch offers beside it (an in-process reduction on one GPU; whether NCCL takes 2 ranks on one GPU).
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2> /dev/null; then
+  PYTHONUNBUFFERED=1 limit 120 python3 "$src/bench/peers/torch_device_set.py" --nccl > "$out/torch_device_set.txt" 2>&1
+  step "torch_device_set.py" $?
+  cat "$out/torch_device_set.txt"
+  # Issue 16's peer: torch.distributed's gloo on CUDA tensors, 64 MiB, interleaved with weft over tcp and shm.
+  for round in 1 2; do
+    for transport in tcp shm; do
+      WEFT_GPU=cuda WEFT_TRANSPORT=$transport limit 60 "$build/tools/weft-run" -n 2 -- "$build/bench/weft-bench" --device -c all_reduce \
+        -b 64M -e 64M -n 20 -w 3 --check > "$out/gloo_round${round}_weft_$transport.txt" 2>&1
+      step "round $round: weft-bench --device 64 MiB ($transport)" $?
+      grep -E '^ *[0-9]' "$out/gloo_round${round}_weft_$transport.txt"
+    done
+    PYTHONUNBUFFERED=1 limit 90 python3 "$src/bench/peers/torch_gloo_device.py" --bytes 67108864 --iters 20 > "$out/gloo_round${round}_torch.txt" 2>&1
+    step "round $round: torch gloo on CUDA tensors, 64 MiB" $?
+    cat "$out/gloo_round${round}_torch.txt"
+  done
+else
+  echo "torch with CUDA: not found (the torch comparisons skipped)" | tee -a "$summary"
+fi
 echo "results in $out"
 exit $rc

@@ -33,8 +33,16 @@ namespace weft::gpu {
 
 namespace detail {
 
+// Which path all_reduce takes (WEFT_DEVICE_SET, read when a set is made; for benchmarks and for forcing
+// a path while chasing a problem): automatic picks the peer kernels where every pair of devices reaches
+// the other (on a GPU only with WEFT_CUDA_PEER=1 so far) and their form by size; one_stage and two_stage
+// force the peer kernels' form where the devices reach each other (in place is always two-stage: one
+// stage would overwrite an input another device still reads); naive forces the copies.
+enum class SetPath { automatic, one_stage, two_stage, naive };
+
 struct DeviceSetState {
   Loop* loop = nullptr;
+  SetPath path = SetPath::automatic;
   std::vector<Device> devices;
   std::vector<std::shared_ptr<StreamImpl>> streams;  // one per entry
   bool peer_to_peer = false;
@@ -62,6 +70,7 @@ using detail::await_fence;
 using detail::check_device;
 using detail::check_view;
 using detail::DeviceSetState;
+using detail::SetPath;
 using detail::StreamImpl;
 
 // Scratch that only grows: `buffer` becomes at least `bytes` on `device`; the smaller one it replaces
@@ -76,6 +85,17 @@ void grow(DeviceBuffer& buffer, Device device, std::size_t bytes, std::vector<De
 // a gate of another rank's operation may wait for this thread's loop.
 void free_off_thread(std::vector<DeviceBuffer> dropped) {
   if (!dropped.empty()) std::thread([gone = std::move(dropped)] {}).detach();
+}
+
+SetPath path_from_environment() {
+  const char* v = std::getenv("WEFT_DEVICE_SET");
+  const std::string_view text = v ? v : "";
+  if (text.empty() || text == "auto") return SetPath::automatic;
+  if (text == "one_stage") return SetPath::one_stage;
+  if (text == "two_stage") return SetPath::two_stage;
+  if (text == "naive") return SetPath::naive;
+  throw Error(Errc::invalid_argument, {.op = "DeviceSet"},
+              fmt::format("WEFT_DEVICE_SET={}: give auto, one_stage, two_stage or naive", text));
 }
 
 Task<void> await_all(std::vector<Future<void>> each, std::shared_ptr<std::string> failure) {
@@ -97,6 +117,7 @@ DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
   }
   auto state = std::make_shared<DeviceSetState>();
   state->loop = &loop;
+  state->path = path_from_environment();
   for (std::size_t i = 0; i < devices.size(); ++i) {
     check_device(devices[i], "DeviceSet", fmt::format("entry {}", i).c_str());
     state->streams.push_back(detail::backend().make_stream(loop, devices[i].index));
@@ -108,8 +129,9 @@ DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
   // The peer kernels run on the sim's workers, and on a GPU where WEFT_CUDA_PEER=1 asks for them (they
   // have not run on one yet: the naive path stays the default there).
   const char* cuda_peer = std::getenv("WEFT_CUDA_PEER");
-  const bool on_gpu = backend() == Backend::cuda && cuda_peer && std::string_view(cuda_peer) == "1";
-  state->peer_to_peer = reach && (backend() == Backend::sim || on_gpu);
+  const bool forced_peer = state->path == SetPath::one_stage || state->path == SetPath::two_stage;
+  const bool on_gpu = backend() == Backend::cuda && ((cuda_peer && std::string_view(cuda_peer) == "1") || forced_peer);
+  state->peer_to_peer = reach && state->path != SetPath::naive && (backend() == Backend::sim || on_gpu);
   if (state->peer_to_peer && on_gpu) {
     for (const Device& a : devices) {
       for (const Device& b : devices) {
@@ -239,7 +261,8 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
   };
   const std::size_t bytes = inputs[0].bytes();
   const std::size_t esize = dtype_size(dtype);
-  const bool two_stage = in_place || (n > 2 && bytes > (std::size_t{256} << 10));
+  const bool two_stage = in_place || set.path == SetPath::two_stage ||
+                         (set.path == SetPath::automatic && n > 2 && bytes > (std::size_t{256} << 10));
   // On a GPU the kernels store avg's quotient, not an epilogue's value: a set with an epilogue takes the
   // naive path there (its epilogue is a pass of its own).
   if (set.kernels_on_device && epilogue.is_identity()) {
