@@ -147,7 +147,8 @@ class StreamImpl {
   /// out[i] = epilogue(in[i]) for `count` elements (in_type in, epilogue.output(in_type) out); the
   /// caller checked that the backend runs it (a custom's function for it exists).
   virtual std::uint64_t epilogue(const void* in, DType in_type, void* out, std::size_t count, const Epilogue& epilogue) = 0;
-  virtual std::uint64_t host(std::function<void()> fn) = 0;
+  /// `spins`: the function waits for other items' progress (the sim's peer kernels): FreesAfterSpins.
+  virtual std::uint64_t host(std::function<void()> fn, bool spins = false) = 0;
   /// Queues this device's instance of the peer all_reduce kernel (the backends that run it on the
   /// device: cuda). Throws weft::Error (invalid_argument) elsewhere.
   virtual std::uint64_t peer_all_reduce(const PeerLaunch& launch);
@@ -173,6 +174,29 @@ class StreamImpl {
  private:
   Loop* loop_;
   int device_;
+};
+
+/// Frees while kernels spin (docs/DESIGN.md, "Frees and spinning kernels"). cudaFree and cudaFreeHost
+/// wait for the whole device, and the runtime's calls from every other thread (launches, copies, event
+/// queries) wait behind them meanwhile. A kernel that spins waits for the host (a gate, which a loop
+/// opens) or for kernels not launched yet (the rest of a peer kernel group): a free queued behind it
+/// never returns, and the launch or the loop that would let the kernel go waits for the free. So a free
+/// runs only while no spinning kernel is queued, and no spinning kernel is queued while a free runs; a
+/// free that comes while some are is kept, and run once the last of them completed. Thread-safe.
+class FreesAfterSpins {
+ public:
+  /// Runs `free` now (holding off spinning kernels meanwhile) or keeps it for later.
+  void release(std::function<void()> free) noexcept;
+  /// Before a spinning kernel is queued (waits while a free runs).
+  void begin_spin();
+  /// Once a spinning kernel completed, or was not queued after all; hands the kept frees to a thread of
+  /// their own when it was the last (the caller may be what they would wait for: a sim stream's worker).
+  void end_spin() noexcept;
+
+ private:
+  std::mutex mutex_;
+  int spinning_ = 0;                               // guarded: spinning kernels queued, not completed
+  std::vector<std::function<void()>> kept_;        // guarded: frees that came while some were
 };
 
 class Backend {

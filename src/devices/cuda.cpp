@@ -146,9 +146,10 @@ class CudaStream final : public StreamImpl {
                      return static_cast<cudaError_t>(kernels::cuda::launch_peer_all_reduce(
                          l.devices, pointers, l.out, l.count, static_cast<int>(l.dtype), static_cast<int>(l.op), l.divisor, l.two_stage,
                          l.blocks, l.lanes, l.failed, stream_));
-                   });
+                   },
+                   {}, /*spins=*/true);  // waits for the other devices' instances
   }
-  std::uint64_t host(std::function<void()> fn) override {
+  std::uint64_t host(std::function<void()> fn, bool spins) override {
     return enqueue("host function", [&] {
       auto* call = new std::function<void()>(std::move(fn));
       const cudaError_t e = cudaLaunchHostFunc(
@@ -160,7 +161,7 @@ class CudaStream final : public StreamImpl {
           call);
       if (e != cudaSuccess) delete call;
       return e;
-    });
+    }, {}, spins);
   }
   std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
     auto& waited = static_cast<CudaStream&>(*other);
@@ -196,11 +197,14 @@ class CudaStream final : public StreamImpl {
     SharedEvent event;  // recorded right after the item: its fence, for this thread and for waits
     std::shared_ptr<void> keep;  // what the item's kernel reads, held until it ran (a gate's word)
     std::uint64_t signal = 0;    // hostfunc: the count of host functions run once this item's has
+    bool spins = false;          // a kernel that spins (a gate, a peer kernel): CudaBackend::begin_spin
   };
 
   /// Queues one item (`launch`, under the stream's device) and its event; the number is the item's.
+  /// `spins`: the item is a kernel that spins until the host or other kernels let it go (frees wait
+  /// for it to end: CudaBackend::release).
   template <class Launch>
-  std::uint64_t enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep = {});
+  std::uint64_t enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep = {}, bool spins = false);
   /// The event recorded right after item `seq`, or null when that was reached (or failed) already.
   SharedEvent event_of(std::uint64_t seq);
 
@@ -309,8 +313,10 @@ class CudaBackend final : public Backend {
   }
   void free(int device, void* data, std::size_t) noexcept override {
     if (!data) return;
-    cudaSetDevice(device);
-    cudaFree(data);  // synchronises the device first, as DeviceBuffer promises
+    frees_.release([device, data] {
+      cudaSetDevice(device);
+      cudaFree(data);  // waits for the work queued on the device first, as DeviceBuffer promises
+    });
   }
   void* allocate_pinned(std::size_t bytes) override {
     void* p = nullptr;
@@ -321,8 +327,11 @@ class CudaBackend final : public Backend {
     return p;
   }
   void free_pinned(void* data, std::size_t) noexcept override {
-    if (data) cudaFreeHost(data);
+    if (data) frees_.release([data] { cudaFreeHost(data); });
   }
+
+  // Frees wait for no spinning kernel (backend.hpp, FreesAfterSpins: the hangs it ended).
+  FreesAfterSpins& frees() noexcept { return frees_; }
 
   void check_memory(const void* data, std::size_t, Device device, const std::string& what) override {
     cudaPointerAttributes attributes{};
@@ -403,6 +412,7 @@ class CudaBackend final : public Backend {
   std::vector<std::string> failures_;  // guarded
   std::vector<std::uint32_t*> free_words_;  // guarded: gate words not in use (pages are never freed)
   const Notifier notifier_;
+  FreesAfterSpins frees_;
 };
 
 CudaStream::CudaStream(CudaBackend& backend, Loop& loop, int device)
@@ -428,11 +438,13 @@ CudaStream::~CudaStream() {
 }
 
 template <class Launch>
-std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep) {
+std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep, bool spins) {
   std::lock_guard lock(mutex_);
   const std::uint64_t seq = ++queued_;
   if (book_.failed()) return seq;  // reached at once, with the stream's failure
   std::string why = backend_.failure(device());
+  const bool counted = spins && why.empty();
+  if (counted) backend_.frees().begin_spin();
   cudaEvent_t event = nullptr;
   if (why.empty()) {
     cudaError_t e = cudaSetDevice(device());
@@ -451,11 +463,12 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared
     }
   }
   if (!why.empty()) {
+    if (counted) backend_.frees().end_spin();  // no event will say it ended (and a failed device runs nothing more)
     book_.fail(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
     return seq;
   }
   pending_.push_back(Pending{seq, SharedEvent(event, cudaEventDestroy), std::move(keep),
-                             notifier_ == Notifier::hostfunc ? ++signals_queued_ : 0});
+                             notifier_ == Notifier::hostfunc ? ++signals_queued_ : 0, counted});
   work_cv_.notify_one();
   return seq;
 }
@@ -470,7 +483,7 @@ std::uint64_t CudaStream::wait_gate(const std::shared_ptr<GateState>& gate) {
   });
   return enqueue("wait for the host's gate", [&] {
     return static_cast<cudaError_t>(kernels::cuda::launch_gate_wait(word.get(), stream_));
-  }, std::shared_ptr<void>(word, nullptr));  // holds the word (aliasing: volatile does not convert to void)
+  }, std::shared_ptr<void>(word, nullptr), /*spins=*/true);  // holds the word (aliasing: volatile does not convert to void)
 }
 
 SharedEvent CudaStream::event_of(std::uint64_t seq) {
@@ -543,11 +556,14 @@ cudaError_t CudaStream::await_event(const Pending& next) {
 
 void CudaStream::finish(std::uint64_t seq, const std::string& failure) {
   std::vector<std::pair<Notify, std::string>> ready;
+  bool spun = false;
   {
     std::lock_guard lock(mutex_);
+    spun = pending_.front().spins;
     pending_.pop_front();
     ready = book_.ran(seq, failure);
   }
+  if (spun) backend_.frees().end_spin();
   for (auto& [fn, why] : ready) fn(why);
 }
 

@@ -173,6 +173,39 @@ bool can_access_peer(Device a, Device b) {
   return a.index == b.index || detail::backend().can_access_peer(a.index, b.index);
 }
 
+// ---- Frees and spinning kernels (backend.hpp) ----
+
+namespace detail {
+
+void FreesAfterSpins::release(std::function<void()> free) noexcept {
+  std::lock_guard lock(mutex_);
+  if (spinning_ > 0) {
+    kept_.push_back(std::move(free));
+    return;
+  }
+  free();  // under the lock: no spinning kernel is queued while it waits for the device
+}
+
+void FreesAfterSpins::begin_spin() {
+  std::lock_guard lock(mutex_);
+  ++spinning_;
+}
+
+void FreesAfterSpins::end_spin() noexcept {
+  std::vector<std::function<void()>> kept;
+  {
+    std::lock_guard lock(mutex_);
+    if (--spinning_ > 0 || kept_.empty()) return;
+    kept.swap(kept_);
+  }
+  // Each is released again there: a spinning kernel queued since keeps it once more.
+  std::thread([this, kept = std::move(kept)]() mutable {
+    for (auto& free : kept) release(std::move(free));
+  }).detach();
+}
+
+}  // namespace detail
+
 // ---- Copies from and to pageable host memory ----
 
 namespace detail {

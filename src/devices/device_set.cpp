@@ -347,7 +347,8 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
           if (failure->empty()) *failure = why;
         }
       };
-      each.push_back(spawn(*set.loop, await_fence(set.streams[i], set.streams[i]->host(std::move(body)), what)));
+      // Spins as the kernel does: it waits for the other entries' bodies.
+      each.push_back(spawn(*set.loop, await_fence(set.streams[i], set.streams[i]->host(std::move(body), /*spins=*/true), what)));
     }
     return spawn(*set.loop, await_all(std::move(each), failure));
   }

@@ -147,7 +147,7 @@ Fence PeerWindow::queue(const Fence& after, ConstBufferView in, BufferView out, 
     stream_->host([call = std::move(call), keep = shared_] {
       const std::string why = run_peer_on_sim(call);
       if (!why.empty()) std::atomic_ref<std::uint32_t>(*keep->failed_word()).store(1, std::memory_order_release);
-    });
+    }, /*spins=*/true);  // as the kernel: waits for the other ranks' devices
   } else {
     PeerLaunch l;
     l.devices.rank = rank_;

@@ -20,6 +20,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <random>
 #include <string_view>
 #include <thread>
@@ -78,6 +79,16 @@ class SimBackend;
 /// for host memory (defined below, with the backend's registry).
 void* worker_address(SimBackend& backend, const void* p);
 bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes);
+/// The runtime's lock as the sim plays it: every queueing holds it shared, a free holds it alone while it
+/// waits for the device (as cudaFree holds the CUDA runtime: other threads' calls wait behind it).
+std::shared_mutex& runtime_lock(SimBackend& backend);
+FreesAfterSpins& frees_of(SimBackend& backend);
+/// Held by a spinning item's function: the spin ends when the function goes (ran, or skipped by a
+/// failed stream).
+std::shared_ptr<void> spin_guard(SimBackend& backend) {
+  frees_of(backend).begin_spin();
+  return std::shared_ptr<void>(nullptr, [&backend](void*) { frees_of(backend).end_spin(); });
+}
 
 /// A stream's queue and worker. The worker thread holds the queue (not the stream), so that a stream
 /// can go at any time and from any thread, its queued work still runs, and no thread ever joins another
@@ -97,6 +108,7 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   }
 
   std::uint64_t push(std::string what, std::function<std::string()> run) {
+    std::shared_lock runtime(runtime_lock(backend_));
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = ++queued_;
     queue_.push_back(Item{seq, std::move(what), std::move(run)});
@@ -230,8 +242,9 @@ class SimStream final : public StreamImpl {
                           return std::string();
                         });
   }
-  std::uint64_t host(std::function<void()> fn) override {
-    return queue_->push("host function", [fn = std::move(fn)] {
+  std::uint64_t host(std::function<void()> fn, bool spins) override {
+    std::shared_ptr<void> spin = spins ? spin_guard(backend_) : nullptr;
+    return queue_->push("host function", [fn = std::move(fn), spin = std::move(spin)] {
       fn();
       return std::string();
     });
@@ -242,7 +255,7 @@ class SimStream final : public StreamImpl {
                         [waited, seq] { return waited->block_until(seq); });
   }
   std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) override {
-    return queue_->push("wait for the host's gate", [gate] {
+    return queue_->push("wait for the host's gate", [gate, spin = spin_guard(backend_)] {
       gate->block_until_open();
       return std::string();
     });
@@ -300,6 +313,10 @@ class SimBackend final : public Backend {
   }
   void free(int device, void* data, std::size_t bytes) noexcept override {
     if (!data) return;
+    frees_.release([this, device, data, bytes] { free_now(device, data, bytes); });
+  }
+  void free_now(int device, void* data, std::size_t bytes) noexcept {
+    std::unique_lock runtime(runtime_);
     for (const auto& queue : queues_of(device)) queue->drain();
     std::lock_guard lock(mutex_);
     auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(data));
@@ -394,7 +411,11 @@ class SimBackend final : public Backend {
     blocks_[reinterpret_cast<std::uintptr_t>(seen)] = Block{static_cast<std::size_t>(words.bytes), device, worker, -1, true};
     return seen;
   }
-  void close_imported(int device, void* data, std::size_t) noexcept override {
+  void close_imported(int device, void* data, std::size_t bytes) noexcept override {
+    frees_.release([this, device, data, bytes] { close_imported_now(device, data, bytes); });
+  }
+  void close_imported_now(int device, void* data, std::size_t) noexcept {
+    std::unique_lock runtime(runtime_);
     for (const auto& queue : queues_of(device)) queue->drain();  // as cudaIpcCloseMemHandle: after the work on it
     std::lock_guard lock(mutex_);
     auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(data));
@@ -425,8 +446,11 @@ class SimBackend final : public Backend {
     pinned_[reinterpret_cast<std::uintptr_t>(p)] = bytes;
     return p;
   }
-  void free_pinned(void* data, std::size_t) noexcept override {
-    if (!data) return;
+  void free_pinned(void* data, std::size_t bytes) noexcept override {
+    if (data) frees_.release([this, data, bytes] { free_pinned_now(data, bytes); });
+  }
+  void free_pinned_now(void* data, std::size_t) noexcept {
+    std::unique_lock runtime(runtime_);
     // cudaFreeHost waits for every device's queued work (gates too): so does the sim, so that a free on
     // a thread the work waits for hangs here as it would on a GPU.
     for (int d = 0; d < devices_; ++d) {
@@ -520,7 +544,12 @@ class SimBackend final : public Backend {
     return failure;
   }
 
+  std::shared_mutex& runtime() noexcept { return runtime_; }
+  FreesAfterSpins& frees() noexcept { return frees_; }
+
  private:
+  std::shared_mutex runtime_;  // as the CUDA runtime's lock that frees hold (runtime_lock)
+  FreesAfterSpins frees_;
   struct Block {
     std::size_t bytes;
     int device;
@@ -566,6 +595,8 @@ class SimBackend final : public Backend {
 };
 
 void* worker_address(SimBackend& backend, const void* p) { return backend.worker_view(p); }
+std::shared_mutex& runtime_lock(SimBackend& backend) { return backend.runtime(); }
+FreesAfterSpins& frees_of(SimBackend& backend) { return backend.frees(); }
 bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes) { return backend.is_pinned(p, bytes); }
 
 void SimQueue::run_worker() {

@@ -9,7 +9,9 @@
 #include <barrier>
 #include <chrono>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
+#include <future>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -423,6 +425,35 @@ TEST_CASE("freeing device memory waits for the work queued on it; a dropped stre
   CHECK(ran.load());
 }
 
+TEST_CASE("a free while a gate is closed returns at once, and other streams' work goes on", "[gpu]") {
+  // cudaFree waits for the whole device, gates included, and holds the runtime meanwhile (other threads'
+  // launches and copies wait behind it): freed then, memory is kept until no spinning kernel is queued
+  // (backend.hpp, FreesAfterSpins). The sim plays the runtime's lock, so without the keeping this hangs
+  // there as on a GPU (here: fails after 20 s, the gate opened to end it).
+  need_backend();
+  Loop loop;
+  const Device d0 = gpu::device(0);
+  gpu::Stream gated(loop, d0);
+  gpu::Gate gate;
+  gated.wait(gate);
+  std::vector<float> host(256, 2.0f), back(256, 0.0f);
+  auto freeing = std::async(std::launch::async, [&] {
+    { auto dropped = gpu::DeviceBuffer::allocate(d0, 1024); }
+    { auto dropped = gpu::PinnedBuffer::allocate(1024); }
+    // Work of another stream, queued after the frees, runs while the gate is still closed.
+    gpu::Stream other(loop, d0);
+    auto buffer = gpu::DeviceBuffer::allocate(d0, host.size() * sizeof(float));
+    other.copy(buffer.view<float>(), ConstBufferView(host.data(), host.size(), DType::f32)).get();
+    other.copy(BufferView(back.data(), back.size(), DType::f32), buffer.view<float>()).get();
+  });
+  const bool returned = freeing.wait_for(20s) == std::future_status::ready;
+  CHECK(returned);
+  gate.open();
+  freeing.get();
+  gated.record().done().get();
+  CHECK(back == host);
+}
+
 TEST_CASE("cancelling a wait on device work completes it at once; the work goes on", "[gpu]") {
   need_backend();
   Loop loop;
@@ -521,9 +552,23 @@ std::string check_set_all_reduce(Loop& loop, gpu::DeviceSet& set, std::vector<gp
     ins.push_back(in[k].view(dtype));
     outs.push_back((in_place ? in[k] : out[k]).view(out_dtype));
   }
+  // WEFT_TEST_TRACE=1: each call named before and after (where a call hangs on a real device shows).
+  const bool trace = std::getenv("WEFT_TEST_TRACE") != nullptr;
+  if (trace) {
+    fmt::print(stderr, "set of {} (peer to peer: {}): {} {} x {}{} ...", n, set.peer_to_peer(), to_string(op), to_string(dtype), count,
+               in_place ? " in place" : "");
+  }
+  struct Done {
+    bool trace;
+    ~Done() {
+      if (trace) fmt::print(stderr, " returned\n");
+    }
+  };
   if (in_place && epilogue.output(dtype) == dtype) {
+    Done done{trace};
     set.all_reduce(outs, op, epilogue).get();
   } else {
+    Done done{trace};
     set.all_reduce(ins, outs, op, epilogue).get();  // in place too: the outputs are the inputs' memory
   }
   const std::vector<std::byte> sum = set_reference(dtype, op, inputs, count);
@@ -682,6 +727,28 @@ TEST_CASE("epilogues: the built-in arithmetic (scale in double, round to nearest
   CHECK(gpu::Epilogue::scale(1.0).is_identity());
 }
 
+// Bitwise equal, except that a NaN may come out as another NaN: the GPU's conversions do not keep a
+// NaN's payload as the CPU's do (an H100 gave other NaN bits for every cast of the inputs' NaN).
+static bool same_but_nan_payloads(DType t, const std::vector<std::byte>& got, const std::vector<std::byte>& want) {
+  if (got == want) return true;
+  if (got.size() != want.size()) return false;
+  const std::size_t size = dtype_size(t);
+  auto is_nan = [t](const std::byte* p) {
+    std::uint64_t bits = 0;
+    switch (t) {
+      case DType::f16: std::memcpy(&bits, p, 2); return (bits & 0x7C00u) == 0x7C00u && (bits & 0x03FFu) != 0;
+      case DType::bf16: std::memcpy(&bits, p, 2); return (bits & 0x7F80u) == 0x7F80u && (bits & 0x007Fu) != 0;
+      case DType::f32: { float v; std::memcpy(&v, p, 4); return std::isnan(v); }
+      case DType::f64: { double v; std::memcpy(&v, p, 8); return std::isnan(v); }
+      default: return false;
+    }
+  };
+  for (std::size_t at = 0; at < got.size(); at += size) {
+    if (std::memcmp(got.data() + at, want.data() + at, size) != 0 && !(is_nan(got.data() + at) && is_nan(want.data() + at))) return false;
+  }
+  return true;
+}
+
 TEST_CASE("epilogues: Stream::apply equals the CPU on every pair of dtypes, scaled or not, and bad ones are refused", "[gpu][epilogue]") {
   need_backend();
   Loop loop;
@@ -702,7 +769,7 @@ TEST_CASE("epilogues: Stream::apply equals the CPU on every pair of dtypes, scal
         s.copy(BufferView(got.data(), got.size(), DType::u8), out.view(DType::u8)).get();
         e.apply(ConstBufferView(host_in.data(), count, from), BufferView(want.data(), count, to));
         ++checked;
-        if (got != want) {
+        if (!same_but_nan_payloads(to, got, want)) {
           FAIL_CHECK(fmt::format("{} on {}: {}", e.describe(), to_string(from), reference::compare(to, got.data(), want.data(), count)));
         }
       }
@@ -755,6 +822,11 @@ TEST_CASE("a device set applies the epilogue once per element: scale, cast, both
                                   {DType::f32, ReduceOp::sum, plus_index},
                                   {DType::f32, ReduceOp::sum, add_one}};
     for (const Case& c : cases) {
+      // A user's epilogue made with on_host runs on the sim only; under CUDA it needs nvcc
+      // (weft/gpu_epilogue.cuh: tests/unit/test_epilogue_cuh).
+      if (gpu::backend() == gpu::Backend::cuda && (c.epilogue.describe() == plus_index.describe() || c.epilogue.describe() == add_one.describe())) {
+        continue;
+      }
       for (std::size_t count : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4099), std::size_t(300001)}) {
         for (bool in_place : {false, true}) {
           if (in_place && dtype_size(c.epilogue.output(c.dtype)) != dtype_size(c.dtype)) continue;
