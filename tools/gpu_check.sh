@@ -2,7 +2,7 @@
 # The GPU check: on a machine with a CUDA GPU, builds weft with CUDA, runs the device suites on the real
 # device, compute-sanitizer (memcheck and synccheck) on them, and the GPU benchmarks (weft-gpu-bench and
 # weft-bench --device), writing everything
-# (text, JUnit XML, JSON) to the directory given as the argument, and a summary line per step.
+# (text and JSON) to the directory given as the argument, and a summary line per step.
 #
 #   tools/gpu_check.sh OUT_DIR          (BUILD=<dir> to use or make another build directory)
 #
@@ -14,6 +14,17 @@
 # Needs what the README's build needs plus nvcc (the CUDA toolkit) and a driver. Exits non-zero when a
 # step failed; a step whose tool is missing (compute-sanitizer) is reported as skipped, not passed.
 set -uo pipefail
+# Stopped from outside (a time limit): take every step's processes down too. A hung test left running
+# keeps the GPU busy with its spinning kernels and makes whatever runs next on it slow (seen: 10x on
+# small device all_reduces after an outer timeout killed this script but not its step).
+kill_tree() {  # kill_tree PID: every descendant of PID
+  local child
+  for child in $(pgrep -P "$1"); do
+    kill_tree "$child"
+    kill -KILL "$child" 2> /dev/null
+  done
+}
+trap 'kill_tree $$; exit 143' TERM INT
 out=${1:?usage: tools/gpu_check.sh OUT_DIR}
 src=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD:-$src/build-gpu}
@@ -32,7 +43,9 @@ step() {  # step NAME RC
 limit() {  # limit SECONDS COMMAND...: the command, killed after SECONDS x SCALE
   local s=$(( $1 * ${SCALE:-1} ))
   shift
-  timeout -k 5 "$s" "$@"
+  # In the background and waited for: bash runs the trap above only once a foreground command ends.
+  timeout -k 5 "$s" "$@" &
+  wait $!
 }
 
 { nvidia-smi || echo "nvidia-smi: not found"; } > "$out/nvidia-smi.txt" 2>&1
@@ -46,11 +59,13 @@ if [ -z "${PREBUILT:-}" ]; then
 fi
 
 # The device suites on the real device (WEFT_GPU=cuda: no fallback to the simulated one).
-WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -r junit -o "$out/test_gpu.xml" > "$out/test_gpu.txt" 2>&1
+# Durations after each test case (-d yes): a step that hangs shows which case it hung in.
+WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -d yes > "$out/test_gpu.txt" 2>&1
 step "test_gpu (cuda)" $?
 
 # The device set's peer kernels (opt-in while they have not run on a GPU): every set test with them.
-WEFT_GPU=cuda WEFT_CUDA_PEER=1 limit 120 "$build/tests/test_gpu" '[set]' > "$out/test_gpu_set_peer.txt" 2>&1
+# WEFT_TEST_TRACE=1: each device-set call named before and after (where one hangs).
+WEFT_GPU=cuda WEFT_CUDA_PEER=1 WEFT_TEST_TRACE=1 limit 120 "$build/tests/test_gpu" '[set]' -d yes > "$out/test_gpu_set_peer.txt" 2>&1
 step "test_gpu [set] with the peer kernels (cuda, WEFT_CUDA_PEER=1)" $?
 
 # The multi-device groups (ranks driving several devices each) with the peer kernels.
@@ -62,7 +77,7 @@ if [ -x "$build/tests/test_epilogue_cuh" ]; then
   step "test_epilogue_cuh (cuda: a user's nvcc epilogue)" $?
 fi
 # Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
-WEFT_GPU=cuda limit 120 "$build/tests/test_device" '~[device-failure]' -r junit -o "$out/test_device.xml" > "$out/test_device.txt" 2>&1
+WEFT_GPU=cuda limit 120 "$build/tests/test_device" '~[device-failure]' -d yes > "$out/test_device.txt" 2>&1
 step "test_device (cuda)" $?
 # Python device arrays on the real device (where the module was built: needs python3-numpy, pybind11).
 if [ -f "$build/python/weft/__init__.py" ]; then

@@ -103,6 +103,21 @@ Task<void> await_all(std::vector<Future<void>> each, std::shared_ptr<std::string
   if (!failure->empty()) throw Error(Errc::device_failure, {.op = "DeviceSet::all_reduce"}, *failure);
 }
 
+// The peer kernels' calls: once every entry's kernel ran, a word that a kernel whose spin gave up set
+// (builds with WEFT_PEER_SPIN_BOUND) fails the call, naming the device. Looked at here, on the loop, once
+// the kernels' fences were reached (their stores are visible then), not by a host function queued after
+// each kernel: that cost a cudaLaunchHostFunc per entry per call.
+Task<void> await_peer_kernels(std::vector<Future<void>> each, std::shared_ptr<DeviceSetState> set) {
+  co_await when_all(std::move(each));
+  auto* words = static_cast<std::uint32_t*>(set->failed_words.data());
+  for (std::size_t i = 0; i < set->devices.size(); ++i) {
+    if (std::atomic_ref<std::uint32_t>(words[i]).exchange(0) != 0) {
+      throw Error(Errc::device_failure, {.op = "DeviceSet::all_reduce"},
+                  fmt::format("device {}: a peer barrier gave up (a peer's kernel never came)", set->devices[i].index));
+    }
+  }
+}
+
 }  // namespace
 
 DeviceSet::DeviceSet(std::shared_ptr<detail::DeviceSetState> state) : state_(std::move(state)) {}
@@ -300,16 +315,10 @@ Future<void> DeviceSet::all_reduce(std::vector<ConstBufferView> inputs, std::vec
       l.blocks = blocks;
       l.lanes = lanes;
       l.failed = failed + i;
-      set.streams[i]->peer_all_reduce(l);
-      // A spin that gave up (builds with WEFT_PEER_SPIN_BOUND) set the word: the call fails, naming the device.
-      const std::uint64_t checked = set.streams[i]->host([word = failed + i, failure, state = state_, device = set.devices[i].index] {
-        if (std::atomic_ref<std::uint32_t>(*word).exchange(0) == 0) return;
-        std::lock_guard lock(state->mutex);
-        if (failure->empty()) *failure = fmt::format("device {}: a peer barrier gave up (a peer's kernel never came)", device);
-      });
-      each.push_back(spawn(*set.loop, await_fence(set.streams[i], checked, what)));
+      const std::uint64_t launched = set.streams[i]->peer_all_reduce(l);
+      each.push_back(spawn(*set.loop, await_fence(set.streams[i], launched, what)));
     }
-    return spawn(*set.loop, await_all(std::move(each), failure));
+    return spawn(*set.loop, await_peer_kernels(std::move(each), state_));
   }
   if (set.peer_to_peer && !set.kernels_on_device) {
     detail::SimPeerCall call;
