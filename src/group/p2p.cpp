@@ -58,11 +58,13 @@ class P2pOp final : public FutureState<void> {
     });
   }
 
-  // Loop thread. `self` keeps the operation alive until the transport completes it.
+  // Loop thread. `self_` keeps the operation alive until the transport completes it, and `self` until
+  // this returns: a transport that completes it inside start_send/start_recv drops self_, and the Future
+  // may be gone by then (TSan saw the check of finished_ below read freed memory when self_ was all).
   void begin(std::shared_ptr<P2pOp> self) {
     GroupState& g = *g_;
     g.loop->operation_started();
-    self_ = std::move(self);
+    self_ = self;
     op_.on_complete(&P2pOp::completed, this);
     const int transport_peer = g.members[static_cast<std::size_t>(peer_)];
     const MessageKey key{g.context, 0, tag_};
