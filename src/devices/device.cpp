@@ -181,6 +181,14 @@ void FreesAfterSpins::release(std::function<void()> free) noexcept {
   std::lock_guard lock(mutex_);
   if (spinning_ > 0) {
     kept_.push_back(std::move(free));
+    // Kept memory goes back only when no spinning kernel is queued at all: a program that always has a
+    // stream-ordered collective in flight and frees device memory all along would grow. Said once per
+    // 4096 kept frees, not silently.
+    if (kept_.size() % 4096 == 0) {
+      log().warn("gpu: {} frees are held because gates or peer kernels have been queued all the while (freeing under them "
+                 "could hang the device; docs/DESIGN.md, \"Frees and spinning kernels\"): the memory goes back once none is",
+                 kept_.size());
+    }
     return;
   }
   free();  // under the lock: no spinning kernel is queued while it waits for the device

@@ -164,6 +164,10 @@ Future<void> MultiDeviceGroup::all_reduce(std::vector<ConstBufferView> inputs, s
   const Fence reduced = first.record();
   for (std::size_t i = 1; i < n; ++i) {
     s.streams[i].wait(reduced);
+    // And after stage 1 wrote this entry's scratch too: entry 0's fence does not say that entry i's
+    // copy of the local sum is done (the naive path writes each entry's on its own stream), and that
+    // late write over the copy below left this rank's local sum in the output (the sim under load).
+    s.streams[i].wait(s.set->record(i));
     stages.push_back(s.streams[i].copy(scratch[i], scratch[0]));
     first.wait(s.streams[i].record());
   }
