@@ -4,7 +4,7 @@
 //
 //   set streams:     [inputs ready] -> local all_reduce into scratch (every entry)
 //   entry 0:         wait(set, 0) -> group.on(entry 0).all_reduce(scratch 0)       (across processes)
-//   entry i > 0:     wait(entry 0) -> copy scratch 0 -> scratch i
+//   entry i > 0:     wait(entry 0, and stage 1 of entry i) -> copy scratch 0 -> scratch i
 //   every entry i:   [entry 0 waits for every copy] -> divide (avg) -> epilogue or copy -> output i
 //   set streams:     wait(entry i)   (the next call's stage 1 rewrites the scratch after this one read it)
 #include <algorithm>
