@@ -197,12 +197,12 @@ class CudaStream final : public StreamImpl {
     SharedEvent event;  // recorded right after the item: its fence, for this thread and for waits
     std::shared_ptr<void> keep;  // what the item's kernel reads, held until it ran (a gate's word)
     std::uint64_t signal = 0;    // hostfunc: the count of host functions run once this item's has
-    bool spins = false;          // a kernel that spins (a gate, a peer kernel): CudaBackend::begin_spin
+    bool spins = false;          // a kernel that spins (a gate, a peer kernel): FreesAfterSpins counts it
   };
 
   /// Queues one item (`launch`, under the stream's device) and its event; the number is the item's.
   /// `spins`: the item is a kernel that spins until the host or other kernels let it go (frees wait
-  /// for it to end: CudaBackend::release).
+  /// for it to end: FreesAfterSpins).
   template <class Launch>
   std::uint64_t enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep = {}, bool spins = false);
   /// The event recorded right after item `seq`, or null when that was reached (or failed) already.
