@@ -123,17 +123,16 @@ int main(int argc, char** argv) {
     for (int i = 0; i < n; ++i) devices.push_back(gpu::device(i % gpu::device_count()));
     gpu::DeviceSet set = gpu::DeviceSet::create(loop, devices);
     std::vector<gpu::DeviceBuffer> inputs, outputs;
-    gpu::Stream filler(loop, devices[0]);
     const std::size_t most = sizes.back();
     std::vector<float> ones(std::min<std::size_t>(most, std::size_t{64} << 20) / sizeof(float), 1.0f);
-    for (int i = 0; i < n; ++i) {
-      inputs.push_back(gpu::DeviceBuffer::allocate(devices[static_cast<std::size_t>(i)], most));
-      outputs.push_back(gpu::DeviceBuffer::allocate(devices[static_cast<std::size_t>(i)], most));
+    for (const Device& d : devices) {
+      inputs.push_back(gpu::DeviceBuffer::allocate(d, most));
+      outputs.push_back(gpu::DeviceBuffer::allocate(d, most));
       // Every input 1.0f (the check below: every output n).
+      gpu::Stream s(loop, d);
       for (std::size_t at = 0; at < most; at += ones.size() * sizeof(float)) {
         const std::size_t piece = std::min(ones.size() * sizeof(float), most - at);
-        gpu::Stream s(loop, devices[static_cast<std::size_t>(i)]);
-        s.copy(BufferView(static_cast<std::byte*>(inputs.back().data()) + at, piece, DType::u8, devices[static_cast<std::size_t>(i)]),
+        s.copy(BufferView(static_cast<std::byte*>(inputs.back().data()) + at, piece, DType::u8, d),
                ConstBufferView(ones.data(), piece, DType::u8))
             .get();
       }
