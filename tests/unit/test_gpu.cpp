@@ -629,6 +629,27 @@ TEST_CASE("a device set all_reduces across 1-8 entries on every dtype and op, bi
   REQUIRE(checked > 100);
 }
 
+TEST_CASE("WEFT_DEVICE_SET forces a device set's path when the set is made; an unknown value is refused", "[gpu][set]") {
+  need_backend();
+  Loop loop;
+  const char* before = std::getenv("WEFT_DEVICE_SET");
+  const std::string saved = before ? before : "";
+  ::setenv("WEFT_DEVICE_SET", "naive", 1);
+  gpu::DeviceSet naive = gpu::DeviceSet::create(loop, set_of(2));
+  CHECK_FALSE(naive.peer_to_peer());
+  std::vector<gpu::Stream> streams;
+  for (const Device& d : naive.devices()) streams.emplace_back(loop, d);
+  CHECK(check_set_all_reduce(loop, naive, streams, DType::f32, ReduceOp::sum, 4099, false).empty());
+  ::setenv("WEFT_DEVICE_SET", "three_stage", 1);
+  expect_error(Errc::invalid_argument, "WEFT_DEVICE_SET=three_stage: give auto, one_stage, two_stage or naive",
+               [&] { (void)gpu::DeviceSet::create(loop, set_of(2)); });
+  if (before) {
+    ::setenv("WEFT_DEVICE_SET", saved.c_str(), 1);
+  } else {
+    ::unsetenv("WEFT_DEVICE_SET");
+  }
+}
+
 TEST_CASE("a device set: 10^4 calls back to back, and bad arguments refused at the call", "[gpu][set]") {
   need_backend();
   Loop loop;
