@@ -101,6 +101,17 @@ class Loop {
   /// it cannot borrow the loop (borrowed mode, called on the loop's thread, or another thread drives).
   bool drive_until(const std::function<bool()>& done);
 
+  /// Caller-driven progress, for starting work: runs `fn(arg)` on the calling thread as the loop's
+  /// thread (in_loop_thread() holds inside), at once, when the progress thread is parked (a borrower
+  /// handed the loop back moments ago) and nobody drives the loop. A send or receive started from plain
+  /// code then goes out on the caller's thread instead of through a post and the next borrow. Returns
+  /// false, having done nothing, when that cannot be had without waiting (the progress thread runs or
+  /// sleeps in the kernel, another thread drives, borrowed mode, the loop's own thread): post then. What
+  /// `fn` leaves in flight is driven as posted work would be: by the next borrower, or by the progress
+  /// thread, which leaves its park within its 0.5 ms tick once operations are in flight. `fn` must not
+  /// block. Thread-safe.
+  bool run_here(void (*fn)(void*), void* arg);
+
   /// Counts operations in flight (spawn does this): the progress thread polls only while some are.
   void operation_started() noexcept;
   void operation_finished() noexcept;

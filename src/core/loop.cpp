@@ -596,6 +596,38 @@ bool Loop::drive_until(const std::function<bool()>& done) {
   return driving;
 }
 
+bool Loop::run_here(void (*fn)(void*), void* arg) {
+  Impl& im = *impl_;
+  // The flag first, without the lock: a loop whose thread runs (the common case of a loop with
+  // operations in flight) is refused for the price of a load.
+  if (!im.caller_drives || !im.progress_thread.joinable() || !im.parked_flag.load(std::memory_order_acquire)) return false;
+  if (polling_loop == &im || im.io->get_executor().running_in_this_thread()) return false;
+  {
+    std::lock_guard lock(im.driver_mutex);
+    // Parked under this lock, and it cannot leave its park while borrow_wanted holds (Impl::park).
+    if (!im.parked || im.borrow_wanted || im.stopping.load()) return false;
+    im.borrow_wanted = true;
+    // For park's long-borrow check only: the last hand-back is recent (the thread lingers after it), and
+    // fn is short; a clock read here would cost as much as a tenth of the call.
+    im.borrowed_at = im.handed_back;
+    im.borrow_flag.store(true, std::memory_order_release);
+  }
+  {
+    PollingHere here(&im);
+    fn(arg);
+  }
+  {
+    std::lock_guard lock(im.driver_mutex);
+    im.borrow_wanted = false;
+    im.borrow_flag.store(false, std::memory_order_release);
+    im.handed_back = Impl::Clock::now();
+    // No wake for what fn left in flight: the caller usually waits on it next (a borrow of a parked
+    // thread is cheap; one that must first park a running thread costs microseconds), and the parked
+    // thread looks on its own within its tick, as for a post.
+  }
+  return true;
+}
+
 bool Loop::polls_yielding() const noexcept { return impl_->yields.load(std::memory_order_relaxed); }
 bool Loop::polls() const noexcept { return impl_->spin.count() > 0 && !cores_taken_by_compute(); }
 

@@ -36,6 +36,9 @@ class P2pOp final : public FutureState<void> {
     op->set_cancel_hook(&P2pOp::on_cancel);
     if (op->g_->loop->in_loop_thread()) {
       op->begin(op);
+    } else if (op->g_->loop->run_here(&P2pOp::begin_here, &op)) {
+      // Started on this thread, the loop borrowed for it (caller-driven progress): no post, and a send
+      // the stream took whole is done before its Future is waited on.
     } else {
       // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
       // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
@@ -56,6 +59,12 @@ class P2pOp final : public FutureState<void> {
     op.g_->loop->post([weak = op.weak_] {
       if (auto op = weak.lock()) op->cancel_now();
     });
+  }
+
+  // Loop::run_here's call: `arg` is the caller's shared_ptr to the operation.
+  static void begin_here(void* arg) {
+    auto& op = *static_cast<std::shared_ptr<P2pOp>*>(arg);
+    op->begin(op);
   }
 
   // Loop thread. `self_` keeps the operation alive until the transport completes it, and `self` until

@@ -319,6 +319,72 @@ TEST_CASE("work left for the kernel poll runs after the posted work, on the loop
   CHECK(ran);
 }
 
+TEST_CASE("run_here starts work on the calling thread while the progress thread is parked, and only then", "[core][loop]") {
+  Loop::Options options;
+  options.caller_drives = true;
+  Loop loop(options);
+  struct Seen {
+    Loop* loop;
+    std::thread::id thread;
+    bool on_loop = false;
+    int runs = 0;
+  } seen{&loop, {}, false, 0};
+  auto note = [](void* arg) {
+    auto& s = *static_cast<Seen*>(arg);
+    s.thread = std::this_thread::get_id();
+    s.on_loop = s.loop->in_loop_thread();
+    ++s.runs;
+  };
+  // An idle loop's thread sleeps in the kernel: refused without waiting (the caller posts instead).
+  std::this_thread::sleep_for(5ms);  // past the linger of any park
+  CHECK_FALSE(loop.run_here(note, &seen));
+  CHECK(seen.runs == 0);
+
+  // Right after a blocking wait hands the loop back, its thread lingers parked: taken at once. A
+  // loaded machine may keep this thread off its core past the linger, so a few tries are allowed.
+  bool taken = false;
+  for (int attempt = 0; attempt < 200 && !taken; ++attempt) {
+    spawn(loop, sleepy(loop, 0ms, 1)).get();
+    taken = loop.run_here(note, &seen);
+  }
+  REQUIRE(taken);
+  CHECK(seen.runs == 1);
+  CHECK(seen.thread == std::this_thread::get_id());
+  CHECK(seen.on_loop);
+  CHECK_FALSE(loop.in_loop_thread());  // only inside
+
+  // On the loop's own thread, and for a borrowed io_context: refused.
+  std::atomic<int> from_loop{-1};
+  loop.post([&] { from_loop = loop.run_here(note, &seen) ? 1 : 0; });
+  for (int i = 0; i < 400 && from_loop < 0; ++i) std::this_thread::sleep_for(5ms);
+  CHECK(from_loop == 0);
+  asio::io_context io;
+  Loop borrowed(io);
+  CHECK_FALSE(borrowed.run_here(note, &seen));
+
+  // What it leaves in flight runs with nobody waiting: the parked thread leaves its park on its own.
+  struct Later {
+    Loop* loop;
+    std::atomic<bool> fired{false};
+  } later{&loop};
+  auto start_timer = [](void* arg) {
+    auto& l = *static_cast<Later*>(arg);
+    l.loop->operation_started();
+    l.loop->call_after(1ms, [&l](bool) {
+      l.fired = true;
+      l.loop->operation_finished();
+    });
+  };
+  taken = false;
+  for (int attempt = 0; attempt < 200 && !taken; ++attempt) {
+    spawn(loop, sleepy(loop, 0ms, 1)).get();
+    taken = loop.run_here(start_timer, &later);
+  }
+  REQUIRE(taken);
+  for (int i = 0; i < 400 && !later.fired; ++i) std::this_thread::sleep_for(5ms);
+  CHECK(later.fired);
+}
+
 TEST_CASE("a polling loop whose core is shared starts yielding it", "[core][loop]") {
   // Ranks on simulated hosts (namespaces) or in containers share cores the launcher does not mention: a
   // poller that takes whole time slices then delays the rank it waits for. Here a busy thread per core
