@@ -550,19 +550,20 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
   // A small collective called from plain code starts on this thread when the loop can be borrowed at
   // once (its first messages go without a post and a hand-over); a large one is posted, so that its
   // first local copies and reductions stay on the loop's thread while the caller computes.
-  const bool start_here = selection_bytes(g, call) <= start_here_bytes;
+  // (Asked after the arena's fast path, which returns before it on most small calls.)
+  auto start_here = [&] { return selection_bytes(g, call) <= start_here_bytes; };
   if (algorithm.kind == algo::Kind::shm && g.arena) {
     // The arena's fast path: a small collective whose turn has come runs here, on this thread.
     ArenaTicket ticket(g);
     switch (run_on_arena_now(g, seq, call, ticket)) {
       case ArenaNow::done: return make_ready_future();
       case ArenaNow::published:
-        return detail::spawn_here(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), true), start_here);
+        return detail::spawn_here(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), true), start_here());
       case ArenaNow::not_started:
-        return detail::spawn_here(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false), start_here);
+        return detail::spawn_here(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false), start_here());
     }
   }
-  return detail::spawn_here(*g.loop, start_collective(state_, seq, call, algorithm), start_here);
+  return detail::spawn_here(*g.loop, start_collective(state_, seq, call, algorithm), start_here());
 }
 
 Future<void> Group::barrier() { return submit(detail::CollectiveCall{Collective::barrier, {}, {}}); }
