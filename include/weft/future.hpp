@@ -291,33 +291,17 @@ Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) 
 /// once, inline; otherwise it is posted to the loop. The task's stop token is the Future's: cancel()
 /// reaches it (and every Task and Future it awaits).
 template <class T>
-Future<T> spawn(Loop& loop, Task<T> task);
-
-namespace detail {
-inline void resume_address(void* address) { std::coroutine_handle<>::from_address(address).resume(); }
-
-/// spawn for weft's own operations (a collective from plain code): from another thread the task starts
-/// on the calling thread when the loop can be borrowed at once (Loop::run_here), its first sends going
-/// out without a post and a hand-over; else it is posted, as by spawn. Only for tasks whose steps
-/// before their first suspension are short: the caller runs them before the call returns.
-template <class T>
-Future<T> spawn_here(Loop& loop, Task<T> task, bool here = true) {
+Future<T> spawn(Loop& loop, Task<T> task) {
   auto state = std::make_shared<detail::FutureState<T>>();
   state->set_loop(&loop);
   task.set_stop_token(state->stop_token());
   auto driver = detail::drive(loop, std::move(task), state);
   if (loop.in_loop_thread()) {
     driver.handle.resume();
-  } else if (!here || !loop.run_here(&resume_address, driver.handle.address())) {
+  } else {
     loop.post([handle = driver.handle] { handle.resume(); });
   }
   return Future<T>(std::move(state));
-}
-}  // namespace detail
-
-template <class T>
-Future<T> spawn(Loop& loop, Task<T> task) {
-  return detail::spawn_here(loop, std::move(task), false);
 }
 
 /// A Future that is already complete with `value` (or void).

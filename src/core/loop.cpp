@@ -603,9 +603,10 @@ bool Loop::run_here(void (*fn)(void*), void* arg) {
   if (!im.caller_drives || !im.progress_thread.joinable() || !im.parked_flag.load(std::memory_order_acquire)) return false;
   if (polling_loop == &im || im.io->get_executor().running_in_this_thread()) return false;
   {
-    std::lock_guard lock(im.driver_mutex);
+    // Not waited for: held, it is the parked thread's tick or another borrower (post then).
+    std::unique_lock lock(im.driver_mutex, std::try_to_lock);
     // Parked under this lock, and it cannot leave its park while borrow_wanted holds (Impl::park).
-    if (!im.parked || im.borrow_wanted || im.stopping.load()) return false;
+    if (!lock.owns_lock() || !im.parked || im.borrow_wanted || im.stopping.load()) return false;
     im.borrow_wanted = true;
     // For park's long-borrow check only: the last hand-back is recent (the thread lingers after it), and
     // fn is short; a clock read here would cost as much as a tenth of the call.

@@ -425,10 +425,6 @@ void validate(GroupState& g, const detail::CollectiveCall& call) {
   }
 }
 
-// Collectives up to this size (selection_bytes) called from plain code start on the calling thread when
-// the loop can be borrowed at once (Group::submit): below it a local copy takes microseconds.
-constexpr std::size_t start_here_bytes = 64 * 1024;
-
 // The bytes the selection table looks at for `call`.
 std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& call) {
   const auto p = static_cast<std::size_t>(g.size);
@@ -547,23 +543,16 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
                       });
   }
   const std::uint64_t seq = take_seq(g, timeout_);
-  // A small collective called from plain code starts on this thread when the loop can be borrowed at
-  // once (its first messages go without a post and a hand-over); a large one is posted, so that its
-  // first local copies and reductions stay on the loop's thread while the caller computes.
-  // (Asked after the arena's fast path, which returns before it on most small calls.)
-  auto start_here = [&] { return selection_bytes(g, call) <= start_here_bytes; };
   if (algorithm.kind == algo::Kind::shm && g.arena) {
     // The arena's fast path: a small collective whose turn has come runs here, on this thread.
     ArenaTicket ticket(g);
     switch (run_on_arena_now(g, seq, call, ticket)) {
       case ArenaNow::done: return make_ready_future();
-      case ArenaNow::published:
-        return detail::spawn_here(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), true), start_here());
-      case ArenaNow::not_started:
-        return detail::spawn_here(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false), start_here());
+      case ArenaNow::published: return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), true));
+      case ArenaNow::not_started: return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false));
     }
   }
-  return detail::spawn_here(*g.loop, start_collective(state_, seq, call, algorithm), start_here());
+  return spawn(*g.loop, start_collective(state_, seq, call, algorithm));
 }
 
 Future<void> Group::barrier() { return submit(detail::CollectiveCall{Collective::barrier, {}, {}}); }
