@@ -186,6 +186,11 @@ struct Loop::Impl {
   std::mutex driver_mutex;
   std::condition_variable driver_cv;
   bool borrow_wanted = false;         // guarded by driver_mutex
+  // Guarded by driver_mutex: a borrow was refused while one was held (the refused thread sleeps on its
+  // Future, whose start may still wait in the ready queue), so the holder's hand-back sends the parked
+  // thread to drive at once (drive_now) instead of leaving it to linger.
+  bool refused_meanwhile = false;
+  bool drive_now = false;
   bool parked = false;                // guarded by driver_mutex; mirrored in parked_flag for spinners
   Clock::time_point handed_back{};    // guarded by driver_mutex: when the last borrower let go
   Clock::time_point borrowed_at{};    // guarded by driver_mutex: when the current borrower took the loop
@@ -210,8 +215,8 @@ struct Loop::Impl {
     parked_flag.store(true, std::memory_order_release);
     driver_cv.notify_all();
     while (!stopping.load()) {
-      if (!borrow_wanted &&
-          (in_flight.load(std::memory_order_relaxed) > 0 || Clock::now() - handed_back >= linger)) {
+      if (!borrow_wanted && (std::exchange(drive_now, false) || in_flight.load(std::memory_order_relaxed) > 0 ||
+                             Clock::now() - handed_back >= linger)) {
         break;
       }
       const bool long_borrowed = borrow_wanted && Clock::now() - borrowed_at >= long_borrow;
@@ -557,7 +562,10 @@ bool Loop::drive_until(const std::function<bool()>& done) {
   if (!im.caller_drives || !im.progress_thread.joinable() || in_loop_thread()) return false;
   {
     std::lock_guard lock(im.driver_mutex);
-    if (im.borrow_wanted || im.stopping.load()) return false;
+    if (im.borrow_wanted || im.stopping.load()) {
+      im.refused_meanwhile = true;  // the holder wakes the progress thread when it hands back
+      return false;
+    }
     im.borrow_wanted = true;
     im.borrowed_at = Impl::Clock::now();
     im.borrow_flag.store(true, std::memory_order_release);
@@ -588,7 +596,8 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     im.borrow_wanted = false;
     im.borrow_flag.store(false, std::memory_order_release);
     im.handed_back = Impl::Clock::now();
-    wake = im.in_flight.load(std::memory_order_relaxed) > 0 || im.handed_back - im.borrowed_at >= Impl::long_borrow;
+    if (std::exchange(im.refused_meanwhile, false)) im.drive_now = true;
+    wake = im.in_flight.load(std::memory_order_relaxed) > 0 || im.handed_back - im.borrowed_at >= Impl::long_borrow || im.drive_now;
   }
   // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it now. A
   // long borrow wakes it too: it sleeps a long tick meanwhile, and must look again within `linger`.
@@ -617,6 +626,7 @@ bool Loop::run_here(void (*fn)(void*), void* arg) {
     PollingHere here(&im);
     fn(arg);
   }
+  bool wake = false;
   {
     std::lock_guard lock(im.driver_mutex);
     im.borrow_wanted = false;
@@ -624,8 +634,14 @@ bool Loop::run_here(void (*fn)(void*), void* arg) {
     im.handed_back = Impl::Clock::now();
     // No wake for what fn left in flight: the caller usually waits on it next (a borrow of a parked
     // thread is cheap; one that must first park a running thread costs microseconds), and the parked
-    // thread looks on its own within its tick, as for a post.
+    // thread looks on its own within its tick, as for a post. But a thread refused a borrow meanwhile
+    // sleeps on its Future: the progress thread must drive for it now.
+    if (std::exchange(im.refused_meanwhile, false)) im.drive_now = true;
+    // (A start that ran past long_borrow moved the parked thread to its long tick: wake it, as a
+    // borrower does.)
+    wake = im.drive_now || im.handed_back - im.borrowed_at >= Impl::long_borrow;
   }
+  if (wake) im.driver_cv.notify_all();
   return true;
 }
 
