@@ -72,6 +72,7 @@ struct Args {
   int warmup = 5;
   int iters = 20;
   bool check = false;
+  bool wait_each = false;  // --wait-each: stream's window waited on one Future after the other
   bool awaited = false;  // --await: the timed loop is one coroutine on weft's loop, co_await-ing each call
   bool overlap = false;  // --overlap: the collective against compute of the same length (IMB-NBC)
   bool device = false;   // --device: buffers in device memory (weft/gpu.hpp)
@@ -84,11 +85,13 @@ struct Args {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--overlap] [--device] [--variable]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--wait-each] [--overlap] [--device] [--variable]\n"
              "                  [--json FILE]"
              "                  [--tune [FILE]]\n"
              "  --await: run the iterations as one coroutine on weft's loop, co_await-ing each collective (the\n"
              "           coroutine-native use); without it each call is waited on from the calling thread\n"
+             "  --wait-each: stream's window is waited on one Future after the other from the calling thread\n"
+             "           (as Python's `for w in works: w.wait()`), instead of all at once (MPI_Waitall)\n"
              "  --overlap: per size, the collective alone (t_pure), compute of about that length alone (t_cpu),\n"
              "           and both (start, compute, wait: t_ovrl); prints overlap % (IMB-NBC) and the exposed\n"
              "           communication (from the end of the compute to the collective's end). With --await the\n"
@@ -170,6 +173,8 @@ Args parse(int argc, char** argv) {
       a.check = true;
     } else if (flag == "--await") {
       a.awaited = true;
+    } else if (flag == "--wait-each") {
+      a.wait_each = true;
     } else if (flag == "--overlap") {
       a.overlap = true;
     } else if (flag == "--device") {
@@ -425,17 +430,25 @@ struct Case {
   // The same, the window waited on by this thread at once (when_all, as osu_bw's MPI_Waitall): one
   // wait for all, not one per Future (each of which would hand the loop back while the others are in
   // flight: docs/DESIGN.md, "Caller-driven progress").
+  void wait_window(std::vector<Future<void>>& window) {
+    if (args.wait_each) {
+      for (auto& f : window) f.get();
+    } else {
+      (void)sync_wait(group.loop(), when_all(std::move(window)));
+    }
+  }
+
   void stream_waited(const std::byte* send_from, std::byte* receive_into) {
     const auto t = args.dtype;
     std::vector<Future<void>> window;
     window.reserve(stream_window);
     if (r() == 0) {
       for (int i = 0; i < stream_window; ++i) window.push_back(group.send(ConstBufferView(send_from, count, t, where), 1));
-      (void)sync_wait(group.loop(), when_all(std::move(window)));
+      wait_window(window);
       group.recv(BufferView(receive_into, 0, t, where), 1).get();
     } else if (r() == 1) {
       for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t, where), 0));
-      (void)sync_wait(group.loop(), when_all(std::move(window)));
+      wait_window(window);
       group.send(ConstBufferView(receive_into, 0, t, where), 0).get();
     }
   }

@@ -206,6 +206,15 @@ struct Loop::Impl {
   // thread tick 2000 times a second, most of the CPU such a rank used (issue 15). Once a borrow is this
   // old the parked thread looks only every long_tick, and the borrower wakes it when it hands back.
   // Short borrows (back-to-back blocking calls) keep the short tick and the hand-back without a wake.
+  // A borrower that hands back with operations in flight wakes the parked thread, which then waits this
+  // much longer before it drives them: a thread waiting on several Futures one after the other (`for
+  // (auto& f : window) f.get()`, Python's `for w in works: w.wait()`) borrows again within
+  // microseconds, and a parked thread is taken back for the price of a lock, where one that already
+  // runs must first be parked again (about 2-3 us a message over shm, bench/RESULTS.md). What a caller
+  // leaves in flight while it computes starts moving this much later.
+  static constexpr std::chrono::microseconds hand_back_grace{50};
+  Clock::time_point grace_until{};  // guarded by driver_mutex
+  bool grace_waiting = false;        // guarded by driver_mutex: the parked thread waits for grace_until
   static constexpr std::chrono::milliseconds long_borrow{5};
   static constexpr std::chrono::milliseconds long_tick{50};
 
@@ -215,9 +224,16 @@ struct Loop::Impl {
     parked_flag.store(true, std::memory_order_release);
     driver_cv.notify_all();
     while (!stopping.load()) {
-      if (!borrow_wanted && (std::exchange(drive_now, false) || in_flight.load(std::memory_order_relaxed) > 0 ||
-                             Clock::now() - handed_back >= linger)) {
-        break;
+      if (!borrow_wanted) {
+        const auto now = Clock::now();
+        const bool in_flight_now = in_flight.load(std::memory_order_relaxed) > 0;
+        if (std::exchange(drive_now, false) || (in_flight_now && now >= grace_until) || now - handed_back >= linger) break;
+        if (in_flight_now) {  // a borrower just handed back with work in flight: its next wait may come
+          grace_waiting = true;
+          driver_cv.wait_until(lock, grace_until);
+          grace_waiting = false;
+          continue;
+        }
       }
       const bool long_borrowed = borrow_wanted && Clock::now() - borrowed_at >= long_borrow;
       if (long_borrowed) {
@@ -597,7 +613,11 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     im.borrow_flag.store(false, std::memory_order_release);
     im.handed_back = Impl::Clock::now();
     if (std::exchange(im.refused_meanwhile, false)) im.drive_now = true;
-    wake = im.in_flight.load(std::memory_order_relaxed) > 0 || im.handed_back - im.borrowed_at >= Impl::long_borrow || im.drive_now;
+    const bool in_flight = im.in_flight.load(std::memory_order_relaxed) > 0;
+    // A parked thread already waiting out a grace (an earlier hand-back of a series woke it) only needs
+    // the grace moved: it looks at grace_until again when its wait ends. No wake then.
+    if (in_flight) im.grace_until = im.handed_back + Impl::hand_back_grace;
+    wake = (in_flight && !im.grace_waiting) || im.handed_back - im.borrowed_at >= Impl::long_borrow || im.drive_now;
   }
   // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it now. A
   // long borrow wakes it too: it sleeps a long tick meanwhile, and must look again within `linger`.
