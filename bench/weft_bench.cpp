@@ -427,9 +427,9 @@ struct Case {
     }
   }
 
-  // The same, the window waited on by this thread at once (when_all, as osu_bw's MPI_Waitall): one
-  // wait for all, not one per Future (each of which would hand the loop back while the others are in
-  // flight: docs/DESIGN.md, "Caller-driven progress").
+  // The window waited on by this thread: at once (when_all, as osu_bw's MPI_Waitall), or with
+  // --wait-each one Future after the other, each wait handing the loop back while the others are in
+  // flight (docs/DESIGN.md, "Caller-driven progress").
   void wait_window(std::vector<Future<void>>& window) {
     if (args.wait_each) {
       for (auto& f : window) f.get();
@@ -438,6 +438,7 @@ struct Case {
     }
   }
 
+  // The same as stream, waited on from this thread.
   void stream_waited(const std::byte* send_from, std::byte* receive_into) {
     const auto t = args.dtype;
     std::vector<Future<void>> window;

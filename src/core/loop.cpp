@@ -206,6 +206,8 @@ struct Loop::Impl {
   // thread tick 2000 times a second, most of the CPU such a rank used (issue 15). Once a borrow is this
   // old the parked thread looks only every long_tick, and the borrower wakes it when it hands back.
   // Short borrows (back-to-back blocking calls) keep the short tick and the hand-back without a wake.
+  static constexpr std::chrono::milliseconds long_borrow{5};
+  static constexpr std::chrono::milliseconds long_tick{50};
   // A borrower that hands back with operations in flight wakes the parked thread, which then waits this
   // much longer before it drives them: a thread waiting on several Futures one after the other (`for
   // (auto& f : window) f.get()`, Python's `for w in works: w.wait()`) borrows again within
@@ -215,8 +217,6 @@ struct Loop::Impl {
   static constexpr std::chrono::microseconds hand_back_grace{50};
   Clock::time_point grace_until{};  // guarded by driver_mutex
   bool grace_waiting = false;        // guarded by driver_mutex: the parked thread waits for grace_until
-  static constexpr std::chrono::milliseconds long_borrow{5};
-  static constexpr std::chrono::milliseconds long_tick{50};
 
   void park() {
     std::unique_lock lock(driver_mutex);
@@ -619,8 +619,9 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     if (in_flight) im.grace_until = im.handed_back + Impl::hand_back_grace;
     wake = (in_flight && !im.grace_waiting) || im.handed_back - im.borrowed_at >= Impl::long_borrow || im.drive_now;
   }
-  // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it now. A
-  // long borrow wakes it too: it sleeps a long tick meanwhile, and must look again within `linger`.
+  // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it, to drive
+  // after the grace unless borrowed again. A long borrow wakes it too: it sleeps a long tick meanwhile,
+  // and must look again within `linger`.
   if (wake) im.driver_cv.notify_all();
   return driving;
 }
