@@ -246,6 +246,29 @@ struct Loop::Impl {
     parked_flag.store(false, std::memory_order_release);
   }
 
+  // A borrower lets go (drive_until, run_here). The parked thread is woken when a thread was refused a
+  // borrow meanwhile (it sleeps on its Future: drive for it now), after a long borrow (it sleeps a long
+  // tick meanwhile, and must look again within `linger`), and, with `grace_in_flight`, when operations
+  // are in flight, to drive them after the grace unless borrowed again; a parked thread already waiting
+  // out a grace (an earlier hand-back of a series woke it) only needs the grace moved: it looks at
+  // grace_until again when its wait ends. Otherwise it lingers and looks again on its own.
+  void hand_back(bool grace_in_flight) {
+    bool wake = false;
+    {
+      std::lock_guard lock(driver_mutex);
+      borrow_wanted = false;
+      borrow_flag.store(false, std::memory_order_release);
+      handed_back = Clock::now();
+      if (std::exchange(refused_meanwhile, false)) drive_now = true;
+      if (grace_in_flight && in_flight.load(std::memory_order_relaxed) > 0) {
+        grace_until = handed_back + hand_back_grace;
+        wake = !grace_waiting;
+      }
+      wake = wake || handed_back - borrowed_at >= long_borrow || drive_now;
+    }
+    if (wake) driver_cv.notify_all();
+  }
+
   // What is posted to a loop that owns its thread (Loop::post, from any thread): taken by the next turn
   // without entering the kernel (an Asio post is only seen by io_context::poll, and every poll is an
   // epoll_wait: a system call per collective started from a waiting thread, about a third of a small
@@ -606,23 +629,7 @@ bool Loop::drive_until(const std::function<bool()>& done) {
     auto last_work = Impl::Clock::now();
     while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(50), &done);
   }
-  bool wake = false;
-  {
-    std::lock_guard lock(im.driver_mutex);
-    im.borrow_wanted = false;
-    im.borrow_flag.store(false, std::memory_order_release);
-    im.handed_back = Impl::Clock::now();
-    if (std::exchange(im.refused_meanwhile, false)) im.drive_now = true;
-    const bool in_flight = im.in_flight.load(std::memory_order_relaxed) > 0;
-    // A parked thread already waiting out a grace (an earlier hand-back of a series woke it) only needs
-    // the grace moved: it looks at grace_until again when its wait ends. No wake then.
-    if (in_flight) im.grace_until = im.handed_back + Impl::hand_back_grace;
-    wake = (in_flight && !im.grace_waiting) || im.handed_back - im.borrowed_at >= Impl::long_borrow || im.drive_now;
-  }
-  // Nothing left to run: let the parked thread linger (it looks again on its own); else wake it, to drive
-  // after the grace unless borrowed again. A long borrow wakes it too: it sleeps a long tick meanwhile,
-  // and must look again within `linger`.
-  if (wake) im.driver_cv.notify_all();
+  im.hand_back(true);
   return driving;
 }
 
@@ -650,22 +657,10 @@ bool Loop::run_here(void (*fn)(void*), void* arg) {
     im.run_ready();
     fn(arg);
   }
-  bool wake = false;
-  {
-    std::lock_guard lock(im.driver_mutex);
-    im.borrow_wanted = false;
-    im.borrow_flag.store(false, std::memory_order_release);
-    im.handed_back = Impl::Clock::now();
-    // No wake for what fn left in flight: the caller usually waits on it next (a borrow of a parked
-    // thread is cheap; one that must first park a running thread costs microseconds), and the parked
-    // thread looks on its own within its tick, as for a post. But a thread refused a borrow meanwhile
-    // sleeps on its Future: the progress thread must drive for it now.
-    if (std::exchange(im.refused_meanwhile, false)) im.drive_now = true;
-    // (A start that ran past long_borrow moved the parked thread to its long tick: wake it, as a
-    // borrower does.)
-    wake = im.drive_now || im.handed_back - im.borrowed_at >= Impl::long_borrow;
-  }
-  if (wake) im.driver_cv.notify_all();
+  // No grace for what fn left in flight: the caller usually waits on it next (a borrow of a parked thread
+  // is cheap; one that must first park a running thread costs microseconds), and the parked thread looks
+  // on its own within its tick, as for a post.
+  im.hand_back(false);
   return true;
 }
 
