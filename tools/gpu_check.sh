@@ -114,6 +114,17 @@ WEFT_GPU=cuda WEFT_STAGING_COPY_BYTES=0 limit 40 "$build/bench/weft-gpu-bench" -
   > "$out/gpu_bench_serial_staging.txt" 2>&1
 step "weft-gpu-bench (serial staging)" $?
 grep all_reduce "$out/gpu_bench_serial_staging.txt"
+# Pageable copies with the host's half on one thread (WEFT_COPY_THREADS=1, before 2026-11-27) against the
+# default split (src/devices/host_copy.cpp), interleaved, the copies only.
+for round in 1 2 3; do
+  for threads in 1 default; do
+    if [ $threads = default ]; then unset WEFT_COPY_THREADS; else export WEFT_COPY_THREADS=$threads; fi
+    WEFT_GPU=cuda limit 20 "$build/bench/weft-gpu-bench" --runs 200 > "$out/gpu_bench_copy_threads_${threads}_$round.txt" 2>&1
+    step "weft-gpu-bench (copy threads $threads, round $round)" $?
+    grep -E 'pageable|memcpy' "$out/gpu_bench_copy_threads_${threads}_$round.txt" | sed "s/^/threads=$threads round=$round /"
+  done
+done
+unset WEFT_COPY_THREADS
 # nccl-tests' columns on device buffers: 2 processes sharing the GPU(s), all_reduce and broadcast up to 256 MiB.
 for c in all_reduce broadcast; do
   WEFT_GPU=cuda WEFT_TRANSPORT=tcp limit 45 "$build/tools/weft-run" -n 2 -- "$build/bench/weft-bench" --device -c "$c" -b 8 -e 256M -f 4 \

@@ -28,6 +28,7 @@
 #include <weft/gpu.hpp>
 #include <weft/weft.hpp>
 
+#include "devices/host_copy.hpp"
 #include "devices/peer_window.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "support/check_data.hpp"
@@ -271,6 +272,41 @@ TEST_CASE("copies: host to device to device to host, of 0, 1, odd and 64 MiB byt
     s1.copy(bytes_of(again), pinned.view(DType::u8)).get();
     CHECK(again == data);
   }
+}
+
+TEST_CASE("host_copy: a large host copy split over threads equals memcpy, at any size and alignment, from several callers at once", "[gpu][copy]") {
+  // The host's half of a staged pageable copy (device.cpp): no backend needed.
+  INFO(gpu::detail::host_copy_threads() << " threads");
+  const std::size_t from = gpu::detail::host_copy_split_from;
+  for (std::size_t n : {std::size_t(0), std::size_t(1), from - 1, from, from + 4097, (std::size_t(5) << 20) + 3,
+                        (std::size_t(17) << 20) + 1}) {
+    for (std::size_t offset : {std::size_t(0), std::size_t(1), std::size_t(63)}) {
+      INFO(n << " bytes at offset " << offset);
+      const auto data = random_bytes(n + offset, static_cast<unsigned>(n + offset));
+      std::vector<std::byte> out(n + 2 * offset + 2, std::byte{0x5a});
+      gpu::detail::host_copy(out.data() + offset + 1, data.data() + offset, n);
+      CHECK(std::memcmp(out.data() + offset + 1, data.data() + offset, n) == 0);
+      // Not a byte outside the destination.
+      CHECK(std::all_of(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(offset + 1), [](std::byte b) { return b == std::byte{0x5a}; }));
+      CHECK(std::all_of(out.begin() + static_cast<std::ptrdiff_t>(offset + 1 + n), out.end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+    }
+  }
+  // Four callers at once, each its own buffers: every part of every copy lands, and every call returns.
+  std::vector<std::thread> callers;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([t, &wrong] {
+      const auto data = random_bytes((std::size_t(9) << 20) + static_cast<std::size_t>(t), 100 + static_cast<unsigned>(t));
+      std::vector<std::byte> out(data.size());
+      for (int round = 0; round < 5; ++round) {
+        std::fill(out.begin(), out.end(), std::byte{0});
+        gpu::detail::host_copy(out.data(), data.data(), data.size());
+        if (out != data) ++wrong;
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  CHECK(wrong == 0);
 }
 
 TEST_CASE("copies: to_device and to_host, and copies queued back to back without waiting", "[gpu]") {
