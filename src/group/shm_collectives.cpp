@@ -1,7 +1,8 @@
 // The direct shared-memory collectives (shm_collectives.hpp): one script per collective, each a
 // sequence of supersteps on the group arena (write my area, publish, wait, read theirs). Large buffers
 // go in chunks of one area. Every rank folds in rank order, so a reduction gives the same bits on every
-// rank, and deterministic mode is met as it stands.
+// rank, and deterministic mode is met as it stands. A broadcast small enough for a box slot is no
+// superstep: the root writes its slot and goes on, the readers copy from it (box_broadcast).
 //
 // A collective of one superstep whose turn has come runs on the caller's thread (run_on_arena_now): it
 // writes, publishes and polls the other ranks' counts there for a short while, and when they all came
@@ -77,15 +78,98 @@ class ArenaRun final : public shm::Arena::Waiter {
   bool interrupted() override {
     if (g_.failed.load(std::memory_order_relaxed) || g_.transport->context_failed(g_.context, nullptr, nullptr)) return true;
     if (!cancelled_ && (hook_->cancelled || g_.transport->operation_cancelled(g_.context, seq_, nullptr))) return true;
+    if (!cancelled_ && (box_mismatch_ = box_conflict()) >= 0) return true;
     // A rank that left the group normally (its Group closed) does not fail the context by itself: a
     // rank that waits on it must (the framed transport fails such a receive the same way).
     for (int r = 0; r < g_.size; ++r) {
-      if (r != g_.rank && arena_.behind(r) && !g_.transport->connected(g_.members[static_cast<std::size_t>(r)])) {
+      if (arena_.waits_on(r) && !g_.transport->connected(g_.members[static_cast<std::size_t>(r)])) {
         departed_ = r;
         return true;
       }
     }
     return false;
+  }
+
+  // What the wait waits for: every rank's superstep, or (box broadcasts) a root's stamp or a free slot.
+  bool ready(const shm::Arena& arena) override {
+    switch (waiting_) {
+      case shm::Arena::Waiting::slot: return arena.stamped(root_);
+      case shm::Arena::Waiting::free_slot: return arena.slot_free();
+      case shm::Arena::Waiting::step: break;
+    }
+    return arena.reached();
+  }
+
+  /// A rank whose arena words say it called something else where this rank is now (arena.hpp, "Boxes");
+  /// -1 when none does. Any thread (memory only).
+  int box_conflict() const { return waiting_ == shm::Arena::Waiting::step ? step_conflict() : conflict_in_box(); }
+  /// In a superstep: a rank behind it that stamped this rank's next box broadcast. (The stamp is read
+  /// first: a rank that stamped after publishing this superstep is then seen to have published it.)
+  int step_conflict() const {
+    for (int r = 0; r < g_.size; ++r) {
+      if (r != g_.rank && arena_.stamped(r) && arena_.behind(r)) return r;
+    }
+    return -1;
+  }
+  /// In a box broadcast (box_root given), before this rank stamped or read a slot: another root of it, or
+  /// a rank in a superstep past it, which it could not have reached without the slot this rank waits for
+  /// (read after the superstep, so that a rank that published it after the slot is seen to have).
+  int conflict_in_box() const {
+    const bool root = root_ == g_.rank;
+    for (int r = 0; r < g_.size; ++r) {
+      if (r == g_.rank) continue;
+      if (r != root_ && arena_.stamped(r)) return r;
+      if (arena_.ahead(r) && (root ? arena_.slot_in_use_by(r) : !arena_.stamped(root_))) return r;
+    }
+    return -1;
+  }
+  /// After this rank stamped its slot as the root: another rank that stamped the same box broadcast.
+  int other_root() const {
+    for (int r = 0; r < g_.size; ++r) {
+      if (r != g_.rank && arena_.stamped(r)) return r;
+    }
+    return -1;
+  }
+
+  /// Box broadcasts: this rank is the root (or a reader of `root`) of the one it is in.
+  void box_root(int root) noexcept { root_ = root; }
+  /// Writes this rank's slot (the contents unless cancelled; the header naming the operation) and stamps
+  /// it. The root's first step.
+  void write_slot(const CollectiveCall& call) {
+    shm::AreaHeader& mine = arena_.slot_header(g_.rank);
+    if (!cancelled_) std::memcpy(arena_.slot_data(g_.rank), call.out.data, call.out.bytes());
+    mine.seq = seq_;
+    mine.count = signature_.count;
+    mine.call = signature_.call;
+    mine.step = 0;
+    mine.flags = cancelled_ ? shm::area_cancelled : 0;
+    arena_.stamp_slot();
+    published_ = 1;
+  }
+  /// Whether the root's stamped slot names another operation than this one (cancelled or not).
+  bool slot_disagrees() const {
+    const shm::AreaHeader& theirs = arena_.slot_header(root_);
+    return theirs.seq != seq_ || OpSignature{theirs.call, theirs.count} != signature_ || theirs.step != 0;
+  }
+  bool slot_cancelled() const { return (arena_.slot_header(root_).flags & shm::area_cancelled) != 0; }
+  /// Ends this rank's part of the box broadcast (and remembers it, for a later mismatch report).
+  void finish_box() {
+    arena_.finish_box();
+    g_.last_box_seq = seq_;
+    g_.last_box_signature = signature_;
+  }
+
+  /// Waits for the root's stamp (`slot`) or for a slot this rank may write (`free_slot`); throws as
+  /// wait() does, a box conflict being a mismatch. Loop thread.
+  Task<void> wait_box(shm::Arena::Waiting what) {
+    waiting_ = what;
+    arena_.waiting_for(what, root_);
+    co_await arena_.until_ready(*this);
+    const bool ready_now = ready(arena_);
+    const bool interrupted_now = interrupted();
+    waiting_ = shm::Arena::Waiting::step;
+    arena_.waiting_for(shm::Arena::Waiting::step);
+    if (!ready_now || interrupted_now) throw_interruption();
   }
 
   shm::Arena& arena() noexcept { return arena_; }
@@ -159,6 +243,7 @@ class ArenaRun final : public shm::Arena::Waiter {
     }
   }
 
+ public:
   // Another rank's header says so before this rank's transport did (its cancel frame is on its way).
   [[noreturn]] void throw_cancelled_in_arena(int r) const {
     std::string reason;
@@ -168,11 +253,13 @@ class ArenaRun final : public shm::Arena::Waiter {
     detach(reason);
   }
 
+ private:
   [[noreturn]] void throw_interruption() {
     std::string reason;
     if (!cancelled_ && hook_->cancelled) detach(fmt::format("rank {} cancelled {} #{}", g_.rank, op_, seq_));
     if (!cancelled_ && g_.transport->operation_cancelled(g_.context, seq_, &reason)) detach(reason);
     std::error_code code;
+    if (box_mismatch_ >= 0 && !g_.transport->context_failed(g_.context, nullptr, nullptr)) throw_box_mismatch(box_mismatch_);
     if (departed_ >= 0 && !g_.transport->context_failed(g_.context, nullptr, nullptr)) {
       reason = fmt::format("rank {} left the group (its connection closed) while rank {} waited for it in {} #{}", departed_,
                            g_.rank, op_, seq_);
@@ -190,11 +277,23 @@ class ArenaRun final : public shm::Arena::Waiter {
     throw_error(Errc::group_failed, g_.where(op_, static_cast<std::int64_t>(seq_)), failure);
   }
 
-  [[noreturn]] void throw_mismatch(int r) const {
-    const shm::AreaHeader& theirs = arena_.header(r);
+  // (A rank that stamped this rank's next box broadcast called that where this rank is in a superstep.)
+  [[noreturn]] void throw_mismatch(int r) const { throw_mismatch(r, arena_.stamped(r) ? arena_.slot_header(r) : arena_.header(r)); }
+
+ public:
+  /// Rank r called something else where this rank is now, as its slot or its next area says.
+  [[noreturn]] void throw_box_mismatch(int r) const {
+    throw_mismatch(r, arena_.stamped(r) ? arena_.slot_header(r) : arena_.ahead_header(r));
+  }
+
+ private:
+  [[noreturn]] void throw_mismatch(int r, const shm::AreaHeader& theirs) const {
+    // A rank still at the box broadcast this rank finished before this operation called something else there.
+    const bool at_last_box = theirs.seq != seq_ && theirs.seq == g_.last_box_seq;
     const std::string reason =
         fmt::format("rank {} called {} while rank {} called {} (seen in the group's shared-memory arena)", r,
-                    signature::describe(OpSignature{theirs.call, theirs.count}, theirs.seq), g_.rank, signature::describe(signature_, seq_));
+                    signature::describe(OpSignature{theirs.call, theirs.count}, theirs.seq), g_.rank,
+                    at_last_box ? signature::describe(g_.last_box_signature, g_.last_box_seq) : signature::describe(signature_, seq_));
     g_.transport->abort_context(g_.context, Errc::mismatch, reason);
     throw_error(Errc::mismatch, g_.where(op_, static_cast<std::int64_t>(seq_), r), reason);
   }
@@ -206,8 +305,11 @@ class ArenaRun final : public shm::Arena::Waiter {
   OpSignature signature_;
   std::shared_ptr<Hook> hook_;
   int departed_ = -1;
+  int box_mismatch_ = -1;  // a box conflict found by interrupted()
   std::uint32_t published_ = 0;
   bool cancelled_ = false;
+  shm::Arena::Waiting waiting_ = shm::Arena::Waiting::step;
+  int root_ = -1;  // box broadcasts: the root
 };
 
 // The chunks of `n` elements a script goes through when each rank writes `pieces` pieces of a chunk into
@@ -380,11 +482,43 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
   }
 }
 
+// A broadcast small enough for a box slot: the root does not wait for its readers (arena.hpp, "Boxes").
+bool in_box(const CollectiveCall& call) {
+  return call.collective == Collective::broadcast && call.out.bytes() <= shm::Arena::box_capacity;
+}
+
+// A box broadcast on the loop (`first_published`: the root's slot was written on the caller's thread).
+Task<void> box_broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {
+  shm::Arena& arena = run.arena();
+  run.box_root(call.root);
+  if (g.rank == call.root) {
+    if (!first_published) {
+      co_await run.wait_box(shm::Arena::Waiting::free_slot);
+      run.write_slot(call);
+    }
+    if (const int r = run.other_root(); r >= 0) run.throw_box_mismatch(r);
+    run.finish_box();
+    co_return;
+  }
+  co_await run.wait_box(shm::Arena::Waiting::slot);
+  if (run.slot_disagrees()) run.throw_box_mismatch(call.root);
+  if (run.slot_cancelled()) {
+    run.finish_box();  // nothing to read, and the slot is done with
+    run.throw_cancelled_in_arena(call.root);
+  }
+  std::memcpy(call.out.data, arena.slot_data(call.root), call.out.bytes());
+  run.finish_box();
+}
+
 // The collective's script. `first_published`: its first superstep was written and published already
 // (by run_on_arena_now, on the caller's thread).
 Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {
   if (!has_script(call.collective)) {
     throw std::logic_error(fmt::format("weft: {} has no direct shared-memory algorithm", to_string(call.collective)));
+  }
+  if (in_box(call)) {
+    co_await box_broadcast(run, g, call, first_published);
+    co_return;
   }
   const Chunks chunks = chunks_of(run.arena(), call, g.size);
   if (reduces_in_blocks(call)) {
@@ -438,6 +572,29 @@ std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int 
 // waited for, the others published as cancelled (headers only) and waited for, so that every rank's
 // count stays where the next collective expects it (arena.hpp, "Cancelling"). Holds the turn until then.
 // A failure ends it: the group's later collectives report it.
+// The same for a cancelled box broadcast (`box`: its number): unless it was finished, the root writes
+// its slot (marked cancelled, without contents) where it had not, a reader waits for the root's stamp;
+// both then finish it, so that every rank's box count stays where the next one expects it.
+Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature, int root,
+                                bool slot_written, std::uint64_t box, ArenaTicket ticket) {
+  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
+  run.mark_cancelled();
+  run.box_root(root);
+  try {
+    if (g->arena->box_count() == box) {
+      if (g->rank == root && !slot_written) {
+        co_await run.wait_box(shm::Arena::Waiting::free_slot);
+        run.write_slot(CollectiveCall{});
+      } else if (g->rank != root) {
+        co_await run.wait_box(shm::Arena::Waiting::slot);
+      }
+      run.finish_box();
+    }
+  } catch (...) {
+  }
+  ticket.leave();
+}
+
 Task<void> finish_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature,
                             std::uint32_t published, std::uint32_t steps, ArenaTicket ticket) {
   ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
@@ -464,6 +621,7 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
   auto hook = std::make_shared<Hook>();
   ArenaRun run(*g, seq, op, signature, hook);
   if (first_published) run.published_before(1);
+  const std::uint64_t box = g->arena->box_count();  // a box broadcast's number (the turn is this one's)
   std::exception_ptr failure;
   std::exception_ptr cancelled;
   {
@@ -490,7 +648,11 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
   g->arena_seq = 0;
   if (cancelled) {
     // The Future fails now; the supersteps left go on in the background, holding the turn.
-    (void)spawn(*g->loop, finish_cancelled(g, seq, op, signature, run.published(), steps_of(*g->arena, call, g->size), std::move(ticket)));
+    if (in_box(call)) {
+      (void)spawn(*g->loop, finish_box_cancelled(g, seq, op, signature, call.root, run.published() > 0, box, std::move(ticket)));
+    } else {
+      (void)spawn(*g->loop, finish_cancelled(g, seq, op, signature, run.published(), steps_of(*g->arena, call, g->size), std::move(ticket)));
+    }
     std::rethrow_exception(cancelled);
   }
   // Whatever happened, the next collective waiting for the arena gets its turn.
@@ -510,31 +672,59 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   if (chunks.count() != 1 || !has_script(call.collective)) return ArenaNow::not_started;
   const OpSignature signature = signature_of_call(call);
   const char* op = to_string(call.collective).data();
+  // Polls until `done` holds: memory only, bounded, as long as the loop would (not at all where it does
+  // not poll); a failed group ends it at once. Whether `done` held.
+  const auto poll_until = [&](const auto& done) {
+    const bool yielding = g.loop->polls_yielding();
+    const std::chrono::microseconds spin = g.loop->polls() ? inline_spin() : std::chrono::microseconds(0);
+    std::chrono::steady_clock::time_point until{};
+    for (std::uint32_t polls = 1; !done(); ++polls) {
+      if (polls % 64 != 0) continue;
+      if (failed()) return false;
+      const auto now = std::chrono::steady_clock::now();
+      if (until == std::chrono::steady_clock::time_point{}) until = now + spin;
+      if (now >= until) return false;
+      // With more busy threads than cores the ranks being waited for need this core.
+      if (yielding) std::this_thread::yield();
+    }
+    return true;
+  };
+  const auto finished = [&] {
+    ticket.leave();
+    g.transport->note_started(g.context, seq, signature);
+    return ArenaNow::done;
+  };
   // No hook: nothing here waits where a cancel could reach it (the loop's part makes its own).
   ArenaRun run(g, seq, op, signature, nullptr);
+  if (in_box(call)) {
+    // The root writes its slot once it is free and goes on; a reader takes the root's slot once it is
+    // stamped. Anything else (a slot not free or not stamped in time, a conflict, a failure) is the
+    // loop's: from the stamped slot for a root (it reports the conflict), from the start for a reader
+    // (it wrote nothing).
+    run.box_root(call.root);
+    if (g.rank == call.root) {
+      if (!poll_until([&] { return arena.slot_free(); })) return ArenaNow::not_started;
+      run.write_slot(call);
+      if (run.other_root() >= 0 || failed()) return ArenaNow::published;
+      run.finish_box();
+      return finished();
+    }
+    if (!poll_until([&] { return arena.stamped(call.root) || run.conflict_in_box() >= 0; }) || run.conflict_in_box() >= 0 ||
+        run.slot_disagrees() || run.slot_cancelled() || failed()) {
+      return ArenaNow::not_started;
+    }
+    std::memcpy(call.out.data, arena.slot_data(call.root), call.out.bytes());
+    run.finish_box();
+    return finished();
+  }
   write_chunk(run, g, call, chunks, 0);
   run.publish(0);
-  // Poll the counts: memory only, bounded, as long as the loop would (not at all where it does not
-  // poll); a failed group ends it at once.
-  const bool yielding = g.loop->polls_yielding();
-  const std::chrono::microseconds spin = g.loop->polls() ? inline_spin() : std::chrono::microseconds(0);
-  std::chrono::steady_clock::time_point until{};
-  for (std::uint32_t polls = 1; !arena.reached(); ++polls) {
-    if (polls % 64 != 0) continue;
-    if (failed()) break;
-    const auto now = std::chrono::steady_clock::now();
-    if (until == std::chrono::steady_clock::time_point{}) until = now + spin;
-    if (now >= until) break;
-    // With more busy threads than cores the ranks being waited for need this core.
-    if (yielding) std::this_thread::yield();
-  }
+  poll_until([&] { return arena.reached(); });
   // Otherwise the loop goes on from the published step: the wait, its deadline, the cancel, the reports.
   if (!arena.reached() || run.disagreeing(0) >= 0 || failed()) return ArenaNow::published;
   read_chunk(run, g, call, chunks, 0);
   finish_call(g, call);
-  ticket.leave();
-  g.transport->note_started(g.context, seq, signature);
-  return ArenaNow::done;
+  return finished();
 }
 
 }  // namespace weft::detail

@@ -3,9 +3,10 @@
 // group whose ranks all live on one host through the group arena (transports/shm/arena.hpp) instead of
 // messages: every rank writes its part into its own area, publishes, waits for the others' step, and
 // reads what it needs straight from their areas (no frames, no matching, no per-message copy through a
-// ring). Mismatch detection (each area's header names the operation), deadlines, cancellation and
-// failures are kept; a cancelled operation makes the group leave the arena (arena.hpp says why), and
-// its later collectives run over the framed transport.
+// ring). Small broadcasts go through the root's box instead, and the root does not wait for its readers
+// (arena.hpp, "Boxes"). Mismatch detection (each area's and slot's header names the operation),
+// deadlines, cancellation and failures are kept; a cancelled operation's remaining steps are finished in
+// the background, so that every rank stays in the arena (arena.hpp, "Cancelling").
 #include <cstdint>
 #include <memory>
 #include <utility>

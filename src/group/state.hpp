@@ -245,6 +245,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   std::uint64_t device_windows_seq = 0;  // the all_reduce whose kernel runs on device windows now (0: none), likewise
   // ---- the holder of the arena's turn (either thread): the scripts' fold inputs (no allocation per call)
   std::vector<const std::byte*> arena_sources;
+  // The last box broadcast this rank finished (shm_collectives.cpp): a rank that went on from it to a
+  // superstep and meets a rank still at it names it in the mismatch, not the superstep's own call.
+  std::uint64_t last_box_seq = 0;
+  OpSignature last_box_signature{};
   // ---- callers and the loop
   ArenaTurns arena_turns;
 

@@ -283,6 +283,23 @@ TEST_CASE("ranks that call different collectives as the same operation fail, nam
     expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(a) : g.all_gather(a, b); },
                     {"rank 1 called all_gather #1 (f32 x 1024)", "rank 0 called all_reduce #1 (f32 x 1024, sum)"});
   }
+  // Small broadcasts over shm go through the root's box and do not wait for anyone (arena.hpp, "Boxes"):
+  // the root may finish, and the rank in the all_reduce finds its stamp, or the reader finds the root in a
+  // superstep. (A buffer per rank: the ranks are threads of this process, and readers write theirs.)
+  std::vector<std::vector<float>> small(3, std::vector<float>(8, 1.0f));
+  const auto mine = [&](const Group& g) -> std::vector<float>& { return small[static_cast<std::size_t>(g.rank())]; };
+  SECTION("a small broadcast's root against an all_reduce") {
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.broadcast(mine(g), 0) : g.all_reduce(mine(g)); },
+                    {"broadcast #1 (f32 x 8, root 0)", "all_reduce #1 (f32 x 8, sum)"}, true);
+  }
+  SECTION("a small broadcast's reader against an all_reduce") {
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.broadcast(mine(g), 1) : g.all_reduce(mine(g)); },
+                    {"broadcast #1 (f32 x 8, root 1)", "all_reduce #1 (f32 x 8, sum)"}, true);
+  }
+  SECTION("3 ranks: a small broadcast's root and reader against an all_reduce") {
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(mine(g)) : g.broadcast(mine(g), 1); },
+                    {"#1"}, true, 3);
+  }
 }
 
 TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails, or the next one says why", "[errors][mismatch]") {
@@ -300,17 +317,21 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
   SECTION("count") {
     expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(big) : g.all_reduce(f); }, {"all_reduce #1"}, false, 3);
   }
+  // A broadcast's buffer per rank: the ranks are threads of this process, and a reader writes its own
+  // (over shm a small broadcast's reader copies from its root's box while the roots read theirs).
+  std::vector<std::vector<float>> each(4, f);
+  const auto mine = [&](const Group& g) -> std::vector<float>& { return each[static_cast<std::size_t>(g.rank())]; };
   SECTION("root: the root alone says root 0, the others say root 1") {
-    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank() == 0 ? 0 : 1); }, {"broadcast #1"}, true, 3);
+    expect_mismatch([&](Group& g) { return g.broadcast(mine(g), g.rank() == 0 ? 0 : 1); }, {"broadcast #1"}, true, 3);
   }
   SECTION("root: every rank its own root (on 3 and 4 ranks the chain, where each rank then only sends)") {
-    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank()); }, {"broadcast #1"}, true, 3);
-    expect_mismatch([&](Group& g) { return g.broadcast(f, g.rank()); }, {"broadcast #1"}, true, 4);
+    expect_mismatch([&](Group& g) { return g.broadcast(mine(g), g.rank()); }, {"broadcast #1"}, true, 3);
+    expect_mismatch([&](Group& g) { return g.broadcast(mine(g), g.rank()); }, {"broadcast #1"}, true, 4);
   }
   SECTION("root: two ranks say root 2, two say root 0: nobody is a root to all of them, so nothing is sent") {
     // As for the reduce below: each rank waits for a rank that waits too, and the deadline's progress
     // answers carry each rank's call.
-    expect_mismatch([&](Group& g) { return g.with_timeout(1500ms).broadcast(f, g.rank() < 2 ? 2 : 0); },
+    expect_mismatch([&](Group& g) { return g.with_timeout(1500ms).broadcast(mine(g), g.rank() < 2 ? 2 : 0); },
                     {"broadcast #1", "root 2", "root 0"}, true, 4);
   }
   SECTION("root of a reduce: no rank sends anything to a rank that would notice, so the deadline says it") {
@@ -523,6 +544,39 @@ TEST_CASE("a cancelled collective is cancelled on every rank, and the group goes
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a small broadcast cancelled while its root is late is cancelled on every rank, and small broadcasts go on", "[errors][cancel]") {
+  // Over shm a broadcast this small goes through the root's box (arena.hpp, "Boxes"): the readers wait
+  // for the root's slot, the cancel ends their wait, and the late root fails at once; every rank's box
+  // count must still agree for the broadcasts after it.
+  const long before = checks_made.load();
+  run_ranks(3, [&](Group& g) {
+    std::vector<float> x(6, g.rank() == 2 ? 5.0f : 0.0f);
+    if (g.rank() == 2) {
+      std::this_thread::sleep_for(500ms);
+      expect_error([&] { g.broadcast(x, 2).get(); }, Errc::cancelled, {"rank 0 cancelled broadcast #1"});
+    } else {
+      Future<void> f = g.broadcast(x, 2);
+      if (g.rank() == 0) {
+        std::this_thread::sleep_for(50ms);
+        f.cancel();
+      }
+      check(f.wait_for(15s), "the broadcast hung after rank 0 cancelled it");
+      expect_error([&] { f.get(); }, Errc::cancelled, {g.rank() == 0 ? "cancelled" : "rank 0 cancelled broadcast #1"});
+    }
+    for (int i = 0; i < 50; ++i) {
+      const int root = i % g.size();
+      std::vector<float> y(1 + i % 7, g.rank() == root ? static_cast<float>(i) : -1.0f);
+      g.broadcast(y, root).get();
+      check(std::all_of(y.begin(), y.end(), [&](float v) { return v == static_cast<float>(i); }),
+            fmt::format("broadcast {} after the cancelled one", i));
+    }
+    std::vector<float> z(3, static_cast<float>(g.rank() + 1));
+    g.all_reduce(z).get();
+    check(z[2] == 6.0f, "an all_reduce after the cancelled broadcast");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("a collective of several steps cancelled halfway, with one rank late, leaves the group right for every kind after it", "[errors][cancel]") {
   // Over shm the arena keeps every rank in it: each rank fails the cancelled collective and finishes its
   // supersteps in the background (docs/DESIGN.md, "Direct shm collectives"), so the ones after it find
@@ -562,7 +616,10 @@ TEST_CASE("a collective of several steps cancelled halfway, with one rank late, 
       // group that left the arena on a cancel stopped at 1 or 2). Read once all are done: nothing else
       // writes the count then.
       if (const auto& arena = g.state()->arena) {
-        check(arena->count() >= 20, fmt::format("only {} supersteps in the arena: the collectives after the cancel left it", arena->count()));
+        // (The small broadcast went through the root's box, not a superstep.)
+        check(arena->count() + arena->box_count() >= 20,
+              fmt::format("only {} supersteps and {} box broadcasts in the arena: the collectives after the cancel left it",
+                          arena->count(), arena->box_count()));
       }
     }, options);
   }
@@ -832,6 +889,17 @@ TEST_CASE("a collective past its deadline fails on every rank, naming whom it wa
       }
     }, options);
     harness_caller_drives = true;
+  }
+  SECTION("3 ranks, a small broadcast's root late: the readers' report names it; a root waits for nobody") {
+    // Over shm this goes through the root's box (arena.hpp, "Boxes"): the readers wait for the root's
+    // slot, and the deadline's report names the root.
+    run_ranks(3, [](Group& g) {
+      std::vector<float> x(4, 1.0f);
+      if (g.rank() == 2) std::this_thread::sleep_for(2s);
+      Future<void> f = g.broadcast(x, 2);
+      check(f.wait_for(10s), "a broadcast past its deadline hung");
+      expect_error([&] { f.get(); }, {Errc::timeout, Errc::aborted, Errc::group_failed}, {"broadcast #1", "not joined: rank 2 ("});
+    }, options);
   }
   SECTION("4 ranks, rank 3 last into every collective, then busy: what it finished at the call counts as started") {
     // Arriving last, rank 3 finds every other rank's step published: over shm its collectives finish

@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "group/state.hpp"
 #include "support/harness.hpp"
 #include "transports/framed/framed_transport.hpp"
@@ -388,6 +390,78 @@ TEST_CASE("ranks of one host share a group arena, and its collectives match the 
         check(std::all_of(data.begin(), data.end(), [](std::int32_t v) { return v == 42; }), "broadcast from rank 1");
         g.barrier().get();
       }
+    }, options);
+    REQUIRE(checks_made.load() > before);
+  }
+}
+
+TEST_CASE("small broadcasts go through the roots' boxes: many more than a box holds, rotating roots, slow readers, in flight together", "[shm][arena][box]") {
+  // Every rank's box holds Arena::box_slots broadcasts: a root runs that far ahead of its slowest reader
+  // and then waits for it (on the loop), and the slots are reused many times over. Supersteps (all_reduce)
+  // interleave with them, and a window of broadcasts is issued before any is waited for.
+  Options options;
+  options.transport = "shm";
+  constexpr int rounds = 300;
+  for (int p : {2, 3, 4}) {
+    const long before = checks_made.load();
+    run_ranks(p, [&](Group& g) {
+      check(g.state()->arena != nullptr, "no group arena");
+      const std::uint64_t boxes_before = g.state()->arena->box_count();
+      const std::size_t most = shm::Arena::box_capacity / sizeof(float);
+      int boxed = 0;
+      for (int i = 0; i < rounds; ++i) {
+        const int root = (i * 7 + i / 5) % g.size();
+        const std::size_t count = static_cast<std::size_t>(i) % (most + 1);  // 0 .. a full slot
+        std::vector<float> data(count, -1.0f);
+        if (g.rank() == root) {
+          for (std::size_t k = 0; k < count; ++k) data[k] = static_cast<float>(i * 1000 + root * 100) + static_cast<float>(k);
+        }
+        // One rank now and then late by a few milliseconds: the roots fill their boxes and wait for it.
+        if (g.rank() == i % g.size() && i % 37 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+        g.broadcast(BufferView(data.data(), count, DType::f32), root).get();
+        ++boxed;
+        bool ok = true;
+        for (std::size_t k = 0; k < count; ++k) ok = ok && data[k] == static_cast<float>(i * 1000 + root * 100) + static_cast<float>(k);
+        check(ok, fmt::format("box broadcast {} of {} floats from rank {}", i, count, root));
+        if (i % 11 == 0) {
+          std::vector<float> x(5, static_cast<float>(g.rank() + 1));
+          g.all_reduce(x).get();
+          check(x[4] == static_cast<float>(g.size() * (g.size() + 1) / 2), "an all_reduce between the box broadcasts");
+        }
+      }
+      // A window in flight: 40 broadcasts issued, then waited for, each from its own buffer.
+      std::vector<std::vector<std::int32_t>> window(40, std::vector<std::int32_t>(9));
+      std::vector<Future<void>> futures;
+      for (int i = 0; i < 40; ++i) {
+        const int root = i % g.size();
+        auto& buffer = window[static_cast<std::size_t>(i)];
+        std::fill(buffer.begin(), buffer.end(), g.rank() == root ? i * 10 + root : -1);
+        futures.push_back(g.broadcast(BufferView(buffer.data(), buffer.size(), DType::i32), root));
+        ++boxed;
+      }
+      for (int i = 0; i < 40; ++i) {
+        check(futures[static_cast<std::size_t>(i)].wait_for(std::chrono::seconds(30)), "a broadcast of the window hung");
+        futures[static_cast<std::size_t>(i)].get();
+        const auto& buffer = window[static_cast<std::size_t>(i)];
+        check(std::all_of(buffer.begin(), buffer.end(), [&](std::int32_t v) { return v == i * 10 + i % g.size(); }),
+              fmt::format("broadcast {} of the window", i));
+      }
+      // One root far ahead: 3 box-fulls from rank 0 while the last rank starts late, so that rank 0 fills
+      // its box and waits (on the loop) for that rank to free each slot.
+      const int ahead = 3 * static_cast<int>(shm::Arena::box_slots);
+      if (g.rank() == g.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      int wrong = 0;
+      for (int i = 0; i < ahead; ++i) {
+        std::uint64_t word = g.rank() == 0 ? 0x5eed0000u + static_cast<std::uint64_t>(i) : 0;
+        g.broadcast(BufferView(&word, 1, DType::u64), 0).get();
+        ++boxed;
+        wrong += word == 0x5eed0000u + static_cast<std::uint64_t>(i) ? 0 : 1;
+      }
+      check(wrong == 0, fmt::format("{} of {} broadcasts from a root running ahead were wrong", wrong, ahead));
+      // They went through the boxes, not the supersteps.
+      g.barrier().get();
+      check(g.state()->arena->box_count() - boxes_before == static_cast<std::uint64_t>(boxed),
+            fmt::format("{} box broadcasts counted, {} made", g.state()->arena->box_count() - boxes_before, boxed));
     }, options);
     REQUIRE(checks_made.load() > before);
   }

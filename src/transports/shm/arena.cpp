@@ -20,8 +20,11 @@ std::size_t areas_offset(int ranks) noexcept {
 }
 // An area: its header's line, then its bytes (small contents on the header's line: arena.hpp).
 std::size_t stride_of(std::size_t area_bytes) noexcept { return round_up(64 + area_bytes, 4096); }
-std::size_t segment_bytes(int ranks, std::size_t area_bytes) noexcept {
+std::size_t boxes_offset(int ranks, std::size_t area_bytes) noexcept {
   return areas_offset(ranks) + 2 * static_cast<std::size_t>(ranks) * stride_of(area_bytes);
+}
+std::size_t segment_bytes(int ranks, std::size_t area_bytes) noexcept {
+  return boxes_offset(ranks, area_bytes) + static_cast<std::size_t>(ranks) * Arena::box_slots * Arena::box_slot_bytes;
 }
 
 }  // namespace
@@ -38,6 +41,7 @@ Arena::Arena(Segment segment, int ranks, int rank)
   area_stride_ = stride_of(area_bytes_);
   controls_ = reinterpret_cast<RankControl*>(base + controls_offset());
   areas_ = base + areas_offset(ranks);
+  boxes_ = base + boxes_offset(ranks, area_bytes_);
 }
 
 std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
@@ -49,6 +53,9 @@ std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
   auto arena = std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
   for (int r = 0; r < ranks; ++r) {
     for (std::uint64_t parity = 0; parity < 2; ++parity) new (&arena->header_at(r, parity)) AreaHeader{};
+    for (std::uint64_t slot = 0; slot < box_slots; ++slot) {
+      new (arena->boxes_ + (static_cast<std::size_t>(r) * box_slots + slot) * box_slot_bytes) AreaHeader{};
+    }
   }
   return arena;
 }
@@ -92,6 +99,17 @@ void Arena::publish() noexcept {
   wake_sleepers();
 }
 
+void Arena::stamp_slot() noexcept {
+  store_and_fence(slot_header(rank_).published, box_count_ + 1, std::memory_order_release);
+  wake_sleepers();
+}
+
+void Arena::finish_box() noexcept {
+  ++box_count_;
+  store_and_fence(control(rank_).box_done, box_count_, std::memory_order_release);
+  wake_sleepers();
+}
+
 void Arena::wake_sleepers() noexcept {
   for (int r = 0; r < ranks_; ++r) {
     if (r == rank_ || control(r).sleeping.load(std::memory_order_relaxed) == 0) continue;
@@ -107,7 +125,7 @@ void Arena::wake_sleepers() noexcept {
 std::vector<int> Arena::behind() const {
   std::vector<int> out;
   for (int r = 0; r < ranks_; ++r) {
-    if (behind(r)) out.push_back(r);
+    if (waits_on(r)) out.push_back(r);
   }
   return out;
 }

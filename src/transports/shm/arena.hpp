@@ -23,6 +23,20 @@
 // the counts once more; a publishing rank stores its count (in the area's header), fences, and writes
 // the eventfd of every peer whose sleeping word it finds set.
 //
+// Boxes (small broadcasts that do not wait for the readers, as vader's fast boxes): per rank a ring of
+// `box_slots` slots. The b-th small broadcast of the group (b counted alike on every rank) goes in slot
+// b % box_slots of its root's box: the root waits only until every rank finished broadcast b -
+// box_slots (the slot's last use: `box_done`, per rank, on its control line), writes the contents and the
+// header, stamps the slot b + 1 and goes on; a reader waits for that stamp, checks the header, copies and
+// publishes its own box_done = b + 1. So a root runs up to box_slots broadcasts ahead of its readers, and
+// readers that get their core late take several at once. Boxes and supersteps do not touch each other's
+// words: each rank runs its arena collectives in call order, so its box broadcasts and supersteps
+// interleave alike everywhere.
+// Mismatches nobody waits for: the slot b of a root that another rank also stamped (two ranks that each
+// believe they are the root: each stamps, fences and then looks at the others' slot b, so at least one of
+// them sees the other, as in the Dekker pair below); a rank in a superstep that finds a rank behind it with
+// a stamped slot b for the same operation; a reader whose root has published a superstep it has not.
+//
 // Cancelling: the ranks never leave the arena. A collective cancelled on one rank (its Future) is
 // cancelled on every rank (the transport's cancel frame, operation_cancelled): each fails its Future at
 // once and goes on with the collective's remaining supersteps in the background, headers only (marked
@@ -42,7 +56,7 @@
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
-inline constexpr std::uint32_t arena_version = 3;
+inline constexpr std::uint32_t arena_version = 4;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -53,6 +67,7 @@ struct alignas(64) ArenaHeader {  // written once by the rank that makes the seg
 
 struct alignas(64) RankControl {
   std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
+  std::atomic<std::uint64_t> box_done{0};  // the box broadcasts this rank finished (release)
 };
 
 // What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
@@ -119,12 +134,68 @@ class Arena : public std::enable_shared_from_this<Arena> {
   }
   /// How many of an area's bytes share the cache line of its header.
   static constexpr std::size_t bytes_beside_header = 64 - sizeof(AreaHeader);
+  /// The ranks this rank waits for now (for reports): those behind its superstep, the root whose slot is
+  /// not stamped yet, or the ranks that have not finished the last use of the slot it is to write.
   std::vector<int> behind() const;
 
-  /// What waits for the superstep: resumed when every rank reached it, or when interrupted() (a failure,
-  /// a deadline, a cancel: it decides) becomes true. Loop thread only; one at a time.
+  // ---- box broadcasts (the header comment): slot b % box_slots of a rank's box
+  static constexpr std::uint64_t box_slots = 256;
+  static constexpr std::size_t box_slot_bytes = 256;
+  /// The most a box broadcast carries (a slot less its header).
+  static constexpr std::size_t box_capacity = box_slot_bytes - sizeof(AreaHeader);
+  /// Box broadcasts this rank finished (as root or reader); the next one is number box_count().
+  std::uint64_t box_count() const noexcept { return box_count_; }
+  /// Rank r's slot for this rank's next box broadcast, its header and contents.
+  AreaHeader& slot_header(int r) const noexcept { return *reinterpret_cast<AreaHeader*>(slot_at(r)); }
+  std::byte* slot_data(int r) const noexcept { return slot_at(r) + sizeof(AreaHeader); }
+  /// Whether rank r stamped its slot for this rank's next box broadcast.
+  bool stamped(int r) const noexcept { return slot_header(r).published.load(std::memory_order_acquire) == box_count_ + 1; }
+  /// Whether rank r has not finished the last use of this rank's slot for its next box broadcast
+  /// (box broadcast box_count() - box_slots).
+  bool slot_in_use_by(int r) const noexcept {
+    return control(r).box_done.load(std::memory_order_acquire) + box_slots < box_count_ + 1;
+  }
+  /// Whether this rank may write its slot for its next box broadcast: every rank finished the slot's last use.
+  bool slot_free() const noexcept {
+    if (box_count_ < box_slots) return true;
+    for (int r = 0; r < ranks_; ++r) {
+      if (r != rank_ && slot_in_use_by(r)) return false;
+    }
+    return true;
+  }
+  /// Stamps this rank's slot (written before), fences (so that a look at the other ranks' slots after it
+  /// is ordered after it), and wakes the ranks that sleep.
+  void stamp_slot() noexcept;
+  /// Ends this rank's box broadcast (box_done = box_count() + 1, fenced) and wakes the ranks that sleep
+  /// (a root may wait for it to reuse a slot).
+  void finish_box() noexcept;
+  /// Whether rank r has published a superstep that this rank has not, and that superstep's header.
+  bool ahead(int r) const noexcept { return header_at(r, count_ & 1).published.load(std::memory_order_acquire) > count_; }
+  const AreaHeader& ahead_header(int r) const noexcept { return header_at(r, count_ & 1); }
+
+  /// What this rank waits for in the arena now (for the deadline's report: arena.hpp's behind()).
+  enum class Waiting { step, slot, free_slot };
+  void waiting_for(Waiting what, int root = -1) noexcept {
+    waiting_ = what;
+    waiting_root_ = root;
+  }
+  /// Whether this rank waits for rank r now (waiting_for: a step, a root's slot, a slot to reuse).
+  bool waits_on(int r) const noexcept {
+    if (r == rank_) return false;
+    switch (waiting_) {
+      case Waiting::slot: return r == waiting_root_ && !stamped(r);
+      case Waiting::free_slot: return slot_in_use_by(r);
+      case Waiting::step: break;
+    }
+    return behind(r);
+  }
+
+  /// What waits in the arena: resumed when ready() holds (by default: every rank reached this rank's
+  /// superstep), or when interrupted() (a failure, a deadline, a cancel: it decides) becomes true. Loop
+  /// thread only; one at a time.
   struct Waiter {
     virtual bool interrupted() = 0;
+    virtual bool ready(const Arena& arena) { return arena.reached(); }
     std::coroutine_handle<> handle;
 
    protected:
@@ -133,7 +204,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   struct Awaiter {
     Arena* arena;
     Waiter* waiter;
-    bool await_ready() const noexcept { return arena->reached() || waiter->interrupted(); }
+    bool await_ready() const noexcept { return waiter->ready(*arena) || waiter->interrupted(); }
     void await_suspend(std::coroutine_handle<> h) noexcept {
       waiter->handle = h;
       arena->waiter_ = waiter;
@@ -141,6 +212,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
     void await_resume() const noexcept {}
   };
   Awaiter until_reached(Waiter& waiter) noexcept { return Awaiter{this, &waiter}; }
+  /// The same, for whatever `waiter`'s ready() says.
+  Awaiter until_ready(Waiter& waiter) noexcept { return Awaiter{this, &waiter}; }
 
   // The loop's poller calls, on its thread.
   std::size_t poll();
@@ -157,8 +230,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
     return line_at(r, parity) + (bytes <= bytes_beside_header ? sizeof(AreaHeader) : 64);
   }
   AreaHeader& header_at(int r, std::uint64_t parity) const noexcept { return *reinterpret_cast<AreaHeader*>(line_at(r, parity)); }
+  std::byte* slot_at(int r) const noexcept {
+    return boxes_ + (static_cast<std::size_t>(r) * box_slots + box_count_ % box_slots) * box_slot_bytes;
+  }
   void wake_sleepers() noexcept;
-  bool ready_or_interrupted() const noexcept { return reached() || (waiter_ && waiter_->interrupted()); }
+  bool ready_or_interrupted() const noexcept { return waiter_ && (waiter_->ready(*this) || waiter_->interrupted()); }
 
   Segment segment_;
   int ranks_ = 0;
@@ -166,8 +242,12 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::size_t area_bytes_ = 0;
   std::size_t area_stride_ = 0;
   std::byte* areas_ = nullptr;
+  std::byte* boxes_ = nullptr;
   RankControl* controls_ = nullptr;
-  std::uint64_t count_ = 0;  // this rank's, as published
+  std::uint64_t count_ = 0;      // this rank's, as published
+  std::uint64_t box_count_ = 0;  // this rank's box broadcasts finished
+  Waiting waiting_ = Waiting::step;
+  int waiting_root_ = -1;
   Waiter* waiter_ = nullptr;
   Loop* loop_ = nullptr;
   std::uint64_t poller_ = 0;
