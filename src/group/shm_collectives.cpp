@@ -111,7 +111,7 @@ class ArenaRun final : public shm::Arena::Waiter {
     }
     return -1;
   }
-  /// In a box broadcast (box_root given), before this rank stamped or read a slot: another root of it, or
+  /// In a box broadcast (begin_box given), before this rank stamped or read a slot: another root of it, or
   /// a rank in a superstep past it, which it could not have reached without the slot this rank waits for
   /// (read after the superstep, so that a rank that published it after the slot is seen to have).
   int conflict_in_box() const {
@@ -131,13 +131,16 @@ class ArenaRun final : public shm::Arena::Waiter {
     return -1;
   }
 
-  /// Box broadcasts: this rank is the root (or a reader of `root`) of the one it is in.
-  void box_root(int root) noexcept { root_ = root; }
+  /// Box broadcasts: this rank is the root (or a reader of `root`) of the one it is in, of `bytes`.
+  void begin_box(int root, std::size_t bytes) noexcept {
+    root_ = root;
+    arena_.begin_box(bytes);
+  }
   /// Writes this rank's slot (the contents unless cancelled; the header naming the operation) and stamps
   /// it. The root's first step.
   void write_slot(const CollectiveCall& call) {
     shm::AreaHeader& mine = arena_.slot_header(g_.rank);
-    if (!cancelled_) std::memcpy(arena_.slot_data(g_.rank), call.out.data, call.out.bytes());
+    if (!cancelled_) arena_.write_box(call.out.data, call.out.bytes());
     mine.seq = seq_;
     mine.count = signature_.count;
     mine.call = signature_.call;
@@ -482,15 +485,21 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
   }
 }
 
-// A broadcast small enough for a box slot: the root does not wait for its readers (arena.hpp, "Boxes").
-bool in_box(const CollectiveCall& call) {
-  return call.collective == Collective::broadcast && call.out.bytes() <= shm::Arena::box_capacity;
+// A broadcast that goes through its root's box: the root does not wait for its readers (arena.hpp,
+// "Boxes"). One slot's worth on any group; up to box_capacity from 3 ranks. Measured (bench/RESULTS.md,
+// "Small broadcasts that do not wait"): on 2 ranks, each on a core of its own, the reader keeps up and a
+// superstep costs one line each way, and the box took 1.3x its time at 512 B and 1.9x at 2 KiB; from 3
+// ranks the root running ahead made 512 B - 2 KiB 2.8-7x faster.
+bool in_box(const GroupState& g, const CollectiveCall& call) {
+  if (call.collective != Collective::broadcast) return false;
+  const std::size_t bytes = call.out.bytes();
+  return bytes <= shm::Arena::slot_contents || (g.size >= 3 && bytes <= shm::Arena::box_capacity);
 }
 
 // A box broadcast on the loop (`first_published`: the root's slot was written on the caller's thread).
 Task<void> box_broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {
   shm::Arena& arena = run.arena();
-  run.box_root(call.root);
+  run.begin_box(call.root, call.out.bytes());
   if (g.rank == call.root) {
     if (!first_published) {
       co_await run.wait_box(shm::Arena::Waiting::free_slot);
@@ -506,7 +515,7 @@ Task<void> box_broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& cal
     run.finish_box();  // nothing to read, and the slot is done with
     run.throw_cancelled_in_arena(call.root);
   }
-  std::memcpy(call.out.data, arena.slot_data(call.root), call.out.bytes());
+  arena.read_box(call.root, call.out.data, call.out.bytes());
   run.finish_box();
 }
 
@@ -516,7 +525,7 @@ Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, 
   if (!has_script(call.collective)) {
     throw std::logic_error(fmt::format("weft: {} has no direct shared-memory algorithm", to_string(call.collective)));
   }
-  if (in_box(call)) {
+  if (in_box(g, call)) {
     co_await box_broadcast(run, g, call, first_published);
     co_return;
   }
@@ -576,10 +585,10 @@ std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int 
 // its slot (marked cancelled, without contents) where it had not, a reader waits for the root's stamp;
 // both then finish it, so that every rank's box count stays where the next one expects it.
 Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature, int root,
-                                bool slot_written, std::uint64_t box, ArenaTicket ticket) {
+                                std::size_t bytes, bool slot_written, std::uint64_t box, ArenaTicket ticket) {
   ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
   run.mark_cancelled();
-  run.box_root(root);
+  run.begin_box(root, bytes);
   try {
     if (g->arena->box_count() == box) {
       if (g->rank == root && !slot_written) {
@@ -648,8 +657,8 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
   g->arena_seq = 0;
   if (cancelled) {
     // The Future fails now; the supersteps left go on in the background, holding the turn.
-    if (in_box(call)) {
-      (void)spawn(*g->loop, finish_box_cancelled(g, seq, op, signature, call.root, run.published() > 0, box, std::move(ticket)));
+    if (in_box(*g, call)) {
+      (void)spawn(*g->loop, finish_box_cancelled(g, seq, op, signature, call.root, call.out.bytes(), run.published() > 0, box, std::move(ticket)));
     } else {
       (void)spawn(*g->loop, finish_cancelled(g, seq, op, signature, run.published(), steps_of(*g->arena, call, g->size), std::move(ticket)));
     }
@@ -696,12 +705,12 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   };
   // No hook: nothing here waits where a cancel could reach it (the loop's part makes its own).
   ArenaRun run(g, seq, op, signature, nullptr);
-  if (in_box(call)) {
+  if (in_box(g, call)) {
     // The root writes its slot once it is free and goes on; a reader takes the root's slot once it is
     // stamped. Anything else (a slot not free or not stamped in time, a conflict, a failure) is the
     // loop's: from the stamped slot for a root (it reports the conflict), from the start for a reader
     // (it wrote nothing).
-    run.box_root(call.root);
+    run.begin_box(call.root, call.out.bytes());
     if (g.rank == call.root) {
       if (!poll_until([&] { return arena.slot_free(); })) return ArenaNow::not_started;
       run.write_slot(call);
@@ -713,7 +722,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
         run.slot_disagrees() || run.slot_cancelled() || failed()) {
       return ArenaNow::not_started;
     }
-    std::memcpy(call.out.data, arena.slot_data(call.root), call.out.bytes());
+    arena.read_box(call.root, call.out.data, call.out.bytes());
     run.finish_box();
     return finished();
   }

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -104,8 +106,30 @@ void Arena::stamp_slot() noexcept {
   wake_sleepers();
 }
 
+void Arena::write_box(const void* from, std::size_t bytes) const noexcept {
+  if (bytes <= slot_contents) {  // the common case: one copy
+    std::memcpy(slot_at(rank_, 0) + sizeof(AreaHeader), from, bytes);
+    return;
+  }
+  const auto* at = static_cast<const std::byte*>(from);
+  for (std::uint64_t k = 0; k * slot_contents < bytes; ++k) {
+    std::memcpy(slot_at(rank_, k) + sizeof(AreaHeader), at + k * slot_contents, std::min(slot_contents, bytes - k * slot_contents));
+  }
+}
+
+void Arena::read_box(int r, void* to, std::size_t bytes) const noexcept {
+  if (bytes <= slot_contents) {
+    std::memcpy(to, slot_at(r, 0) + sizeof(AreaHeader), bytes);
+    return;
+  }
+  auto* at = static_cast<std::byte*>(to);
+  for (std::uint64_t k = 0; k * slot_contents < bytes; ++k) {
+    std::memcpy(at + k * slot_contents, slot_at(r, k) + sizeof(AreaHeader), std::min(slot_contents, bytes - k * slot_contents));
+  }
+}
+
 void Arena::finish_box() noexcept {
-  ++box_count_;
+  box_count_ += box_taking_;
   store_and_fence(control(rank_).box_done, box_count_, std::memory_order_release);
   wake_sleepers();
 }

@@ -24,12 +24,14 @@
 // the eventfd of every peer whose sleeping word it finds set.
 //
 // Boxes (small broadcasts that do not wait for the readers, as vader's fast boxes): per rank a ring of
-// `box_slots` slots. The b-th small broadcast of the group (b counted alike on every rank) goes in slot
-// b % box_slots of its root's box: the root waits only until every rank finished broadcast b -
-// box_slots (the slot's last use: `box_done`, per rank, on its control line), writes the contents and the
-// header, stamps the slot b + 1 and goes on; a reader waits for that stamp, checks the header, copies and
-// publishes its own box_done = b + 1. So a root runs up to box_slots broadcasts ahead of its readers, and
-// readers that get their core late take several at once. Boxes and supersteps do not touch each other's
+// `box_slots` slots. Box broadcasts take slots in turn, counted alike on every rank (one, or as many as
+// their size needs: the contents of each after its header, which only the first uses): one starting at
+// slot number b takes slots b, b + 1, ... (mod box_slots) of its root's box. The root waits only until
+// every rank finished the slots' last use (`box_done`, per rank on its control line, counts the slots of
+// the box broadcasts it finished), writes the contents and the first slot's header, stamps that slot
+// b + 1 and goes on; a reader waits for that stamp, checks the header, copies and moves its own box_done
+// past the slots. So a root runs up to box_slots slots ahead of its readers, and readers that get their
+// core late take several broadcasts at once. Boxes and supersteps do not touch each other's
 // words: each rank runs its arena collectives in call order, so its box broadcasts and supersteps
 // interleave alike everywhere.
 // Mismatches nobody waits for: the slot b of a root that another rank also stamped (two ranks that each
@@ -141,23 +143,33 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // ---- box broadcasts (the header comment): slot b % box_slots of a rank's box
   static constexpr std::uint64_t box_slots = 256;
   static constexpr std::size_t box_slot_bytes = 256;
-  /// The most a box broadcast carries (a slot less its header).
-  static constexpr std::size_t box_capacity = box_slot_bytes - sizeof(AreaHeader);
-  /// Box broadcasts this rank finished (as root or reader); the next one is number box_count().
-  std::uint64_t box_count() const noexcept { return box_count_; }
-  /// Rank r's slot for this rank's next box broadcast, its header and contents.
-  AreaHeader& slot_header(int r) const noexcept { return *reinterpret_cast<AreaHeader*>(slot_at(r)); }
-  std::byte* slot_data(int r) const noexcept { return slot_at(r) + sizeof(AreaHeader); }
-  /// Whether rank r stamped its slot for this rank's next box broadcast.
-  bool stamped(int r) const noexcept { return slot_header(r).published.load(std::memory_order_acquire) == box_count_ + 1; }
-  /// Whether rank r has not finished the last use of this rank's slot for its next box broadcast
-  /// (box broadcast box_count() - box_slots).
-  bool slot_in_use_by(int r) const noexcept {
-    return control(r).box_done.load(std::memory_order_acquire) + box_slots < box_count_ + 1;
+  /// The contents one slot holds (a slot less its header); a larger box broadcast takes the slots after
+  /// it too, the contents of each after its (unused) header.
+  static constexpr std::size_t slot_contents = box_slot_bytes - sizeof(AreaHeader);
+  /// The most a box broadcast carries.
+  static constexpr std::size_t box_capacity = 2048;
+  static constexpr std::uint64_t slots_for(std::size_t bytes) noexcept {
+    return bytes <= slot_contents ? 1 : (bytes + slot_contents - 1) / slot_contents;
   }
-  /// Whether this rank may write its slot for its next box broadcast: every rank finished the slot's last use.
+  /// Slots of box broadcasts this rank finished (as root or reader); its next one starts at box_count().
+  std::uint64_t box_count() const noexcept { return box_count_; }
+  /// Starts this rank's next box broadcast, of `bytes` (the same on every rank: the call says so, the
+  /// headers check it): the slots it takes, from box_count() on.
+  void begin_box(std::size_t bytes) noexcept { box_taking_ = slots_for(bytes); }
+  /// Rank r's first slot for this rank's next box broadcast: its header.
+  AreaHeader& slot_header(int r) const noexcept { return *reinterpret_cast<AreaHeader*>(slot_at(r, 0)); }
+  /// Copies `bytes` into this rank's slots for its next box broadcast, or out of rank r's.
+  void write_box(const void* from, std::size_t bytes) const noexcept;
+  void read_box(int r, void* to, std::size_t bytes) const noexcept;
+  /// Whether rank r stamped its first slot for this rank's next box broadcast.
+  bool stamped(int r) const noexcept { return slot_header(r).published.load(std::memory_order_acquire) == box_count_ + 1; }
+  /// Whether rank r has not finished the last use of a slot this rank's next box broadcast takes.
+  bool slot_in_use_by(int r) const noexcept {
+    return control(r).box_done.load(std::memory_order_acquire) + box_slots < box_count_ + box_taking_;
+  }
+  /// Whether this rank may write its slots for its next box broadcast: every rank finished their last use.
   bool slot_free() const noexcept {
-    if (box_count_ < box_slots) return true;
+    if (box_count_ + box_taking_ <= box_slots) return true;
     for (int r = 0; r < ranks_; ++r) {
       if (r != rank_ && slot_in_use_by(r)) return false;
     }
@@ -166,8 +178,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   /// Stamps this rank's slot (written before), fences (so that a look at the other ranks' slots after it
   /// is ordered after it), and wakes the ranks that sleep.
   void stamp_slot() noexcept;
-  /// Ends this rank's box broadcast (box_done = box_count() + 1, fenced) and wakes the ranks that sleep
-  /// (a root may wait for it to reuse a slot).
+  /// Ends this rank's box broadcast (box_count() and box_done move past its slots, fenced) and wakes the
+  /// ranks that sleep (a root may wait for it to reuse a slot).
   void finish_box() noexcept;
   /// Whether rank r has published a superstep that this rank has not, and that superstep's header.
   bool ahead(int r) const noexcept { return header_at(r, count_ & 1).published.load(std::memory_order_acquire) > count_; }
@@ -230,8 +242,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
     return line_at(r, parity) + (bytes <= bytes_beside_header ? sizeof(AreaHeader) : 64);
   }
   AreaHeader& header_at(int r, std::uint64_t parity) const noexcept { return *reinterpret_cast<AreaHeader*>(line_at(r, parity)); }
-  std::byte* slot_at(int r) const noexcept {
-    return boxes_ + (static_cast<std::size_t>(r) * box_slots + box_count_ % box_slots) * box_slot_bytes;
+  std::byte* slot_at(int r, std::uint64_t k) const noexcept {
+    return boxes_ + (static_cast<std::size_t>(r) * box_slots + (box_count_ + k) % box_slots) * box_slot_bytes;
   }
   void wake_sleepers() noexcept;
   bool ready_or_interrupted() const noexcept { return waiter_ && (waiter_->ready(*this) || waiter_->interrupted()); }
@@ -245,7 +257,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::byte* boxes_ = nullptr;
   RankControl* controls_ = nullptr;
   std::uint64_t count_ = 0;      // this rank's, as published
-  std::uint64_t box_count_ = 0;  // this rank's box broadcasts finished
+  std::uint64_t box_count_ = 0;   // slots of this rank's box broadcasts finished
+  std::uint64_t box_taking_ = 1;  // slots its box broadcast now takes
   Waiting waiting_ = Waiting::step;
   int waiting_root_ = -1;
   Waiter* waiter_ = nullptr;
