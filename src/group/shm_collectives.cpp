@@ -581,7 +581,22 @@ std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int 
 // waited for, the others published as cancelled (headers only) and waited for, so that every rank's
 // count stays where the next collective expects it (arena.hpp, "Cancelling"). Holds the turn until then.
 // A failure ends it: the group's later collectives report it.
-// The same for a cancelled box broadcast (`box`: its number): unless it was finished, the root writes
+Task<void> finish_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature,
+                            std::uint32_t published, std::uint32_t steps, ArenaTicket ticket) {
+  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
+  run.mark_cancelled();
+  try {
+    if (published > 0) co_await run.wait(published - 1);
+    for (std::uint32_t step = published; step < steps; ++step) {
+      run.publish(step);
+      co_await run.wait(step);
+    }
+  } catch (...) {
+  }
+  ticket.leave();
+}
+
+// The same for a cancelled box broadcast (`box`: its first slot): unless it was finished, the root writes
 // its slot (marked cancelled, without contents) where it had not, a reader waits for the root's stamp;
 // both then finish it, so that every rank's box count stays where the next one expects it.
 Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature, int root,
@@ -604,21 +619,6 @@ Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq
   ticket.leave();
 }
 
-Task<void> finish_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature,
-                            std::uint32_t published, std::uint32_t steps, ArenaTicket ticket) {
-  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
-  run.mark_cancelled();
-  try {
-    if (published > 0) co_await run.wait(published - 1);
-    for (std::uint32_t step = published; step < steps; ++step) {
-      run.publish(step);
-      co_await run.wait(step);
-    }
-  } catch (...) {
-  }
-  ticket.leave();
-}
-
 }  // namespace
 
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
@@ -630,7 +630,7 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
   auto hook = std::make_shared<Hook>();
   ArenaRun run(*g, seq, op, signature, hook);
   if (first_published) run.published_before(1);
-  const std::uint64_t box = g->arena->box_count();  // a box broadcast's number (the turn is this one's)
+  const std::uint64_t box = g->arena->box_count();  // a box broadcast's first slot (the turn is this one's)
   std::exception_ptr failure;
   std::exception_ptr cancelled;
   {

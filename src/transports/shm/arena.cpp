@@ -107,8 +107,8 @@ void Arena::stamp_slot() noexcept {
 }
 
 void Arena::write_box(const void* from, std::size_t bytes) const noexcept {
-  if (bytes <= slot_contents) {  // the common case: one copy
-    std::memcpy(slot_at(rank_, 0) + sizeof(AreaHeader), from, bytes);
+  if (bytes <= slot_contents) {  // the common case: one copy (none for nothing: `from` may be null)
+    if (bytes > 0) std::memcpy(slot_at(rank_, 0) + sizeof(AreaHeader), from, bytes);
     return;
   }
   const auto* at = static_cast<const std::byte*>(from);
@@ -119,7 +119,7 @@ void Arena::write_box(const void* from, std::size_t bytes) const noexcept {
 
 void Arena::read_box(int r, void* to, std::size_t bytes) const noexcept {
   if (bytes <= slot_contents) {
-    std::memcpy(to, slot_at(r, 0) + sizeof(AreaHeader), bytes);
+    if (bytes > 0) std::memcpy(to, slot_at(r, 0) + sizeof(AreaHeader), bytes);
     return;
   }
   auto* at = static_cast<std::byte*>(to);
