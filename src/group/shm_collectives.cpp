@@ -202,7 +202,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   /// Waits for every rank's step `step`; then checks that they all are in the same operation, not
   /// cancelled. Throws on anything else (Detach for a cancel; otherwise why; a mismatch). Loop thread.
   Task<void> wait(std::uint32_t step) {
-    co_await arena_.until_reached(*this);
+    co_await arena_.until_ready(*this);
     if (!arena_.reached() || interrupted()) throw_interruption();
     if (cancelled_) co_return;
     if (const int r = cancelled_by(); r >= 0) throw_cancelled_in_arena(r);

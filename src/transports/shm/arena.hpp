@@ -36,8 +36,9 @@
 // interleave alike everywhere.
 // Mismatches nobody waits for: the slot b of a root that another rank also stamped (two ranks that each
 // believe they are the root: each stamps, fences and then looks at the others' slot b, so at least one of
-// them sees the other, as in the Dekker pair below); a rank in a superstep that finds a rank behind it with
-// a stamped slot b for the same operation; a reader whose root has published a superstep it has not.
+// them sees the other, as in the Dekker pair below); a rank in a superstep that finds a rank behind it
+// which stamped slot b (a box broadcast where this rank has a superstep); a rank waiting for a slot
+// that finds a rank past it in the supersteps while the slot is not stamped (or still in use).
 //
 // Cancelling: the ranks never leave the arena. A collective cancelled on one rank (its Future) is
 // cancelled on every rank (the transport's cancel frame, operation_cancelled): each fails its Future at
@@ -69,7 +70,7 @@ struct alignas(64) ArenaHeader {  // written once by the rank that makes the seg
 
 struct alignas(64) RankControl {
   std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
-  std::atomic<std::uint64_t> box_done{0};  // the box broadcasts this rank finished (release)
+  std::atomic<std::uint64_t> box_done{0};  // the slots of the box broadcasts this rank finished (release)
 };
 
 // What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
@@ -108,7 +109,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   /// The eventfds that wake the other ranks (owned; -1 for this rank), and the loop that waits here.
   void attach(Loop& loop, std::vector<int> wake_fds);
 
-  // ---- one superstep: write, publish, wait (until_reached), read
+  // ---- one superstep: write, publish, wait (until_ready), read
   std::uint64_t count() const noexcept { return count_; }
   /// This rank's area for the next superstep, to hold `bytes` (written before publish()), and its
   /// header. Every rank of a superstep passes the same `bytes` for an area (they follow from the call,
@@ -140,7 +141,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   /// not stamped yet, or the ranks that have not finished the last use of the slot it is to write.
   std::vector<int> behind() const;
 
-  // ---- box broadcasts (the header comment): slot b % box_slots of a rank's box
+  // ---- box broadcasts (the header comment): slots b, b + 1, ... (mod box_slots) of a rank's box
   static constexpr std::uint64_t box_slots = 256;
   static constexpr std::size_t box_slot_bytes = 256;
   /// The contents one slot holds (a slot less its header); a larger box broadcast takes the slots after
@@ -185,7 +186,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool ahead(int r) const noexcept { return header_at(r, count_ & 1).published.load(std::memory_order_acquire) > count_; }
   const AreaHeader& ahead_header(int r) const noexcept { return header_at(r, count_ & 1); }
 
-  /// What this rank waits for in the arena now (for the deadline's report: arena.hpp's behind()).
+  /// What this rank waits for in the arena now (for behind(): the deadline's report).
   enum class Waiting { step, slot, free_slot };
   void waiting_for(Waiting what, int root = -1) noexcept {
     waiting_ = what;
@@ -223,8 +224,6 @@ class Arena : public std::enable_shared_from_this<Arena> {
     }
     void await_resume() const noexcept {}
   };
-  Awaiter until_reached(Waiter& waiter) noexcept { return Awaiter{this, &waiter}; }
-  /// The same, for whatever `waiter`'s ready() says.
   Awaiter until_ready(Waiter& waiter) noexcept { return Awaiter{this, &waiter}; }
 
   // The loop's poller calls, on its thread.
