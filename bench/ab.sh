@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side in one run: weft-bench all_reduce (f32 sum, RANKS ranks, 8 B to 64 MiB) under several
+# Side by side in one run: weft-bench (by default all_reduce, f32 sum, RANKS ranks, 8 B to 64 MiB) under several
 # variants taking turns in each of ROUNDS rounds, so that the machine's drift hits them alike. A variant
 # is LABEL=BUILD_DIR[:VAR=VALUE...]: another build (before/after a change) or other settings (WEFT_*).
 # Prints the median out-of-place time and busbw per size and variant, and each variant's cost against
@@ -7,7 +7,10 @@
 #   bench/ab.sh ROUNDS RANKS LABEL=BUILD[:VAR=VALUE...] LABEL=BUILD[:VAR=VALUE...] ...
 # e.g. bench/ab.sh 5 2 before=/tmp/before/build after=build
 #      bench/ab.sh 5 2 off=build crc32c=build:WEFT_INTEGRITY=crc32c
+# AB_ARGS replaces the weft-bench arguments (default: all_reduce, 8 B to 64 MiB), e.g.
+#      AB_ARGS="-c broadcast -b 8 -e 2K -f 4 -w 100 -n 2000" bench/ab.sh 5 4 before=/tmp/before after=build:WEFT_TRANSPORT=shm
 set -euo pipefail
+read -r -a bench_args <<< "${AB_ARGS:--c all_reduce -b 8 -e 64M -f 8 -w 3 -n 20}"
 rounds=$1
 ranks=$2
 shift 2
@@ -22,7 +25,7 @@ for round in $(seq 1 "$rounds"); do
     build=${parts[0]}
     [ "$round" = 1 ] && labels+=("$label")
     env "${parts[@]:1}" "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" \
-      -c all_reduce -b 8 -e 64M -f 8 -w 3 -n 20 --check --json "$out/$label.$round.json" >/dev/null
+      "${bench_args[@]}" --check --json "$out/$label.$round.json" >/dev/null
   done
 done
 python3 - "$out" "$rounds" "$ranks" "${labels[@]}" <<'PY'
@@ -37,12 +40,12 @@ for label in labels:
             assert rec["wrong"] == 0, rec
             transports.add(rec["transport"])
             rows.setdefault(rec["bytes"], {}).setdefault(label, []).append((rec["time_us"], rec["busbw"]))
-print(f"all_reduce f32 sum, {ranks} ranks, {'/'.join(sorted(transports))}, median of {rounds} interleaved rounds (time us / busbw GB/s)")
+print(f"{ranks} ranks, {'/'.join(sorted(transports))}, median of {rounds} interleaved rounds (time us / busbw GB/s)")
 print("| size | " + " | ".join(labels) + " | " + " | ".join(f"{l} vs {labels[0]}" for l in labels[1:]) + " |")
 print("|---:|" + "---:|" * (2 * len(labels) - 1))
 for size in sorted(rows):
     m = {k: (statistics.median(t for t, _ in v), statistics.median(b for _, b in v)) for k, v in rows[size].items()}
-    cells = [f"{m[l][0]:.1f} / {m[l][1]:.2f}" for l in labels]
+    cells = [f"{m[l][0]:.2f} / {m[l][1]:.2f}" for l in labels]
     costs = [f"{(m[l][0] / m[labels[0]][0] - 1) * 100:+.0f} %" for l in labels[1:]]
     print(f"| {size} | " + " | ".join(cells + costs) + " |")
 PY
