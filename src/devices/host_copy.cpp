@@ -109,6 +109,7 @@ unsigned host_copy_threads() {
 }
 
 void host_copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;  // an empty view's pointers may be null, which memcpy may not be given (UBSan)
   const unsigned threads = std::min<std::size_t>(host_copy_threads(), std::max<std::size_t>(1, bytes / (host_copy_split_from / 2)));
   if (bytes < host_copy_split_from || threads <= 1) {
     std::memcpy(dst, src, bytes);

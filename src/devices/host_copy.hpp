@@ -10,7 +10,7 @@ namespace weft::gpu::detail {
 /// Copies `bytes` from `src` to `dst` (not overlapping), on the calling thread and, from
 /// `host_copy_split_from` bytes on, on up to host_copy_threads() - 1 helper threads as well (started on
 /// first use, shared by every caller, kept for the process's life). Returns when every byte is copied.
-/// Callable from any thread, several at once.
+/// Callable from any thread, several at once; 0 bytes copies nothing (null pointers allowed then).
 void host_copy(void* dst, const void* src, std::size_t bytes);
 
 /// How many threads a large host_copy uses, the caller included: WEFT_COPY_THREADS when set (1: the
