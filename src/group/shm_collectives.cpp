@@ -373,6 +373,7 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
   const algo::Range chunk = chunks[k];
   const std::size_t off = chunk.offset;
   const std::size_t c = chunk.count;
+  if (c == 0) return;  // nothing to write (and an empty view's pointer may be null, which memcpy may not be given)
   switch (call.collective) {
     case Collective::all_reduce:
     case Collective::all_gather: {
@@ -403,6 +404,7 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
   const algo::Range chunk = chunks[k];
   const std::size_t off = chunk.offset;
   const std::size_t c = chunk.count;
+  if (c == 0) return;  // nothing to read or fold
   const auto p = static_cast<std::size_t>(g.size);
   std::vector<const std::byte*>& sources = g.arena_sources;
   switch (call.collective) {
