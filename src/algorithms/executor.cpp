@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "algorithms/messages.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "weft/algorithms.hpp"
 #include "weft/error.hpp"
@@ -195,24 +196,7 @@ class Executor {
     return op;
   }
 
-  /// Records the first failure and aborts the context, which completes every other pending operation of
-  /// this plan (here and on the other members), so that draining cannot hang.
-  bool ok(const TransportOp& op) {
-    if (!op.error()) return true;
-    if (!failed_) {
-      failed_ = true;
-      error_code_ = static_cast<Errc>(op.error().value());
-      error_reason_ = op.reason();
-      error_peer_ = op.failed_peer() >= 0 ? op.failed_peer() : op.peer;
-      // A cancellation already failed every operation of this seq, here and on the other members, and
-      // leaves the context usable; any other failure aborts the context.
-      if (error_code_ != Errc::cancelled) {
-        ch_.transport->abort_context(ch_.context, error_code_,
-                                     fmt::format("rank {} failed {} #{}: {}", ch_.rank, ch_.op_name, ch_.seq, op.reason()));
-      }
-    }
-    return false;
-  }
+  bool ok(const TransportOp& op) { return failure_.check(ch_, op); }
 
   // A send still reading [lo, hi) of a buffer that is about to be written.
   TransportOp* overlapping_send(const std::byte* lo, const std::byte* hi) {
@@ -242,21 +226,12 @@ class Executor {
   }
   void find_final_parts(const Plan& plan);
   void landed(std::size_t step, const Range& seg) {
-    if (!buf_.staged || seg.count == 0 || failed_) return;
+    if (!buf_.staged || seg.count == 0 || failure_.failed()) return;
     for (const Range& part : final_parts_[step]) {
       const std::size_t lo = std::max(part.offset, seg.offset);
       const std::size_t hi = std::min(part.offset + part.count, seg.offset + seg.count);
       if (lo < hi) buf_.staged->finished(buf_.recv + lo * esize_, buf_.recv + hi * esize_);
     }
-  }
-
-  [[noreturn]] void throw_failure() const {
-    int peer = -1;
-    for (std::size_t i = 0; i < ch_.members.size(); ++i) {
-      if (ch_.members[i] == error_peer_) peer = static_cast<int>(i);
-    }
-    throw_error(error_code_, ErrorContext{ch_.rank, peer, ch_.op_name, static_cast<std::int64_t>(ch_.seq), -1},
-                error_reason_);
   }
 
   Channel ch_;
@@ -275,10 +250,7 @@ class Executor {
   std::uint64_t* received_from_ = nullptr;  // receives posted from each group rank so far
   std::vector<std::vector<Range>> final_parts_;  // staged buffers only: per step, what of its `recv` is final
   ScratchPool::Buffer temp_;
-  bool failed_ = false;
-  Errc error_code_ = Errc::protocol_error;
-  std::string error_reason_;
-  int error_peer_ = -1;
+  FirstFailure failure_;
 };
 
 bool receives(StepKind kind) { return kind != StepKind::send; }
@@ -330,7 +302,7 @@ Task<void> Executor::run(const Plan& plan) {
   const std::stop_token token = co_await this_stop_token();
   if (token.stop_possible() && ch_.loop) on_stop.emplace(token, CancelOnStop{hook});
 
-  for (std::size_t i = 0; i < plan.size() && !failed_;) {
+  for (std::size_t i = 0; i < plan.size() && !failure_.failed();) {
     const Step& step = plan[i];
     switch (step.kind) {
       case StepKind::send: {
@@ -458,10 +430,153 @@ Task<void> Executor::run(const Plan& plan) {
   hook->finished = true;
   on_stop.reset();
   ScratchPool::give(std::move(temp_));
-  if (failed_) throw_failure();
+  if (failure_.failed()) failure_.raise(ch_);
 }
 
 }  // namespace
+
+bool FirstFailure::check(const Channel& channel, const TransportOp& op) {
+  if (!op.error()) return true;
+  if (failed_) return false;
+  failed_ = true;
+  code_ = static_cast<Errc>(op.error().value());
+  reason_ = op.reason();
+  transport_peer_ = op.failed_peer() >= 0 ? op.failed_peer() : op.peer;
+  // A cancellation already failed every operation of this seq, here and on the other members, and leaves
+  // the context usable; any other failure aborts the context, which completes every other pending
+  // operation of the plan (here and on the other members), so that draining cannot hang.
+  if (code_ != Errc::cancelled) {
+    channel.transport->abort_context(channel.context, code_,
+                                     fmt::format("rank {} failed {} #{}: {}", channel.rank, channel.op_name, channel.seq, op.reason()));
+  }
+  return false;
+}
+
+void FirstFailure::raise(const Channel& channel) const {
+  int peer = -1;
+  for (std::size_t i = 0; i < channel.members.size(); ++i) {
+    if (channel.members[i] == transport_peer_) peer = static_cast<int>(i);
+  }
+  throw_error(code_, ErrorContext{channel.rank, peer, channel.op_name, static_cast<std::int64_t>(channel.seq), -1}, reason_);
+}
+
+bool MessagePlan::fits(const Plan& plan, const PlanBuffers& buffers, const ExecOptions& options) {
+  if (buffers.staged) return false;
+  const std::size_t esize = dtype_size(buffers.dtype);
+  const std::size_t most_bytes = std::max<std::size_t>(options.segment_bytes, esize);
+  std::size_t messages = 0;
+  // What the sends started so far read: [lo, hi) each (a forward reads the receive buffer).
+  std::pair<const std::byte*, const std::byte*> read[most_messages];
+  std::size_t reads = 0;
+  auto overlaps_a_send = [&](const std::byte* lo, const std::byte* hi) {
+    for (std::size_t k = 0; k < reads; ++k) {
+      if (read[k].first < hi && lo < read[k].second) return true;
+    }
+    return false;
+  };
+  for (const Step& step : plan) {
+    const bool sends = step.kind == StepKind::send || step.kind == StepKind::send_recv;
+    const bool forwards = step.kind == StepKind::recv_copy_send;
+    const bool receives = step.kind == StepKind::recv || step.kind == StepKind::send_recv || forwards;
+    if (!sends && !receives) return false;  // a reducing kind
+    messages += (sends || forwards ? 1 : 0) + (receives ? 1 : 0);
+    if (messages > most_messages) return false;
+    // One segment each, as the executor would cut them (segments of at least one element).
+    if (sends && step.send.count * esize > most_bytes) return false;
+    if (receives && step.recv.count * esize > most_bytes) return false;
+    if (sends && step.send.count) read[reads++] = {buffers.send + step.send.offset * esize, buffers.send + (step.send.offset + step.send.count) * esize};
+    if (receives && step.recv.count) {
+      const std::byte* lo = buffers.recv + step.recv.offset * esize;
+      const std::byte* hi = lo + step.recv.count * esize;
+      if (overlaps_a_send(lo, hi)) return false;
+      if (forwards) read[reads++] = {lo, hi};
+    }
+  }
+  return true;
+}
+
+MessagePlan::~MessagePlan() {
+  for (std::size_t i = 0; i < started_; ++i) std::launder(reinterpret_cast<TransportOp*>(ops_[i]))->~TransportOp();
+}
+
+void MessagePlan::start() { advance(); }
+
+void MessagePlan::cancel() {
+  if (finished_) return;
+  ch_.transport->cancel_operation(ch_.context, ch_.seq, fmt::format("rank {} cancelled {} #{}", ch_.rank, ch_.op_name, ch_.seq));
+}
+
+std::exception_ptr MessagePlan::failure() const {
+  if (!failure_.failed()) return nullptr;
+  try {
+    failure_.raise(ch_);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+// The k-th message between this rank and a peer, each way, carries tag first_tag + k, as in execute.
+TransportOp& MessagePlan::start_message(bool sending, int group_peer, const std::byte* at, std::size_t elems) {
+  Count* count = nullptr;
+  for (Count& c : counts_) {
+    if (c.peer == group_peer || c.peer < 0) {
+      c.peer = group_peer;
+      count = &c;
+      break;
+    }
+  }
+  auto* op = new (ops_[started_++]) TransportOp();
+  op->signature = ch_.signature;
+  op->on_complete(&MessagePlan::completed, this);
+  ++outstanding_;
+  const int peer = ch_.members[static_cast<std::size_t>(group_peer)];
+  if (sending) {
+    const MessageKey key{ch_.context, ch_.seq, ch_.first_tag + count->sent++};
+    ch_.transport->start_send(peer, key, at, elems * esize_, *op);
+  } else {
+    const MessageKey key{ch_.context, ch_.seq, ch_.first_tag + count->received++};
+    ch_.transport->start_recv(peer, key, const_cast<std::byte*>(at), elems * esize_, *op);
+  }
+  return *op;
+}
+
+void MessagePlan::completed(TransportOp& op, void* context) noexcept {
+  auto* run = static_cast<MessagePlan*>(context);
+  --run->outstanding_;
+  run->failure_.check(run->ch_, op);
+  run->advance();
+}
+
+// Starts steps until one waits for its receive; after the last step (or a failure), calls done once
+// every message started has completed. A completion inside a start (a send the stream took whole, a
+// receive that found its message waiting) comes back here while the loop below runs: it only counts.
+void MessagePlan::advance() {
+  if (advancing_ || finished_) return;
+  advancing_ = true;
+  while (!failure_.failed() && (!awaited_ || awaited_->done())) {
+    awaited_ = nullptr;
+    if (forward_) {  // the receive of a recv_copy_send landed: send it on
+      forward_ = false;
+      const Step& step = plan_[next_step_ - 1];
+      start_message(true, step.send_to, buf_.recv + step.recv.offset * esize_, step.recv.count);
+      continue;
+    }
+    if (next_step_ == plan_.size()) break;
+    const Step& step = plan_[next_step_++];
+    if (step.kind == StepKind::send || step.kind == StepKind::send_recv) {
+      start_message(true, step.send_to, buf_.send + step.send.offset * esize_, step.send.count);
+    }
+    if (step.kind != StepKind::send && !failure_.failed()) {
+      awaited_ = &start_message(false, step.recv_from, buf_.recv + step.recv.offset * esize_, step.recv.count);
+      forward_ = step.kind == StepKind::recv_copy_send;
+    }
+  }
+  advancing_ = false;
+  const bool all_started = next_step_ == plan_.size() && !forward_;
+  if (outstanding_ > 0 || (!failure_.failed() && !all_started)) return;
+  finished_ = true;
+  done_(context_);  // may destroy this
+}
 
 Task<void> execute(const Channel& channel, const Plan& plan, PlanBuffers buffers, ExecOptions options) {
   Executor executor(channel, buffers, options);

@@ -4,6 +4,7 @@
 #include "weft/group.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -11,6 +12,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "algorithms/messages.hpp"
 #include "algorithms/reduction.hpp"
 #include "algorithms/registry.hpp"
 #include "core/signature.hpp"
@@ -178,13 +180,17 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
-                          const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
+algo::Plan broadcast_plan(const GroupState& g, std::size_t count, int root, const algo::Algorithm& algorithm) {
   using algo::Kind;
   require(algorithm, {Kind::binomial, Kind::scatter_all_gather, Kind::chain});
-  const auto plan = algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g->size, g->rank, root, data.count)
-                    : algorithm.kind == Kind::chain            ? algo::chain_broadcast(g->size, g->rank, root, data.count)
-                                                               : algo::binomial_broadcast(g->size, g->rank, root, data.count);
+  return algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g.size, g.rank, root, count)
+         : algorithm.kind == Kind::chain            ? algo::chain_broadcast(g.size, g.rank, root, count)
+                                                    : algo::binomial_broadcast(g.size, g.rank, root, count);
+}
+
+Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
+                          const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
+  const auto plan = broadcast_plan(*g, data.count, root, algorithm);
   algo::PlanBuffers buffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum};
   buffers.staged = staged;
   co_await g->run(plan, seq, Collective::broadcast, buffers, {data.count, root});
@@ -291,10 +297,123 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
-Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const algo::Algorithm& algorithm) {
+algo::Plan barrier_plan(const GroupState& g, const algo::Algorithm& algorithm) {
   require(algorithm, {algo::Kind::dissemination});
-  const auto plan = algo::dissemination_barrier(g->size, g->rank);
+  return algo::dissemination_barrier(g.size, g.rank);
+}
+
+Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const algo::Algorithm& algorithm) {
+  const auto plan = barrier_plan(*g, algorithm);
   co_await g->run(plan, seq, Collective::barrier, algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
+}
+
+// A collective whose task is one plan of whole messages over the caller's buffers, run as its Future's
+// state without a coroutine (algorithms/messages.hpp says why): one allocation for the state and one for
+// the plan. What GroupState::run does around a plan run is done here too: the watchdog watches the seq,
+// a failure other than a cancellation fails the group, and cancel() cancels the operation on every member.
+class MessagePlanOp final : public FutureState<void> {
+ public:
+  static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
+                            algo::Plan plan, algo::PlanBuffers buffers) {
+    auto op = std::make_shared<MessagePlanOp>(std::move(g), seq, name, signature, std::move(plan), buffers);
+    op->weak_ = op;
+    op->set_loop(op->g_->loop);
+    op->set_cancel_hook(&MessagePlanOp::on_cancel);
+    static const bool here = std::getenv("WEFT_MSG_HERE") && std::getenv("WEFT_MSG_HERE")[0] == '1';
+    if (op->g_->loop->in_loop_thread()) {
+      op->begin(op);
+    } else if (here && op->g_->loop->run_here(&MessagePlanOp::begin_here, &op)) {
+    } else {
+      // Posted, as the collectives' tasks are (bench/RESULTS.md, "Starting on the caller's thread": a
+      // collective started here cost the loop more wake-ups than it saved). self_ keeps it alive until
+      // then, and a plain pointer fits inside the posted std::function without an allocation.
+      op->self_ = op;
+      op->g_->loop->post([raw = op.get()] { raw->begin(std::move(raw->self_)); });
+    }
+    return Future<void>(std::move(op));
+  }
+
+  MessagePlanOp(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature, algo::Plan plan,
+                algo::PlanBuffers buffers)
+      : g_(std::move(g)), seq_(seq), name_(name),
+        run_(g_->channel(seq, name, signature, 0), std::move(plan), buffers, &MessagePlanOp::done, this) {}
+
+ private:
+  // Future::cancel(), on any thread, once, while the Future holds the operation.
+  static void on_cancel(FutureStateBase& state) noexcept {
+    auto& op = static_cast<MessagePlanOp&>(state);
+    op.g_->loop->post([weak = op.weak_] {
+      if (auto op = weak.lock(); op && !op->run_.finished()) op->run_.cancel();
+    });
+  }
+
+  // Loop::run_here's call: `arg` is the caller's shared_ptr to the operation.
+  static void begin_here(void* arg) {
+    auto& op = *static_cast<std::shared_ptr<MessagePlanOp>*>(arg);
+    op->begin(op);
+  }
+
+  // Loop thread. self_ keeps the operation alive until its plan is done, `self` until this returns.
+  void begin(std::shared_ptr<MessagePlanOp> self) {
+    g_->loop->operation_started();
+    g_->watch(seq_, name_);
+    self_ = self;
+    run_.start();
+  }
+
+  // The plan run is done (loop thread).
+  static void done(void* context) noexcept {
+    auto* op = static_cast<MessagePlanOp*>(context);
+    const std::shared_ptr<MessagePlanOp> keep = std::move(op->self_);  // this may be its last owner
+    GroupState& g = *op->g_;
+    g.unwatch(op->seq_);
+    if (std::exception_ptr failure = op->run_.failure()) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (const Error& e) {
+        // A cancelled operation was cancelled on every member (a cancel frame): the group goes on.
+        if (e.errc() != Errc::cancelled) g.mark_failed(e.what());
+      } catch (...) {
+      }
+      op->set_error(std::move(failure));
+    }
+    g.loop->operation_finished();
+    op->finish();
+  }
+
+  std::shared_ptr<GroupState> g_;
+  std::uint64_t seq_;
+  const char* name_;
+  // Loop thread only.
+  algo::MessagePlan run_;
+  std::shared_ptr<MessagePlanOp> self_;
+  std::weak_ptr<MessagePlanOp> weak_;
+};
+
+// `call` as a plan of whole messages (broadcast and the barrier: their tasks are that plan alone), or an
+// invalid Future when it is not one (another collective, another algorithm, a message past one segment).
+Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64_t seq, const detail::CollectiveCall& call,
+                               const algo::Algorithm& algorithm) {
+  if (call.staged || algorithm.kind == algo::Kind::shm) return {};
+  algo::Plan plan;
+  algo::PlanBuffers buffers;
+  GroupState::Call shape;
+  switch (call.collective) {
+    case Collective::broadcast:
+      plan = broadcast_plan(*g, call.out.count, call.root, algorithm);
+      buffers = algo::PlanBuffers{call.out.bytes_ptr(), call.out.bytes_ptr(), call.out.dtype, ReduceOp::sum};
+      shape = {call.out.count, call.root};
+      break;
+    case Collective::barrier:
+      plan = barrier_plan(*g, algorithm);
+      buffers = algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum};
+      break;
+    default: return {};
+  }
+  if (!algo::MessagePlan::fits(plan, buffers, g->exec_options())) return {};
+  const char* name = to_string(call.collective).data();
+  return MessagePlanOp::start(g, seq, name, signature::of(call.collective, buffers.dtype, buffers.op, shape.count, shape.root),
+                              std::move(plan), buffers);
 }
 
 Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
@@ -552,6 +671,7 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
       case ArenaNow::not_started: return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false));
     }
   }
+  if (Future<void> messages = start_as_messages(state_, seq, call, algorithm); messages.valid()) return messages;
   return spawn(*g.loop, start_collective(state_, seq, call, algorithm));
 }
 

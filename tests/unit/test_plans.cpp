@@ -6,12 +6,15 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <memory>
 #include <map>
 
 #include <fmt/format.h>
 #include <weft/weft.hpp>
 
 #include "kernels/cpu/reduce.hpp"
+#include "algorithms/messages.hpp"
 #include "algorithms/registry.hpp"
 #include "algorithms/selection.hpp"
 #include "core/signature.hpp"
@@ -690,4 +693,295 @@ TEST_CASE("plans over blocks of any size: the ring, direct gather and scatter, t
       CHECK(pairwise_all_to_all(p, r, 5) == pairwise_all_to_all(p, r, equal(p, 5), equal(p, 5)));
     }
   }
+}
+
+// ---- MessagePlan (algorithms/messages.hpp): plans of whole messages run from completions ----
+
+namespace {
+
+// Every rank's transport in one thread: a send is delivered to its receiver's posted receive (or kept as
+// unexpected) and completes at once; completions run inline (a send the stream took whole, a receive that
+// found its message) or, with `deferred`, from a queue the test pumps in a scrambled order.
+struct Switchboard;
+
+class BoardTransport final : public Transport {
+ public:
+  BoardTransport(Switchboard& board, int rank) : board_(board), rank_(rank) {}
+  std::string_view name() const noexcept override { return "board"; }
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override;
+  void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
+  void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
+  bool cancel_recv(TransportOp&) override { return false; }
+  void open_context(std::uint32_t, std::vector<int>) override {}
+  void close_context(std::uint32_t) override {}
+  void abort_context(std::uint32_t, Errc code, const std::string& reason) override;
+  void cancel_operation(std::uint32_t, std::uint64_t seq, const std::string& reason) override;
+  bool context_failed(std::uint32_t, std::error_code*, std::string*) const override { return false; }
+  std::vector<int> waiting_on(std::uint32_t, std::uint64_t) const override { return {}; }
+  OpSignature signature_of(std::uint32_t, std::uint64_t) const override { return {}; }
+  void ask_progress(std::uint32_t, std::uint64_t, std::chrono::milliseconds, std::function<void(std::vector<Progress>)>) override {}
+  bool connected(int) const override { return true; }
+  void disconnect(int, const std::string&) override {}
+  void shutdown() override {}
+
+  struct Posted {
+    int from;
+    MessageKey key;
+    void* data;
+    std::size_t bytes;
+    TransportOp* op;
+  };
+  struct Arrived {
+    int from;
+    MessageKey key;
+    std::vector<std::byte> payload;
+  };
+  std::vector<Posted> posted;
+  std::vector<Arrived> unexpected;
+  int aborts = 0;
+  int fail_sends_to = -1;  // a send to this rank fails with peer_failure
+
+ private:
+  Switchboard& board_;
+  int rank_;
+};
+
+struct Switchboard {
+  std::vector<std::unique_ptr<BoardTransport>> ranks;
+  bool deferred = false;
+  std::deque<std::function<void()>> completions;
+  explicit Switchboard(int p, bool defer) : deferred(defer) {
+    for (int r = 0; r < p; ++r) ranks.push_back(std::make_unique<BoardTransport>(*this, r));
+  }
+  void complete(TransportOp& op, std::error_code error = {}, int failed_peer = -1, std::string reason = {}) {
+    if (!deferred) {
+      op.complete(error, failed_peer, std::move(reason));
+      return;
+    }
+    completions.push_back([&op, error, failed_peer, reason] { op.complete(error, failed_peer, reason); });
+  }
+  // Runs the queued completions, taking from the back every third time (completions of different ops
+  // need not come in the order they were queued).
+  void pump() {
+    for (std::size_t turn = 0; !completions.empty(); ++turn) {
+      std::function<void()> next;
+      if (turn % 3 == 2) {
+        next = std::move(completions.back());
+        completions.pop_back();
+      } else {
+        next = std::move(completions.front());
+        completions.pop_front();
+      }
+      next();
+    }
+  }
+};
+
+int BoardTransport::size() const noexcept { return static_cast<int>(board_.ranks.size()); }
+
+void BoardTransport::start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {
+  op.peer = peer;
+  if (peer == fail_sends_to) {
+    board_.complete(op, make_error_code(Errc::peer_failure), peer, fmt::format("rank {} is gone", peer));
+    return;
+  }
+  BoardTransport& to = *board_.ranks[static_cast<std::size_t>(peer)];
+  const auto* bytes_at = static_cast<const std::byte*>(data);
+  auto match = std::find_if(to.posted.begin(), to.posted.end(), [&](const Posted& p) { return p.from == rank_ && p.key == key; });
+  if (match != to.posted.end()) {
+    const Posted found = *match;
+    to.posted.erase(match);
+    if (found.bytes != bytes) {
+      board_.complete(*found.op, make_error_code(Errc::size_mismatch), rank_, "size");
+    } else {
+      if (bytes) std::memcpy(found.data, data, bytes);
+      board_.complete(*found.op);
+    }
+  } else {
+    to.unexpected.push_back(Arrived{rank_, key, std::vector<std::byte>(bytes_at, bytes_at + bytes)});
+  }
+  board_.complete(op);
+}
+
+void BoardTransport::start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) {
+  op.peer = peer;
+  auto match = std::find_if(unexpected.begin(), unexpected.end(), [&](const Arrived& a) { return a.from == peer && a.key == key; });
+  if (match == unexpected.end()) {
+    posted.push_back(Posted{peer, key, data, bytes, &op});
+    return;
+  }
+  const std::vector<std::byte> payload = std::move(match->payload);
+  unexpected.erase(match);
+  if (payload.size() != bytes) {
+    board_.complete(op, make_error_code(Errc::size_mismatch), peer, "size");
+    return;
+  }
+  if (bytes) std::memcpy(data, payload.data(), bytes);
+  board_.complete(op);
+}
+
+void BoardTransport::abort_context(std::uint32_t, Errc code, const std::string& reason) {
+  ++aborts;
+  const auto pending = std::exchange(posted, {});
+  for (const Posted& p : pending) board_.complete(*p.op, make_error_code(code), -1, reason);
+}
+
+void BoardTransport::cancel_operation(std::uint32_t, std::uint64_t seq, const std::string& reason) {
+  std::vector<Posted> keep;
+  std::vector<Posted> cancelled;
+  for (const Posted& p : posted) (p.key.seq == seq ? cancelled : keep).push_back(p);
+  posted = keep;
+  for (const Posted& p : cancelled) board_.complete(*p.op, make_error_code(Errc::cancelled), -1, reason);
+}
+
+struct Outcome {
+  bool done = false;
+  static void mark(void* context) noexcept { static_cast<Outcome*>(context)->done = true; }
+};
+
+Channel board_channel(Switchboard& board, const std::vector<int>& members, int r, std::uint64_t seq) {
+  Channel ch{nullptr, board.ranks[static_cast<std::size_t>(r)].get(), 1, seq, r, members, "broadcast", 0};
+  ch.signature = OpSignature{7, 1};
+  return ch;
+}
+
+}  // namespace
+
+TEST_CASE("a plan of whole messages runs from completions: broadcast and barrier on 1-9 ranks, inline or deferred", "[plans][messages]") {
+  for (bool deferred : {false, true}) {
+    for (int p = 1; p <= 9; ++p) {
+      std::vector<int> members(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) members[static_cast<std::size_t>(r)] = r;
+      for (int root = 0; root < p; ++root) {
+        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{13}}) {
+          for (auto make : {&binomial_broadcast, &chain_broadcast}) {
+            INFO("deferred=" << deferred << " p=" << p << " root=" << root << " count=" << n);
+            Switchboard board(p, deferred);
+            std::vector<std::vector<Value>> data(static_cast<std::size_t>(p));
+            std::vector<Outcome> outcome(static_cast<std::size_t>(p));
+            std::vector<std::unique_ptr<MessagePlan>> runs;
+            for (int r = 0; r < p; ++r) {
+              auto& buf = data[static_cast<std::size_t>(r)];
+              buf.assign(n, -1);
+              if (r == root) {
+                for (std::size_t i = 0; i < n; ++i) buf[i] = input(root, i);
+              }
+              auto* bytes = reinterpret_cast<std::byte*>(buf.data());
+              const PlanBuffers buffers{bytes, bytes, DType::i64, ReduceOp::sum};
+              Plan plan = make(p, r, root, n);
+              REQUIRE(MessagePlan::fits(plan, buffers, ExecOptions{}));
+              runs.push_back(std::make_unique<MessagePlan>(board_channel(board, members, r, 5), std::move(plan), buffers,
+                                                           &Outcome::mark, &outcome[static_cast<std::size_t>(r)]));
+            }
+            // Receivers before their senders and after them: every rank starts in reverse order.
+            for (int r = p - 1; r >= 0; --r) runs[static_cast<std::size_t>(r)]->start();
+            board.pump();
+            for (int r = 0; r < p; ++r) {
+              REQUIRE(outcome[static_cast<std::size_t>(r)].done);
+              REQUIRE(runs[static_cast<std::size_t>(r)]->failure() == nullptr);
+              for (std::size_t i = 0; i < n; ++i) REQUIRE(data[static_cast<std::size_t>(r)][i] == input(root, i));
+              REQUIRE(board.ranks[static_cast<std::size_t>(r)]->unexpected.empty());  // tags matched pairwise
+            }
+          }
+        }
+      }
+      Switchboard board(p, deferred);
+      std::vector<Outcome> outcome(static_cast<std::size_t>(p));
+      std::vector<std::unique_ptr<MessagePlan>> runs;
+      for (int r = 0; r < p; ++r) {
+        Plan plan = dissemination_barrier(p, r);
+        REQUIRE(MessagePlan::fits(plan, PlanBuffers{}, ExecOptions{}));
+        runs.push_back(std::make_unique<MessagePlan>(board_channel(board, members, r, 9), std::move(plan), PlanBuffers{},
+                                                     &Outcome::mark, &outcome[static_cast<std::size_t>(r)]));
+      }
+      // The last rank enters late: nobody may finish before it did.
+      for (int r = 0; r + 1 < p; ++r) runs[static_cast<std::size_t>(r)]->start();
+      board.pump();
+      for (int r = 0; r + 1 < p; ++r) REQUIRE(!outcome[static_cast<std::size_t>(r)].done);
+      runs.back()->start();
+      board.pump();
+      for (int r = 0; r < p; ++r) REQUIRE(outcome[static_cast<std::size_t>(r)].done);
+    }
+  }
+}
+
+TEST_CASE("a plan of whole messages fails with the first failure, naming the peer, and drains; a cancel aborts nothing", "[plans][messages]") {
+  const std::vector<int> members{0, 1, 2, 3};
+  for (bool deferred : {false, true}) {
+    INFO("deferred=" << deferred);
+    // Rank 0 of 4 is the root; its first send (to rank 2, the binomial tree's far half) fails.
+    Switchboard board(4, deferred);
+    board.ranks[0]->fail_sends_to = 2;
+    std::vector<Value> buf(5, 3);
+    auto* bytes = reinterpret_cast<std::byte*>(buf.data());
+    Outcome outcome;
+    MessagePlan run(board_channel(board, members, 0, 11), binomial_broadcast(4, 0, 0, buf.size()),
+                    PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark, &outcome);
+    run.start();
+    board.pump();
+    REQUIRE(outcome.done);
+    REQUIRE(board.ranks[0]->aborts == 1);
+    REQUIRE(run.failure() != nullptr);
+    try {
+      std::rethrow_exception(run.failure());
+    } catch (const Error& e) {
+      REQUIRE(e.errc() == Errc::peer_failure);
+      REQUIRE(e.context().rank == 0);
+      REQUIRE(e.context().peer == 2);
+      REQUIRE(e.context().op == "broadcast");
+      REQUIRE(e.context().seq == 11);
+    }
+  }
+  for (bool deferred : {false, true}) {
+    INFO("deferred=" << deferred);
+    // A receiver whose root never comes, cancelled: it ends with the cancellation and aborts nothing.
+    Switchboard board(2, deferred);
+    std::vector<Value> buf(3, 0);
+    auto* bytes = reinterpret_cast<std::byte*>(buf.data());
+    Outcome outcome;
+    MessagePlan run(board_channel(board, {0, 1}, 1, 12), binomial_broadcast(2, 1, 0, buf.size()),
+                    PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark, &outcome);
+    run.start();
+    board.pump();
+    REQUIRE(!outcome.done);
+    run.cancel();
+    board.pump();
+    REQUIRE(outcome.done);
+    REQUIRE(board.ranks[1]->aborts == 0);
+    REQUIRE_THROWS_MATCHES(std::rethrow_exception(run.failure()), Error, Catch::Predicate<Error>([](const Error& e) {
+                             return e.errc() == Errc::cancelled && e.context().peer == 0 && e.context().seq == 12;
+                           }));
+  }
+}
+
+TEST_CASE("which plans run as whole messages", "[plans][messages]") {
+  std::vector<Value> buf(1 << 16, 0);
+  auto* bytes = reinterpret_cast<std::byte*>(buf.data());
+  const PlanBuffers buffers{bytes, bytes, DType::i64, ReduceOp::sum};
+  ExecOptions small;
+  small.segment_bytes = 64;  // 8 elements of i64
+  REQUIRE(MessagePlan::fits(binomial_broadcast(8, 3, 0, 8), buffers, small));
+  REQUIRE(!MessagePlan::fits(binomial_broadcast(8, 3, 0, 9), buffers, small));  // two segments
+  REQUIRE(MessagePlan::fits(binomial_broadcast(256, 0, 0, 1), buffers, small));  // 8 sends
+  REQUIRE(!MessagePlan::fits(binomial_broadcast(512, 0, 0, 1), buffers, small));  // 9
+  REQUIRE(!MessagePlan::fits(ring_all_reduce(2, 0, 8), buffers, small));  // reduces
+  REQUIRE(MessagePlan::fits(chain_broadcast(4, 1, 0, 8), buffers, small));  // receives and forwards
+  REQUIRE(MessagePlan::fits(dissemination_barrier(16, 5), PlanBuffers{}, small));
+  PlanBuffers staged = buffers;
+  struct NoStaging final : StagedBuffers {
+    bool ready(const std::byte*, const std::byte*) override { return true; }
+    Task<void> until_ready(const std::byte*, const std::byte*) override { co_return; }
+    void finished(std::byte*, std::byte*) override {}
+  } staging;
+  staged.staged = &staging;
+  REQUIRE(!MessagePlan::fits(binomial_broadcast(2, 1, 0, 4), staged, small));
+  // A receive into a range an earlier send reads (its send may still be going): not here.
+  const Plan overlapping{Step{StepKind::send, 1, -1, Range{0, 4}, {}}, Step{StepKind::recv, -1, 1, {}, Range{2, 4}}};
+  REQUIRE(!MessagePlan::fits(overlapping, buffers, small));
+  const Plan apart{Step{StepKind::send, 1, -1, Range{0, 4}, {}}, Step{StepKind::recv, -1, 1, {}, Range{4, 4}}};
+  REQUIRE(MessagePlan::fits(apart, buffers, small));
+  const Plan forwarded_then_overwritten{Step{StepKind::recv_copy_send, 2, 1, Range{0, 4}, Range{0, 4}},
+                                        Step{StepKind::recv, -1, 1, {}, Range{3, 1}}};
+  REQUIRE(!MessagePlan::fits(forwarded_then_overwritten, buffers, small));
 }

@@ -1,0 +1,98 @@
+#pragma once
+// A plan of whole messages, run without a coroutine. The executor (execute) runs any plan in a coroutine
+// frame of its own, under the collective's task and the group's wrapper: three frames, a plan run's
+// cancel hook and a Future's driver per call. Over TCP that chain was most of a small broadcast's user
+// time at the root (bench/RESULTS.md, "Where the 2-rank tcp broadcast's extra microsecond goes"). A plan
+// whose every message goes whole (one segment), with nothing to reduce or forward segment by segment,
+// needs none of it: this runs such a plan step by step from the transport's completions.
+#include <cstddef>
+#include <exception>
+#include <string>
+
+#include "weft/algorithms.hpp"
+#include "weft/error.hpp"
+#include "weft/transport.hpp"
+
+namespace weft::algorithms {
+
+/// The first failure among a plan's operations, as both executors report it: the first one recorded, the
+/// context aborted for it (a cancellation leaves the context usable: it failed every operation of the
+/// seq already), and the error that names the rank, the peer, the operation and its seq.
+class FirstFailure {
+ public:
+  /// Records `op`'s failure if it is the first (aborting the channel's context unless it was a
+  /// cancellation); false when `op` failed.
+  bool check(const Channel& channel, const TransportOp& op);
+  bool failed() const noexcept { return failed_; }
+  [[noreturn]] void raise(const Channel& channel) const;
+
+ private:
+  bool failed_ = false;
+  Errc code_ = Errc::protocol_error;
+  std::string reason_;
+  int transport_peer_ = -1;
+};
+
+class MessagePlan {
+ public:
+  /// At most this many messages (a binomial broadcast's root of 256 ranks sends 8; a dissemination
+  /// barrier of 16 ranks exchanges 8).
+  static constexpr std::size_t most_messages = 8;
+
+  /// Whether `plan` runs here: every step a send, recv, send_recv or recv_copy_send (the chain's
+  /// forward) whose ranges travel in one segment, no staged buffers, at most most_messages messages, and
+  /// no step receiving into a range that an earlier send reads (that send may still be reading it: the
+  /// executor waits for it, this does not). Steps run in order, each receive awaited before the next
+  /// step starts: the order the plans' simulator (test_plans) checks for deadlocks.
+  static bool fits(const Plan& plan, const PlanBuffers& buffers, const ExecOptions& options);
+
+  /// `done(context)` is called once, on the loop's thread, when every message of the plan completed (the
+  /// sends may be reused, the receives landed) or the plan failed and every message it started ended;
+  /// it may destroy this. Lifetime: `channel.members` and the buffers outlive the run.
+  using Done = void (*)(void* context) noexcept;
+  MessagePlan(const Channel& channel, Plan plan, PlanBuffers buffers, Done done, void* context)
+      : ch_(channel), plan_(std::move(plan)), buf_(buffers), esize_(dtype_size(buffers.dtype)), done_(done), context_(context) {}
+  MessagePlan(const MessagePlan&) = delete;
+  MessagePlan& operator=(const MessagePlan&) = delete;
+  ~MessagePlan();
+
+  /// Loop thread, once. The messages of the first steps start here; `done` may be called before this
+  /// returns.
+  void start();
+  /// Loop thread, before `done`: cancels the operation on every member (the transport's
+  /// cancel_operation), as a cancelled plan run does.
+  void cancel();
+  bool finished() const noexcept { return finished_; }
+  /// After `done`: the failure (weft::Error, as execute throws it), or null.
+  std::exception_ptr failure() const;
+
+ private:
+  static void completed(TransportOp& op, void* context) noexcept;
+  void advance();
+  TransportOp& start_message(bool sending, int group_peer, const std::byte* at, std::size_t elems);
+
+  Channel ch_;
+  Plan plan_;
+  PlanBuffers buf_;
+  std::size_t esize_;
+  Done done_;
+  void* context_;
+  // Loop thread only.
+  std::size_t next_step_ = 0;
+  TransportOp* awaited_ = nullptr;  // the receive the next step waits for
+  bool forward_ = false;            // awaited_ is a recv_copy_send's: its send follows
+  std::size_t started_ = 0;
+  std::size_t outstanding_ = 0;
+  bool advancing_ = false;  // inside advance(): completions inside a start only count
+  bool finished_ = false;
+  FirstFailure failure_;
+  struct Count {
+    int peer = -1;
+    std::uint64_t sent = 0;
+    std::uint64_t received = 0;
+  };
+  Count counts_[most_messages];  // messages to and from each peer so far (the k-th carries tag k)
+  alignas(TransportOp) std::byte ops_[most_messages][sizeof(TransportOp)];
+};
+
+}  // namespace weft::algorithms
