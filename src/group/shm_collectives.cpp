@@ -92,7 +92,7 @@ class ArenaRun final : public shm::Arena::Waiter {
 
   // What the wait waits for: every rank's superstep, or (box broadcasts) a root's stamp or a free slot.
   bool ready(const shm::Arena& arena) override {
-    switch (waiting_) {
+    switch (arena.waiting()) {
       case shm::Arena::Waiting::slot: return arena.stamped(root_);
       case shm::Arena::Waiting::free_slot: return arena.slot_free();
       case shm::Arena::Waiting::step: break;
@@ -102,7 +102,7 @@ class ArenaRun final : public shm::Arena::Waiter {
 
   /// A rank whose arena words say it called something else where this rank is now (arena.hpp, "Boxes");
   /// -1 when none does. Any thread (memory only).
-  int box_conflict() const { return waiting_ == shm::Arena::Waiting::step ? step_conflict() : conflict_in_box(); }
+  int box_conflict() const { return arena_.waiting() == shm::Arena::Waiting::step ? step_conflict() : conflict_in_box(); }
   /// In a superstep: a rank behind it that stamped this rank's next box broadcast. (The stamp is read
   /// first: a rank that stamped after publishing this superstep is then seen to have published it.)
   int step_conflict() const {
@@ -165,12 +165,10 @@ class ArenaRun final : public shm::Arena::Waiter {
   /// Waits for the root's stamp (`slot`) or for a slot this rank may write (`free_slot`); throws as
   /// wait() does, a box conflict being a mismatch. Loop thread.
   Task<void> wait_box(shm::Arena::Waiting what) {
-    waiting_ = what;
     arena_.waiting_for(what, root_);
     co_await arena_.until_ready(*this);
     const bool ready_now = ready(arena_);
     const bool interrupted_now = interrupted();
-    waiting_ = shm::Arena::Waiting::step;
     arena_.waiting_for(shm::Arena::Waiting::step);
     if (!ready_now || interrupted_now) throw_interruption();
   }
@@ -311,7 +309,6 @@ class ArenaRun final : public shm::Arena::Waiter {
   int box_mismatch_ = -1;  // a box conflict found by interrupted()
   std::uint32_t published_ = 0;
   bool cancelled_ = false;
-  shm::Arena::Waiting waiting_ = shm::Arena::Waiting::step;
   int root_ = -1;  // box broadcasts: the root
 };
 

@@ -186,12 +186,14 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool ahead(int r) const noexcept { return header_at(r, count_ & 1).published.load(std::memory_order_acquire) > count_; }
   const AreaHeader& ahead_header(int r) const noexcept { return header_at(r, count_ & 1); }
 
-  /// What this rank waits for in the arena now (for behind(): the deadline's report).
+  /// What this rank waits for in the arena now: what its wait's readiness and conflict checks look at
+  /// (shm_collectives.cpp), and whom the deadline's report names (waits_on).
   enum class Waiting { step, slot, free_slot };
   void waiting_for(Waiting what, int root = -1) noexcept {
     waiting_ = what;
     waiting_root_ = root;
   }
+  Waiting waiting() const noexcept { return waiting_; }
   /// Whether this rank waits for rank r now (waiting_for: a step, a root's slot, a slot to reuse).
   bool waits_on(int r) const noexcept {
     if (r == rank_) return false;
