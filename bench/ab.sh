@@ -2,8 +2,8 @@
 # Side by side in one run: weft-bench (by default all_reduce, f32 sum, RANKS ranks, 8 B to 64 MiB) under several
 # variants taking turns in each of ROUNDS rounds, so that the machine's drift hits them alike. A variant
 # is LABEL=BUILD_DIR[:VAR=VALUE...]: another build (before/after a change) or other settings (WEFT_*).
-# Prints the median out-of-place time and busbw per size and variant, and each variant's cost against
-# the first.
+# Prints the median out-of-place time and busbw per size and variant, and each variant's time against
+# the first's, paired by round (the median of the per-round ratios).
 #   bench/ab.sh ROUNDS RANKS LABEL=BUILD[:VAR=VALUE...] LABEL=BUILD[:VAR=VALUE...] ...
 # e.g. bench/ab.sh 5 2 before=/tmp/before/build after=build
 #      bench/ab.sh 5 2 off=build crc32c=build:WEFT_INTEGRITY=crc32c
@@ -41,11 +41,14 @@ for label in labels:
             transports.add(rec["transport"])
             rows.setdefault(rec["bytes"], {}).setdefault(label, []).append((rec["time_us"], rec["busbw"]))
 print(f"{ranks} ranks, {'/'.join(sorted(transports))}, median of {rounds} interleaved rounds (time us / busbw GB/s)")
-print("| size | " + " | ".join(labels) + " | " + " | ".join(f"{l} vs {labels[0]}" for l in labels[1:]) + " |")
+# "paired": the median over rounds of each round's time ratio against the first variant, which this
+# machine's drift (up to several times between rounds) moves far less than the medians themselves.
+print("| size | " + " | ".join(labels) + " | " + " | ".join(f"{l} vs {labels[0]} (paired)" for l in labels[1:]) + " |")
 print("|---:|" + "---:|" * (2 * len(labels) - 1))
 for size in sorted(rows):
     m = {k: (statistics.median(t for t, _ in v), statistics.median(b for _, b in v)) for k, v in rows[size].items()}
     cells = [f"{m[l][0]:.2f} / {m[l][1]:.2f}" for l in labels]
-    costs = [f"{(m[l][0] / m[labels[0]][0] - 1) * 100:+.0f} %" for l in labels[1:]]
+    first = [t for t, _ in rows[size][labels[0]]]
+    costs = [f"{statistics.median(t / f for (t, _), f in zip(rows[size][l], first)):.2f}" for l in labels[1:]]
     print(f"| {size} | " + " | ".join(cells + costs) + " |")
 PY

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include <weft/weft.hpp>
 
 #include "kernels/cpu/reduce.hpp"
+#include "transports/framed/contexts.hpp"
 #include "support/harness.hpp"
 
 using namespace weft;
@@ -685,4 +687,40 @@ TEST_CASE("co_await Group::create(loop) as the README writes it (g++ 12)", "[cor
   ::unsetenv("WEFT_RANK");
   ::unsetenv("WEFT_WORLD_SIZE");
   ::unsetenv("WEFT_STORE");
+}
+
+TEST_CASE("a context's recent signatures: every kept entry of a seq is found, whatever came between", "[core][signatures]") {
+  // Against a plain list of everything pushed: random seqs ahead of and behind the ones sought (a
+  // receiver behind its senders sees later seqs only), residues that collide (seq and seq + 64), several
+  // peers per seq, and more pushes than the ring keeps.
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    ContextState::Recent recent;
+    std::vector<ContextState::Seen> all;
+    const int pushes = static_cast<int>(rng() % 300);
+    for (int i = 0; i < pushes; ++i) {
+      const std::uint64_t seq = 1 + rng() % (rng() % 2 ? 8 : 200);
+      const ContextState::Seen seen{seq, OpSignature{static_cast<std::uint32_t>(1 + rng() % 3), rng() % 2}, static_cast<int>(rng() % 4)};
+      recent.push(seen);
+      all.push_back(seen);
+    }
+    const std::size_t kept_from = all.size() > ContextState::Recent::size ? all.size() - ContextState::Recent::size : 0;
+    for (std::uint64_t seq = 1; seq <= 200; ++seq) {
+      const OpSignature mine{1 + static_cast<std::uint32_t>(seq % 3), seq % 2};
+      const ContextState::Seen* expect_find = nullptr;
+      const ContextState::Seen* expect_disagreeing = nullptr;
+      for (std::size_t i = all.size(); i-- > kept_from;) {
+        if (all[i].seq != seq) continue;
+        if (!expect_find) expect_find = &all[i];
+        if (!expect_disagreeing && !(all[i].signature == mine)) expect_disagreeing = &all[i];
+      }
+      const auto* found = recent.find(seq);
+      const auto* disagreeing = recent.disagreeing(seq, mine);
+      INFO("round " << round << " seq " << seq);
+      REQUIRE((found == nullptr) == (expect_find == nullptr));
+      if (found) REQUIRE((found->peer == expect_find->peer && found->signature == expect_find->signature));
+      REQUIRE((disagreeing == nullptr) == (expect_disagreeing == nullptr));
+      if (disagreeing) REQUIRE((disagreeing->peer == expect_disagreeing->peer && disagreeing->signature == expect_disagreeing->signature));
+    }
+  }
 }

@@ -328,10 +328,10 @@ void FramedTransport::take_noted_elsewhere() {
   noted_elsewhere_taken_ = number;
 }
 
-// The searches start at the latest entries and stop once past the seq sought (with a little slack for
-// arrivals from several peers interleaving): a check runs per message and must cost little (bench/
-// RESULTS.md, "Mismatch detection"). An older entry that is not reached can only hide a mismatch from
-// this early check; a receive still compares every frame it takes.
+// The searches visit only the kept entries of the seq sought (contexts.hpp, Recent): a check runs per
+// message and must cost little (bench/RESULTS.md, "Mismatch detection"). An entry no longer kept (64
+// newer ones came) can only hide a mismatch from this early check; a receive still compares every frame
+// it takes.
 void FramedTransport::note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
   ContextState* state = contexts_.find(context);
   if (state) state->started = std::max(state->started, seq);
