@@ -151,8 +151,9 @@ class Matcher {
   using Mailboxes = std::unordered_map<Key, Mailbox, KeyHash>;
   // A mailbox lives for about one message (keys carry per-peer counters): its map node and its queues'
   // storage are kept when it empties and given to the next key, instead of a node and a vector
-  // allocated and freed per message (two of a small all_reduce's allocations, bench/RESULTS.md).
-  static constexpr std::size_t spare_mailboxes = 16;
+  // allocated and freed per message (two of a small all_reduce's allocations, bench/RESULTS.md). 64
+  // kept, not 16: a reader behind a broadcast's root holds a mailbox per message it has not reached.
+  static constexpr std::size_t spare_mailboxes = 1024;
   Mailbox& mailbox(const Key& key) {
     if (auto it = mailboxes_.find(key); it != mailboxes_.end()) return it->second;
     if (spare_nodes_.empty()) return mailboxes_.try_emplace(key).first->second;
@@ -176,6 +177,7 @@ class Matcher {
   // of the same size, and fresh large allocations cost an mmap and page faults each.
   std::vector<Early> spare_buffers_;
   std::size_t spare_bytes_ = 0;
+  std::vector<std::unique_ptr<std::byte[]>> spare_small_;  // small messages' buffers (matcher.cpp)
   Mailboxes mailboxes_;
   std::vector<Mailboxes::node_type> spare_nodes_;  // emptied mailboxes, for the next keys
 };
