@@ -278,9 +278,10 @@ void expect_mismatch(const std::function<Future<void>(Group&)>& call, std::initi
 }  // namespace
 
 TEST_CASE("ranks that call different collectives as the same operation fail, naming both calls", "[errors][mismatch]") {
-  std::vector<float> a(1024, 1.0f), b(2048, 0.0f);
+  std::vector<float> a(1024, 1.0f), a0(1024, 1.0f), b(2048, 0.0f);
   SECTION("all_reduce against all_gather") {
-    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(a) : g.all_gather(a, b); },
+    // Rank 0's all_reduce writes its buffer in place: not the one rank 1 sends from (threads of one process).
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(a0) : g.all_gather(a, b); },
                     {"rank 1 called all_gather #1 (f32 x 1024)", "rank 0 called all_reduce #1 (f32 x 1024, sum)"});
   }
   // Small broadcasts over shm go through the root's box and do not wait for anyone (arena.hpp, "Boxes"):
@@ -307,20 +308,21 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
   // took part must fail the operation or, where it finished before anyone could know, its next one.
   std::vector<float> f(8, 1.0f), g8(24, 0.0f), big(16, 1.0f);
   std::vector<std::int32_t> i(8, 1);
+  // A buffer per rank wherever ranks write theirs (the ranks are threads of this process: ThreadSanitizer
+  // caught the in-place all_reduces sharing `f`; over shm a small broadcast's reader copies from its root's
+  // box while the roots read theirs).
+  std::vector<std::vector<float>> each(4, f);
+  const auto mine = [&](const Group& g) -> std::vector<float>& { return each[static_cast<std::size_t>(g.rank())]; };
   SECTION("op") {
-    expect_mismatch([&](Group& g) { return g.all_reduce(f, g.rank() == 2 ? ReduceOp::max : ReduceOp::sum); },
+    expect_mismatch([&](Group& g) { return g.all_reduce(mine(g), g.rank() == 2 ? ReduceOp::max : ReduceOp::sum); },
                     {"all_reduce #1"}, false, 3);
   }
   SECTION("dtype") {
-    expect_mismatch([&](Group& g) { return g.rank() == 1 ? g.all_reduce(i) : g.all_reduce(f); }, {"all_reduce #1"}, false, 3);
+    expect_mismatch([&](Group& g) { return g.rank() == 1 ? g.all_reduce(i) : g.all_reduce(mine(g)); }, {"all_reduce #1"}, false, 3);
   }
   SECTION("count") {
-    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(big) : g.all_reduce(f); }, {"all_reduce #1"}, false, 3);
+    expect_mismatch([&](Group& g) { return g.rank() == 0 ? g.all_reduce(big) : g.all_reduce(mine(g)); }, {"all_reduce #1"}, false, 3);
   }
-  // A broadcast's buffer per rank: the ranks are threads of this process, and a reader writes its own
-  // (over shm a small broadcast's reader copies from its root's box while the roots read theirs).
-  std::vector<std::vector<float>> each(4, f);
-  const auto mine = [&](const Group& g) -> std::vector<float>& { return each[static_cast<std::size_t>(g.rank())]; };
   SECTION("root: the root alone says root 0, the others say root 1") {
     expect_mismatch([&](Group& g) { return g.broadcast(mine(g), g.rank() == 0 ? 0 : 1); }, {"broadcast #1"}, true, 3);
   }
@@ -344,7 +346,7 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
                     {"reduce #1", "the ranks called it differently", "root 2", "root 0"}, true, 3);
   }
   SECTION("collective") {
-    expect_mismatch([&](Group& g) { return g.rank() == 2 ? g.all_gather(f, g8) : g.all_reduce(f); }, {"#1"}, false, 3);
+    expect_mismatch([&](Group& g) { return g.rank() == 2 ? g.all_gather(f, g8) : g.all_reduce(mine(g)); }, {"#1"}, false, 3);
   }
 }
 

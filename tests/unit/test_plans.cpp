@@ -937,10 +937,11 @@ TEST_CASE("a plan of whole messages fails with the first failure, naming the pee
     INFO("deferred=" << deferred);
     // A receiver whose root never comes, cancelled: it ends with the cancellation and aborts nothing.
     Switchboard board(2, deferred);
+    const std::vector<int> pair{0, 1};
     std::vector<Value> buf(3, 0);
     auto* bytes = reinterpret_cast<std::byte*>(buf.data());
     Outcome outcome;
-    MessagePlan run(board_channel(board, {0, 1}, 1, 12), binomial_broadcast(2, 1, 0, buf.size()),
+    MessagePlan run(board_channel(board, pair, 1, 12), binomial_broadcast(2, 1, 0, buf.size()),
                     PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark, &outcome);
     run.start();
     board.pump();
