@@ -846,6 +846,15 @@ Channel board_channel(Switchboard& board, const std::vector<int>& members, int r
   return ch;
 }
 
+// Rank `r`'s part of a binomial broadcast from rank 0 over `buf`, on the switchboard. (Returned by
+// guaranteed elision: a MessagePlan neither copies nor moves.)
+MessagePlan broadcast_run(Switchboard& board, const std::vector<int>& members, int r, std::uint64_t seq, std::vector<Value>& buf,
+                          Outcome& outcome) {
+  auto* bytes = reinterpret_cast<std::byte*>(buf.data());
+  return MessagePlan(board_channel(board, members, r, seq), binomial_broadcast(static_cast<int>(members.size()), r, 0, buf.size()),
+                     PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark, &outcome);
+}
+
 }  // namespace
 
 TEST_CASE("a plan of whole messages runs from completions: broadcast and barrier on 1-9 ranks, inline or deferred", "[plans][messages]") {
@@ -914,10 +923,8 @@ TEST_CASE("a plan of whole messages fails with the first failure, naming the pee
     Switchboard board(4, deferred);
     board.ranks[0]->fail_sends_to = 2;
     std::vector<Value> buf(5, 3);
-    auto* bytes = reinterpret_cast<std::byte*>(buf.data());
     Outcome outcome;
-    MessagePlan run(board_channel(board, members, 0, 11), binomial_broadcast(4, 0, 0, buf.size()),
-                    PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark, &outcome);
+    MessagePlan run = broadcast_run(board, members, 0, 11, buf, outcome);
     run.start();
     board.pump();
     REQUIRE(outcome.done);
@@ -939,10 +946,8 @@ TEST_CASE("a plan of whole messages fails with the first failure, naming the pee
     Switchboard board(2, deferred);
     const std::vector<int> pair{0, 1};
     std::vector<Value> buf(3, 0);
-    auto* bytes = reinterpret_cast<std::byte*>(buf.data());
     Outcome outcome;
-    MessagePlan run(board_channel(board, pair, 1, 12), binomial_broadcast(2, 1, 0, buf.size()),
-                    PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark, &outcome);
+    MessagePlan run = broadcast_run(board, pair, 1, 12, buf, outcome);
     run.start();
     board.pump();
     REQUIRE(!outcome.done);
