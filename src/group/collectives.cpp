@@ -319,9 +319,10 @@ class MessagePlanOp final : public FutureState<void> {
     op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&MessagePlanOp::on_cancel);
-    // A plan that only sends (a broadcast's root: 0.94-0.95x the time posted, 2 ranks, 8 B-2 KiB) starts
-    // on this thread when the loop's thread is parked (Loop::run_here, as a send does): its messages
-    // usually leave whole, and its Future is done before the call returns. Others are posted, as the
+    // A plan that only sends (a broadcast's root) starts on this thread when the loop's thread is parked
+    // (Loop::run_here, as a send does): its messages usually leave whole, and its Future is done before
+    // the call returns (2-rank broadcast, 8 B-2 KiB: 0.94-0.97 of the old path's time against 0.95-0.98
+    // posted, bench/RESULTS.md "Plans of whole messages"). Others are posted, as the
     // collectives' tasks are (bench/RESULTS.md, "Starting on the caller's thread": a collective that
     // waits, started here, cost the loop more wake-ups than it saved).
     if (op->g_->loop->in_loop_thread()) {
