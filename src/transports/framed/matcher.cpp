@@ -10,9 +10,9 @@ namespace {
 // soak's memory settles under it).
 constexpr std::size_t early_buffer_pool_bytes = 32 << 20;
 // Early messages of at most small_buffer_bytes get buffers of exactly that size, up to spare_small_buffers
-// of them kept: a rank behind its senders (a broadcast's reader) takes one per message, and allocating
-// and freeing each cost about 1,000 instructions of a 6,500-instruction small broadcast (callgrind,
-// bench/RESULTS.md "Plans of whole messages").
+// of them kept: a rank behind its senders (a broadcast's reader) takes one per message, where malloc
+// and free were the largest costs of a small broadcast's reader (with the 1,024 mailbox nodes kept:
+// 6,566 -> 6,179 instructions per broadcast, callgrind, bench/RESULTS.md "Plans of whole messages").
 constexpr std::size_t small_buffer_bytes = 512;
 constexpr std::size_t spare_small_buffers = 4096;
 

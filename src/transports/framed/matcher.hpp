@@ -151,7 +151,7 @@ class Matcher {
   using Mailboxes = std::unordered_map<Key, Mailbox, KeyHash>;
   // A mailbox lives for about one message (keys carry per-peer counters): its map node and its queues'
   // storage are kept when it empties and given to the next key, instead of a node and a vector
-  // allocated and freed per message (two of a small all_reduce's allocations, bench/RESULTS.md). 64
+  // allocated and freed per message (two of a small all_reduce's allocations, bench/RESULTS.md). 1,024
   // kept, not 16: a reader behind a broadcast's root holds a mailbox per message it has not reached.
   static constexpr std::size_t spare_mailboxes = 1024;
   Mailbox& mailbox(const Key& key) {
