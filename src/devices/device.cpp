@@ -109,9 +109,9 @@ struct FenceAwait {
 
   bool await_ready() { return stream->poll(seq, outcome->failure); }
   void await_suspend(std::coroutine_handle<> waiter) {
-    // By the loop's id, not a pointer: the backend's thread may reach the fence after the loop's owner
-    // destroyed the loop (a rank that failed and left while its device work still ran), and the
-    // waiter, whose frame went with the loop, is then not resumed.
+    // By the loop's id, not a pointer: the backend's thread may still reach the fence after the loop is
+    // gone (an owned loop waits 30 s for the fence, a loop that borrows an io_context not at all), and
+    // the waiter is then not resumed.
     auto fire = [outcome = outcome, waiter, loop = stream->loop().id()](const std::string& failure, bool cancelled) {
       if (outcome->fired.exchange(true)) return;
       outcome->failure = failure;
@@ -124,7 +124,13 @@ struct FenceAwait {
   void await_resume() { on_stop.reset(); }
 };
 
-Task<void> await_fence(std::shared_ptr<StreamImpl> stream, std::uint64_t seq, const char* op) {
+namespace {
+// `linger` lives in the frame from the call on, before the Task is started (spawn posts the start from
+// any thread but the loop's): an owned loop's destructor then waits for the fence, and the waiter's last
+// resume runs in the loop's final drain. Without it, a Future dropped by its caller
+// (`(void)stream.enqueue_host(...)`) whose notification came after the loop's owner had seen the work
+// done and destroyed the loop was never resumed, and its frame leaked (ASan, tests/sanitize.sh).
+Task<void> await_fence_lingering(std::shared_ptr<StreamImpl> stream, std::uint64_t seq, const char* op, Loop::Linger linger) {
   const std::stop_token token = co_await this_stop_token();
   FenceAwait wait{stream, seq, token, std::make_shared<FenceAwait::Outcome>(), std::nullopt};
   co_await wait;
@@ -132,6 +138,13 @@ Task<void> await_fence(std::shared_ptr<StreamImpl> stream, std::uint64_t seq, co
     throw CancelledError({.op = op}, "cancelled; the device work queued before it goes on");
   }
   if (!wait.outcome->failure.empty()) throw Error(Errc::device_failure, {.op = op}, wait.outcome->failure);
+  (void)linger;
+}
+}  // namespace
+
+Task<void> await_fence(std::shared_ptr<StreamImpl> stream, std::uint64_t seq, const char* op) {
+  Loop::Linger linger = stream->loop().linger();
+  return await_fence_lingering(std::move(stream), seq, op, std::move(linger));
 }
 
 }  // namespace detail

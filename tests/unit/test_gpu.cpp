@@ -511,6 +511,28 @@ TEST_CASE("cancelling a wait on device work completes it at once; the work goes 
   CHECK(finished.load());
 }
 
+TEST_CASE("a loop destroyed while its device work runs waits for it, and a dropped wait on it completes", "[gpu]") {
+  // The work completes after the stream and the loop's owner are done with them. The loop's destructor
+  // waits for the pending fence (a Linger), and the waiter's last resume runs in its final drain: the
+  // Future is complete once the loop is gone, and nothing it held leaks (ASan in tests/sanitize.sh).
+  // Before, the notification found the loop gone and the waiter's frame stayed allocated.
+  need_backend();
+  Future<void> kept;
+  std::atomic<bool> finished{false};
+  {
+    Loop loop;
+    gpu::Stream s(loop, gpu::device(0));
+    (void)s.enqueue_host([&] {
+      std::this_thread::sleep_for(50ms);
+      finished = true;
+    });
+    kept = s.synchronize();
+  }
+  CHECK(finished.load());
+  REQUIRE(kept.ready());
+  CHECK_NOTHROW(kept.get());
+}
+
 TEST_CASE("an injected device failure reaches the Futures, names the device, and stays", "[gpu][fail]") {
   // Run with WEFT_GPU=sim WEFT_SIM_FAIL=3 (tests/meson.build): the third item of the process fails.
   need_backend();
