@@ -475,17 +475,22 @@ bool MessagePlan::fits(const Plan& plan, const PlanBuffers& buffers, const ExecO
     return false;
   };
   for (const Step& step : plan) {
-    const bool sends = step.kind == StepKind::send || step.kind == StepKind::send_recv;
-    const bool forwards = step.kind == StepKind::recv_copy_send;
-    const bool receives = step.kind == StepKind::recv || step.kind == StepKind::send_recv || forwards;
-    if (!sends && !receives) return false;  // a reducing kind
+    const bool reduces = step.kind == StepKind::recv_reduce || step.kind == StepKind::recv_reduce_send ||
+                         step.kind == StepKind::send_recv_reduce;
+    const bool sends = step.kind == StepKind::send || step.kind == StepKind::send_recv || step.kind == StepKind::send_recv_reduce;
+    const bool forwards = step.kind == StepKind::recv_copy_send || step.kind == StepKind::recv_reduce_send;
+    const bool receives = step.kind != StepKind::send;
     messages += (sends || forwards ? 1 : 0) + (receives ? 1 : 0);
     if (messages > most_messages) return false;
     // One segment each, as the executor would cut them (segments of at least one element).
     if (sends && step.send.count * esize > most_bytes) return false;
     if (receives && step.recv.count * esize > most_bytes) return false;
     if (sends && step.send.count) read[reads++] = {buffers.send + step.send.offset * esize, buffers.send + (step.send.offset + step.send.count) * esize};
-    if (receives && step.recv.count) {
+    if (reduces) {
+      // Reduced once every message started so far completed: no send reads anything any more.
+      reads = 0;
+      if (forwards && step.recv.count) read[reads++] = {buffers.recv + step.recv.offset * esize, buffers.recv + (step.recv.offset + step.recv.count) * esize};
+    } else if (receives && step.recv.count) {
       const std::byte* lo = buffers.recv + step.recv.offset * esize;
       const std::byte* hi = lo + step.recv.count * esize;
       if (overlaps_a_send(lo, hi)) return false;
@@ -497,6 +502,27 @@ bool MessagePlan::fits(const Plan& plan, const PlanBuffers& buffers, const ExecO
 
 MessagePlan::~MessagePlan() {
   for (std::size_t i = 0; i < started_; ++i) std::launder(reinterpret_cast<TransportOp*>(ops_[i]))->~TransportOp();
+  if (pooled_scratch_) ScratchPool::give(ScratchPool::Buffer{std::move(pooled_scratch_), pooled_capacity_});
+}
+
+std::byte* MessagePlan::scratch(std::size_t bytes) {
+  if (bytes <= inline_scratch_bytes) return inline_scratch_;
+  if (pooled_capacity_ < bytes) {
+    if (pooled_scratch_) ScratchPool::give(ScratchPool::Buffer{std::move(pooled_scratch_), pooled_capacity_});
+    ScratchPool::Buffer taken = ScratchPool::take(bytes);
+    pooled_scratch_ = std::move(taken.data);
+    pooled_capacity_ = taken.capacity;
+  }
+  return pooled_scratch_.get();
+}
+
+// recv[i] = local[i] op incoming[i], as the executor's reducing steps (local: the receive buffer unless
+// the plan reads this rank's contribution from elsewhere).
+void MessagePlan::reduce(const Step& step) {
+  if (step.recv.count == 0) return;
+  const std::size_t at = step.recv.offset * esize_;
+  const std::byte* local = (buf_.local ? buf_.local : buf_.recv) + at;
+  kernels::find_reduce(buf_.dtype, buf_.op)(buf_.recv + at, local, scratch(step.recv.count * esize_), step.recv.count);
 }
 
 void MessagePlan::start() { advance(); }
@@ -554,6 +580,18 @@ void MessagePlan::advance() {
   if (advancing_ || finished_) return;
   advancing_ = true;
   while (!failure_.failed() && (!awaited_ || awaited_->done())) {
+    if (reducing_) {
+      // A send started earlier may still read the range the reduction writes: wait for all of them.
+      if (outstanding_ > 0) break;
+      const Step& step = *reducing_;
+      reducing_ = nullptr;
+      awaited_ = nullptr;
+      reduce(step);
+      if (step.kind == StepKind::recv_reduce_send) {
+        start_message(true, step.send_to, buf_.recv + step.recv.offset * esize_, step.recv.count);
+      }
+      continue;
+    }
     awaited_ = nullptr;
     if (forward_) {  // the receive of a recv_copy_send landed: send it on
       forward_ = false;
@@ -563,16 +601,19 @@ void MessagePlan::advance() {
     }
     if (next_step_ == plan_.size()) break;
     const Step& step = plan_[next_step_++];
-    if (step.kind == StepKind::send || step.kind == StepKind::send_recv) {
+    if (step.kind == StepKind::send || step.kind == StepKind::send_recv || step.kind == StepKind::send_recv_reduce) {
       start_message(true, step.send_to, buf_.send + step.send.offset * esize_, step.send.count);
     }
-    if (step.kind != StepKind::send && !failure_.failed()) {
-      awaited_ = &start_message(false, step.recv_from, buf_.recv + step.recv.offset * esize_, step.recv.count);
-      forward_ = step.kind == StepKind::recv_copy_send;
-    }
+    if (step.kind == StepKind::send || failure_.failed()) continue;
+    const bool reduces = step.kind == StepKind::recv_reduce || step.kind == StepKind::recv_reduce_send ||
+                         step.kind == StepKind::send_recv_reduce;
+    std::byte* landing = reduces ? scratch(step.recv.count * esize_) : buf_.recv + step.recv.offset * esize_;
+    awaited_ = &start_message(false, step.recv_from, landing, step.recv.count);
+    forward_ = step.kind == StepKind::recv_copy_send;
+    if (reduces) reducing_ = &step;
   }
   advancing_ = false;
-  const bool all_started = next_step_ == plan_.size() && !forward_;
+  const bool all_started = next_step_ == plan_.size() && !forward_ && !reducing_;
   if (outstanding_ > 0 || (!failure_.failed() && !all_started)) return;
   finished_ = true;
   done_(context_);  // may destroy this

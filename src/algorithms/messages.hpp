@@ -7,6 +7,7 @@
 // needs none of it: this runs such a plan step by step from the transport's completions.
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <string>
 
 #include "weft/algorithms.hpp"
@@ -39,11 +40,13 @@ class MessagePlan {
   /// barrier of 16 ranks exchanges 8).
   static constexpr std::size_t most_messages = 8;
 
-  /// Whether `plan` runs here: every step a send, recv, send_recv or recv_copy_send (the chain's
-  /// forward) whose ranges travel in one segment, no staged buffers, at most most_messages messages, and
-  /// no step receiving into a range that an earlier send reads (that send may still be reading it: the
-  /// executor waits for it, this does not). Steps run in order, each receive awaited before the next
-  /// step starts: the order the plans' simulator (test_plans) checks for deadlocks.
+  /// Whether `plan` runs here: every step's ranges travel in one segment, no staged buffers, at most
+  /// most_messages messages, and no step receiving into a range that an earlier send reads (that send
+  /// may still be reading it: the executor waits for it, this does not). Steps run in order, each
+  /// receive awaited before the next step starts: the order the plans' simulator (test_plans) checks for
+  /// deadlocks. A reducing step's message lands in scratch and is reduced into its range once every
+  /// message started so far has completed (the sends that read that range among them), as the
+  /// executor's reduction waits for an overlapping send; a recv_reduce_send then sends the range on.
   static bool fits(const Plan& plan, const PlanBuffers& buffers, const ExecOptions& options);
 
   /// `done(context)` is called once, on the loop's thread, when every message of the plan completed (the
@@ -70,6 +73,8 @@ class MessagePlan {
   static void completed(TransportOp& op, void* context) noexcept;
   void advance();
   TransportOp& start_message(bool sending, int group_peer, const std::byte* at, std::size_t elems);
+  std::byte* scratch(std::size_t bytes);
+  void reduce(const Step& step);
 
   Channel ch_;
   Plan plan_;
@@ -81,6 +86,7 @@ class MessagePlan {
   std::size_t next_step_ = 0;
   TransportOp* awaited_ = nullptr;  // the receive the next step waits for
   bool forward_ = false;            // awaited_ is a recv_copy_send's: its send follows
+  const Step* reducing_ = nullptr;  // awaited_ is this reducing step's: it lands in scratch
   std::size_t started_ = 0;
   std::size_t outstanding_ = 0;
   bool advancing_ = false;  // inside advance(): completions inside a start only count
@@ -93,6 +99,12 @@ class MessagePlan {
   };
   Count counts_[most_messages];  // messages to and from each peer so far (the k-th carries tag k)
   alignas(TransportOp) std::byte ops_[most_messages][sizeof(TransportOp)];
+  // Where a reducing step's message lands: inline for small ones (a small all_reduce allocates nothing
+  // for it), else a buffer of the loop thread's scratch pool, given back by the destructor.
+  static constexpr std::size_t inline_scratch_bytes = 512;
+  alignas(std::max_align_t) std::byte inline_scratch_[inline_scratch_bytes];
+  std::unique_ptr<std::byte[]> pooled_scratch_;
+  std::size_t pooled_capacity_ = 0;
 };
 
 }  // namespace weft::algorithms

@@ -83,37 +83,49 @@ bool pipelines(const GroupState& g, const detail::CollectiveCall& call, const al
   }
 }
 
-Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
-                           const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
+// A (non-deterministic) all_reduce's plan and its buffers; `copy_first` when the plan runs in place on
+// `out` and the input must be copied there first.
+struct AllReducePlan {
+  algo::Plan plan;
+  algo::PlanBuffers buffers;
+  bool copy_first = false;
+};
+AllReducePlan all_reduce_plan(const GroupState& g, ConstBufferView in, BufferView out, ReduceOp op, const algo::Algorithm& algorithm) {
   using algo::Kind;
   require(algorithm, {Kind::ring, Kind::bidirectional_ring, Kind::recursive_doubling, Kind::rabenseifner, Kind::tree});
+  AllReducePlan made{{}, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, false};
+  const bool ring = algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring;
+  if (ring && g.size > 1) {
+    // The rings reduce every block once and write every block of `out`: out of place, they read this
+    // rank's contribution straight from `in` (no staging copy).
+    made.plan = algorithm.kind == Kind::ring ? algo::ring_all_reduce(g.size, g.rank, out.count)
+                                             : algo::bidirectional_ring_all_reduce(g.size, g.rank, out.count);
+    made.buffers.send = in.bytes_ptr();
+    if (in.data != out.data) made.buffers.local = in.bytes_ptr();
+    return made;
+  }
+  // The others run in place on `out`, sending what they have reduced so far.
+  made.copy_first = true;
+  // (A ring on one rank: nothing to exchange, the copy is the result.)
+  if (algorithm.kind == Kind::recursive_doubling) made.plan = algo::recursive_doubling_all_reduce(g.size, g.rank, out.count);
+  if (algorithm.kind == Kind::rabenseifner) made.plan = algo::rabenseifner_all_reduce(g.size, g.rank, out.count);
+  if (algorithm.kind == Kind::tree) made.plan = algo::tree_all_reduce(g.size, g.rank, out.count);
+  return made;
+}
+
+Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
+                           const algo::Algorithm& algorithm, algo::StagedBuffers* staged) {
   if (staged && !pipelines(*g, detail::CollectiveCall{Collective::all_reduce, in, out, op}, algorithm)) {
     throw std::logic_error("weft: all_reduce was given staged buffers where it does not run one plan over them");
   }
-  const bool ring = algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring;
   if (g->options.deterministic && g->size > 1) {
     co_await deterministic_all_reduce(g, seq, Collective::all_reduce, in, out, op, {out.count});
     co_return;
   }
-  algo::Plan plan;
-  algo::PlanBuffers buffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op};
-  if (ring && g->size > 1) {
-    // The rings reduce every block once and write every block of `out`: out of place, they read this
-    // rank's contribution straight from `in` (no staging copy).
-    plan = algorithm.kind == Kind::ring ? algo::ring_all_reduce(g->size, g->rank, out.count)
-                                        : algo::bidirectional_ring_all_reduce(g->size, g->rank, out.count);
-    buffers.send = in.bytes_ptr();
-    if (in.data != out.data) buffers.local = in.bytes_ptr();
-    buffers.staged = staged;
-  } else {
-    // The others run in place on `out`, sending what they have reduced so far.
-    copy_bytes(out.data, in.data, out.bytes());
-    // (A ring on one rank: nothing to exchange, the copy is the result.)
-    if (algorithm.kind == Kind::recursive_doubling) plan = algo::recursive_doubling_all_reduce(g->size, g->rank, out.count);
-    if (algorithm.kind == Kind::rabenseifner) plan = algo::rabenseifner_all_reduce(g->size, g->rank, out.count);
-    if (algorithm.kind == Kind::tree) plan = algo::tree_all_reduce(g->size, g->rank, out.count);
-  }
-  co_await g->run(plan, seq, Collective::all_reduce, buffers, {out.count});
+  AllReducePlan made = all_reduce_plan(*g, in, out, op, algorithm);
+  if (made.copy_first) copy_bytes(out.data, in.data, out.bytes());
+  made.buffers.staged = staged;
+  co_await g->run(made.plan, seq, Collective::all_reduce, made.buffers, {out.count});
   algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
@@ -306,16 +318,30 @@ Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const 
   co_await g->run(plan, seq, Collective::barrier, algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
 }
 
+// What a collective's task does around its plan, done by MessagePlanOp too: a copy of the input into the
+// buffer the plan runs over (on the loop's thread, when the plan starts, as the task does) and the
+// reduction's last step once the plan succeeded (avg's division).
+struct AroundPlan {
+  std::byte* copy_to = nullptr;
+  const std::byte* copy_from = nullptr;
+  std::size_t copy_bytes = 0;
+  bool finish_reduction = false;
+  BufferView reduced{};
+  ReduceOp op = ReduceOp::sum;
+};
+
 // A collective whose task is one plan of whole messages over the caller's buffers, run as its Future's
 // state without a coroutine (algorithms/messages.hpp says why): one allocation for the state and one for
 // the plan. What GroupState::run does around a plan run is done here too: the watchdog watches the seq,
 // a failure other than a cancellation fails the group, and cancel() cancels the operation on every member.
+
 class MessagePlanOp final : public FutureState<void> {
  public:
   static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
-                            algo::Plan plan, algo::PlanBuffers buffers) {
+                            algo::Plan plan, algo::PlanBuffers buffers, AroundPlan around = {}) {
     const bool sends_only = std::all_of(plan.begin(), plan.end(), [](const algo::Step& s) { return s.kind == algo::StepKind::send; });
     auto op = std::make_shared<MessagePlanOp>(std::move(g), seq, name, signature, std::move(plan), buffers);
+    op->around_ = around;
     op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&MessagePlanOp::on_cancel);
@@ -362,6 +388,7 @@ class MessagePlanOp final : public FutureState<void> {
     g_->loop->operation_started();
     g_->watch(seq_, name_);
     self_ = self;
+    copy_bytes(around_.copy_to, around_.copy_from, around_.copy_bytes);
     run_.start();
   }
 
@@ -380,6 +407,9 @@ class MessagePlanOp final : public FutureState<void> {
       } catch (...) {
       }
       op->set_error(std::move(failure));
+    } else if (op->around_.finish_reduction) {
+      const BufferView& r = op->around_.reduced;
+      algo::finish_reduction(op->around_.op, r.data, r.count, r.dtype, g.size);
     }
     g.loop->operation_finished();
     op->finish();
@@ -388,21 +418,47 @@ class MessagePlanOp final : public FutureState<void> {
   std::shared_ptr<GroupState> g_;
   std::uint64_t seq_;
   const char* name_;
+  AroundPlan around_;
   // Loop thread only.
   algo::MessagePlan run_;
   std::shared_ptr<MessagePlanOp> self_;
   std::weak_ptr<MessagePlanOp> weak_;
 };
 
-// `call` as a plan of whole messages (broadcast and the barrier: their tasks are that plan alone), or an
-// invalid Future when it is not one (another collective, another algorithm, a message past one segment).
+// `call` as a plan of whole messages (broadcast, the barrier, all_reduce and the ring all_gather: their
+// tasks are that plan, with a copy before and avg's division after), or an invalid Future when it is not
+// one (another collective, another algorithm, a message past one segment, a deterministic all_reduce).
 Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64_t seq, const detail::CollectiveCall& call,
                                const algo::Algorithm& algorithm) {
   if (call.staged || algorithm.kind == algo::Kind::shm) return {};
   algo::Plan plan;
   algo::PlanBuffers buffers;
   GroupState::Call shape;
+  AroundPlan around;
   switch (call.collective) {
+    case Collective::all_reduce: {
+      if (g->options.deterministic && g->size > 1) return {};
+      AllReducePlan made = all_reduce_plan(*g, call.in, call.out, call.op, algorithm);
+      plan = std::move(made.plan);
+      buffers = made.buffers;
+      shape = {call.out.count};
+      if (made.copy_first) around = {call.out.bytes_ptr(), call.in.bytes_ptr(), call.out.bytes()};
+      around.finish_reduction = true;
+      around.reduced = call.out;
+      around.op = call.op;
+      break;
+    }
+    case Collective::all_gather: {
+      // The ring's (all_gather_task's last path): this rank's block copied into place, then p - 1
+      // exchanges of one block each.
+      if (algorithm.kind != algo::Kind::ring || g->size == 1) return {};
+      const std::size_t block_bytes = call.in.bytes();
+      plan = algo::ring_all_gather(g->size, g->rank, algo::blocks_of(call.out.count, g->size), -1);
+      buffers = algo::PlanBuffers{call.out.bytes_ptr(), call.out.bytes_ptr(), call.out.dtype, ReduceOp::sum};
+      shape = {call.in.count};
+      around = {call.out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, call.in.bytes_ptr(), block_bytes};
+      break;
+    }
     case Collective::broadcast:
       plan = broadcast_plan(*g, call.out.count, call.root, algorithm);
       buffers = algo::PlanBuffers{call.out.bytes_ptr(), call.out.bytes_ptr(), call.out.dtype, ReduceOp::sum};
@@ -417,7 +473,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
   if (!algo::MessagePlan::fits(plan, buffers, g->exec_options())) return {};
   const char* name = to_string(call.collective).data();
   return MessagePlanOp::start(g, seq, name, signature::of(call.collective, buffers.dtype, buffers.op, shape.count, shape.root),
-                              std::move(plan), buffers);
+                              std::move(plan), buffers, around);
 }
 
 Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,

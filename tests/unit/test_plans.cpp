@@ -701,7 +701,8 @@ namespace {
 
 // Every rank's transport in one thread: a send is delivered to its receiver's posted receive (or kept as
 // unexpected) and completes at once; completions run inline (a send the stream took whole, a receive that
-// found its message) or, with `deferred`, from a queue the test pumps in a scrambled order.
+// found its message) or, with `deferred`, from a queue the test pumps in a scrambled order, sends
+// delivered (their data read) from that queue too.
 struct Switchboard;
 
 class BoardTransport final : public Transport {
@@ -712,6 +713,7 @@ class BoardTransport final : public Transport {
   int size() const noexcept override;
   void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
   void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
+  void deliver(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op);
   bool cancel_recv(TransportOp&) override { return false; }
   void open_context(std::uint32_t, std::vector<int>) override {}
   void close_context(std::uint32_t) override {}
@@ -786,6 +788,17 @@ void BoardTransport::start_send(int peer, const MessageKey& key, const void* dat
     board_.complete(op, make_error_code(Errc::peer_failure), peer, fmt::format("rank {} is gone", peer));
     return;
   }
+  // Deferred, a send reads its data only when it is delivered, as a real transport may read it at any
+  // time before the send completes: a plan that writes into a range a send still reads sends the wrong
+  // bytes here.
+  if (board_.deferred) {
+    board_.completions.push_back([this, peer, key, data, bytes, &op] { deliver(peer, key, data, bytes, op); });
+  } else {
+    deliver(peer, key, data, bytes, op);
+  }
+}
+
+void BoardTransport::deliver(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) {
   BoardTransport& to = *board_.ranks[static_cast<std::size_t>(peer)];
   const auto* bytes_at = static_cast<const std::byte*>(data);
   auto match = std::find_if(to.posted.begin(), to.posted.end(), [&](const Posted& p) { return p.from == rank_ && p.key == key; });
@@ -915,6 +928,85 @@ TEST_CASE("a plan of whole messages runs from completions: broadcast and barrier
   }
 }
 
+TEST_CASE("a plan of whole messages reduces: every all_reduce plan on 1-9 ranks, in and out of place, inline or deferred", "[plans][messages]") {
+  struct Made {
+    const char* name;
+    Plan (*build)(int, int, std::size_t);
+    bool ring;  // reads this rank's contribution from `local` when out of place
+  };
+  const Made all_reduces[] = {{"recursive doubling", &recursive_doubling_all_reduce, false},
+                              {"rabenseifner", &rabenseifner_all_reduce, false},
+                              {"tree", &tree_all_reduce, false},
+                              {"ring", &ring_all_reduce, true},
+                              {"bidirectional ring", &bidirectional_ring_all_reduce, true}};
+  for (bool deferred : {false, true}) {
+    for (int p = 1; p <= 9; ++p) {
+      std::vector<int> members(static_cast<std::size_t>(p));
+      for (int r = 0; r < p; ++r) members[static_cast<std::size_t>(r)] = r;
+      for (const Made& made : all_reduces) {
+        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{13}, std::size_t{100}}) {
+          for (bool out_of_place : {false, true}) {
+            // The others copy the input into place first (as does a ring on one rank: an empty plan).
+            if (out_of_place && (!made.ring || p == 1)) continue;
+            INFO(made.name << " deferred=" << deferred << " p=" << p << " count=" << n << " out_of_place=" << out_of_place);
+            Switchboard board(p, deferred);
+            std::vector<std::vector<Value>> in(static_cast<std::size_t>(p)), out(static_cast<std::size_t>(p));
+            std::vector<Outcome> outcome(static_cast<std::size_t>(p));
+            std::vector<std::unique_ptr<MessagePlan>> runs;
+            std::size_t fitted = 0;
+            for (int r = 0; r < p; ++r) {
+              auto& src = in[static_cast<std::size_t>(r)];
+              auto& dst = out[static_cast<std::size_t>(r)];
+              src.resize(n);
+              for (std::size_t i = 0; i < n; ++i) src[i] = input(r, i);
+              dst = out_of_place ? std::vector<Value>(n, -1) : src;
+              auto* at = reinterpret_cast<std::byte*>(dst.data());
+              PlanBuffers buffers{at, at, DType::i64, ReduceOp::sum};
+              if (out_of_place) {
+                buffers.send = reinterpret_cast<const std::byte*>(src.data());
+                buffers.local = buffers.send;
+              }
+              Plan plan = made.build(p, r, n);
+              if (!MessagePlan::fits(plan, buffers, ExecOptions{})) break;  // more than 8 messages: not here
+              ++fitted;
+              runs.push_back(std::make_unique<MessagePlan>(board_channel(board, members, r, 6), std::move(plan), buffers,
+                                                           &Outcome::mark, &outcome[static_cast<std::size_t>(r)]));
+            }
+            if (fitted < static_cast<std::size_t>(p)) continue;
+            for (int r = p - 1; r >= 0; --r) runs[static_cast<std::size_t>(r)]->start();
+            board.pump();
+            for (int r = 0; r < p; ++r) {
+              REQUIRE(outcome[static_cast<std::size_t>(r)].done);
+              REQUIRE(runs[static_cast<std::size_t>(r)]->failure() == nullptr);
+              for (std::size_t i = 0; i < n; ++i) {
+                Value sum = 0;
+                for (int q = 0; q < p; ++q) sum += input(q, i);
+                REQUIRE(out[static_cast<std::size_t>(r)][i] == sum);
+              }
+              REQUIRE(board.ranks[static_cast<std::size_t>(r)]->unexpected.empty());
+            }
+          }
+        }
+      }
+    }
+  }
+  // Plans that fit on every rank, counted, so that the loop above cannot pass by fitting nothing.
+  auto fits_everywhere = [](Plan (*build)(int, int, std::size_t), int p, std::size_t n) {
+    std::vector<Value> buf(n);
+    auto* at = reinterpret_cast<std::byte*>(buf.data());
+    for (int r = 0; r < p; ++r) {
+      if (!MessagePlan::fits(build(p, r, n), PlanBuffers{at, at, DType::i64, ReduceOp::sum}, ExecOptions{})) return false;
+    }
+    return true;
+  };
+  REQUIRE(fits_everywhere(&recursive_doubling_all_reduce, 2, 13));
+  REQUIRE(fits_everywhere(&recursive_doubling_all_reduce, 8, 13));  // 3 exchanges
+  REQUIRE(!fits_everywhere(&recursive_doubling_all_reduce, 7, 13));  // a folded rank receives where it sent
+  REQUIRE(fits_everywhere(&ring_all_reduce, 3, 100));  // 8 messages
+  REQUIRE(!fits_everywhere(&ring_all_reduce, 4, 100));  // 12
+  REQUIRE(!fits_everywhere(&tree_all_reduce, 2, 1));  // a leaf receives the result where it sent its part
+}
+
 TEST_CASE("a plan of whole messages fails with the first failure, naming the peer, and drains; a cancel aborts nothing", "[plans][messages]") {
   const std::vector<int> members{0, 1, 2, 3};
   for (bool deferred : {false, true}) {
@@ -971,7 +1063,8 @@ TEST_CASE("which plans run as whole messages", "[plans][messages]") {
   REQUIRE(!MessagePlan::fits(binomial_broadcast(8, 3, 0, 9), buffers, small));  // two segments
   REQUIRE(MessagePlan::fits(binomial_broadcast(256, 0, 0, 1), buffers, small));  // 8 sends
   REQUIRE(!MessagePlan::fits(binomial_broadcast(512, 0, 0, 1), buffers, small));  // 9
-  REQUIRE(!MessagePlan::fits(ring_all_reduce(2, 0, 8), buffers, small));  // reduces
+  REQUIRE(MessagePlan::fits(ring_all_reduce(2, 0, 16), buffers, small));  // reduces, a block of 8 each way
+  REQUIRE(!MessagePlan::fits(ring_all_reduce(2, 0, 17), buffers, small));  // a block of 9: two segments
   REQUIRE(MessagePlan::fits(chain_broadcast(4, 1, 0, 8), buffers, small));  // receives and forwards
   REQUIRE(MessagePlan::fits(dissemination_barrier(16, 5), PlanBuffers{}, small));
   PlanBuffers staged = buffers;
