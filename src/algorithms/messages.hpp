@@ -4,7 +4,8 @@
 // cancel hook and a Future's driver per call. Over TCP that chain was most of a small broadcast's user
 // time at the root (bench/RESULTS.md, "Where the 2-rank tcp broadcast's extra microsecond goes"). A plan
 // whose every message goes whole (one segment), with nothing to reduce or forward segment by segment,
-// needs none of it: this runs such a plan step by step from the transport's completions.
+// needs none of it: this runs such a plan step by step from the transport's completions. (A whole
+// message that is reduced is reduced once, after it landed: nothing to pipeline.)
 #include <cstddef>
 #include <exception>
 #include <memory>
