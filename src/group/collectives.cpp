@@ -319,12 +319,17 @@ Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const 
 }
 
 // What a collective's task does around its plan, done by MessagePlanOp too: a copy of the input into the
-// buffer the plan runs over (on the loop's thread, when the plan starts, as the task does) and the
-// reduction's last step once the plan succeeded (avg's division).
+// buffer the plan runs over (on the loop's thread, when the plan starts, as the task does), and once the
+// plan succeeded a copy of the result out of it (reduce_scatter's block) and the reduction's last step
+// (avg's division).
 struct AroundPlan {
   std::byte* copy_to = nullptr;
   const std::byte* copy_from = nullptr;
   std::size_t copy_bytes = 0;
+  std::unique_ptr<std::byte[]> work;  // the buffer the plan runs over, when it is neither the input nor the output
+  std::byte* copy_out_to = nullptr;
+  const std::byte* copy_out_from = nullptr;
+  std::size_t copy_out_bytes = 0;
   bool finish_reduction = false;
   BufferView reduced{};
   ReduceOp op = ReduceOp::sum;
@@ -338,10 +343,10 @@ struct AroundPlan {
 class MessagePlanOp final : public FutureState<void> {
  public:
   static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
-                            algo::Plan plan, algo::PlanBuffers buffers, AroundPlan around = {}) {
+                            algo::Plan plan, algo::PlanBuffers buffers, AroundPlan around) {
     const bool sends_only = std::all_of(plan.begin(), plan.end(), [](const algo::Step& s) { return s.kind == algo::StepKind::send; });
     auto op = std::make_shared<MessagePlanOp>(std::move(g), seq, name, signature, std::move(plan), buffers);
-    op->around_ = around;
+    op->around_ = std::move(around);
     op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&MessagePlanOp::on_cancel);
@@ -407,9 +412,10 @@ class MessagePlanOp final : public FutureState<void> {
       } catch (...) {
       }
       op->set_error(std::move(failure));
-    } else if (op->around_.finish_reduction) {
-      const BufferView& r = op->around_.reduced;
-      algo::finish_reduction(op->around_.op, r.data, r.count, r.dtype, g.size);
+    } else {
+      const AroundPlan& around = op->around_;
+      copy_bytes(around.copy_out_to, around.copy_out_from, around.copy_out_bytes);
+      if (around.finish_reduction) algo::finish_reduction(around.op, around.reduced.data, around.reduced.count, around.reduced.dtype, g.size);
     }
     g.loop->operation_finished();
     op->finish();
@@ -425,9 +431,10 @@ class MessagePlanOp final : public FutureState<void> {
   std::weak_ptr<MessagePlanOp> weak_;
 };
 
-// `call` as a plan of whole messages (broadcast, the barrier, all_reduce and the ring all_gather: their
-// tasks are that plan, with a copy before and avg's division after), or an invalid Future when it is not
-// one (another collective, another algorithm, a message past one segment, a deterministic all_reduce).
+// `call` as a plan of whole messages (broadcast, the barrier, all_reduce, reduce_scatter and the ring
+// all_gather: their tasks are that plan, with copies before and after and avg's division), or an invalid
+// Future when it is not one (another collective, another algorithm, a message past one segment, a
+// deterministic reduction).
 Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64_t seq, const detail::CollectiveCall& call,
                                const algo::Algorithm& algorithm) {
   if (call.staged || algorithm.kind == algo::Kind::shm) return {};
@@ -442,7 +449,41 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       plan = std::move(made.plan);
       buffers = made.buffers;
       shape = {call.out.count};
-      if (made.copy_first) around = {call.out.bytes_ptr(), call.in.bytes_ptr(), call.out.bytes()};
+      if (made.copy_first) {
+        around.copy_to = call.out.bytes_ptr();
+        around.copy_from = call.in.bytes_ptr();
+        around.copy_bytes = call.out.bytes();
+      }
+      around.finish_reduction = true;
+      around.reduced = call.out;
+      around.op = call.op;
+      break;
+    }
+    case Collective::reduce_scatter: {
+      // reduce_scatter_task's paths, on more than one rank: recursive halving on a power of two works
+      // on a copy of the input; the ring reduces into scratch, reading this rank's contributions from
+      // `in`. This rank's block of the work buffer is the result.
+      if (g->options.deterministic || g->size == 1) return {};
+      // Each step of either moves at least a block: past one segment it cannot fit (spares the allocation).
+      if (call.out.bytes() > g->options.segment_bytes) return {};
+      const bool power_of_two = (g->size & (g->size - 1)) == 0;
+      const bool halving = algorithm.kind == algo::Kind::recursive_halving && power_of_two;
+      around.work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, call.in.bytes()));
+      std::byte* work = around.work.get();
+      if (halving) {
+        plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, call.out.count);
+        buffers = algo::PlanBuffers{work, work, call.out.dtype, call.op};
+        around.copy_to = work;
+        around.copy_from = call.in.bytes_ptr();
+        around.copy_bytes = call.in.bytes();
+      } else {
+        plan = algo::ring_reduce_scatter(g->size, g->rank, algo::blocks_of(call.in.count, g->size), -1);
+        buffers = algo::PlanBuffers{call.in.bytes_ptr(), work, call.out.dtype, call.op, call.in.bytes_ptr()};
+      }
+      shape = {call.out.count};
+      around.copy_out_to = call.out.bytes_ptr();
+      around.copy_out_from = work + static_cast<std::size_t>(g->rank) * call.out.bytes();
+      around.copy_out_bytes = call.out.bytes();
       around.finish_reduction = true;
       around.reduced = call.out;
       around.op = call.op;
@@ -456,7 +497,9 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       plan = algo::ring_all_gather(g->size, g->rank, algo::blocks_of(call.out.count, g->size), -1);
       buffers = algo::PlanBuffers{call.out.bytes_ptr(), call.out.bytes_ptr(), call.out.dtype, ReduceOp::sum};
       shape = {call.in.count};
-      around = {call.out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, call.in.bytes_ptr(), block_bytes};
+      around.copy_to = call.out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes;
+      around.copy_from = call.in.bytes_ptr();
+      around.copy_bytes = block_bytes;
       break;
     }
     case Collective::broadcast:
@@ -473,7 +516,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
   if (!algo::MessagePlan::fits(plan, buffers, g->exec_options())) return {};
   const char* name = to_string(call.collective).data();
   return MessagePlanOp::start(g, seq, name, signature::of(call.collective, buffers.dtype, buffers.op, shape.count, shape.root),
-                              std::move(plan), buffers, around);
+                              std::move(plan), buffers, std::move(around));
 }
 
 Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
