@@ -337,9 +337,8 @@ struct AroundPlan {
 
 // A collective whose task is one plan of whole messages over the caller's buffers, run as its Future's
 // state without a coroutine (algorithms/messages.hpp says why): one allocation for the state and one for
-// the plan. What GroupState::run does around a plan run is done here too: the watchdog watches the seq,
+// the plan (and reduce_scatter's work buffer, as its task has). What GroupState::run does around a plan run is done here too: the watchdog watches the seq,
 // a failure other than a cancellation fails the group, and cancel() cancels the operation on every member.
-
 class MessagePlanOp final : public FutureState<void> {
  public:
   static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
@@ -463,6 +462,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       // reduce_scatter_task's paths, on more than one rank: recursive halving on a power of two works
       // on a copy of the input; the ring reduces into scratch, reading this rank's contributions from
       // `in`. This rank's block of the work buffer is the result.
+      require(algorithm, {algo::Kind::ring, algo::Kind::recursive_halving});
       if (g->options.deterministic || g->size == 1) return {};
       // Each step of either moves at least a block: past one segment it cannot fit (spares the allocation).
       if (call.out.bytes() > g->options.segment_bytes) return {};
