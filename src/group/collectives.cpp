@@ -158,35 +158,41 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
 }
 
-Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
-                               const algo::Algorithm& algorithm) {
+// A (non-deterministic) reduce_scatter's plan over `work` (in.bytes() of scratch, at least one byte);
+// this rank's block of `work` is the result. Recursive halving on a power of two accumulates into the
+// same ranges round after round: it works on a copy of the input (`copy_first`). The ring (also where
+// halving was asked for on a non-power-of-two group) reduces into `work`, reading this rank's
+// contributions from `in`. (One rank has no ring: its input, copied, is the result.)
+struct ReduceScatterPlan {
+  algo::Plan plan;
+  algo::PlanBuffers buffers;
+  bool copy_first = false;
+};
+ReduceScatterPlan reduce_scatter_plan(const GroupState& g, ConstBufferView in, BufferView out, ReduceOp op,
+                                      const algo::Algorithm& algorithm, std::byte* work) {
   using algo::Kind;
   require(algorithm, {Kind::ring, Kind::recursive_halving});
+  const bool power_of_two = (g.size & (g.size - 1)) == 0;
+  if (algorithm.kind == Kind::recursive_halving && power_of_two && g.size > 1) {
+    return {algo::recursive_halving_reduce_scatter(g.size, g.rank, out.count), algo::PlanBuffers{work, work, out.dtype, op}, true};
+  }
+  return {algo::ring_reduce_scatter(g.size, g.rank, algo::blocks_of(in.count, g.size), -1),
+          algo::PlanBuffers{in.bytes_ptr(), work, out.dtype, op, in.bytes_ptr()}, g.size == 1};
+}
+
+Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, ReduceOp op,
+                               const algo::Algorithm& algorithm) {
+  require(algorithm, {algo::Kind::ring, algo::Kind::recursive_halving});
   if (g->options.deterministic && g->size > 1) {
     const auto blocks = algo::blocks_of(in.count, g->size);
     co_await ordered_reduce(*g, seq, Collective::reduce_scatter, in.bytes_ptr(), blocks, out.bytes_ptr(), out.dtype, op, {out.count});
     algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
-  const bool power_of_two = (g->size & (g->size - 1)) == 0;
-  if (algorithm.kind == Kind::recursive_halving && power_of_two && g->size > 1) {
-    // Halving accumulates into the same ranges round after round: it works on a copy of the input.
-    auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
-    copy_bytes(work.get(), in.data, in.bytes());
-    const auto plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, out.count);
-    co_await g->run(plan, seq, Collective::reduce_scatter, algo::PlanBuffers{work.get(), work.get(), out.dtype, op}, {out.count});
-    copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
-    algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
-    co_return;
-  }
-  // The ring (also where recursive halving was asked for on a non-power-of-two group) reduces into
-  // scratch, reading this rank's contributions from `in`; the rank's own block is the result. (One rank
-  // has no ring: its input is the result.)
-  auto work = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
-  if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
-  const auto blocks = algo::blocks_of(in.count, g->size);
-  const auto plan = algo::ring_reduce_scatter(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, Collective::reduce_scatter, algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()}, {out.count});
+  auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+  const ReduceScatterPlan made = reduce_scatter_plan(*g, in, out, op, algorithm, work.get());
+  if (made.copy_first) copy_bytes(work.get(), in.data, in.bytes());
+  co_await g->run(made.plan, seq, Collective::reduce_scatter, made.buffers, {out.count});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
   algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
@@ -453,40 +459,27 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
         around.copy_from = call.in.bytes_ptr();
         around.copy_bytes = call.out.bytes();
       }
-      around.finish_reduction = true;
-      around.reduced = call.out;
-      around.op = call.op;
       break;
     }
     case Collective::reduce_scatter: {
-      // reduce_scatter_task's paths, on more than one rank: recursive halving on a power of two works
-      // on a copy of the input; the ring reduces into scratch, reading this rank's contributions from
-      // `in`. This rank's block of the work buffer is the result.
-      require(algorithm, {algo::Kind::ring, algo::Kind::recursive_halving});
+      // reduce_scatter_task's plan, on more than one rank, over a work buffer the operation owns.
       if (g->options.deterministic || g->size == 1) return {};
-      // Each step of either moves at least a block: past one segment it cannot fit (spares the allocation).
+      // Each step of either plan moves at least a block: past one segment it cannot fit (spares the allocation).
       if (call.out.bytes() > g->options.segment_bytes) return {};
-      const bool power_of_two = (g->size & (g->size - 1)) == 0;
-      const bool halving = algorithm.kind == algo::Kind::recursive_halving && power_of_two;
       around.work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, call.in.bytes()));
       std::byte* work = around.work.get();
-      if (halving) {
-        plan = algo::recursive_halving_reduce_scatter(g->size, g->rank, call.out.count);
-        buffers = algo::PlanBuffers{work, work, call.out.dtype, call.op};
+      ReduceScatterPlan made = reduce_scatter_plan(*g, call.in, call.out, call.op, algorithm, work);
+      plan = std::move(made.plan);
+      buffers = made.buffers;
+      shape = {call.out.count};
+      if (made.copy_first) {
         around.copy_to = work;
         around.copy_from = call.in.bytes_ptr();
         around.copy_bytes = call.in.bytes();
-      } else {
-        plan = algo::ring_reduce_scatter(g->size, g->rank, algo::blocks_of(call.in.count, g->size), -1);
-        buffers = algo::PlanBuffers{call.in.bytes_ptr(), work, call.out.dtype, call.op, call.in.bytes_ptr()};
       }
-      shape = {call.out.count};
       around.copy_out_to = call.out.bytes_ptr();
       around.copy_out_from = work + static_cast<std::size_t>(g->rank) * call.out.bytes();
       around.copy_out_bytes = call.out.bytes();
-      around.finish_reduction = true;
-      around.reduced = call.out;
-      around.op = call.op;
       break;
     }
     case Collective::all_gather: {
@@ -514,6 +507,11 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
     default: return {};
   }
   if (!algo::MessagePlan::fits(plan, buffers, g->exec_options())) return {};
+  if (call.collective == Collective::all_reduce || call.collective == Collective::reduce_scatter) {
+    around.finish_reduction = true;  // the reduction's last step (avg's division), into `out`
+    around.reduced = call.out;
+    around.op = call.op;
+  }
   const char* name = to_string(call.collective).data();
   return MessagePlanOp::start(g, seq, name, signature::of(call.collective, buffers.dtype, buffers.op, shape.count, shape.root),
                               std::move(plan), buffers, std::move(around));
