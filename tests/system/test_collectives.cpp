@@ -279,6 +279,40 @@ TEST_CASE("point-to-point: to itself in either order, by tag, from a coroutine a
       bool in_order = true;
       for (std::size_t i = 0; i < burst; ++i) in_order = in_order && got[i] == 1000 * peer + static_cast<std::int32_t>(i);
       check(in_order, "a burst of 200 small messages on one tag arrived in the order sent");
+      // Sizes around the reader's read-ahead buffer (16 KiB + 256; 4 KiB on shm, and 4 KiB after a frame
+      // bigger than it), back to back so that one read holds the end of one frame and the start of the
+      // next: first all sent before any receive (early messages), then every receive posted first.
+      const std::vector<std::size_t> sizes{1, 4095, 4096, 4097, 16383, 16384, 16639, 16640, 16641, 70000, 3,
+                                           20000, 5, 16384, 100000, 4096, 16640, 2, 9000};
+      auto fill = [](std::vector<std::uint8_t>& v, std::size_t i, int from) {
+        for (std::size_t b = 0; b < v.size(); ++b) v[b] = static_cast<std::uint8_t>(b * 7 + i * 13 + static_cast<std::size_t>(from) * 101);
+      };
+      for (const bool receives_first : {false, true}) {
+        std::vector<std::vector<std::uint8_t>> outs(sizes.size()), ins(sizes.size());
+        std::vector<Future<void>> ops;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          outs[i].resize(sizes[i]);
+          ins[i].assign(sizes[i], 0);
+          fill(outs[i], i, me);
+        }
+        if (receives_first)
+          for (std::size_t i = 0; i < sizes.size(); ++i) ops.push_back(g.recv(ins[i], peer, 7));
+        for (std::size_t i = 0; i < sizes.size(); ++i) ops.push_back(g.send(outs[i], peer, 7));
+        if (!receives_first) {
+          for (auto& op : ops) op.get();
+          ops.clear();
+          for (std::size_t i = 0; i < sizes.size(); ++i) ops.push_back(g.recv(ins[i], peer, 7));
+        }
+        for (auto& op : ops) op.get();
+        bool whole = true;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          std::vector<std::uint8_t> expected(sizes[i]);
+          fill(expected, i, peer);
+          whole = whole && ins[i] == expected;
+        }
+        check(whole, fmt::format("messages of sizes around the read-ahead buffer arrived whole ({})",
+                                 receives_first ? "receives posted first" : "sent before their receives"));
+      }
     });
   }
   REQUIRE(checks_made.load() > before);

@@ -145,6 +145,8 @@ FramedTransport::FramedTransport(Loop& loop, int rank, int size, std::vector<asi
       c->own_inbox = std::make_unique_for_overwrite<std::byte[]>(Connection::inbox_size);
       c->inbox = c->own_inbox.get();
     }
+    c->read_ahead_most = std::min(Connection::inbox_size, c->stream->read_ahead_limit());
+    c->read_ahead = c->read_ahead_most;
     connections_[static_cast<std::size_t>(peer)] = std::move(c);
   }
   // Reading starts on the loop thread, where every handler of this transport runs.
@@ -607,7 +609,7 @@ void FramedTransport::start_read_header(Connection& c) {
     c.inbox_end = have;
   }
   c.reading = Reading::header;
-  c.stream->read(c.inbox + c.inbox_end, need - have, Connection::inbox_size - c.inbox_end);
+  c.stream->read(c.inbox + c.inbox_end, need - have, c.read_ahead - c.inbox_end);
 }
 
 void FramedTransport::post_frames(Connection& c) {
@@ -705,6 +707,8 @@ void FramedTransport::on_header(Connection& c) {
     return;
   }
   c.current = *header;
+  c.read_ahead = header->bytes > Connection::inbox_size ? std::min(Connection::read_ahead_after_big, c.read_ahead_most)
+                                                        : c.read_ahead_most;
   if (c.recv_seal.on()) {
     c.recv_seal.begin();
     c.recv_seal.update(c.recv_header.data(), wire::header_size);

@@ -110,10 +110,19 @@ class FramedTransport final : public Transport, private StreamEvents {
     bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
     std::array<std::byte, wire::header_size + 4> send_header{};  // the header, then its check (sealed frames)
     std::string control_payload;
-    // Reader. Headers are read through a small read-ahead buffer, so that one recv usually brings a
-    // header with its (small) payload, and often the frames after it; payloads beyond what it holds are
-    // read straight into their destination.
-    static constexpr std::size_t inbox_size = 4096;
+    // Reader. Headers are read through a read-ahead buffer, so that one recv usually brings a header
+    // with its payload, and often the frames after it; payloads beyond what it holds are read straight
+    // into their destination. Its size is where a second system call starts to cost more than copying
+    // the payload out: a loopback recv costs about as much as copying 16-32 KiB, and with 4 KiB an
+    // 8 KiB all_reduce took two recvs per message where Open MPI takes one (bench/RESULTS.md, "The
+    // read-ahead buffer"). The slack past 16 KiB lets a 16 KiB message come with its header.
+    static constexpr std::size_t inbox_size = 16 * 1024 + 256;
+    // How much a header read may take: the stream's limit (Stream::read_ahead_limit), and after a frame
+    // too big for the inbox only 4 KiB, since a run of big frames would otherwise copy up to 16 KiB of
+    // each next payload through the inbox for no system call saved (32-64 KiB all_reduce 1-3 % slower).
+    static constexpr std::size_t read_ahead_after_big = 4096;
+    std::size_t read_ahead_most = inbox_size;  // min(inbox_size, the stream's limit)
+    std::size_t read_ahead = inbox_size;
     std::byte* inbox = nullptr;           // the stream's staging memory, or own_inbox
     std::unique_ptr<std::byte[]> own_inbox;
     std::size_t inbox_begin = 0;

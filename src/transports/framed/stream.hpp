@@ -62,6 +62,10 @@ class Stream {
   /// life, that this backend reads into more cheaply (io_uring: a registered buffer). Null: none, the
   /// transport brings its own. Asked once, before the first read.
   virtual std::byte* staging(std::size_t /*bytes*/) { return nullptr; }
+  /// The most a header read should take. A read that is a system call saves one by taking a whole small
+  /// frame with its header (the default: all the transport's read-ahead buffer offers); a read that is a
+  /// memory copy (shm) saves nothing, and every byte taken ahead is copied twice.
+  virtual std::size_t read_ahead_limit() const { return SIZE_MAX; }
   /// Writes `data` now, blocking (the goodbye frame at shutdown: 48 bytes fit any socket buffer).
   virtual void write_blocking(const void* data, std::size_t size) = 0;
   virtual void shutdown_send() = 0;

@@ -87,6 +87,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
   bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
+  /// 4 KiB: a read is a copy out of the ring, so reading ahead saves no system call.
+  std::size_t read_ahead_limit() const override { return 4096; }
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;
   void close() override;

@@ -58,8 +58,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// Registered staging: slots of `staging_bytes` in one buffer registered with the ring (fixed buffer
   /// 0), for the transports' read-ahead buffers, read with READ_FIXED. Null when none is left or
   /// registration failed (RLIMIT_MEMLOCK, WEFT_URING_REGISTERED=0).
-  static constexpr std::size_t staging_bytes = 4096;
-  static constexpr std::size_t staging_slots = 256;
+  static constexpr std::size_t staging_bytes = 20 * 1024;  // whole pages, >= the framed transport's inbox
+  static constexpr std::size_t staging_slots = 64;
   std::byte* take_staging();
   void give_back_staging(std::byte* slot);
   /// The registered buffer's index when [data, data + size) lies inside it, else -1.
