@@ -595,12 +595,12 @@ void MessagePlan::advance() {
     awaited_ = nullptr;
     if (forward_) {  // the receive of a recv_copy_send landed: send it on
       forward_ = false;
-      const Step& step = plan_[next_step_ - 1];
+      const Step& step = (*plan_)[next_step_ - 1];
       start_message(true, step.send_to, buf_.recv + step.recv.offset * esize_, step.recv.count);
       continue;
     }
-    if (next_step_ == plan_.size()) break;
-    const Step& step = plan_[next_step_++];
+    if (next_step_ == plan_->size()) break;
+    const Step& step = (*plan_)[next_step_++];
     if (step.kind == StepKind::send || step.kind == StepKind::send_recv || step.kind == StepKind::send_recv_reduce) {
       start_message(true, step.send_to, buf_.send + step.send.offset * esize_, step.send.count);
     }
@@ -613,7 +613,7 @@ void MessagePlan::advance() {
     if (reduces) reducing_ = &step;
   }
   advancing_ = false;
-  const bool all_started = next_step_ == plan_.size() && !forward_ && !reducing_;
+  const bool all_started = next_step_ == plan_->size() && !forward_ && !reducing_;
   if (outstanding_ > 0 || (!failure_.failed() && !all_started)) return;
   finished_ = true;
   done_(context_);  // may destroy this

@@ -54,8 +54,11 @@ class MessagePlan {
   /// sends may be reused, the receives landed) or the plan failed and every message it started ended;
   /// it may destroy this. Lifetime: `channel.members` and the buffers outlive the run.
   using Done = void (*)(void* context) noexcept;
-  MessagePlan(const Channel& channel, Plan plan, PlanBuffers buffers, Done done, void* context)
+  /// `plan` is shared: a group keeps the plans it built for reuse (GroupState::plan_for).
+  MessagePlan(const Channel& channel, std::shared_ptr<const Plan> plan, PlanBuffers buffers, Done done, void* context)
       : ch_(channel), plan_(std::move(plan)), buf_(buffers), esize_(dtype_size(buffers.dtype)), done_(done), context_(context) {}
+  MessagePlan(const Channel& channel, Plan plan, PlanBuffers buffers, Done done, void* context)
+      : MessagePlan(channel, std::make_shared<const Plan>(std::move(plan)), buffers, done, context) {}
   MessagePlan(const MessagePlan&) = delete;
   MessagePlan& operator=(const MessagePlan&) = delete;
   ~MessagePlan();
@@ -78,7 +81,7 @@ class MessagePlan {
   void reduce(const Step& step);
 
   Channel ch_;
-  Plan plan_;
+  std::shared_ptr<const Plan> plan_;
   PlanBuffers buf_;
   std::size_t esize_;
   Done done_;

@@ -86,30 +86,35 @@ bool pipelines(const GroupState& g, const detail::CollectiveCall& call, const al
 // A (non-deterministic) all_reduce's plan and its buffers; `copy_first` when the plan runs in place on
 // `out` and the input must be copied there first.
 struct AllReducePlan {
-  algo::Plan plan;
+  std::shared_ptr<const algo::Plan> plan;
   algo::PlanBuffers buffers;
   bool copy_first = false;
 };
-AllReducePlan all_reduce_plan(const GroupState& g, ConstBufferView in, BufferView out, ReduceOp op, const algo::Algorithm& algorithm) {
+AllReducePlan all_reduce_plan(GroupState& g, ConstBufferView in, BufferView out, ReduceOp op, const algo::Algorithm& algorithm) {
   using algo::Kind;
   require(algorithm, {Kind::ring, Kind::bidirectional_ring, Kind::recursive_doubling, Kind::rabenseifner, Kind::tree});
   AllReducePlan made{{}, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, op}, false};
+  made.plan = g.plan_for({Collective::all_reduce, algorithm.kind, out.count}, [&] {
+    switch (algorithm.kind) {
+      case Kind::ring: return g.size > 1 ? algo::ring_all_reduce(g.size, g.rank, out.count) : algo::Plan{};
+      case Kind::bidirectional_ring: return g.size > 1 ? algo::bidirectional_ring_all_reduce(g.size, g.rank, out.count) : algo::Plan{};
+      case Kind::recursive_doubling: return algo::recursive_doubling_all_reduce(g.size, g.rank, out.count);
+      case Kind::rabenseifner: return algo::rabenseifner_all_reduce(g.size, g.rank, out.count);
+      case Kind::tree: return algo::tree_all_reduce(g.size, g.rank, out.count);
+      default: return algo::Plan{};
+    }
+  });
   const bool ring = algorithm.kind == Kind::ring || algorithm.kind == Kind::bidirectional_ring;
   if (ring && g.size > 1) {
     // The rings reduce every block once and write every block of `out`: out of place, they read this
     // rank's contribution straight from `in` (no staging copy).
-    made.plan = algorithm.kind == Kind::ring ? algo::ring_all_reduce(g.size, g.rank, out.count)
-                                             : algo::bidirectional_ring_all_reduce(g.size, g.rank, out.count);
     made.buffers.send = in.bytes_ptr();
     if (in.data != out.data) made.buffers.local = in.bytes_ptr();
     return made;
   }
-  // The others run in place on `out`, sending what they have reduced so far.
+  // The others run in place on `out`, sending what they have reduced so far. (A ring on one rank:
+  // nothing to exchange, the copy is the result.)
   made.copy_first = true;
-  // (A ring on one rank: nothing to exchange, the copy is the result.)
-  if (algorithm.kind == Kind::recursive_doubling) made.plan = algo::recursive_doubling_all_reduce(g.size, g.rank, out.count);
-  if (algorithm.kind == Kind::rabenseifner) made.plan = algo::rabenseifner_all_reduce(g.size, g.rank, out.count);
-  if (algorithm.kind == Kind::tree) made.plan = algo::tree_all_reduce(g.size, g.rank, out.count);
   return made;
 }
 
@@ -125,8 +130,14 @@ Task<void> all_reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   AllReducePlan made = all_reduce_plan(*g, in, out, op, algorithm);
   if (made.copy_first) copy_bytes(out.data, in.data, out.bytes());
   made.buffers.staged = staged;
-  co_await g->run(made.plan, seq, Collective::all_reduce, made.buffers, {out.count});
+  co_await g->run(*made.plan, seq, Collective::all_reduce, made.buffers, {out.count});
   algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
+}
+
+// The ring all_gather's plan (all_gather_task's last path, and its plan of whole messages).
+std::shared_ptr<const algo::Plan> ring_all_gather_plan(GroupState& g, std::size_t count) {
+  return g.plan_for({Collective::all_gather, algo::Kind::ring, count},
+                    [&] { return algo::ring_all_gather(g.size, g.rank, algo::blocks_of(count, g.size), -1); });
 }
 
 Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
@@ -153,9 +164,8 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     co_return;
   }
   copy_bytes(out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes, in.data, block_bytes);
-  const auto blocks = algo::blocks_of(out.count, g->size);
-  const auto plan = algo::ring_all_gather(g->size, g->rank, blocks, -1);
-  co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
+  const auto plan = ring_all_gather_plan(*g, out.count);
+  co_await g->run(*plan, seq, Collective::all_gather, algo::PlanBuffers{out.bytes_ptr(), out.bytes_ptr(), out.dtype, ReduceOp::sum}, {in.count});
 }
 
 // A (non-deterministic) reduce_scatter's plan over `work` (in.bytes() of scratch, at least one byte);
@@ -164,19 +174,22 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
 // halving was asked for on a non-power-of-two group) reduces into `work`, reading this rank's
 // contributions from `in`. (One rank has no ring: its input, copied, is the result.)
 struct ReduceScatterPlan {
-  algo::Plan plan;
+  std::shared_ptr<const algo::Plan> plan;
   algo::PlanBuffers buffers;
   bool copy_first = false;
 };
-ReduceScatterPlan reduce_scatter_plan(const GroupState& g, ConstBufferView in, BufferView out, ReduceOp op,
+ReduceScatterPlan reduce_scatter_plan(GroupState& g, ConstBufferView in, BufferView out, ReduceOp op,
                                       const algo::Algorithm& algorithm, std::byte* work) {
   using algo::Kind;
   require(algorithm, {Kind::ring, Kind::recursive_halving});
   const bool power_of_two = (g.size & (g.size - 1)) == 0;
   if (algorithm.kind == Kind::recursive_halving && power_of_two && g.size > 1) {
-    return {algo::recursive_halving_reduce_scatter(g.size, g.rank, out.count), algo::PlanBuffers{work, work, out.dtype, op}, true};
+    return {g.plan_for({Collective::reduce_scatter, Kind::recursive_halving, in.count},
+                       [&] { return algo::recursive_halving_reduce_scatter(g.size, g.rank, out.count); }),
+            algo::PlanBuffers{work, work, out.dtype, op}, true};
   }
-  return {algo::ring_reduce_scatter(g.size, g.rank, algo::blocks_of(in.count, g.size), -1),
+  return {g.plan_for({Collective::reduce_scatter, Kind::ring, in.count},
+                     [&] { return algo::ring_reduce_scatter(g.size, g.rank, algo::blocks_of(in.count, g.size), -1); }),
           algo::PlanBuffers{in.bytes_ptr(), work, out.dtype, op, in.bytes_ptr()}, g.size == 1};
 }
 
@@ -192,17 +205,19 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
   auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
   const ReduceScatterPlan made = reduce_scatter_plan(*g, in, out, op, algorithm, work.get());
   if (made.copy_first) copy_bytes(work.get(), in.data, in.bytes());
-  co_await g->run(made.plan, seq, Collective::reduce_scatter, made.buffers, {out.count});
+  co_await g->run(*made.plan, seq, Collective::reduce_scatter, made.buffers, {out.count});
   copy_bytes(out.data, work.get() + static_cast<std::size_t>(g->rank) * out.bytes(), out.bytes());
   algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
 }
 
-algo::Plan broadcast_plan(const GroupState& g, std::size_t count, int root, const algo::Algorithm& algorithm) {
+std::shared_ptr<const algo::Plan> broadcast_plan(GroupState& g, std::size_t count, int root, const algo::Algorithm& algorithm) {
   using algo::Kind;
   require(algorithm, {Kind::binomial, Kind::scatter_all_gather, Kind::chain});
-  return algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g.size, g.rank, root, count)
-         : algorithm.kind == Kind::chain            ? algo::chain_broadcast(g.size, g.rank, root, count)
-                                                    : algo::binomial_broadcast(g.size, g.rank, root, count);
+  return g.plan_for({Collective::broadcast, algorithm.kind, count, root}, [&] {
+    return algorithm.kind == Kind::scatter_all_gather ? algo::scatter_all_gather_broadcast(g.size, g.rank, root, count)
+           : algorithm.kind == Kind::chain            ? algo::chain_broadcast(g.size, g.rank, root, count)
+                                                      : algo::binomial_broadcast(g.size, g.rank, root, count);
+  });
 }
 
 Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, BufferView data, int root,
@@ -210,7 +225,7 @@ Task<void> broadcast_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Buff
   const auto plan = broadcast_plan(*g, data.count, root, algorithm);
   algo::PlanBuffers buffers{data.bytes_ptr(), data.bytes_ptr(), data.dtype, ReduceOp::sum};
   buffers.staged = staged;
-  co_await g->run(plan, seq, Collective::broadcast, buffers, {data.count, root});
+  co_await g->run(*plan, seq, Collective::broadcast, buffers, {data.count, root});
 }
 
 Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out, int root, ReduceOp op,
@@ -314,14 +329,14 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{source, out.bytes_ptr(), in.dtype, ReduceOp::sum}, {in.count});
 }
 
-algo::Plan barrier_plan(const GroupState& g, const algo::Algorithm& algorithm) {
+std::shared_ptr<const algo::Plan> barrier_plan(GroupState& g, const algo::Algorithm& algorithm) {
   require(algorithm, {algo::Kind::dissemination});
-  return algo::dissemination_barrier(g.size, g.rank);
+  return g.plan_for({Collective::barrier, algorithm.kind}, [&] { return algo::dissemination_barrier(g.size, g.rank); });
 }
 
 Task<void> barrier_task(std::shared_ptr<GroupState> g, std::uint64_t seq, const algo::Algorithm& algorithm) {
   const auto plan = barrier_plan(*g, algorithm);
-  co_await g->run(plan, seq, Collective::barrier, algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
+  co_await g->run(*plan, seq, Collective::barrier, algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum}, {});
 }
 
 // What a collective's task does around its plan, done by MessagePlanOp too: a copy of the input into the
@@ -348,8 +363,8 @@ struct AroundPlan {
 class MessagePlanOp final : public FutureState<void> {
  public:
   static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
-                            algo::Plan plan, algo::PlanBuffers buffers, AroundPlan around) {
-    const bool sends_only = std::all_of(plan.begin(), plan.end(), [](const algo::Step& s) { return s.kind == algo::StepKind::send; });
+                            std::shared_ptr<const algo::Plan> plan, algo::PlanBuffers buffers, AroundPlan around) {
+    const bool sends_only = std::all_of(plan->begin(), plan->end(), [](const algo::Step& s) { return s.kind == algo::StepKind::send; });
     auto op = std::make_shared<MessagePlanOp>(std::move(g), seq, name, signature, std::move(plan), buffers);
     op->around_ = std::move(around);
     op->weak_ = op;
@@ -373,8 +388,8 @@ class MessagePlanOp final : public FutureState<void> {
     return Future<void>(std::move(op));
   }
 
-  MessagePlanOp(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature, algo::Plan plan,
-                algo::PlanBuffers buffers)
+  MessagePlanOp(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
+                std::shared_ptr<const algo::Plan> plan, algo::PlanBuffers buffers)
       : g_(std::move(g)), seq_(seq), name_(name),
         run_(g_->channel(seq, name, signature, 0), std::move(plan), buffers, &MessagePlanOp::done, this) {}
 
@@ -443,7 +458,7 @@ class MessagePlanOp final : public FutureState<void> {
 Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64_t seq, const detail::CollectiveCall& call,
                                const algo::Algorithm& algorithm) {
   if (call.staged || algorithm.kind == algo::Kind::shm) return {};
-  algo::Plan plan;
+  std::shared_ptr<const algo::Plan> plan;
   algo::PlanBuffers buffers;
   GroupState::Call shape;
   AroundPlan around;
@@ -487,7 +502,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       // exchanges of one block each.
       if (algorithm.kind != algo::Kind::ring || g->size == 1) return {};
       const std::size_t block_bytes = call.in.bytes();
-      plan = algo::ring_all_gather(g->size, g->rank, algo::blocks_of(call.out.count, g->size), -1);
+      plan = ring_all_gather_plan(*g, call.out.count);
       buffers = algo::PlanBuffers{call.out.bytes_ptr(), call.out.bytes_ptr(), call.out.dtype, ReduceOp::sum};
       shape = {call.in.count};
       around.copy_to = call.out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes;
@@ -506,7 +521,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       break;
     default: return {};
   }
-  if (!algo::MessagePlan::fits(plan, buffers, g->exec_options())) return {};
+  if (!algo::MessagePlan::fits(*plan, buffers, g->exec_options())) return {};
   if (call.collective == Collective::all_reduce || call.collective == Collective::reduce_scatter) {
     around.finish_reduction = true;  // the reduction's last step (avg's division), into `out`
     around.reduced = call.out;

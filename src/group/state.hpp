@@ -181,6 +181,15 @@ struct DeleteOnLoop {
 struct DeviceStaging;  // device_staging.cpp
 struct DeviceWindows;  // device_windows.cpp
 
+// What a collective's plan is a function of, besides the group's size and this rank (GroupState::plan_for).
+struct PlanShape {
+  Collective collective = Collective::barrier;
+  algo::Kind kind = algo::Kind::dissemination;
+  std::uint64_t count = 0;
+  int root = -1;
+  bool operator==(const PlanShape&) const = default;
+};
+
 struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- identity: written once before the group is handed out
   Loop* loop = nullptr;
@@ -251,6 +260,28 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   OpSignature last_box_signature{};
   // ---- callers and the loop
   ArenaTurns arena_turns;
+
+  // ---- callers and the loop: the plans built lately, by their shape. A collective's plan is a pure
+  // function of the collective, the algorithm, this rank, the group's size, the count and the root, so a
+  // repeated call takes the one built before: building a 2-rank all_gather's plan (the blocks, the steps:
+  // four allocations) was about 10% of its instructions (bench/RESULTS.md, "Plans built once").
+  /// The plan of `shape`, built by `build()` (an algo::Plan) the first time. Any thread.
+  template <class Build>
+  std::shared_ptr<const algo::Plan> plan_for(const PlanShape& shape, Build&& build) {
+    {
+      std::lock_guard lock(plans_mutex);
+      for (const auto& [known, plan] : plans)
+        if (plan && known == shape) return plan;
+    }
+    auto plan = std::make_shared<const algo::Plan>(build());  // built outside the lock: callers run alongside
+    std::lock_guard lock(plans_mutex);
+    plans[plans_next] = {shape, plan};
+    plans_next = (plans_next + 1) % plans.size();
+    return plan;
+  }
+  std::mutex plans_mutex;
+  std::array<std::pair<PlanShape, std::shared_ptr<const algo::Plan>>, 8> plans;  // guarded, round robin
+  std::size_t plans_next = 0;                                                     // guarded
 
   // ---- callers: device buffers (device_staging.cpp), made at the first device operation
   std::mutex device_staging_mutex;
