@@ -4,6 +4,7 @@
 
 #include "support/harness.hpp"
 #include "support/check_data.hpp"
+#include "group/state.hpp"
 
 #include <atomic>
 #include <cmath>
@@ -316,6 +317,52 @@ TEST_CASE("point-to-point: to itself in either order, by tag, from a coroutine a
     });
   }
   REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a group builds each plan once per shape and never hands out another shape's", "[collectives][inflight]") {
+  // GroupState::plan_for: the collectives' tasks and their plans of whole messages take their plans
+  // from it; a wrong key would run another count's or root's plan on valid buffers.
+  detail::GroupState g;
+  g.size = 5;
+  g.rank = 2;
+  int built = 0;
+  auto broadcast = [&](std::uint64_t count, int root) {
+    return g.plan_for({Collective::broadcast, algorithms::Kind::binomial, count, root}, [&] {
+      ++built;
+      return algorithms::binomial_broadcast(g.size, g.rank, root, count);
+    });
+  };
+  const auto first = broadcast(10, 0);
+  REQUIRE(broadcast(10, 0) == first);
+  REQUIRE(built == 1);
+  REQUIRE(*broadcast(10, 1) == algorithms::binomial_broadcast(5, 2, 1, 10));
+  REQUIRE(*broadcast(11, 0) == algorithms::binomial_broadcast(5, 2, 0, 11));
+  const auto other_kind = g.plan_for({Collective::broadcast, algorithms::Kind::chain, 10, 0},
+                                     [&] { ++built; return algorithms::chain_broadcast(5, 2, 0, 10); });
+  REQUIRE(*other_kind == algorithms::chain_broadcast(5, 2, 0, 10));
+  REQUIRE(built == 4);
+  // Past the cache's size the oldest is built again; a plan handed out stays valid meanwhile.
+  for (std::uint64_t count = 100; count < 110; ++count) broadcast(count, 0);
+  const int before = built;
+  REQUIRE(*broadcast(10, 0) == *first);
+  REQUIRE(built == before + 1);
+  // Callers on several threads, each checking what it got against a plan built on the spot.
+  std::atomic<bool> all_right{true};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<unsigned>(t));
+      for (int i = 0; i < 2000; ++i) {
+        const std::uint64_t count = rng() % 12;
+        const int root = static_cast<int>(rng() % 5);
+        const auto plan = g.plan_for({Collective::broadcast, algorithms::Kind::binomial, count, root},
+                                     [&] { return algorithms::binomial_broadcast(5, 2, root, count); });
+        if (*plan != algorithms::binomial_broadcast(5, 2, root, count)) all_right = false;
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  REQUIRE(all_right);
 }
 
 TEST_CASE("split forms sub-groups whose collectives stay apart", "[collectives][split]") {
@@ -1244,7 +1291,7 @@ struct Stored {
     return static_cast<std::size_t>(at);
   }
   double get(const Shape& idx) const { return load(t, memory.data(), offset(idx)); }
-  void set(const Shape& idx, double v) { store(t, memory.data(), offset(idx), v); }
+  void set(const Shape& idx, double v) { reference::store(t, memory.data(), offset(idx), v); }
   TensorView view() { return TensorView{memory.data(), t, shape, strides}; }
   ConstTensorView cview() const { return ConstTensorView(memory.data(), t, shape, strides); }
 };
@@ -1264,7 +1311,7 @@ Stored input_of(DType t, int r, const Shape& shape, int layout, std::size_t salt
 void check_tensor(const Stored& got, const std::function<double(const Shape&)>& expected, const std::string& what) {
   std::vector<std::byte> one(8);
   for_each_index(got.shape, [&](const Shape& idx) {
-    store(got.t, one.data(), 0, expected(idx));
+    reference::store(got.t, one.data(), 0, expected(idx));
     const double want = load(got.t, one.data(), 0);
     const double have = got.get(idx);
     if (have != want) {
