@@ -264,7 +264,8 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- callers and the loop: the plans built lately, by their shape. A collective's plan is a pure
   // function of the collective, the algorithm, this rank, the group's size, the count and the root, so a
   // repeated call takes the one built before: building a 2-rank all_gather's plan (the blocks, the steps:
-  // four allocations) was about 10% of its instructions (bench/RESULTS.md, "Plans built once").
+  // four allocations) was about 14 % of its instructions (bench/RESULTS.md, "The read-ahead buffer, and
+  // plans built once").
   /// The plan of `shape`, built by `build()` (an algo::Plan) the first time. Any thread.
   template <class Build>
   std::shared_ptr<const algo::Plan> plan_for(const PlanShape& shape, Build&& build) {
