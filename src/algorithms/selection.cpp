@@ -100,6 +100,7 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
     }
     std::erase_if(overrides_, [&](const Entry& e) { return e.collective == parsed.collective; });
     overrides_.push_back(std::move(parsed));
+    ++version_;
   }
 }
 

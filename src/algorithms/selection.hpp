@@ -6,6 +6,7 @@
 // without a range takes every size the earlier choices left. A malformed value is an error that says
 // what was expected; nothing is silently ignored.
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,6 +38,9 @@ class Selection {
   /// collective with a choice.
   std::string_view choose(std::string_view collective, std::size_t bytes, int ranks, Placement where = {}) const;
 
+  /// Counts the overrides applied so far: a caller that remembers a choice remembers this with it, and
+  /// chooses again when it moved.
+  std::uint64_t version() const noexcept { return version_; }
   /// The built-in table alone (what choose() gives without overrides).
   static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks, Placement where = {});
 
@@ -51,6 +55,7 @@ class Selection {
     std::vector<Choice> choices;
   };
   std::vector<Entry> overrides_;
+  std::uint64_t version_ = 0;
 };
 
 }  // namespace weft::algorithms

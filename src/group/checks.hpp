@@ -26,4 +26,13 @@ void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce);
 void check_rank(const GroupState& g, const char* op, const char* what, int r);
 std::uint64_t take_seq(GroupState& g, std::chrono::milliseconds timeout);
 
+/// A buffer collective's preconditions (collectives.cpp, `validate`), then the algorithm the group's table
+/// chooses for it. A call of the same shape as this thread's last call that passed on this group (every
+/// field the checks and the table read, the buffers' addresses aside: only whether they are null), with
+/// the table not overridden since, gets the answer of then without either. The variable-size
+/// collectives are checked every time (their blocks are not part of the shape).
+/// Returns: a registry entry. Errors: weft::Error (invalid_argument) naming the operation; nothing is
+/// remembered of a call that failed.
+const algo::Algorithm& checked_algorithm(GroupState& g, const CollectiveCall& call);
+
 }  // namespace weft::detail

@@ -192,6 +192,9 @@ struct PlanShape {
 
 struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- identity: written once before the group is handed out
+  // Unique among the groups of this process, never reused (a new group may get a freed one's address):
+  // the callers' memo of their last call is keyed by it (collectives.cpp, `checked_algorithm`).
+  const std::uint64_t id = next_id();
   Loop* loop = nullptr;
   std::shared_ptr<Transport> transport;         // shared with the groups split from this one
   std::shared_ptr<store::Server> store_server;  // rank 0 of the world group only
@@ -213,6 +216,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     for (int m : members) across_hosts = across_hosts || !(static_cast<std::size_t>(m) < on_my_host.size() && on_my_host[static_cast<std::size_t>(m)]);
   }
   algo::Placement placement() const { return algo::Placement{arena != nullptr, across_hosts}; }
+  static std::uint64_t next_id() noexcept {
+    static std::atomic<std::uint64_t> ids{0};
+    return ids.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
 
   // ---- callers: the threads that call collectives
   algo::Selection selection;                        // which algorithm runs what (override_algorithms)

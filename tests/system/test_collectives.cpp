@@ -4,6 +4,7 @@
 
 #include "support/harness.hpp"
 #include "support/check_data.hpp"
+#include "group/checks.hpp"
 #include "group/state.hpp"
 
 #include <atomic>
@@ -317,6 +318,64 @@ TEST_CASE("point-to-point: to itself in either order, by tag, from a coroutine a
     });
   }
   REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a call of the shape called last skips the checks, and never one that would fail them", "[collectives][inflight]") {
+  // detail::checked_algorithm remembers this thread's last call that passed, per group; a key too loose
+  // would let through a root, a null buffer or a dtype that the checks refuse, or keep a choice that
+  // override_algorithms has changed.
+  detail::GroupState big;
+  big.size = 4;
+  big.rank = 1;
+  detail::GroupState small;
+  small.size = 2;
+  std::vector<float> a(8), b(8);
+  std::vector<std::int32_t> ints(8);
+  const auto refused = [](detail::GroupState& g, const detail::CollectiveCall& call, const char* what) {
+    try {
+      detail::checked_algorithm(g, call);
+    } catch (const Error& e) {
+      REQUIRE(e.errc() == Errc::invalid_argument);
+      REQUIRE_THAT(e.what(), Catch::Contains(what));
+      return;
+    }
+    FAIL("accepted a call the checks refuse: " << what);
+  };
+  const detail::CollectiveCall broadcast{Collective::broadcast, ConstBufferView(a.data(), 8, DType::f32), BufferView(a.data(), 8, DType::f32),
+                                         ReduceOp::sum, 3};
+  const auto& chosen = detail::checked_algorithm(big, broadcast);
+  REQUIRE(&chosen == big.selection.choose(Collective::broadcast, 32, 4));
+  REQUIRE(&detail::checked_algorithm(big, broadcast) == &chosen);  // remembered
+  refused(small, broadcast, "root 3 is not a rank");                 // another group: checked
+  REQUIRE(&detail::checked_algorithm(big, broadcast) == &chosen);
+  // The same counts and types with a null buffer, or another root, are other shapes.
+  detail::CollectiveCall null_data = broadcast;
+  null_data.out.data = nullptr;
+  refused(big, null_data, "is null");
+  detail::CollectiveCall bad_root = broadcast;
+  bad_root.root = 4;
+  refused(big, bad_root, "root 4 is not a rank");
+  // all_reduce: an output of another type or count than the input's, after the matching call passed.
+  const detail::CollectiveCall all_reduce{Collective::all_reduce, ConstBufferView(a.data(), 8, DType::f32), BufferView(b.data(), 8, DType::f32)};
+  detail::checked_algorithm(big, all_reduce);
+  detail::CollectiveCall other_type = all_reduce;
+  other_type.out = BufferView(ints.data(), 8, DType::i32);
+  refused(big, other_type, "input is f32 but output is i32");
+  detail::CollectiveCall other_count = all_reduce;
+  other_count.out.count = 7;
+  refused(big, other_count, "expected 8");
+  detail::checked_algorithm(big, all_reduce);
+  detail::CollectiveCall undefined_op = all_reduce;  // the same but for the reduce op
+  undefined_op.op = ReduceOp::bitwise_xor;
+  refused(big, undefined_op, "is not defined on f32");
+  // An override changes the answer for the remembered shape at once.
+  REQUIRE(&detail::checked_algorithm(big, broadcast) == &chosen);
+  big.selection.override_with(chosen.kind == algorithms::Kind::chain ? "broadcast:binomial" : "broadcast:chain", "the test");
+  const auto& overridden = detail::checked_algorithm(big, broadcast);
+  REQUIRE(&overridden != &chosen);
+  REQUIRE(&overridden == big.selection.choose(Collective::broadcast, 32, 4));
+  // Another thread has its own memory: it checks for itself.
+  std::thread([&] { refused(small, broadcast, "root 3 is not a rank"); }).join();
 }
 
 TEST_CASE("a group builds each plan once per shape and never hands out another shape's", "[collectives][inflight]") {
