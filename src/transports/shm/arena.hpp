@@ -46,6 +46,7 @@
 // cancelled: nothing is read from or written to the caller's buffers), so that every rank's count stays
 // where the next collective expects it. A rank that never comes holds everyone's next collective, as it
 // would without the cancel, until that one's deadline names it.
+#include <algorithm>
 #include <atomic>
 #include <coroutine>
 #include <cstddef>
@@ -59,7 +60,7 @@
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
-inline constexpr std::uint32_t arena_version = 4;
+inline constexpr std::uint32_t arena_version = 5;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -70,7 +71,10 @@ struct alignas(64) ArenaHeader {  // written once by the rank that makes the seg
 
 struct alignas(64) RankControl {
   std::atomic<std::uint32_t> sleeping{0};  // 1 while its loop may sleep with a step to wait for
-  std::atomic<std::uint64_t> box_done{0};  // the slots of the box broadcasts this rank finished (release)
+  // The slots of the box broadcasts this rank finished (release). On a line of its own: it moves at
+  // every box broadcast, where `sleeping` is read by every rank that publishes anything and seldom
+  // changes; on one line the readers' sleeping words missed in the root's cache at every broadcast.
+  alignas(64) std::atomic<std::uint64_t> box_done{0};
 };
 
 // What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
@@ -169,12 +173,19 @@ class Arena : public std::enable_shared_from_this<Arena> {
     return control(r).box_done.load(std::memory_order_acquire) + box_slots < box_count_ + box_taking_;
   }
   /// Whether this rank may write its slots for its next box broadcast: every rank finished their last use.
+  /// The least box_done of the others seen last is remembered (they only grow): the readers' control
+  /// lines, which they write at every broadcast, are read again only when the root comes near it, not
+  /// at every broadcast (a cache line from the reader's core each time).
   bool slot_free() const noexcept {
-    if (box_count_ + box_taking_ <= box_slots) return true;
+    const std::uint64_t need = box_count_ + box_taking_;
+    if (need <= others_done_.load(std::memory_order_relaxed) + box_slots) return true;
+    std::uint64_t least = ~std::uint64_t{0};
     for (int r = 0; r < ranks_; ++r) {
-      if (r != rank_ && slot_in_use_by(r)) return false;
+      if (r != rank_) least = std::min(least, control(r).box_done.load(std::memory_order_acquire));
     }
-    return true;
+    if (least == ~std::uint64_t{0}) return true;  // a group of one
+    others_done_.store(least, std::memory_order_relaxed);
+    return need <= least + box_slots;
   }
   /// Stamps this rank's slot (written before), fences (so that a look at the other ranks' slots after it
   /// is ordered after it), and wakes the ranks that sleep.
@@ -260,6 +271,9 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::uint64_t count_ = 0;      // this rank's, as published
   std::uint64_t box_count_ = 0;   // slots of this rank's box broadcasts finished
   std::uint64_t box_taking_ = 1;  // slots its box broadcast now takes
+  // The least box_done of the other ranks as slot_free() last read it (this rank's threads only; atomic
+  // because the loop's poller and a caller's fast path may both ask, one after the other).
+  mutable std::atomic<std::uint64_t> others_done_{0};
   Waiting waiting_ = Waiting::step;
   int waiting_root_ = -1;
   Waiter* waiter_ = nullptr;
