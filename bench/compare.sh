@@ -6,6 +6,7 @@
 # medians: label,bytes,time_us,busbw) and compare.svg (bench/plot.py: busbw and time against size).
 #   bench/compare.sh BUILD_DIR [RANKS] [ROUNDS] [MINBYTES] [MAXBYTES] [COLLECTIVE] [OUT_DIR]
 # The peers are not installed by tools/quickstart.sh bench; this script says what to install.
+# GLOO=0 leaves Gloo out (its rounds take minutes at many iterations of small sizes).
 # MPI_BTL picks Open MPI's path (default tcp,self; vader,self is its shared memory on one host, the
 # peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks). ITERS (default 20) sets the
 # timed iterations per size of every side (more steadies the small sizes). COLLECTIVE all_gatherv or
@@ -35,6 +36,7 @@ read -r -a extra_flags <<< "${WEFT_BENCH_FLAGS:-}"
 weft_flags+=("${extra_flags[@]}")
 gloo_has=0
 case $collective in all_reduce | all_gather | reduce_scatter | broadcast) gloo_has=1 ;; esac
+[ "${GLOO:-1}" != 0 ] || gloo_has=0
 if [ $gloo_has = 1 ] && [ ! -x "$build/bench/gloo-allreduce-bench" ]; then
   echo "compare.sh: Gloo is missing, its columns stay empty (apt-get install libgloo-dev, then reconfigure as above)" >&2
 fi

@@ -27,7 +27,7 @@
 // `box_slots` slots. Box broadcasts take slots in turn, counted alike on every rank (one, or as many as
 // their size needs: the contents of each after its header, which only the first uses): one starting at
 // slot number b takes slots b, b + 1, ... (mod box_slots) of its root's box. The root waits only until
-// every rank finished the slots' last use (`box_done`, per rank on its control line, counts the slots of
+// every rank finished the slots' last use (`box_done`, per rank on a line of its own, counts the slots of
 // the box broadcasts it finished), writes the contents and the first slot's header, stamps that slot
 // b + 1 and goes on; a reader waits for that stamp, checks the header, copies and moves its own box_done
 // past the slots. So a root runs up to box_slots slots ahead of its readers, and readers that get their
