@@ -755,7 +755,7 @@ Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, co
 }  // namespace
 
 const algo::Algorithm& detail::checked_algorithm(GroupState& g, const detail::CollectiveCall& call) {
-  const bool memo = call.blocks == nullptr && rule_of(call.collective).counts != Rule::Counts::blocks;
+  const bool memo = rule_of(call.collective).counts != Rule::Counts::blocks;
   CallShape shape{};
   if (memo) {
     shape = shape_of(call);
