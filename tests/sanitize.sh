@@ -6,6 +6,13 @@ set -u
 src=$(cd "$1" && pwd)
 out=$2
 scope=${3:-ci}
+# A failed run's report: every failed assertion with the lines around it (Catch2 prints them where they
+# happen, often far above the end), then the end of the output.
+report() {
+  grep -n -B4 -A16 -E 'FAILED|ERROR: AddressSanitizer|runtime error:|ThreadSanitizer' <<< "$1" | head -200
+  echo "-- the end of the output:"
+  tail -40 <<< "$1"
+}
 # `tsan`: ThreadSanitizer over the shared-memory suites (the rings, the arena, the collectives and the
 # error suites over WEFT_TRANSPORT=shm, ranks as threads of one process, so that TSan sees both sides of
 # every shared word). Run by hand (docs/RELIABILITY.md, "Sanitizers"): it is not CI's.
@@ -23,7 +30,7 @@ if [ "$scope" = tsan ]; then
     if log=$(WEFT_TRANSPORT=shm "$out/tests/"$t 2>&1); then
       echo "ok: $t over shm ($((SECONDS - start)) s)"
     else
-      echo "$log" | tail -60
+      report "$log"
       echo "FAIL: $t over shm"
       rc=1
     fi
@@ -37,7 +44,7 @@ if [ "$scope" = tsan ]; then
     if log=$(WEFT_GPU=sim WEFT_SIM_DEVICES=4 WEFT_SIM_DELAY_US=100 "$out/tests/"$t 2>&1); then
       echo "ok: $t on the simulated device ($((SECONDS - start)) s)"
     else
-      echo "$log" | tail -60
+      report "$log"
       echo "FAIL: $t on the simulated device"
       rc=1
     fi
@@ -48,7 +55,7 @@ if [ "$scope" = tsan ]; then
            WEFT_ALGO='all_reduce:ring;broadcast:scatter_all_gather' "$out/tests/test_device" '[collectives],[order],[cancel]' 2>&1); then
     echo "ok: test_device pipelined on the simulated device ($((SECONDS - start)) s)"
   else
-    echo "$log" | tail -60
+    report "$log"
     echo "FAIL: test_device pipelined on the simulated device"
     rc=1
   fi
@@ -63,7 +70,7 @@ if [ "$scope" = tsan ]; then
              "$out/tests/test_device" "${spec#*|}" 2>&1); then
       echo "ok: test_device ${spec#*|} on device windows over ${spec%%|*} ($((SECONDS - start)) s)"
     else
-      echo "$log" | tail -60
+      report "$log"
       echo "FAIL: test_device ${spec#*|} on device windows over ${spec%%|*}"
       rc=1
     fi
@@ -74,7 +81,7 @@ if [ "$scope" = tsan ]; then
     if log=$(WEFT_TRANSPORT=shm WEFT_SHM_CMA_BYTES=4096 "$out/tests/"$t 2>&1); then
       echo "ok: $t over shm with single copy ($((SECONDS - start)) s)"
     else
-      echo "$log" | tail -60
+      report "$log"
       echo "FAIL: $t over shm with single copy"
       rc=1
     fi
@@ -109,7 +116,7 @@ run() {
   if out_text=$("$@" 2>&1); then
     echo "ok: $name ($((SECONDS - start)) s)"
   else
-    echo "$out_text" | tail -60
+    report "$out_text"
     echo "FAIL: $name"
     rc=1
   fi

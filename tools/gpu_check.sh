@@ -63,14 +63,16 @@ fi
 WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -d yes > "$out/test_gpu.txt" 2>&1
 step "test_gpu (cuda)" $?
 
-# The device set's peer kernels (opt-in while they have not run on a GPU): every set test with them.
-# WEFT_TEST_TRACE=1: each device-set call named before and after (where one hangs).
-WEFT_GPU=cuda WEFT_CUDA_PEER=1 WEFT_TEST_TRACE=1 limit 120 "$build/tests/test_gpu" '[set]' -d yes > "$out/test_gpu_set_peer.txt" 2>&1
-step "test_gpu [set] with the peer kernels (cuda, WEFT_CUDA_PEER=1)" $?
+# The device set's tests, each call named before and after (WEFT_TEST_TRACE=1: where one hangs); the
+# peer kernels are the default path, the naive one forced after.
+WEFT_GPU=cuda WEFT_TEST_TRACE=1 limit 120 "$build/tests/test_gpu" '[set]' -d yes > "$out/test_gpu_set_peer.txt" 2>&1
+step "test_gpu [set] with the peer kernels (cuda)" $?
+WEFT_GPU=cuda WEFT_DEVICE_SET=naive WEFT_TEST_TRACE=1 limit 120 "$build/tests/test_gpu" '[set]' -d yes > "$out/test_gpu_set_naive.txt" 2>&1
+step "test_gpu [set] on the naive path (cuda)" $?
 
-# The multi-device groups (ranks driving several devices each) with the peer kernels.
-WEFT_GPU=cuda WEFT_CUDA_PEER=1 limit 120 "$build/tests/test_device" '[multi]' > "$out/test_device_multi_peer.txt" 2>&1
-step "test_device [multi] with the peer kernels (cuda, WEFT_CUDA_PEER=1)" $?
+# The multi-device groups (ranks driving several devices each).
+WEFT_GPU=cuda limit 120 "$build/tests/test_device" '[multi]' -d yes > "$out/test_device_multi.txt" 2>&1
+step "test_device [multi] (cuda)" $?
 
 if [ -x "$build/tests/test_epilogue_cuh" ]; then
   WEFT_GPU=cuda limit 60 "$build/tests/test_epilogue_cuh" > "$out/test_epilogue_cuh.txt" 2>&1

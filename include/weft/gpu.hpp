@@ -327,10 +327,10 @@ class Stream {
 /// and what the exchange needs (signals, scratch), made once.
 ///
 /// Paths: **peer to peer** where every pair of entries can access each other (can_access_peer) and the
-/// backend runs the peer kernels (the sim; a GPU only with WEFT_CUDA_PEER=1, since they have not run on
-/// one yet, and there without an epilogue): each device reads every input and writes its own output, in
-/// rank order, so the outputs are bitwise the same; one stage for small buffers and two (reduce-scatter,
-/// then all-gather) for large ones or in place. **Naive** otherwise, and under cuda by default: each device copies every
+/// backend runs the peer kernels (the sim, and CUDA where the runtime enables peer access; on a GPU
+/// without an epilogue): each device reads every input and writes its own output, in rank order, so the
+/// outputs are bitwise the same; one stage for small buffers and two (reduce-scatter, then all-gather)
+/// for large ones (above 256 KiB with more than 2 entries) or in place. **Naive** otherwise: each device copies every
 /// input into scratch of its own and accumulates in rank order, then writes its output once every device
 /// has read every input. Both give the CPU kernels' bits for integers and for the float ops that are
 /// exact; sums of floats are added in rank order (0, 1, ..., n-1).

@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <chrono>
 #include <condition_variable>
@@ -109,6 +110,15 @@ class CudaStream final : public StreamImpl {
       if (bytes == 0) return cudaSuccess;
       if (kind == CopyKind::device_to_device && src_device != dst_device) {
         return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, stream_);
+      }
+      // Within one device, a kernel: cudaMemcpyAsync there makes the device's later work wait for all
+      // its earlier work, a deadlock behind a gate or a peer kernel that waits for later work (seen on an
+      // H200: docs/DESIGN.md, "Copies within a device"). Overlapping ranges (no caller makes them) keep
+      // the runtime's copy.
+      const auto d = reinterpret_cast<std::uintptr_t>(dst);
+      const auto s = reinterpret_cast<std::uintptr_t>(src);
+      if (kind == CopyKind::device_to_device && (d + bytes <= s || s + bytes <= d || d == s)) {
+        return static_cast<cudaError_t>(kernels::cuda::launch_copy(dst, src, bytes, stream_));
       }
       return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_);
     });

@@ -35,7 +35,7 @@ namespace detail {
 
 // Which path all_reduce takes (WEFT_DEVICE_SET, read when a set is made; for benchmarks and for forcing
 // a path while chasing a problem): automatic picks the peer kernels where every pair of devices reaches
-// the other (on a GPU only with WEFT_CUDA_PEER=1 so far) and their form by size; one_stage and two_stage
+// the other and their form by size; one_stage and two_stage
 // force the peer kernels' form where the devices reach each other (in place is always two-stage: one
 // stage would overwrite an input another device still reads); naive forces the copies.
 enum class SetPath { automatic, one_stage, two_stage, naive };
@@ -51,7 +51,7 @@ struct DeviceSetState {
   // The naive path's scratch per entry: the sum so far and the input being added.
   std::mutex mutex;
   std::vector<DeviceBuffer> sums, addends;  // guarded; grown between calls
-  // The peer path on a GPU (WEFT_CUDA_PEER=1): each entry's signal in its device's memory (zeroed once,
+  // The peer path on a GPU: each entry's signal in its device's memory (zeroed once,
   // copied from `zeros` on its stream before any call), each entry's slice of the two-stage scratch, a
   // word per entry that a kernel whose spin gave up sets, and the most blocks per kernel that keep every
   // entry's instance resident at once (the barriers spin).
@@ -141,11 +141,9 @@ DeviceSet DeviceSet::create(Loop& loop, std::vector<Device> devices) {
   for (const Device& a : devices) {
     for (const Device& b : devices) reach = reach && can_access_peer(a, b);
   }
-  // The peer kernels run on the sim's workers, and on a GPU where WEFT_CUDA_PEER=1 asks for them (they
-  // have not run on one yet: the naive path stays the default there).
-  const char* cuda_peer = std::getenv("WEFT_CUDA_PEER");
-  const bool forced_peer = state->path == SetPath::one_stage || state->path == SetPath::two_stage;
-  const bool on_gpu = backend() == Backend::cuda && ((cuda_peer && std::string_view(cuda_peer) == "1") || forced_peer);
+  // The peer kernels run on the sim's workers, and on the GPU (opt-in until they passed there: on an
+  // H200 on 2026-11-28, N = 1-8 on every dtype and op, one and two stages, 10^4 calls; bench/RESULTS.md).
+  const bool on_gpu = backend() == Backend::cuda;
   state->peer_to_peer = reach && state->path != SetPath::naive && (backend() == Backend::sim || on_gpu);
   if (state->peer_to_peer && on_gpu) {
     for (const Device& a : devices) {

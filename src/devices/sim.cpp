@@ -83,6 +83,13 @@ bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes);
 /// waits for the device (as cudaFree holds the CUDA runtime: other threads' calls wait behind it).
 std::shared_mutex& runtime_lock(SimBackend& backend);
 FreesAfterSpins& frees_of(SimBackend& backend);
+class SimQueue;
+/// WEFT_SIM_D2D_SYNC=1, an experiment (bench/RESULTS.md, 2026-11-28): a copy between two addresses of
+/// one device makes the device's later work wait for all its earlier work, as the CUDA programming
+/// guide lists such a cudaMemcpyAsync among the implicit synchronizations. `implicit_waits`: what a push
+/// on `self` must wait for first (empty unless set).
+std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> implicit_waits(SimBackend& backend, int device, const SimQueue* self);
+void implicit_barrier(SimBackend& backend, int device);
 /// Held by a spinning item's function: the spin ends when the function goes (ran, or skipped by a
 /// failed stream).
 std::shared_ptr<void> spin_guard(SimBackend& backend) {
@@ -108,6 +115,13 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   }
 
   std::uint64_t push(std::string what, std::function<std::string()> run) {
+    for (auto& [waited, seq] : implicit_waits(backend_, device_, this)) {
+      push_raw(fmt::format("implicit wait for fence {} of another stream", seq),
+               [waited = std::move(waited), seq = seq] { return waited->block_until(seq); });
+    }
+    return push_raw(std::move(what), std::move(run));
+  }
+  std::uint64_t push_raw(std::string what, std::function<std::string()> run) {
     std::shared_lock runtime(runtime_lock(backend_));
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = ++queued_;
@@ -183,8 +197,9 @@ class SimStream final : public StreamImpl {
   }
   ~SimStream() override { queue_->stop(); }
 
-  std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int, int) override {
+  std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int src_device, int dst_device) override {
     const std::uint64_t seq = push_copy(dst, src, bytes, kind);
+    if (kind == CopyKind::device_to_device && src_device == dst_device) implicit_barrier(backend_, device());
     // As cudaMemcpyAsync: a copy from the device into pageable memory returns only once it ran.
     if (kind == CopyKind::device_to_host && !host_pinned(backend_, dst, bytes)) queue_->block_until(seq);
     return seq;
@@ -278,6 +293,7 @@ class SimBackend final : public Backend {
         delay_us_(env_long("WEFT_SIM_DELAY_US", 0)),
         fail_at_(env_long("WEFT_SIM_FAIL", 0)),
         peer_access_(env_long("WEFT_SIM_P2P", 1) != 0),
+        d2d_sync_(env_long("WEFT_SIM_D2D_SYNC", 0) != 0),
         failures_(static_cast<std::size_t>(std::max(devices_, 0))) {
     (void)copy_mbps();  // read (and a bad value refused) here, not first on a stream's worker
   }
@@ -583,6 +599,31 @@ class SimBackend final : public Backend {
   const long delay_us_;
   const long fail_at_;
   const bool peer_access_;
+  const bool d2d_sync_;    // WEFT_SIM_D2D_SYNC=1 (implicit_waits)
+  std::mutex barrier_mutex_;
+  std::map<int, std::vector<std::pair<std::weak_ptr<SimQueue>, std::uint64_t>>> barriers_;  // guarded
+
+ public:
+  void set_barrier(int device) {
+    if (!d2d_sync_) return;
+    const auto queues = queues_of(device);
+    std::lock_guard lock(barrier_mutex_);
+    auto& barrier = barriers_[device];
+    barrier.clear();
+    for (const auto& q : queues) barrier.emplace_back(q, q->last());
+  }
+  std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> waits_of(int device, const SimQueue* self) {
+    std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> waits;
+    if (!d2d_sync_) return waits;
+    std::lock_guard lock(barrier_mutex_);
+    for (const auto& [weak, seq] : barriers_[device]) {
+      std::string failure;
+      if (auto q = weak.lock(); q && q.get() != self && !q->poll(seq, failure)) waits.emplace_back(std::move(q), seq);
+    }
+    return waits;
+  }
+
+ private:
   std::atomic<long> items_run_{0};
 
   std::mutex mutex_;
@@ -596,6 +637,10 @@ class SimBackend final : public Backend {
 
 void* worker_address(SimBackend& backend, const void* p) { return backend.worker_view(p); }
 std::shared_mutex& runtime_lock(SimBackend& backend) { return backend.runtime(); }
+std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> implicit_waits(SimBackend& backend, int device, const SimQueue* self) {
+  return backend.waits_of(device, self);
+}
+void implicit_barrier(SimBackend& backend, int device) { backend.set_barrier(device); }
 FreesAfterSpins& frees_of(SimBackend& backend) { return backend.frees(); }
 bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes) { return backend.is_pinned(p, bytes); }
 

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/epilogue.cuh"
+#include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/types.cuh"
 
 namespace weft::kernels::cuda {
@@ -69,7 +70,8 @@ int launch_epilogue(const void* in, int in_dtype, void* out, int out_dtype, std:
   if (factor == 1.0 && in_dtype == out_dtype) {
     if (in == out) return 0;
     static constexpr std::size_t sizes[] = {1, 1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8};
-    return static_cast<int>(cudaMemcpyAsync(out, in, n * sizes[in_dtype], cudaMemcpyDeviceToDevice, stream));
+    // A kernel, not cudaMemcpyAsync within the device (launch_copy says why).
+    return launch_copy(out, in, n * sizes[in_dtype], stream_handle);
   }
   return with_element_type<bool>(in_dtype, [&](auto in_tag) {
     return with_element_type<bool>(out_dtype, [&](auto out_tag) {

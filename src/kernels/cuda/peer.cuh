@@ -1,7 +1,8 @@
 #pragma once
 // The in-process multi-device all_reduce's kernels (peer.cu): kernels/peer/all_reduce.hpp's protocol and
 // algorithms on the GPU, for every dtype and op, with avg's division as the store's epilogue. Called by
-// the device set under cuda only with WEFT_CUDA_PEER=1 (not yet run on a GPU; docs/DESIGN.md).
+// the device set under cuda where every pair of its devices reaches the other (run on an H100 and an
+// H200: bench/RESULTS.md; docs/DESIGN.md).
 #include <cstddef>
 #include <cstdint>
 

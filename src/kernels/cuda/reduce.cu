@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -15,6 +16,20 @@
 
 namespace weft::kernels::cuda {
 namespace {
+
+// Bytes [0, head) and [tail_at, tail_at + narrow - head) one by one, `wide` 16-byte words from head.
+__global__ void copy_kernel(unsigned char* dst, const unsigned char* src, std::size_t head, std::size_t wide,
+                            std::size_t tail_at, std::size_t narrow) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  auto* to = reinterpret_cast<uint4*>(dst + head);
+  const auto* from = reinterpret_cast<const uint4*>(src + head);
+  for (std::size_t i = first; i < wide; i += stride) to[i] = from[i];
+  for (std::size_t i = first; i < narrow; i += stride) {
+    const std::size_t at = i < head ? i : tail_at + (i - head);
+    dst[at] = src[at];
+  }
+}
 
 template <class T, int Op>
 __global__ void reduce_kernel(T* dst, const T* a, const T* b, std::size_t n) {
@@ -113,6 +128,27 @@ int launch_reduce(void* dst, const void* a, const void* b, std::size_t n, int dt
   return with_element_type<std::uint8_t>(dtype, [&](auto tag) {
     return launch_for_type<typename decltype(tag)::type>(dst, a, b, n, op, stream);
   });
+}
+
+int launch_copy(void* dst, const void* src, std::size_t bytes, void* stream_handle) {
+  if (bytes == 0 || dst == src) return 0;
+  auto* to = static_cast<unsigned char*>(dst);
+  const auto* from = static_cast<const unsigned char*>(src);
+  // 16 bytes per load and store where both addresses can reach 16-byte alignment together: the bytes
+  // before that (head) and after the last whole 16 (tail) one by one.
+  const auto d = reinterpret_cast<std::uintptr_t>(to);
+  const auto s = reinterpret_cast<std::uintptr_t>(from);
+  std::size_t head = bytes;
+  std::size_t wide = 0;
+  if ((d - s) % 16 == 0) {
+    head = std::min<std::size_t>((16 - d % 16) % 16, bytes);
+    wide = (bytes - head) / 16;
+  }
+  const std::size_t tail_at = head + wide * 16;
+  const std::size_t narrow = head + (bytes - tail_at);
+  copy_kernel<<<grid_for(wide > narrow ? wide : narrow), threads_per_block, 0, static_cast<cudaStream_t>(stream_handle)>>>(
+      to, from, head, wide, tail_at, narrow);
+  return static_cast<int>(cudaGetLastError());
 }
 
 int launch_divide(void* data, std::size_t n, int dtype, int divisor, void* stream_handle) {

@@ -19,4 +19,11 @@ int launch_reduce(void* dst, const void* a, const void* b, std::size_t n, int dt
 /// Queues data[i] /= divisor (integer division for integer types; bool unchanged) on `stream`.
 int launch_divide(void* data, std::size_t n, int dtype, int divisor, void* stream);
 
+/// Queues a copy of `bytes` bytes from `src` to `dst`, both memory of the stream's device, as a kernel:
+/// cudaMemcpyAsync between two addresses of one device is an implicit synchronization (the device's work
+/// queued after it waits for all its work queued before), which deadlocks where that earlier work is a
+/// gate or a peer kernel waiting for work queued later (docs/DESIGN.md, "Copies within a device"). The
+/// ranges must not overlap unless they are the same (then nothing is queued).
+int launch_copy(void* dst, const void* src, std::size_t bytes, void* stream);
+
 }  // namespace weft::kernels::cuda
