@@ -6,6 +6,10 @@
 #
 #   tools/gpu_check.sh OUT_DIR          (BUILD=<dir> to use or make another build directory)
 #
+# The device suites run one test case per process, each under its own bound: a case that hangs costs
+# its bound and is named, and the others still run (2026-11-27: one hung case took a whole suite and the
+# steps after it). PACK=1 also packs OUT_DIR into OUT_DIR.tar.gz (a channel that returns few files).
+#
 # PREBUILT=1 runs the programs already in BUILD (tests/, bench/, tools/) without configuring or building:
 # for a GPU machine that has the driver but not the build's dependencies (their .so files on
 # LD_LIBRARY_PATH). Each step has a time limit (seconds, SCALE multiplies them), so one that hangs is
@@ -48,6 +52,20 @@ limit() {  # limit SECONDS COMMAND...: the command, killed after SECONDS x SCALE
   wait $!
 }
 
+# cases SECONDS NAME PROGRAM FILTER: each Catch2 test case that FILTER selects, in a process of its own
+# under its own bound, a step each; their outputs one after the other in $out/NAME.txt.
+cases() {
+  local s=$1 name=$2 program=$3 filter=$4 t
+  : > "$out/$name.txt"
+  while IFS= read -r t; do
+    [ -n "$t" ] || continue
+    echo "=== $t" >> "$out/$name.txt"
+    # A comma in a name would split the filter: escaped.
+    limit "$s" "$program" "${t//,/\\,}" -d yes >> "$out/$name.txt" 2>&1
+    step "$name: $t" $?
+  done < <("$program" --list-test-names-only "$filter" 2>/dev/null)
+}
+
 { nvidia-smi || echo "nvidia-smi: not found"; } > "$out/nvidia-smi.txt" 2>&1
 if [ -z "${PREBUILT:-}" ]; then
   if [ ! -f "$build/build.ninja" ]; then
@@ -58,29 +76,32 @@ if [ -z "${PREBUILT:-}" ]; then
   step build $?
 fi
 
-# The device suites on the real device (WEFT_GPU=cuda: no fallback to the simulated one).
-# Durations after each test case (-d yes): a step that hangs shows which case it hung in.
-WEFT_GPU=cuda limit 60 "$build/tests/test_gpu" '~[fail]' -d yes > "$out/test_gpu.txt" 2>&1
-step "test_gpu (cuda)" $?
+# The device suites on the real device (WEFT_GPU=cuda: no fallback to the simulated one), a case each.
+# ([.ipc-child] is the [ipc] test's other process, run by it.)
+export WEFT_GPU=cuda
+cases 40 test_gpu "$build/tests/test_gpu" '~[fail]~[.ipc-child]'
+unset WEFT_GPU
 
-# The device set's tests, each call named before and after (WEFT_TEST_TRACE=1: where one hangs); the
-# peer kernels are the default path, the naive one forced after.
-WEFT_GPU=cuda WEFT_TEST_TRACE=1 limit 120 "$build/tests/test_gpu" '[set]' -d yes > "$out/test_gpu_set_peer.txt" 2>&1
-step "test_gpu [set] with the peer kernels (cuda)" $?
-WEFT_GPU=cuda WEFT_DEVICE_SET=naive WEFT_TEST_TRACE=1 limit 120 "$build/tests/test_gpu" '[set]' -d yes > "$out/test_gpu_set_naive.txt" 2>&1
-step "test_gpu [set] on the naive path (cuda)" $?
+# The device set's tests again on the naive path (the peer kernels are the default, run above), each
+# call named before and after (WEFT_TEST_TRACE=1: where one hangs).
+export WEFT_GPU=cuda WEFT_DEVICE_SET=naive WEFT_TEST_TRACE=1
+cases 60 test_gpu_set_naive "$build/tests/test_gpu" '[set]'
+unset WEFT_GPU WEFT_DEVICE_SET WEFT_TEST_TRACE
 
-# The multi-device groups (ranks driving several devices each).
-WEFT_GPU=cuda limit 120 "$build/tests/test_device" '[multi]' -d yes > "$out/test_device_multi.txt" 2>&1
-step "test_device [multi] (cuda)" $?
+# The multi-device groups (ranks driving several devices each): they hung on the H200 until copies
+# within a device became a kernel (docs/DESIGN.md, "Copies within a device").
+export WEFT_GPU=cuda
+cases 90 test_device_multi "$build/tests/test_device" '[multi]'
+unset WEFT_GPU
 
 if [ -x "$build/tests/test_epilogue_cuh" ]; then
   WEFT_GPU=cuda limit 60 "$build/tests/test_epilogue_cuh" > "$out/test_epilogue_cuh.txt" 2>&1
   step "test_epilogue_cuh (cuda: a user's nvcc epilogue)" $?
 fi
 # Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
-WEFT_GPU=cuda limit 120 "$build/tests/test_device" '~[device-failure]' -d yes > "$out/test_device.txt" 2>&1
-step "test_device (cuda)" $?
+export WEFT_GPU=cuda
+cases 60 test_device "$build/tests/test_device" '~[device-failure]~[multi]'
+unset WEFT_GPU
 # Python device arrays on the real device (where the module was built: needs python3-numpy, pybind11).
 if [ -f "$build/python/weft/__init__.py" ]; then
   WEFT_GPU=cuda PYTHONPATH="$build/python" limit 60 /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k 'device or dlpack' \
@@ -134,6 +155,13 @@ for c in all_reduce broadcast; do
   step "weft-bench --device -c $c (2 processes, tcp)" $?
   cat "$out/weft_bench_device_$c.txt"
 done
+# all_reduce on device windows between 2 processes (CUDA IPC, WEFT_DEVICE_IPC=1), over tcp and shm, checked.
+for transport in tcp shm; do
+  WEFT_GPU=cuda WEFT_DEVICE_IPC=1 WEFT_TRANSPORT=$transport limit 60 "$build/tools/weft-run" -n 2 -- "$build/bench/weft-bench" --device \
+    -c all_reduce -b 8 -e 64M -f 16 --check > "$out/weft_bench_device_ipc_$transport.txt" 2>&1
+  step "weft-bench --device with WEFT_DEVICE_IPC=1 (2 processes, $transport)" $?
+  cat "$out/weft_bench_device_ipc_$transport.txt"
+done
 # Issue 17: the device set's all_reduce, N = 2, 4, 8 entries on the GPU(s), 8 B .. 256 MiB, each path
 # forced in turn (the crossover, the naive path's cost), against the device-to-device copy.
 for path in one_stage two_stage naive; do
@@ -163,4 +191,5 @@ else
   echo "torch with CUDA: not found (the torch comparisons skipped)" | tee -a "$summary"
 fi
 echo "results in $out"
+[ -n "${PACK:-}" ] && tar czf "$out.tar.gz" -C "$out" . && echo "packed: $out.tar.gz"
 exit $rc
