@@ -292,7 +292,7 @@ Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) 
 /// reaches it (and every Task and Future it awaits).
 template <class T>
 Future<T> spawn(Loop& loop, Task<T> task) {
-  auto state = std::make_shared<detail::FutureState<T>>();
+  auto state = std::allocate_shared<detail::FutureState<T>>(detail::PooledAllocator<detail::FutureState<T>>{});
   state->set_loop(&loop);
   task.set_stop_token(state->stop_token());
   auto driver = detail::drive(loop, std::move(task), state);

@@ -365,7 +365,7 @@ class MessagePlanOp final : public FutureState<void> {
   static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
                             std::shared_ptr<const algo::Plan> plan, algo::PlanBuffers buffers, AroundPlan around) {
     const bool sends_only = std::all_of(plan->begin(), plan->end(), [](const algo::Step& s) { return s.kind == algo::StepKind::send; });
-    auto op = std::make_shared<MessagePlanOp>(std::move(g), seq, name, signature, std::move(plan), buffers);
+    auto op = std::allocate_shared<MessagePlanOp>(PooledAllocator<MessagePlanOp>{}, std::move(g), seq, name, signature, std::move(plan), buffers);
     op->around_ = std::move(around);
     op->weak_ = op;
     op->set_loop(op->g_->loop);

@@ -30,7 +30,7 @@ class P2pOp final : public FutureState<void> {
  public:
   static Future<void> start(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
                             std::chrono::milliseconds timeout) {
-    auto op = std::make_shared<P2pOp>(std::move(g), sending, data, bytes, peer, tag, timeout);
+    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, std::move(g), sending, data, bytes, peer, tag, timeout);
     op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&P2pOp::on_cancel);
