@@ -562,6 +562,26 @@ class SimBackend final : public Backend {
 
   std::shared_mutex& runtime() noexcept { return runtime_; }
   FreesAfterSpins& frees() noexcept { return frees_; }
+  // WEFT_SIM_D2D_SYNC's implicit synchronization: a copy within a device first marks every queue of that
+  // device (set_barrier), and a queue's next item waits for the others to pass their marks (waits_of).
+  void set_barrier(int device) {
+    if (!d2d_sync_) return;
+    const auto queues = queues_of(device);
+    std::lock_guard lock(barrier_mutex_);
+    auto& barrier = barriers_[device];
+    barrier.clear();
+    for (const auto& q : queues) barrier.emplace_back(q, q->last());
+  }
+  std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> waits_of(int device, const SimQueue* self) {
+    std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> waits;
+    if (!d2d_sync_) return waits;
+    std::lock_guard lock(barrier_mutex_);
+    for (const auto& [weak, seq] : barriers_[device]) {
+      std::string failure;
+      if (auto q = weak.lock(); q && q.get() != self && !q->poll(seq, failure)) waits.emplace_back(std::move(q), seq);
+    }
+    return waits;
+  }
 
  private:
   std::shared_mutex runtime_;  // as the CUDA runtime's lock that frees hold (runtime_lock)
@@ -603,27 +623,6 @@ class SimBackend final : public Backend {
   std::mutex barrier_mutex_;
   std::map<int, std::vector<std::pair<std::weak_ptr<SimQueue>, std::uint64_t>>> barriers_;  // guarded
 
- public:
-  void set_barrier(int device) {
-    if (!d2d_sync_) return;
-    const auto queues = queues_of(device);
-    std::lock_guard lock(barrier_mutex_);
-    auto& barrier = barriers_[device];
-    barrier.clear();
-    for (const auto& q : queues) barrier.emplace_back(q, q->last());
-  }
-  std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> waits_of(int device, const SimQueue* self) {
-    std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> waits;
-    if (!d2d_sync_) return waits;
-    std::lock_guard lock(barrier_mutex_);
-    for (const auto& [weak, seq] : barriers_[device]) {
-      std::string failure;
-      if (auto q = weak.lock(); q && q.get() != self && !q->poll(seq, failure)) waits.emplace_back(std::move(q), seq);
-    }
-    return waits;
-  }
-
- private:
   std::atomic<long> items_run_{0};
 
   std::mutex mutex_;
