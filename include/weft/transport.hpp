@@ -120,6 +120,12 @@ class Transport {
 
   /// Starts sending `bytes` bytes to `peer`. `op` completes when `data` may be reused.
   virtual void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) = 0;
+  /// Sends `bytes` bytes to `peer` at once when that needs no operation in flight: nothing is queued
+  /// to `peer` and its stream takes the whole message now (shared memory with room in the ring). Returns
+  /// true when the message went (as a start_send that completed at once: `data` may be reused); false when
+  /// nothing happened (start_send it). Default: false. A point-to-point send from plain code then costs no
+  /// operation state (docs/DESIGN.md, "The shm round trip, counted").
+  virtual bool send_now(int /*peer*/, const MessageKey& /*key*/, const void* /*data*/, std::size_t /*bytes*/) { return false; }
   /// Posts a receive of exactly `bytes` bytes from `peer`. A message of another size completes `op` with
   /// Errc::size_mismatch (its bytes are discarded, nothing is truncated silently).
   virtual void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) = 0;

@@ -30,21 +30,22 @@ class P2pOp final : public FutureState<void> {
  public:
   static Future<void> start(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
                             std::chrono::milliseconds timeout) {
-    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, std::move(g), sending, data, bytes, peer, tag, timeout);
-    op->weak_ = op;
-    op->set_loop(op->g_->loop);
-    op->set_cancel_hook(&P2pOp::on_cancel);
-    if (op->g_->loop->in_loop_thread()) {
-      op->begin(op);
-    } else if (op->g_->loop->run_here(&P2pOp::begin_here, &op)) {
+    Starting starting{&g, sending, data, bytes, peer, tag, timeout, {}};
+    Loop& loop = *g->loop;
+    if (loop.in_loop_thread()) {
+      start_here(&starting);
+      return std::move(starting.result);
+    }
+    if (loop.run_here(&P2pOp::start_here, &starting)) {
       // Started on this thread, the loop borrowed for it (caller-driven progress): no post, and a send
       // the stream took whole is done before its Future is waited on.
-    } else {
-      // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
-      // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
-      op->self_ = op;
-      op->g_->loop->post([raw = op.get()] { raw->begin(std::move(raw->self_)); });
+      return std::move(starting.result);
     }
+    // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
+    // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
+    auto op = make(std::move(g), sending, data, bytes, peer, tag, timeout);
+    op->self_ = op;
+    op->g_->loop->post([raw = op.get()] { raw->begin(std::move(raw->self_)); });
     return Future<void>(std::move(op));
   }
 
@@ -53,18 +54,48 @@ class P2pOp final : public FutureState<void> {
       : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), timeout_(timeout) {}
 
  private:
+  // A start on the loop's thread (its own, or borrowed by Loop::run_here): the call and its Future.
+  struct Starting {
+    std::shared_ptr<GroupState>* g;
+    bool sending;
+    void* data;
+    std::size_t bytes;
+    int peer;
+    std::uint32_t tag;
+    std::chrono::milliseconds timeout;
+    Future<void> result;
+  };
+
+  static std::shared_ptr<P2pOp> make(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer,
+                                     std::uint32_t tag, std::chrono::milliseconds timeout) {
+    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, std::move(g), sending, data, bytes, peer, tag, timeout);
+    op->weak_ = op;
+    op->set_loop(op->g_->loop);
+    op->set_cancel_hook(&P2pOp::on_cancel);
+    return op;
+  }
+
+  // Loop thread. A send that the transport takes whole at once (an idle shm connection with room in its
+  // ring: Transport::send_now) is done without an operation: its Future is the shared ready one. Anything
+  // else is an operation that begins here.
+  static void start_here(void* arg) {
+    auto& s = *static_cast<Starting*>(arg);
+    GroupState& g = **s.g;
+    if (s.sending && g.transport->send_now(g.members[static_cast<std::size_t>(s.peer)], MessageKey{g.context, 0, s.tag}, s.data, s.bytes)) {
+      s.result = make_ready_future();
+      return;
+    }
+    auto op = make(std::move(*s.g), s.sending, s.data, s.bytes, s.peer, s.tag, s.timeout);
+    op->begin(op);
+    s.result = Future<void>(std::move(op));
+  }
+
   // Future::cancel(), on any thread, once, while the Future holds the operation: the loop cancels it.
   static void on_cancel(FutureStateBase& state) noexcept {
     auto& op = static_cast<P2pOp&>(state);
     op.g_->loop->post([weak = op.weak_] {
       if (auto op = weak.lock()) op->cancel_now();
     });
-  }
-
-  // Loop::run_here's call: `arg` is the caller's shared_ptr to the operation.
-  static void begin_here(void* arg) {
-    auto& op = *static_cast<std::shared_ptr<P2pOp>*>(arg);
-    op->begin(op);
   }
 
   // Loop thread. `self_` keeps the operation alive until the transport completes it, and `self` until

@@ -403,6 +403,27 @@ void FramedTransport::start_send(int peer, const MessageKey& key, const void* da
   if (!c.writing) start_write(c, &op);
 }
 
+bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes) {
+  if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
+  if (!connections_[static_cast<std::size_t>(peer)]) return false;
+  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  // Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path).
+  if (!c.alive || c.write_failed || c.writing || !c.send_queue.empty() || !c.control_queue.empty() || c.send_seal.on() ||
+      integrity_ != Integrity::off)
+    return false;
+  note_local_signature(key.context, key.seq, OpSignature{});
+  if (const ContextState* state = contexts_.find(key.context); state && state->failed) return false;
+  if (cancellation_of(key)) return false;
+  wire::Header h;
+  h.kind = wire::FrameKind::data;
+  h.context = key.context;
+  h.seq = key.seq;
+  h.tag = key.tag;
+  h.bytes = bytes;
+  encode_header(h, c);
+  return c.stream->write_whole_now(ConstBytes{c.send_header.data(), header_bytes()}, ConstBytes{data, bytes}, ConstBytes{});
+}
+
 void FramedTransport::start_write(Connection& c, TransportOp* starting) {
   if (!c.alive || c.write_failed) return;
   wire::Header h;

@@ -115,6 +115,12 @@ class RingWriter {
     tail_ += n;
     return n;
   }
+  // As put(), for bytes the caller knows fit (it asked room() for all of them): no look at the peer's
+  // `head` per piece.
+  void put_fitting(const void* data, std::size_t size) noexcept {
+    copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, size);
+    tail_ += size;
+  }
   // Makes what put() copied visible; true when the receiver may be asleep (signal it).
   bool publish() noexcept {
     store_and_fence(ring_->tail, tail_, std::memory_order_release);

@@ -86,6 +86,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   int native_handle() const noexcept override { return socket_; }
   void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
   bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  /// With room in the ring for one inline record of all three (no single-copy piece, no write in flight).
+  bool write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   /// 4 KiB: a read is a copy out of the ring, so reading ahead saves no system call.
   std::size_t read_ahead_limit() const override { return 4096; }
