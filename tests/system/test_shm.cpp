@@ -213,6 +213,40 @@ class ShmPair {
       co_return Outcome{op.error(), op.reason()};
     }(transports_[from].get(), 1 - from, seq, &data));
   }
+  // On rank `from`'s loop: `first` by Transport::send_now, `big` by send_now (refused: bigger than the
+  // ring) and then start_send (it keeps the connection writing), `last` by send_now again, then by start_send where send_now refused;
+  // every one as message (1, seq, 0). Returns whether each send_now took its message, and the outcomes.
+  struct Burst {
+    bool first_now = false;
+    bool last_now = false;
+    bool to_itself_now = false;
+    bool big_now = false;
+    Outcome big, last;
+  };
+  Future<Burst> send_burst(int from, std::uint64_t seq, const std::vector<std::byte>& first, const std::vector<std::byte>& big,
+                           const std::vector<std::byte>& last) {
+    return spawn(loops_[from], [](FramedTransport* t, int from, std::uint64_t seq, const std::vector<std::byte>* first,
+                                  const std::vector<std::byte>* big, const std::vector<std::byte>* last) -> Task<Burst> {
+      Burst b;
+      const MessageKey key{1, seq, 0};
+      b.to_itself_now = t->send_now(from, key, first->data(), first->size());
+      b.first_now = t->send_now(1 - from, key, first->data(), first->size());
+      TransportOp big_op, last_op;
+      b.big_now = t->send_now(1 - from, key, big->data(), big->size());  // more than the ring holds
+      if (!b.big_now) t->start_send(1 - from, key, big->data(), big->size(), big_op);
+      b.last_now = t->send_now(1 - from, key, last->data(), last->size());
+      if (!b.last_now) t->start_send(1 - from, key, last->data(), last->size(), last_op);
+      if (!b.big_now) {
+        co_await big_op.wait();
+        b.big = Outcome{big_op.error(), big_op.reason()};
+      }
+      if (!b.last_now) {
+        co_await last_op.wait();
+        b.last = Outcome{last_op.error(), last_op.reason()};
+      }
+      co_return b;
+    }(transports_[from].get(), from, seq, &first, &big, &last));
+  }
   // The ring rank r reads (for a test that plays a hostile writer into it).
   shm::RingControl* inbound(int r) const { return inbound_[r]; }
   Future<Outcome> receive(int at, std::uint64_t seq, std::vector<std::byte>& into) {
@@ -276,6 +310,40 @@ TEST_CASE("many messages in flight both ways over shared memory arrive intact", 
   for (int i = 0; i < 64; ++i) futures.push_back(pair.send(1 - i % 2, static_cast<std::uint64_t>(100 + i), out[static_cast<std::size_t>(i)]));
   for (auto& f : futures) REQUIRE(!f.get().error);
   REQUIRE(in == out);
+}
+
+TEST_CASE("a send taken at once by an idle ring, and one refused behind a frame being written, keep their order", "[shm][stream]") {
+  ShmPair pair(4096);  // the big message is 16 times the ring: the connection writes it for a while
+  const auto first = pattern(100, 1);
+  const auto big = pattern(64 << 10, 2);
+  const auto last = pattern(7, 3);
+  std::vector<std::byte> in_first(first.size()), in_big(big.size()), in_last(last.size());
+  // All three with one key: they match their receives in the order they were sent.
+  auto r1 = pair.receive(1, 5, in_first);
+  auto r2 = pair.receive(1, 5, in_big);
+  auto r3 = pair.receive(1, 5, in_last);
+  const auto burst = pair.send_burst(0, 5, first, big, last).get();
+  REQUIRE_FALSE(burst.to_itself_now);  // a message to this rank is delivered locally, by start_send
+  REQUIRE(burst.first_now);            // an idle connection, room in the ring
+  REQUIRE_FALSE(burst.big_now);        // no room for all of it: it needs an operation
+  REQUIRE_FALSE(burst.last_now);       // the big frame is still being written
+  REQUIRE(!burst.big.error);
+  REQUIRE(!burst.last.error);
+  REQUIRE(!r1.get().error);
+  REQUIRE(!r2.get().error);
+  REQUIRE(!r3.get().error);
+  REQUIRE(in_first == first);
+  REQUIRE(in_big == big);
+  REQUIRE(in_last == last);
+  // Idle again: a small send goes at once.
+  std::vector<std::byte> again(first.size());
+  auto r4 = pair.receive(1, 6, again);
+  REQUIRE(pair.send_burst(0, 6, first, big, last).get().first_now);
+  std::vector<std::byte> rest_big(big.size()), rest_last(last.size());
+  REQUIRE(!pair.receive(1, 6, rest_big).get().error);
+  REQUIRE(!pair.receive(1, 6, rest_last).get().error);
+  REQUIRE(!r4.get().error);
+  REQUIRE(again == first);
 }
 
 TEST_CASE("a peer that goes away fails the receive waiting on it, naming the connection", "[shm][stream]") {
