@@ -126,6 +126,11 @@ class Transport {
   /// nothing happened (start_send it). Default: false. A point-to-point send from plain code then costs no
   /// operation state (docs/DESIGN.md, "The shm round trip, counted").
   virtual bool send_now(int /*peer*/, const MessageKey& /*key*/, const void* /*data*/, std::size_t /*bytes*/) { return false; }
+  /// Receives `bytes` bytes from `peer` at once when a point-to-point message with `key` (signature 0)
+  /// already arrived, of exactly that size: it is copied into `data` and true returned, as a start_recv
+  /// that completed at once. False when nothing happened (no such message, or one that start_recv would
+  /// fail: start_recv it). Default: false.
+  virtual bool recv_now(int /*peer*/, const MessageKey& /*key*/, void* /*data*/, std::size_t /*bytes*/) { return false; }
   /// Posts a receive of exactly `bytes` bytes from `peer`. A message of another size completes `op` with
   /// Errc::size_mismatch (its bytes are discarded, nothing is truncated silently).
   virtual void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) = 0;

@@ -76,12 +76,15 @@ class P2pOp final : public FutureState<void> {
   }
 
   // Loop thread. A send that the transport takes whole at once (an idle shm connection with room in its
-  // ring: Transport::send_now) is done without an operation: its Future is the shared ready one. Anything
-  // else is an operation that begins here.
+  // ring: Transport::send_now), and a receive whose message already arrived (Transport::recv_now), are
+  // done without an operation: the Future is the shared ready one. Anything else is an operation that
+  // begins here.
   static void start_here(void* arg) {
     auto& s = *static_cast<Starting*>(arg);
     GroupState& g = **s.g;
-    if (s.sending && g.transport->send_now(g.members[static_cast<std::size_t>(s.peer)], MessageKey{g.context, 0, s.tag}, s.data, s.bytes)) {
+    const int transport_peer = g.members[static_cast<std::size_t>(s.peer)];
+    const MessageKey key{g.context, 0, s.tag};
+    if (s.sending ? g.transport->send_now(transport_peer, key, s.data, s.bytes) : g.transport->recv_now(transport_peer, key, s.data, s.bytes)) {
       s.result = make_ready_future();
       return;
     }

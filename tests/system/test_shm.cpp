@@ -247,6 +247,13 @@ class ShmPair {
       co_return b;
     }(transports_[from].get(), from, seq, &first, &big, &last));
   }
+  // On rank `at`'s loop: Transport::recv_now of message (1, seq, 0) into `into` (resized to `bytes`).
+  Future<bool> recv_now(int at, std::uint64_t seq, std::vector<std::byte>& into, std::size_t bytes) {
+    into.assign(bytes, std::byte{0});
+    return spawn(loops_[at], [](FramedTransport* t, int from, std::uint64_t seq, std::vector<std::byte>* into) -> Task<bool> {
+      co_return t->recv_now(from, MessageKey{1, seq, 0}, into->data(), into->size());
+    }(transports_[at].get(), 1 - at, seq, &into));
+  }
   // The ring rank r reads (for a test that plays a hostile writer into it).
   shm::RingControl* inbound(int r) const { return inbound_[r]; }
   Future<Outcome> receive(int at, std::uint64_t seq, std::vector<std::byte>& into) {
@@ -344,6 +351,24 @@ TEST_CASE("a send taken at once by an idle ring, and one refused behind a frame 
   REQUIRE(!pair.receive(1, 6, rest_last).get().error);
   REQUIRE(!r4.get().error);
   REQUIRE(again == first);
+}
+
+TEST_CASE("a receive whose message already arrived takes it at once, and only one of its size", "[shm][stream]") {
+  ShmPair pair;
+  const auto early = pattern(40, 4);
+  const auto later = pattern(12, 5);
+  std::vector<std::byte> into;
+  REQUIRE_FALSE(pair.recv_now(1, 8, into, early.size()).get());  // nothing has arrived
+  REQUIRE(!pair.send(0, 8, early).get().error);
+  REQUIRE(!pair.send(0, 9, later).get().error);
+  // Frames are read in order: once message 9 has met its receive, message 8 waits as an early message.
+  std::vector<std::byte> nine(later.size());
+  REQUIRE(!pair.receive(1, 9, nine).get().error);
+  REQUIRE(nine == later);
+  REQUIRE_FALSE(pair.recv_now(1, 8, into, early.size() + 1).get());  // another size: start_recv's error to give
+  REQUIRE(pair.recv_now(1, 8, into, early.size()).get());
+  REQUIRE(into == early);
+  REQUIRE_FALSE(pair.recv_now(1, 8, into, early.size()).get());  // taken
 }
 
 TEST_CASE("a peer that goes away fails the receive waiting on it, naming the connection", "[shm][stream]") {

@@ -42,6 +42,7 @@ class FramedTransport final : public Transport, private StreamEvents {
 
   void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
   bool send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes) override;
+  bool recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) override;
   void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
   bool cancel_recv(TransportOp& op) override;
 

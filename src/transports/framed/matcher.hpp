@@ -24,6 +24,7 @@ class Fifo {
  public:
   bool empty() const noexcept { return head_ == items_.size(); }
   T& front() noexcept { return items_[head_]; }
+  const T& front() const noexcept { return items_[head_]; }
   void push_back(T item) { items_.push_back(std::move(item)); }
   void pop_front() {
     items_[head_] = T{};
@@ -115,6 +116,11 @@ class Matcher {
   void keep_early(const Key& key, Early&& message) { mailbox(key).early.push_back(std::move(message)); }
   // The oldest receive posted for `key`, taken out; null if none.
   TransportOp* take_posted(const Key& key);
+  // The oldest early message for `key`, left in place; null if none.
+  const Early* peek_early(const Key& key) const {
+    const auto it = mailboxes_.find(key);
+    return it == mailboxes_.end() || it->second.early.empty() ? nullptr : &it->second.early.front();
+  }
   // The oldest early message for `key`, taken out; none if none.
   std::optional<Early> take_early(const Key& key);
   // Takes `op` out of its mailbox; false when it is not posted there (matched already).
