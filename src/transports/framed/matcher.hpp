@@ -118,6 +118,7 @@ class Matcher {
   TransportOp* take_posted(const Key& key);
   // The oldest early message for `key`, left in place; null if none.
   const Early* peek_early(const Key& key) const {
+    if (mailboxes_.empty()) return nullptr;  // the usual answer for a receive posted before its message
     const auto it = mailboxes_.find(key);
     return it == mailboxes_.end() || it->second.early.empty() ? nullptr : &it->second.early.front();
   }
