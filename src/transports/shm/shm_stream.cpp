@@ -255,9 +255,9 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
   if (peer_closed_ || closed_ || write_.active || !lent_.empty()) return false;
   if (by_reference(first) || by_reference(second) || by_reference(third)) return false;
   const std::size_t total = first.size + second.size + third.size;
-  // One inline record of every piece, as push_some writes it when the room holds it and its header.
+  // One inline record of every piece (push_some's, written straight): only when the room holds it all,
+  // asked once here rather than per piece.
   if (total == 0 || total > UINT32_MAX || out_.room() < shm::record_header_bytes + total) return false;
-  // push_some's inline record, written straight: the room is there for all of it.
   std::byte header[shm::record_header_bytes];
   shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(total)});
   out_.put_fitting(header, sizeof header);
