@@ -409,7 +409,7 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
   // Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path).
   if (!c.alive || c.write_failed || c.writing || !c.send_queue.empty() || !c.control_queue.empty() || c.send_seal.on() ||
-      integrity_ != Integrity::off)
+      integrity_ != Integrity::off || !c.stream->writes_whole_now())
     return false;
   note_local_signature(key.context, key.seq, OpSignature{});
   if (const ContextState* state = contexts_.find(key.context); state && state->failed) return false;

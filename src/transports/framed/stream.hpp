@@ -59,6 +59,8 @@ class Stream {
   /// at once without waiting; otherwise does nothing at all and returns false (no on_written either way).
   /// Only a stream that knows beforehand (shared memory: the room in the ring) says yes. Default: false.
   virtual bool write_whole_now(ConstBytes /*first*/, ConstBytes /*second*/, ConstBytes /*third*/) { return false; }
+  /// Whether write_whole_now can ever say yes (asked first, so that a socket costs no header built twice).
+  virtual bool writes_whole_now() const noexcept { return false; }
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a
   /// time. End of stream before `min` bytes is an error (asio::error::eof).
   virtual void read(void* dst, std::size_t min, std::size_t cap) = 0;
