@@ -93,6 +93,11 @@ class Group {
   Future<void> recv(BufferView data, int src, std::uint32_t tag = 0);
 
   // ---- collectives ----
+  // Buffers that share bytes: each collective below has one in-place layout (the same address; the
+  // input as this rank's block of the output; or the output as this rank's block of the input, as each
+  // says). An input and an output that overlap in any other way fail at the call with
+  // Errc::invalid_argument, before anything is sent: the algorithms read the input while they write
+  // the output.
   /// In place: every rank ends with the reduction of every rank's `data`.
   Future<void> all_reduce(BufferView data, ReduceOp op = ReduceOp::sum);
   /// Out of place: `out` (same count and dtype as `in`) receives the reduction.
@@ -111,17 +116,21 @@ class Group {
   /// `out` holds size() blocks of in.count elements, block i from rank i. `in` may be block rank() of `out`.
   Future<void> all_gather(ConstBufferView in, BufferView out);
   /// `in` holds size() blocks of out.count elements; rank i receives the reduction of every rank's block i.
+  /// `out` may be block rank() of `in` (in place).
   Future<void> reduce_scatter(ConstBufferView in, BufferView out, ReduceOp op = ReduceOp::sum);
   /// `data` of `root` is copied to every rank's `data`.
   Future<void> broadcast(BufferView data, int root);
   /// The reduction of every rank's `in` lands in `out` at `root`; `out` is not touched elsewhere (it may be
-  /// empty there).
+  /// empty there). At the root `out` may be `in` (in place).
   Future<void> reduce(ConstBufferView in, BufferView out, int root, ReduceOp op = ReduceOp::sum);
-  /// `out` at root holds size() blocks of in.count elements, block i from rank i; ignored elsewhere.
+  /// `out` at root holds size() blocks of in.count elements, block i from rank i; ignored elsewhere. At the
+  /// root `in` may be block root of `out` (in place).
   Future<void> gather(ConstBufferView in, BufferView out, int root);
-  /// Block i of root's `in` (size() blocks of out.count elements) lands in rank i's `out`.
+  /// Block i of root's `in` (size() blocks of out.count elements) lands in rank i's `out`. At the root
+  /// `out` may be block root of `in` (in place).
   Future<void> scatter(ConstBufferView in, BufferView out, int root);
   /// `in` and `out` hold size() blocks each; block j of rank i's `in` lands in block i of rank j's `out`.
+  /// `in` may be `out` (in place).
   Future<void> all_to_all(ConstBufferView in, BufferView out);
   /// Completes on every rank once every rank has called it.
   Future<void> barrier();
@@ -144,11 +153,13 @@ class Group {
   Future<void> all_gatherv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts,
                            const std::vector<std::size_t>& displs = {});
   /// Rank i's `in` (counts[i] elements) lands in root's `out` at displs[i] (displs matter at the root
-  /// only); `out` is not touched elsewhere (it may be empty there).
+  /// only); `out` is not touched elsewhere (it may be empty there). At the root `in` may be its own block
+  /// of `out` (in place).
   Future<void> gatherv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts, int root,
                        const std::vector<std::size_t>& displs = {});
   /// counts[i] elements at displs[i] of root's `in` land in rank i's `out` (counts[i] elements). `in` is
-  /// read at the root only (it may be empty elsewhere); blocks of `in` may overlap.
+  /// read at the root only (it may be empty elsewhere); blocks of `in` may overlap. At the root `out` may
+  /// be its own block of `in` (in place).
   Future<void> scatterv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts, int root,
                         const std::vector<std::size_t>& displs = {});
   /// send_counts[j] elements at send_displs[j] of this rank's `in` land in rank j's `out` at its
@@ -161,11 +172,13 @@ class Group {
                            const std::vector<std::size_t>& recv_counts, const std::vector<std::size_t>& send_displs = {},
                            const std::vector<std::size_t>& recv_displs = {});
   /// `in` holds size() blocks packed in rank order, block i of counts[i] elements; rank i's `out`
-  /// (counts[i] elements) receives the reduction of every rank's block i.
+  /// (counts[i] elements) receives the reduction of every rank's block i. `out` may be block rank() of
+  /// `in` (in place).
   Future<void> reduce_scatterv(ConstBufferView in, BufferView out, const std::vector<std::size_t>& counts,
                                ReduceOp op = ReduceOp::sum);
   /// Each (src, dst) pair: src's `in` lands in dst's `out`. A rank sends to at most one rank and receives
   /// from at most one; a rank that receives from nobody gets zeros. Every rank passes the same pairs.
+  /// `in` and `out` may share bytes in any way (what is sent is copied first).
   Future<void> permute(ConstBufferView in, BufferView out, std::vector<std::pair<int, int>> pairs);
   /// Collective over this group: ranks with the same `color` form a new group, ordered by (key, rank).
   /// A negative color leaves the rank out (its Future yields an invalid Group).

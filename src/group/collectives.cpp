@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -542,7 +543,9 @@ Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
   }
   std::unique_ptr<std::byte[]> copy;
   const std::byte* source = in.bytes_ptr();
-  if (in.data == out.data && send_to >= 0 && in.bytes()) {
+  // Sharing bytes with the output at all (in place, or a partial overlap): send from a copy.
+  const bool apart = in.bytes_ptr() + in.bytes() <= out.bytes_ptr() || out.bytes_ptr() + out.bytes() <= in.bytes_ptr();
+  if (!apart && send_to >= 0 && in.bytes()) {
     copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
     std::memcpy(copy.get(), in.data, in.bytes());
     source = copy.get();
@@ -660,6 +663,66 @@ void validate(GroupState& g, const detail::CollectiveCall& call) {
   }
 }
 
+// Where `in` must start for `call` to run in place, as a byte offset from `out` (negative: `out`
+// starts inside `in`): the one layout of each collective whose input and output may share bytes.
+// None (nullopt) for the collectives that have no in-place form.
+std::optional<std::ptrdiff_t> in_place_offset(const GroupState& g, const detail::CollectiveCall& call) {
+  const auto r = static_cast<std::size_t>(g.rank);
+  const std::size_t esize = dtype_size(call.out.dtype);
+  const auto bytes = [](std::size_t n) { return static_cast<std::ptrdiff_t>(n); };
+  switch (call.collective) {
+    case Collective::all_reduce:
+    case Collective::reduce:
+    case Collective::all_to_all:
+    case Collective::all_to_allv: return 0;
+    case Collective::all_gather:
+    case Collective::gather: return bytes(r * call.in.bytes());  // in is this rank's block of out
+    case Collective::reduce_scatter:
+    case Collective::scatter: return -bytes(r * call.out.bytes());  // out is this rank's block of in
+    case Collective::all_gatherv:
+    case Collective::gatherv:
+      if (!call.blocks || r >= call.blocks->out.size()) break;
+      return bytes(call.blocks->out[r].offset * esize);
+    case Collective::scatterv:
+    case Collective::reduce_scatterv:
+      if (!call.blocks || r >= call.blocks->in.size()) break;
+      return -bytes(call.blocks->in[r].offset * esize);
+    case Collective::broadcast:
+    case Collective::barrier:
+    case Collective::permute:
+    case Collective::split: break;
+  }
+  return std::nullopt;
+}
+
+// An input and an output that share bytes other than in their collective's in-place layout: the
+// algorithms read the input while they write the output, so such a call would give wrong results
+// without a word (an all_to_all whose output starts one block into its input did). Checked on every
+// call, not remembered with the shape: it depends on where the buffers are.
+void check_overlap(GroupState& g, const detail::CollectiveCall& call) {
+  const Rule& rule = rule_of(call.collective);
+  if (rule.counts == Rule::Counts::none || rule.counts == Rule::Counts::one_buffer) return;
+  if (call.in.bytes() == 0 || call.out.bytes() == 0 || !call.in.data || !call.out.data || call.in.device != call.out.device) return;
+  const bool root_here = g.rank == call.root;
+  if ((rule.input_root_only && !root_here) || (rule.output_root_only && !root_here)) return;
+  const auto in = reinterpret_cast<std::uintptr_t>(call.in.data);
+  const auto out = reinterpret_cast<std::uintptr_t>(call.out.data);
+  if (in + call.in.bytes() <= out || out + call.out.bytes() <= in) return;
+  const std::ptrdiff_t offset = static_cast<std::ptrdiff_t>(in - out);
+  const std::optional<std::ptrdiff_t> allowed = in_place_offset(g, call);
+  if (allowed && offset == *allowed) return;
+  const char* name = to_string(call.collective).data();
+  std::string layout = "it has no in-place form";
+  if (allowed) {
+    layout = *allowed == 0 ? std::string("in place, input and output start at the same address")
+             : *allowed > 0 ? fmt::format("in place, the input starts {} bytes into the output (this rank's block)", *allowed)
+                            : fmt::format("in place, the output starts {} bytes into the input (this rank's block)", -*allowed);
+  }
+  invalid(g, name, fmt::format("the input ({} bytes) and the output ({} bytes) overlap, the input starting {} bytes {} the output; "
+                               "{}: pass that layout or buffers apart",
+                               call.in.bytes(), call.out.bytes(), offset < 0 ? -offset : offset, offset < 0 ? "before" : "after", layout));
+}
+
 // The bytes the selection table looks at for `call`.
 std::size_t selection_bytes(const GroupState& g, const detail::CollectiveCall& call) {
   const auto p = static_cast<std::size_t>(g.size);
@@ -760,9 +823,13 @@ const algo::Algorithm& detail::checked_algorithm(GroupState& g, const detail::Co
   if (memo) {
     shape = shape_of(call);
     LastCall& last = last_call;
-    if (last.group == g.id && last.selection_version == g.selection.version() && last.shape == shape) return *last.algorithm;
+    if (last.group == g.id && last.selection_version == g.selection.version() && last.shape == shape) {
+      check_overlap(g, call);
+      return *last.algorithm;
+    }
   }
   validate(g, call);
+  check_overlap(g, call);
   // Chosen on the caller's thread, where override_algorithms changes the table.
   const algo::Algorithm* algorithm = g.selection.choose(call.collective, selection_bytes(g, call), g.size, g.placement());
   if (memo) last_call = LastCall{g.id, g.selection.version(), shape, algorithm};

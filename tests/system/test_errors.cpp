@@ -1301,3 +1301,155 @@ TEST_CASE("sealed frames: a flipped bit in a payload or a header, a forged MAC a
     peer.expect_lost({"frame integrity: the HMAC of frame 1 from rank 1"});
   }
 }
+
+TEST_CASE("an input and an output that overlap other than in place are refused; every in-place layout is right", "[errors][preconditions]") {
+  const long before = checks_made.load();
+  // Sizes that take the arena or whole messages, the tree and ring plans, and the large pipelines (an
+  // all_reduce whose output started one element into its input went wrong there, an all_to_all
+  // whose output started one block in went wrong at every size, both without a word). permute has no
+  // layout to refuse: it sends from a copy whenever its buffers share bytes.
+  for (std::size_t n : {std::size_t{5}, std::size_t{4099}, std::size_t{300001}}) {
+    for (int p : {2, 3}) {
+      run_ranks(p, [p, n](Group& g) {
+        const int r = g.rank();
+        const auto ur = static_cast<std::size_t>(r);
+        const std::string me = fmt::format("rank {}", r);
+        const auto up = static_cast<std::size_t>(p);
+        auto filled = [&](std::size_t count, int salt) {
+          std::vector<float> v(count);
+          for (std::size_t i = 0; i < count; ++i) v[i] = static_cast<float>(r * 100 + salt + static_cast<int>(i % 1000));
+          return v;
+        };
+        auto view = [](std::vector<float>& v, std::size_t at, std::size_t count) { return BufferView(v.data() + at, count, DType::f32); };
+        const std::string sizes = fmt::format("p={} n={}: ", p, n);
+        {  // refused, on every rank, before anything is sent
+          std::vector<float> buf(n * up + n);
+          expect_error([&] { (void)g.all_reduce(view(buf, 0, n), view(buf, 1, n)); }, Errc::invalid_argument,
+                       {me, "all_reduce", "overlap", "same address"});
+          expect_error([&] { (void)g.all_to_all(view(buf, 0, n * up), view(buf, n, n * up)); }, Errc::invalid_argument,
+                       {me, "all_to_all", "overlap"});
+          if (r != 0) {  // block 0 of the output is rank 0's in-place layout, nobody else's
+            expect_error([&] { (void)g.all_gather(view(buf, 0, n), view(buf, 0, n * up)); }, Errc::invalid_argument,
+                         {me, "all_gather", "overlap", fmt::format("{} bytes into the output", ur * n * 4)});
+            expect_error([&] { (void)g.reduce_scatter(view(buf, 0, n * up), view(buf, 0, n)); }, Errc::invalid_argument,
+                         {me, "reduce_scatter", "overlap"});
+          }
+        }
+        {  // all_reduce in place
+          auto in = filled(n, 1);
+          std::vector<float> out(n);
+          g.all_reduce(in, out).get();
+          g.all_reduce(view(in, 0, n)).get();
+          check(in == out, sizes + "all_reduce in place differs from out of place");
+        }
+        {  // all_gather: the input is this rank's block of the output
+          auto in = filled(n, 2);
+          std::vector<float> out(n * up), buf(n * up);
+          g.all_gather(in, out).get();
+          std::copy(in.begin(), in.end(), buf.begin() + static_cast<std::ptrdiff_t>(ur * n));
+          g.all_gather(view(buf, ur * n, n), view(buf, 0, n * up)).get();
+          check(buf == out, sizes + "all_gather in place differs from out of place");
+        }
+        {  // reduce_scatter: the output is this rank's block of the input (NCCL's in place)
+          auto in = filled(n * up, 3);
+          std::vector<float> out(n);
+          g.reduce_scatter(in, out).get();
+          g.reduce_scatter(view(in, 0, n * up), view(in, ur * n, n)).get();
+          check(std::equal(out.begin(), out.end(), in.begin() + static_cast<std::ptrdiff_t>(ur * n)),
+                sizes + "reduce_scatter in place differs from out of place");
+        }
+        {  // all_to_all: one buffer
+          auto in = filled(n * up, 4);
+          std::vector<float> out(n * up);
+          g.all_to_all(in, out).get();
+          g.all_to_all(view(in, 0, n * up), view(in, 0, n * up)).get();
+          check(in == out, sizes + "all_to_all in place differs from out of place");
+        }
+        {  // reduce, gather and scatter in place at the root
+          const int root = p - 1;
+          const bool at_root = r == root;
+          auto in = filled(n, 5);
+          std::vector<float> out(at_root ? n : 0);
+          g.reduce(in, out, root).get();
+          g.reduce(in, at_root ? view(in, 0, n) : BufferView(), root).get();
+          if (at_root) check(in == out, sizes + "reduce in place differs from out of place");
+          auto mine = filled(n, 6);
+          std::vector<float> gathered(at_root ? n * up : 0), buf(at_root ? n * up : n);
+          g.gather(mine, at_root ? view(gathered, 0, n * up) : BufferView(), root).get();
+          std::copy(mine.begin(), mine.end(), buf.begin() + static_cast<std::ptrdiff_t>(at_root ? ur * n : 0));
+          g.gather(view(buf, at_root ? ur * n : 0, n), at_root ? view(buf, 0, n * up) : BufferView(), root).get();
+          if (at_root) check(buf == gathered, sizes + "gather in place differs from out of place");
+          auto all = filled(at_root ? n * up : 0, 7);
+          std::vector<float> part(n);
+          g.scatter(all, part, root).get();
+          if (at_root) {
+            g.scatter(view(all, 0, n * up), view(all, ur * n, n), root).get();
+            check(std::equal(part.begin(), part.end(), all.begin() + static_cast<std::ptrdiff_t>(ur * n)),
+                  sizes + "scatter in place differs from out of place");
+          } else {
+            std::vector<float> again(n);
+            g.scatter(ConstBufferView(), again, root).get();
+            check(again == part, sizes + "scatter differs between two calls");
+          }
+        }
+        {  // permute in place, and with the output one element into the input (sent from a copy)
+          auto in = filled(n + 1, 8);
+          std::vector<float> out(n);
+          std::vector<std::pair<int, int>> shift;
+          for (int i = 0; i < p; ++i) shift.emplace_back(i, (i + 1) % p);
+          g.permute(ConstBufferView(in.data(), n, DType::f32), out, shift).get();
+          auto same = in;
+          g.permute(view(same, 0, n), view(same, 0, n), shift).get();
+          check(std::equal(out.begin(), out.end(), same.begin()), sizes + "permute in place differs from out of place");
+          auto shifted = in;
+          g.permute(view(shifted, 0, n), view(shifted, 1, n), shift).get();
+          check(std::equal(out.begin(), out.end(), shifted.begin() + 1), sizes + "permute into its input shifted by one differs");
+        }
+        {  // the variable-size forms' in-place layouts: gatherv and scatterv at the root, reduce_scatterv
+          std::vector<std::size_t> counts(up);
+          for (std::size_t i = 0; i < up; ++i) counts[i] = n + i;
+          std::size_t total = 0;
+          std::vector<std::size_t> displs(up);
+          for (std::size_t i = 0; i < up; ++i) {
+            displs[i] = total;
+            total += counts[i];
+          }
+          const int root = 0;
+          const bool at_root = r == root;
+          auto mine = filled(counts[ur], 9);
+          std::vector<float> gathered(at_root ? total : 0), buf(at_root ? total : counts[ur]);
+          g.gatherv(mine, at_root ? view(gathered, 0, total) : BufferView(), counts, root).get();
+          std::copy(mine.begin(), mine.end(), buf.begin() + static_cast<std::ptrdiff_t>(at_root ? displs[ur] : 0));
+          g.gatherv(view(buf, at_root ? displs[ur] : 0, counts[ur]), at_root ? view(buf, 0, total) : BufferView(), counts, root).get();
+          if (at_root) check(buf == gathered, sizes + "gatherv in place differs from out of place");
+          auto all = filled(at_root ? total : 0, 10);
+          std::vector<float> part(counts[ur]);
+          g.scatterv(all, part, counts, root).get();
+          if (at_root) {
+            g.scatterv(view(all, 0, total), view(all, displs[ur], counts[ur]), counts, root).get();
+            check(std::equal(part.begin(), part.end(), all.begin() + static_cast<std::ptrdiff_t>(displs[ur])),
+                  sizes + "scatterv in place differs from out of place");
+          } else {
+            std::vector<float> again(counts[ur]);
+            g.scatterv(ConstBufferView(), again, counts, root).get();
+          }
+          auto blocks = filled(total, 11);
+          std::vector<float> reduced(counts[ur]);
+          g.reduce_scatterv(blocks, reduced, counts).get();
+          g.reduce_scatterv(view(blocks, 0, total), view(blocks, displs[ur], counts[ur]), counts).get();
+          check(std::equal(reduced.begin(), reduced.end(), blocks.begin() + static_cast<std::ptrdiff_t>(displs[ur])),
+                sizes + "reduce_scatterv in place differs from out of place");
+          if (r != 0) {
+            std::vector<float> one(total);
+            expect_error([&] { (void)g.reduce_scatterv(view(one, 0, total), view(one, 0, counts[ur]), counts); }, Errc::invalid_argument,
+                         {me, "reduce_scatterv", "overlap"});
+          }
+        }
+        std::vector<float> one{1.0f};
+        g.all_reduce(one).get();
+        check(one[0] == static_cast<float>(p), "the group works after refused calls");
+      });
+    }
+  }
+  REQUIRE(checks_made.load() > before);
+}
