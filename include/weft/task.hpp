@@ -41,7 +41,8 @@ namespace detail {
 
 /// Coroutine frames (Task, and the detached drivers of spawn): a collective makes and frees a handful per
 /// call, and glibc's per-thread cache keeps only chunks of up to about 1 KiB, seven of a size. These keep
-/// a few freed frames per 64-byte size class up to 4 KiB on each thread, for the next calls (user-space
+/// freed frames per 64-byte size class on each thread, for the next calls: a window's worth (64) of each
+/// class up to 512 bytes, 16 of each larger one up to 4 KiB (user-space
 /// instructions per 8 B all_reduce, bench/RESULTS.md). Bypassed under AddressSanitizer, so that it still
 /// sees a frame used after it was freed.
 void* allocate_frame(std::size_t size);

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <future>
 #include <memory>
@@ -253,7 +254,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     void (*expire)(void* context) = nullptr;
     void* context = nullptr;
   };
-  std::vector<Watched> watched;
+  // In the order they started. A deque: operations mostly finish in that order (a window of receives),
+  // or the last first (one at a time), and unwatch takes either end at once (a vector's erase at the
+  // front moved a 64-receive window's entries on every receive).
+  std::deque<Watched> watched;
   bool watchdog_armed = false;
   std::uint64_t p2p_ids = std::uint64_t{1} << 63;
   std::vector<std::uint64_t> reporting;  // operations whose progress query is out

@@ -50,12 +50,17 @@ void GroupState::arm_watchdog() {
 }
 
 void GroupState::unwatch(std::uint64_t id) {
-  for (auto it = watched.rbegin(); it != watched.rend(); ++it) {
-    if (it->id == id) {
-      watched.erase(std::next(it).base());
-      return;
-    }
+  if (watched.empty()) return;
+  if (watched.front().id == id) {
+    watched.pop_front();
+    return;
   }
+  if (watched.back().id == id) {
+    watched.pop_back();
+    return;
+  }
+  const auto it = std::find_if(watched.begin(), watched.end(), [id](const Watched& w) { return w.id == id; });
+  if (it != watched.end()) watched.erase(it);
 }
 
 void GroupState::on_watchdog() {

@@ -1031,6 +1031,38 @@ TEST_CASE("one operation's deadline: with_timeout on a collective and on a recei
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("receives that finish out of order leave the deadline of the one still waiting", "[errors][deadline]") {
+  // The group's watchdog lists what runs in the order it started and lets go of an entry as its
+  // operation finishes: from the front, the back, or the middle. Entry 0 must still expire after the
+  // others finished around it, and every other entry must be gone (none expires late).
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<std::vector<float>> bufs(6, std::vector<float>(4, 0.0f));
+    if (g.rank() == 1) {
+      std::vector<Future<void>> receives;
+      for (std::uint32_t tag = 0; tag < 6; ++tag) receives.push_back(g.with_timeout(600ms).recv(bufs[tag], 0, tag));
+      g.barrier().get();  // rank 0 sends tags 3, 5, 1, 4, 2 now: the middle, the back, ...; never tag 0
+      for (std::uint32_t tag : {3u, 5u, 1u, 4u, 2u}) {
+        check(receives[tag].wait_for(5s), fmt::format("the receive of tag {} hung", tag));
+        receives[tag].get();
+        check(bufs[tag][0] == static_cast<float>(tag), fmt::format("tag {} got the wrong message", tag));
+      }
+      check(receives[0].wait_for(5s), "the receive whose message never came hung past its deadline");
+      expect_error([&] { receives[0].get(); }, Errc::timeout, {"rank 1", "recv", "[tag 0] passed its deadline (600 ms)"});
+    } else {
+      g.barrier().get();
+      for (std::uint32_t tag : {3u, 5u, 1u, 4u, 2u}) {
+        std::vector<float> message(4, static_cast<float>(tag));
+        g.send(message, 1, tag).get();
+      }
+    }
+    std::vector<float> one{1.0f};
+    g.all_reduce(one).get();
+    check(one[0] == 2.0f, "the group works after the deadline");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("a send past its own deadline aborts the group, naming the send", "[errors][deadline]") {
   // 64 MiB, more than any stream holds (socket buffers, the shm ring), to a rank whose loop reads
   // nothing for 4 s (a receiver that reads keeps an unexpected message, so the send would complete).
