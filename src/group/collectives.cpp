@@ -300,6 +300,14 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
                   {out.count, root});
 }
 
+// Whether two views have a byte in common (empty views share none).
+bool share_bytes(ConstBufferView a, ConstBufferView b) noexcept {
+  if (a.bytes() == 0 || b.bytes() == 0 || !a.data || !b.data) return false;
+  const auto x = reinterpret_cast<std::uintptr_t>(a.data);
+  const auto y = reinterpret_cast<std::uintptr_t>(b.data);
+  return x < y + b.bytes() && y < x + a.bytes();
+}
+
 Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
                            const algo::Algorithm& algorithm) {
   using algo::Kind;
@@ -544,8 +552,7 @@ Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
   std::unique_ptr<std::byte[]> copy;
   const std::byte* source = in.bytes_ptr();
   // Sharing bytes with the output at all (in place, or a partial overlap): send from a copy.
-  const bool apart = in.bytes_ptr() + in.bytes() <= out.bytes_ptr() || out.bytes_ptr() + out.bytes() <= in.bytes_ptr();
-  if (!apart && send_to >= 0 && in.bytes()) {
+  if (share_bytes(in, out) && send_to >= 0) {
     copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
     std::memcpy(copy.get(), in.data, in.bytes());
     source = copy.get();
@@ -702,13 +709,11 @@ std::optional<std::ptrdiff_t> in_place_offset(const GroupState& g, const detail:
 void check_overlap(GroupState& g, const detail::CollectiveCall& call) {
   const Rule& rule = rule_of(call.collective);
   if (rule.counts == Rule::Counts::none || rule.counts == Rule::Counts::one_buffer) return;
-  if (call.in.bytes() == 0 || call.out.bytes() == 0 || !call.in.data || !call.out.data || call.in.device != call.out.device) return;
+  if (call.in.device != call.out.device || !share_bytes(call.in, call.out)) return;
   const bool root_here = g.rank == call.root;
   if ((rule.input_root_only && !root_here) || (rule.output_root_only && !root_here)) return;
-  const auto in = reinterpret_cast<std::uintptr_t>(call.in.data);
-  const auto out = reinterpret_cast<std::uintptr_t>(call.out.data);
-  if (in + call.in.bytes() <= out || out + call.out.bytes() <= in) return;
-  const std::ptrdiff_t offset = static_cast<std::ptrdiff_t>(in - out);
+  const std::ptrdiff_t offset =
+      static_cast<std::ptrdiff_t>(reinterpret_cast<std::uintptr_t>(call.in.data) - reinterpret_cast<std::uintptr_t>(call.out.data));
   const std::optional<std::ptrdiff_t> allowed = in_place_offset(g, call);
   if (allowed && offset == *allowed) return;
   const char* name = to_string(call.collective).data();
