@@ -15,6 +15,9 @@ inline constexpr DType all_dtypes[] = {DType::boolean, DType::i8,  DType::u8,  D
                                        DType::i32,     DType::u32, DType::i64, DType::u64, DType::f16,
                                        DType::bf16,    DType::f32, DType::f64};
 
+/// Whether `type` is one of the values above (an integer cast to DType may not be; every call refuses it).
+constexpr bool is_valid(DType type) noexcept { return static_cast<std::uint8_t>(type) <= static_cast<std::uint8_t>(DType::f64); }
+
 /// Size of one element in bytes. (Inline: every layer asks it several times per operation.)
 constexpr std::size_t dtype_size(DType type) noexcept {
   switch (type) {

@@ -26,12 +26,18 @@ inline constexpr ReduceOp all_reduce_ops[] = {ReduceOp::sum,         ReduceOp::p
                                               ReduceOp::logical_or,  ReduceOp::bitwise_and, ReduceOp::bitwise_or,
                                               ReduceOp::bitwise_xor};
 
+/// Whether `op` is one of the values above (an integer cast to ReduceOp may not be; every call refuses it).
+constexpr bool is_valid(ReduceOp op) noexcept {
+  return static_cast<std::uint8_t>(op) <= static_cast<std::uint8_t>(ReduceOp::bitwise_xor);
+}
+
 std::string_view to_string(ReduceOp op) noexcept;
 /// Accepts "sum", "prod", "min", "max", "avg", "land"/"logical_and", "lor"/"logical_or", "band"/"bitwise_and",
 /// "bor"/"bitwise_or", "bxor"/"bitwise_xor".
 std::optional<ReduceOp> parse_reduce_op(std::string_view name) noexcept;
 
-/// Whether `op` is defined on `type`. Not defined: bitwise ops on floating types; sum, prod and avg on bool.
+/// Whether `op` is defined on `type`. Not defined: a value that is not valid (above); bitwise ops on
+/// floating types; sum, prod and avg on bool.
 bool is_defined(DType type, ReduceOp op) noexcept;
 
 }  // namespace weft

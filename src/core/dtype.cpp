@@ -21,7 +21,7 @@ std::string_view to_string(DType type) noexcept {
     case DType::f32: return "f32";
     case DType::f64: return "f64";
   }
-  return "?";
+  return "unknown dtype";
 }
 
 std::optional<DType> parse_dtype(std::string_view name) noexcept {
@@ -62,7 +62,7 @@ std::string_view to_string(ReduceOp op) noexcept {
     case ReduceOp::bitwise_or: return "bor";
     case ReduceOp::bitwise_xor: return "bxor";
   }
-  return "?";
+  return "unknown op";
 }
 
 std::optional<ReduceOp> parse_reduce_op(std::string_view name) noexcept {
@@ -84,6 +84,7 @@ std::optional<ReduceOp> parse_reduce_op(std::string_view name) noexcept {
 }
 
 bool is_defined(DType type, ReduceOp op) noexcept {
+  if (!is_valid(type) || !is_valid(op)) return false;
   const bool bitwise = op == ReduceOp::bitwise_and || op == ReduceOp::bitwise_or || op == ReduceOp::bitwise_xor;
   if (bitwise && is_floating(type)) return false;
   const bool arithmetic = op == ReduceOp::sum || op == ReduceOp::prod || op == ReduceOp::avg;

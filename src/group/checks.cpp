@@ -28,6 +28,9 @@ constexpr std::size_t max_buffer_bytes = std::size_t{1} << 47;
 void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
                   DType dtype, Device device) {
   check_device_kind(g, op, device);
+  if (!is_valid(dtype)) {
+    invalid(g, op, fmt::format("{}'s dtype {} is not a weft DType", name, static_cast<unsigned>(dtype)));
+  }
   if (count > max_buffer_bytes / dtype_size(dtype)) {
     invalid(g, op, fmt::format("{} claims {} elements of {} ({} bytes each): more than memory can hold (at most 2^47 "
                                "bytes per buffer)", name, count, to_string(dtype), dtype_size(dtype)));
@@ -54,6 +57,7 @@ void check_count(const GroupState& g, const char* op, const char* what, std::siz
 }
 
 void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce) {
+  if (!is_valid(reduce)) invalid(g, op, fmt::format("reduce op {} is not a weft ReduceOp", static_cast<unsigned>(reduce)));
   if (!is_defined(type, reduce)) {
     invalid(g, op, fmt::format("reduce op {} is not defined on {}", to_string(reduce), to_string(type)));
   }

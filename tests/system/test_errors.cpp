@@ -75,6 +75,19 @@ TEST_CASE("bad arguments are rejected before anything is sent, naming rank and o
     expect_error([&] { (void)g.reduce_scatter(small, f); }, Errc::invalid_argument, {"reduce_scatter", "expected 16"});
     expect_error([&] { (void)g.all_to_all(small, small); }, Errc::invalid_argument, {"all_to_all", "equal blocks"});
     expect_error([&] { (void)g.permute(f, f, {{0, 1}, {0, 0}}); }, Errc::invalid_argument, {"permute", "sends more than once"});
+    // Integers cast to the enums (from a file, a flag, another language) that name no dtype or op: refused
+    // (they reached the reduction's dispatch and crashed before).
+    const BufferView no_dtype(f.data(), f.size(), static_cast<DType>(99));
+    expect_error([&] { (void)g.all_reduce(no_dtype); }, Errc::invalid_argument, {me, "all_reduce", "dtype 99 is not a weft DType"});
+    expect_error([&] { (void)g.broadcast(no_dtype, 0); }, Errc::invalid_argument, {"broadcast", "dtype 99"});
+    expect_error([&] { (void)g.send(no_dtype, 1 - g.rank()); }, Errc::invalid_argument, {"send", "dtype 99"});
+    expect_error([&] { (void)g.all_reduce(f, static_cast<ReduceOp>(77)); }, Errc::invalid_argument,
+                 {me, "all_reduce", "reduce op 77 is not a weft ReduceOp"});
+    std::vector<float> four(4);
+    expect_error([&] { (void)g.reduce_scatter(f, four, static_cast<ReduceOp>(200)); }, Errc::invalid_argument,
+                 {"reduce_scatter", "reduce op 200"});
+    CHECK_FALSE(is_defined(static_cast<DType>(99), ReduceOp::max));
+    CHECK_FALSE(is_defined(DType::f32, static_cast<ReduceOp>(77)));
     BufferView device_view(f.data(), f.size(), DType::f32, Device{Device::Kind::cuda, 0});
     expect_error([&] { (void)g.all_reduce(device_view); }, Errc::invalid_argument, {"all_reduce", "not device memory"});
     // Counts whose bytes wrap or exceed what memory can hold: refused before anything is allocated
