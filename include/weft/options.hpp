@@ -89,7 +89,8 @@ struct Options {
   /// unacknowledged for 4 intervals, failing every pending operation with PeerFailure ("... the peer did
   /// not acknowledge heartbeats ..."). This catches a host that went down or a cut network, which no
   /// error reports otherwise. A live peer that does not read (busy, stopped: a zero window) still
-  /// acknowledges, and is never failed by this; its lateness is the deadline's to catch.
+  /// acknowledges, and is never failed by this; its lateness is the deadline's to catch. At least 1 s
+  /// (the kernel's keepalive interval is whole seconds); a shorter one is refused by Group::create.
   std::chrono::milliseconds heartbeat{std::chrono::seconds(5)};
   /// A shared secret (WEFT_SECRET, or the contents of the file WEFT_SECRET_FILE names, without a final
   /// newline). When set, every connection (to the store and between ranks) runs a mutual HMAC-SHA256

@@ -269,6 +269,10 @@ def bad_arguments(g):
     expect_error(lambda: g.all_reduce(x, op="bxor"), "invalid_argument", "bxor", "f32")
     expect_error(lambda: g.all_reduce(x, op="median"), "invalid_argument", "unknown reduce op 'median'")
     expect_error(lambda: g.all_reduce(np.array(["a", "b"])), "invalid_argument", "numpy dtype")
+    # The other byte order was reduced as if native (ones summed to 4.25e37).
+    expect_error(lambda: g.all_reduce(np.ones(4, dtype=">f4")), "invalid_argument", "'>f4'", "byte order")
+    expect_error(lambda: g.send(np.ones(4, dtype=">i8"), 0), "invalid_argument", "byte order")
+    expect(g.all_reduce(np.ones(4, dtype=">u1")).wait()[0] == g.size, "one-byte types have no byte order")
     expect_error(lambda: g.reduce_scatter(np.ones((g.size + 1, 2), dtype=np.float32), axis=0), "invalid_argument", "reduce_scatter")
     expect_error(lambda: g.all_gather(x, axis=5), "invalid_argument", "axis 5")
     expect_error(lambda: g.all_to_all(x, 0, 1, tiled=True) if 4 % g.size else g.all_to_all(x, 0, 1), "invalid_argument", "all_to_all")

@@ -85,6 +85,13 @@ DType dtype_of(const py::dtype& d) {
   const char kind = d.kind();
   const auto size = d.itemsize();
   const std::string name = py::str(d.attr("name"));
+  // Bytes in the other order would be summed as if native: a big-endian array of ones all-reduced to
+  // 4.25e37 before, without a word.
+  if (size > 1 && !d.attr("isnative").cast<bool>()) {
+    raise_invalid("numpy dtype '" + py::str(d.attr("str")).cast<std::string>() +
+                  "' is not in this machine's byte order, which weft computes in: convert it first, "
+                  "x.astype(x.dtype.newbyteorder('='))");
+  }
   if (name == "bfloat16") return DType::bf16;  // ml_dtypes' bfloat16
   if (kind == 'b' && size == 1) return DType::boolean;
   if (kind == 'i') {

@@ -21,6 +21,7 @@
 #include "weft/error.hpp"
 #include "weft/future.hpp"
 #include "weft/offload.hpp"
+#include "core/env.hpp"
 #include "core/host.hpp"
 #include "core/log.hpp"
 
@@ -50,8 +51,8 @@ bool oversubscribed() {
 }
 
 bool default_yield() {
-  if (const char* v = std::getenv("WEFT_SPIN_YIELD"); v && *v) return std::string_view(v) != "0";
-  return oversubscribed();
+  const char* v = std::getenv("WEFT_SPIN_YIELD");
+  return v && *v ? detail::env_switch("WEFT_SPIN_YIELD", false) : oversubscribed();
 }
 
 // WEFT_SPIN_YIELD=0 is the user's word: no yielding, found out or not.
@@ -61,7 +62,7 @@ bool default_yield_when_preempted() {
 }
 
 std::chrono::microseconds default_spin() {
-  if (const char* v = std::getenv("WEFT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
+  if (const char* v = std::getenv("WEFT_SPIN_US"); v && *v) return detail::env_microseconds("WEFT_SPIN_US", {});
   if (oversubscribed() && !default_yield()) return std::chrono::microseconds(0);
   return Loop::Options{}.spin;
 }
@@ -71,7 +72,7 @@ std::chrono::microseconds default_spin() {
 // than caller-driven progress over a plain ring at every size, waited on or awaited (bench/RESULTS.md,
 // "io_uring features"). WEFT_DRIVE=1 turns it on regardless.
 bool default_caller_drives() {
-  if (const char* v = std::getenv("WEFT_DRIVE"); v && *v) return std::string_view(v) != "0";
+  if (const char* v = std::getenv("WEFT_DRIVE"); v && *v) return detail::env_switch("WEFT_DRIVE", true);
   const char* transport = std::getenv("WEFT_TRANSPORT");
   return !(transport && std::string_view(transport) == "uring");
 }
@@ -414,7 +415,7 @@ struct Loop::Impl {
       // Work came while arming: take it now, and what the kernel has ready (a loop that does not poll
       // would otherwise spin on arm, and handlers posted meanwhile would wait behind it).
       run_pollers();
-      io->poll();
+      poll_kernel(done);
       last_work = Clock::now();
       return;
     }
@@ -462,12 +463,19 @@ struct Loop::Impl {
   }
 
   // io_context::poll, handler by handler: stops early once `done` holds or something was posted (the
-  // ready queue runs first in a turn); otherwise, as poll, until the kernel has nothing more.
+  // ready queue runs first in a turn), or, on the progress thread (no `done`), once a borrower waits for
+  // it to park; otherwise, as poll, until the kernel has nothing more, but at most poll_at_most handlers.
+  // A turn must end: handlers that keep others ready (a timer of 0 ms re-armed by its handler, as
+  // WEFT_HEARTBEAT=1ms made, docs/RELIABILITY.md; an application's handler that posts itself on the
+  // loop's io_context) kept io_context::poll running for ever, and the pollers, the posted work and a
+  // waiting caller with it.
+  static constexpr std::size_t poll_at_most = 256;
   std::size_t poll_kernel(const std::function<bool()>* done) {
     std::size_t n = 0;
-    while (io->poll_one() > 0) {
+    while (n < poll_at_most && io->poll_one() > 0) {
       ++n;
-      if ((done && (*done)()) || ready_any.load(std::memory_order_acquire)) break;
+      if (done ? (*done)() : borrow_flag.load(std::memory_order_relaxed)) break;
+      if (ready_any.load(std::memory_order_acquire)) break;
     }
     return n;
   }
@@ -508,7 +516,16 @@ struct Loop::Impl {
   }
 };
 
-Loop::Loop() : Loop(Options{default_spin(), default_caller_drives(), default_yield(), default_yield_when_preempted()}) {}
+namespace {
+// The loop's tuning variables, each refused when malformed (core/env.hpp); WEFT_WAIT_SPIN_US is read
+// lazily by Future::wait, which cannot throw, so it is checked here, before any Future exists.
+Loop::Options options_from_environment() {
+  (void)detail::env_microseconds("WEFT_WAIT_SPIN_US", {});
+  return Loop::Options{default_spin(), default_caller_drives(), default_yield(), default_yield_when_preempted()};
+}
+}  // namespace
+
+Loop::Loop() : Loop(options_from_environment()) {}
 
 Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
@@ -782,8 +799,7 @@ void Loop::unwatch(std::uint64_t id) {
 
 std::chrono::microseconds detail::wait_spin() noexcept {
   static const std::chrono::microseconds value = [] {
-    if (const char* v = std::getenv("WEFT_WAIT_SPIN_US")) return std::chrono::microseconds(std::atoll(v));
-    return std::chrono::microseconds(0);
+    return detail::env_microseconds_or("WEFT_WAIT_SPIN_US", std::chrono::microseconds(0));
   }();
   return value;
 }

@@ -118,6 +118,16 @@ Future<Group> Group::create(Loop& loop, const Options& given) {
                               max_duration.count()));
     }
   }
+  // Heartbeats are the kernel's keepalive probes, whose interval it takes in whole seconds; and data
+  // unacknowledged for 4 intervals fails the connection, so an interval far below the kernel's delayed
+  // acknowledgement (40-200 ms) and its shortest retransmission timeout (200 ms) would call a live peer
+  // dead (1 ms did, at the group's first collective).
+  if (options.heartbeat.count() > 0 && options.heartbeat < std::chrono::seconds(1)) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                fmt::format("Options::heartbeat (WEFT_HEARTBEAT) is {} ms: it must be 0 (off) or at least 1 s (the kernel's "
+                            "keepalive counts whole seconds, and a shorter limit would call a live peer dead on a delayed "
+                            "acknowledgement)", options.heartbeat.count()));
+  }
   if (options.integrity == Integrity::hmac && options.secret.empty()) {
     throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
                 "WEFT_INTEGRITY=hmac (Options::integrity) needs a shared secret to key its MACs: set WEFT_SECRET or "

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/env.hpp"
 #include "weft/error.hpp"
 #include "weft/options.hpp"
 
@@ -151,6 +152,8 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (transport != "tcp" && transport != "uring" && transport != "auto" && transport != "shm" && transport != "shm+uring") {
     bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto, shm, shm+uring)", transport));
   }
+  // Read lazily by the shm collectives, where nothing may throw: refused here, at the group's creation.
+  if (const char* v = env("WEFT_INLINE_SPIN_US"); v && *v) (void)detail::parse_microseconds("WEFT_INLINE_SPIN_US", v);
   if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
   if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = parse_duration("WEFT_HEARTBEAT", v);
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {

@@ -26,6 +26,7 @@
 #include <fmt/ranges.h>
 
 #include "algorithms/reduction.hpp"
+#include "core/env.hpp"
 #include "core/signature.hpp"
 #include "transports/shm/arena.hpp"
 #include "weft/future.hpp"
@@ -43,8 +44,8 @@ constexpr std::size_t reduce_everywhere_below = std::size_t{256} << 10;
 // short enough that a caller whose peers are late gets its Future back soon.
 std::chrono::microseconds inline_spin() {
   static const std::chrono::microseconds value = [] {
-    if (const char* v = std::getenv("WEFT_INLINE_SPIN_US")) return std::chrono::microseconds(std::max(0LL, std::atoll(v)));
-    return std::chrono::microseconds(20);
+    // Checked by Options::from_environment (Group::create) before any collective: no throw here.
+    return detail::env_microseconds_or("WEFT_INLINE_SPIN_US", std::chrono::microseconds(20));
   }();
   return value;
 }

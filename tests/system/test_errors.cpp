@@ -154,6 +154,16 @@ TEST_CASE("durations that would overflow a deadline are refused", "[errors][prec
   options.timeout = 1s;
   options.heartbeat = -1s;
   expect_error([&] { (void)Group::create(loop, options); }, Errc::invalid_argument, {"Options::heartbeat"});
+  // Below a second the keepalive cannot follow, and the unacknowledged-data limit called live peers dead
+  // (1 ms: the first collective failed over tcp, and hung over shm).
+  for (const auto too_short : {1ms, 999ms}) {
+    options.heartbeat = too_short;
+    expect_error([&] { (void)Group::create(loop, options); }, Errc::invalid_argument,
+                 {"Options::heartbeat (WEFT_HEARTBEAT) is " + std::to_string(too_short.count()) + " ms", "at least 1 s"});
+  }
+  options.heartbeat = 1s;
+  Group alone = Group::create(loop, options).get();
+  check(alone.size() == 1, "a 1 s heartbeat is taken");
   REQUIRE(checks_made.load() > before);
 }
 
@@ -937,6 +947,16 @@ TEST_CASE("a collective past its deadline fails on every rank, naming whom it wa
     }, options);
   }
   REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("WEFT_INLINE_SPIN_US is refused at the group's creation when malformed", "[errors][preconditions]") {
+  const auto env_with = [](const char* value) { return environment_with(value, {"WEFT_INLINE_SPIN_US"}); };
+  for (const char* bad : {"-1", "abc", "99999999999999999999"}) {
+    expect_error([&] { Options{}.from_environment(env_with(bad)); }, Errc::invalid_argument,
+                 {"WEFT_INLINE_SPIN_US='", "is not a whole number of microseconds"});
+  }
+  Options{}.from_environment(env_with("0"));
+  Options{}.from_environment(env_with("50"));
 }
 
 TEST_CASE("WEFT_TIMEOUT takes a duration and refuses anything else", "[errors][timeout]") {

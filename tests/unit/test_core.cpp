@@ -473,6 +473,28 @@ TEST_CASE("timers fire on the loop and can be cancelled", "[core][loop]") {
   CHECK(cancelled.get_future().get() == false);
 }
 
+TEST_CASE("a handler that keeps the io_context busy does not keep a waiting caller or weft's own work out", "[core][loop]") {
+  // A turn ran io_context::poll until nothing was ready: a handler that posts itself (or a 0 ms timer
+  // re-armed by its handler, as WEFT_HEARTBEAT=1ms made) kept the loop's thread inside one turn for
+  // ever, so a caller waiting to borrow the loop, and weft's posted work, waited for ever too.
+  std::atomic<bool> stop{false};  // before the loop: its destructor runs the handler's last copy
+  std::atomic<long> turns{0};
+  Loop loop;
+  std::function<void()> busy = [&] {
+    turns.fetch_add(1, std::memory_order_relaxed);
+    if (!stop.load()) asio::post(loop.context(), busy);
+  };
+  asio::post(loop.context(), busy);
+  while (turns.load() < 1000) std::this_thread::yield();
+  for (int round = 0; round < 3; ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    CHECK(spawn(loop, sleepy(loop, 5ms, round)).get() == round);  // waited on from this thread
+    CHECK(std::chrono::steady_clock::now() - start < 10s);
+  }
+  stop = true;
+  CHECK(turns.load() > 1000);
+}
+
 TEST_CASE("f16 conversions round to nearest even and keep NaN, infinity and subnormals", "[core][dtype]") {
   CHECK(half(1.0f).bits == 0x3c00);
   CHECK(half(65504.0f).bits == 0x7bff);
@@ -687,6 +709,39 @@ TEST_CASE("co_await Group::create(loop) as the README writes it (g++ 12)", "[cor
   ::unsetenv("WEFT_RANK");
   ::unsetenv("WEFT_WORLD_SIZE");
   ::unsetenv("WEFT_STORE");
+}
+
+TEST_CASE("the loop's tuning variables refuse malformed values, naming the variable", "[core][loop][configuration]") {
+  // WEFT_SPIN_US=abc meant 0 and -5 turned polling off, WEFT_DRIVE=yes meant 1, a 20-digit
+  // WEFT_WAIT_SPIN_US overflowed a deadline: each silently.
+  const auto refused = [](const char* name, const char* value, const char* expected) {
+    ::setenv(name, value, 1);
+    try {
+      Loop loop;
+      FAIL(name << "='" << value << "' was taken");
+    } catch (const Error& e) {
+      CHECK(e.errc() == Errc::invalid_argument);
+      CHECK_THAT(e.what(), Catch::Contains(std::string(name) + "='" + value + "' is not " + expected));
+    }
+    ::unsetenv(name);
+  };
+  for (const char* bad : {"abc", "-5", "1.5", " 3", "99999999999999999999", "10000001"}) {
+    refused("WEFT_SPIN_US", bad, "a whole number of microseconds from 0 to 10000000");
+    refused("WEFT_WAIT_SPIN_US", bad, "a whole number of microseconds");
+  }
+  for (const char* bad : {"yes", "2", "on", "true"}) {
+    refused("WEFT_DRIVE", bad, "a switch (valid: 0, 1)");
+    refused("WEFT_SPIN_YIELD", bad, "a switch (valid: 0, 1)");
+  }
+  ::setenv("WEFT_SPIN_US", "10000000", 1);  // the longest taken: 10 s
+  ::setenv("WEFT_DRIVE", "0", 1);
+  {
+    Loop loop;
+    CHECK(loop.single_thread());  // an owned loop that callers do not drive
+    CHECK(loop.polls());
+  }
+  ::unsetenv("WEFT_SPIN_US");
+  ::unsetenv("WEFT_DRIVE");
 }
 
 TEST_CASE("a context's recent signatures: every kept entry of a seq is found, whatever came between", "[core][signatures]") {

@@ -70,7 +70,9 @@ void FramedTransport::watch_liveness(std::chrono::milliseconds interval) {
 
 // Twice per interval: a lost peer is named at most half an interval after the limit.
 void FramedTransport::arm_liveness_check() {
-  liveness_timer_ = loop_.call_after(liveness_interval_ / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
+  // In nanoseconds: half of a millisecond count rounds 1 ms down to 0, a timer that fired at once for ever
+  // (65,000 times a second, and the loop's thread never parked for a waiting caller: the group hung).
+  liveness_timer_ = loop_.call_after(std::chrono::nanoseconds(liveness_interval_) / 2, [this, alive = std::weak_ptr<bool>(alive_)](bool fired) {
     if (fired && !alive.expired()) check_liveness();
   });
 }

@@ -16,24 +16,13 @@
 
 #include <fmt/format.h>
 
+#include "core/env.hpp"
 #include "core/log.hpp"
 #include "weft/error.hpp"
 
 namespace weft {
 
 // ---------------------------------------------------------------- the ring
-
-namespace {
-// A 0/1 switch from the environment; unset or empty: `fallback`. Anything else is an error.
-bool env_switch(const char* name, bool fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  const std::string_view text(v);
-  if (text == "0" || text == "1") return text == "1";
-  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
-              fmt::format("{}='{}' is not a switch (valid: 0, 1)", name, text));
-}
-}  // namespace
 
 bool UringRing::available(std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
@@ -59,7 +48,7 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   // that runs on one thread gives that. WEFT_URING_DEFER=0 turns it off; a kernel without it (before
   // 6.1) refuses the flags and gets a plain ring.
   unsigned flags = 0;
-  if (loop.single_thread() && env_switch("WEFT_URING_DEFER", true)) {
+  if (loop.single_thread() && detail::env_switch("WEFT_URING_DEFER", true)) {
     flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
   }
   int rc = io_uring_queue_init(256, &ring->ring_, flags);
@@ -110,8 +99,8 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   // Multishot receives are off unless asked for: in weft they measured no faster than direct receives
   // for small frames, and slower with caller-driven progress, where the long-lived receive stays tied
   // to the thread that armed it (bench/RESULTS.md, "io_uring features").
-  if (env_switch("WEFT_URING_MULTISHOT", false)) ring->set_up_buffers();
-  if (env_switch("WEFT_URING_REGISTERED", true)) ring->set_up_staging();
+  if (detail::env_switch("WEFT_URING_MULTISHOT", false)) ring->set_up_buffers();
+  if (detail::env_switch("WEFT_URING_REGISTERED", true)) ring->set_up_staging();
   return ring;
 }
 

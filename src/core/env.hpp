@@ -1,0 +1,25 @@
+#pragma once
+// Tuning variables read from the environment, one spelling each. A value that is set but malformed is
+// an error naming the variable (Errc::invalid_argument, op "configuration"), never a silent default:
+// WEFT_SPIN_US=abc used to mean 0 and WEFT_LOG_LEVEL=zz turned every log line off.
+#include <chrono>
+
+namespace weft::detail {
+
+/// A 0/1 switch; unset or empty: `fallback`. Throws on anything else.
+bool env_switch(const char* name, bool fallback);
+
+/// A whole number of microseconds, 0 to `max`; unset or empty: `fallback`. Throws on anything else.
+std::chrono::microseconds env_microseconds(const char* name, std::chrono::microseconds fallback,
+                                           std::chrono::microseconds max = std::chrono::seconds(10));
+
+/// `text` as env_microseconds takes it (for a variable read through another lookup than getenv).
+std::chrono::microseconds parse_microseconds(const char* name, const char* text,
+                                             std::chrono::microseconds max = std::chrono::seconds(10));
+
+/// The same where no exception may leave (a value read lazily inside a noexcept path): `fallback` for a
+/// malformed value, which the Loop's or the Group's construction refused before anyway.
+std::chrono::microseconds env_microseconds_or(const char* name, std::chrono::microseconds fallback,
+                                              std::chrono::microseconds max = std::chrono::seconds(10)) noexcept;
+
+}  // namespace weft::detail
