@@ -44,6 +44,8 @@ std::chrono::microseconds wait_spin() noexcept;
 /// Throws weft::Error (Errc::would_deadlock) explaining that `what` (wait, wait_for, get) was called on
 /// the thread that runs the operation's loop, which would then wait for itself forever.
 [[noreturn]] void throw_wait_on_loop_thread(const char* what);
+/// weft::Error (Errc::invalid_argument) naming `what`: a Future without an operation was asked about it.
+[[noreturn]] void throw_empty_future(const char* what);
 
 class FutureStateBase {
  public:
@@ -207,23 +209,26 @@ class [[nodiscard]] Future {
   Future(const Future&) = delete;
   Future& operator=(const Future&) = delete;
 
+  /// False for a default-constructed or moved-from Future: every other member but cancel() then throws
+  /// weft::Error (Errc::invalid_argument) instead of touching an operation that is not there.
   bool valid() const noexcept { return static_cast<bool>(state_); }
   /// True once the operation completed (successfully or not). Never blocks.
-  bool ready() const noexcept { return state_->ready(); }
+  bool ready() const { return checked("ready").ready(); }
   /// Blocks the calling thread until the operation completes.
   /// Errors: on the thread that runs the operation's loop (inside a Task, or the thread running a
   /// borrowed io_context) an operation that is not complete yet throws weft::Error (Errc::would_deadlock)
   /// at once instead of waiting for itself forever: `co_await` it there. A complete one returns.
-  void wait() const { state_->wait(); }
+  void wait() const { checked("wait").wait(); }
   /// Waits at most `timeout`; returns ready(). On the loop's thread: as wait().
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> timeout) const {
-    return state_->wait_for(timeout);
+    return checked("wait_for").wait_for(timeout);
   }
   /// Waits, then returns the result or throws the operation's weft::Error. Call once.
   T get() {
-    state_->wait();
-    return state_->take();
+    detail::FutureState<T>& state = checked("get");
+    state.wait();
+    return state.take();
   }
   /// Asks the operation to stop. Thread-safe; a no-op once it completed.
   void cancel() noexcept {
@@ -253,12 +258,16 @@ class [[nodiscard]] Future {
       return state->take();
     }
   };
-  Awaiter operator co_await() && noexcept { return Awaiter{state_.get(), std::nullopt}; }
+  Awaiter operator co_await() && { return Awaiter{&checked("co_await"), std::nullopt}; }
 
   /// The shared state; for weft's combinators.
   const std::shared_ptr<detail::FutureState<T>>& state() const noexcept { return state_; }
 
  private:
+  detail::FutureState<T>& checked(const char* what) const {
+    if (!state_) [[unlikely]] detail::throw_empty_future(what);
+    return *state_;
+  }
   std::shared_ptr<detail::FutureState<T>> state_;
 };
 

@@ -234,6 +234,7 @@ namespace weft {
 /// cancels the operation too.
 template <class T>
 Task<T> cancel_after(Loop& loop, Future<T> future, std::chrono::nanoseconds timeout) {
+  if (!future.valid()) detail::throw_empty_future("cancel_after");  // its timer would look at no state
   auto fired = std::make_shared<std::atomic<bool>>(false);
   const std::uint64_t timer = loop.call_after(timeout, [fired, state = future.state()](bool expired) {
     if (!expired || state->ready()) return;

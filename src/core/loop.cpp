@@ -804,6 +804,11 @@ std::chrono::microseconds detail::wait_spin() noexcept {
   return value;
 }
 
+void detail::throw_empty_future(const char* what) {
+  throw Error(Errc::invalid_argument, ErrorContext{.op = std::string("Future::") + what},
+              "this Future is empty (default-constructed or moved from): it has no operation");
+}
+
 void detail::throw_wait_on_loop_thread(const char* what) {
   throw Error(Errc::would_deadlock, ErrorContext{.op = std::string("Future::") + what},
               "called on the thread that runs the operation's Loop (inside a Task, or the thread running a "

@@ -213,6 +213,32 @@ TEST_CASE("cancelling a sleeping Future fails it with CancelledError", "[core][c
   CHECK(std::chrono::steady_clock::now() - start < 2s);
 }
 
+TEST_CASE("an empty or moved-from Future throws, naming the call, instead of crashing", "[core][future]") {
+  Loop loop;
+  Future<int> f = spawn(loop, sleepy(loop, 1ms, 7));
+  Future<int> moved = std::move(f);
+  CHECK(moved.get() == 7);
+  CHECK_FALSE(f.valid());
+  const auto refused = [](auto call, const char* what) {
+    try {
+      call();
+      FAIL(what << " on an empty Future returned");
+    } catch (const Error& e) {
+      CHECK(e.errc() == Errc::invalid_argument);
+      CHECK_THAT(e.what(), Catch::Contains(std::string("Future::") + what) && Catch::Contains("this Future is empty"));
+    }
+  };
+  refused([&] { (void)f.get(); }, "get");  // a segmentation fault before
+  refused([&] { f.wait(); }, "wait");
+  refused([&] { (void)f.wait_for(1ms); }, "wait_for");
+  refused([&] { (void)f.ready(); }, "ready");
+  f.cancel();  // a no-op, as on a completed one
+  Future<void> none;
+  refused([&] { none.get(); }, "get");
+  auto awaits = [](Future<void> empty) -> Task<void> { co_await std::move(empty); };
+  refused([&] { sync_wait(loop, awaits(Future<void>{})); }, "co_await");
+}
+
 TEST_CASE("when_all returns every value in order", "[core][when]") {
   Loop loop;
   auto all = [](Loop& l) -> Task<std::vector<int>> {
