@@ -64,7 +64,28 @@ void check_view(const Group& g, const char* op, const char* name, const V& v) {
   if (!v.strides.empty() && v.strides.size() != v.shape.size()) {
     bad(g, op, fmt::format("{} has {} strides for {} dimensions", name, v.strides.size(), v.shape.size()));
   }
-  if (v.data == nullptr && product(v.shape) > 0) bad(g, op, fmt::format("{} is null with shape {}", name, v.shape));
+  if (!is_valid(v.dtype)) bad(g, op, fmt::format("{}'s dtype {} is not a weft DType", name, static_cast<unsigned>(v.dtype)));
+  // The elements, and the furthest one the strides reach, without wrapping: a shape of 2^40 x 2^40 was a
+  // view of 0 elements (2^80 wrapped), and a stride of 2^62 wrapped around the address space back onto
+  // the first row. Both are more than any memory holds (2^47 bytes, as for the buffer collectives).
+  constexpr std::size_t max_bytes = std::size_t{1} << 47;
+  const std::size_t limit = max_bytes / dtype_size(v.dtype);
+  std::size_t elements = 1;
+  std::size_t reach = 0;  // in elements from the first, along every axis at its far end
+  bool too_large = false;
+  for (std::size_t i = 0; i < v.shape.size(); ++i) {
+    if (v.shape[i] == 0) return;  // an empty view touches no memory, whatever its other extents
+    too_large = too_large || __builtin_mul_overflow(elements, v.shape[i], &elements) || elements > limit;
+    const std::size_t stride = v.strides.empty() ? 0 : (v.strides[i] < 0 ? static_cast<std::size_t>(-(v.strides[i] + 1)) + 1 : static_cast<std::size_t>(v.strides[i]));
+    std::size_t step = 0;
+    too_large = too_large || __builtin_mul_overflow(stride, v.shape[i] - 1, &step) || __builtin_add_overflow(reach, step, &reach) ||
+                reach >= limit;
+  }
+  if (too_large) {
+    bad(g, op, fmt::format("{} of shape {} and strides {} spans more than memory can hold (at most 2^47 bytes)", name, v.shape,
+                           v.strides));
+  }
+  if (v.data == nullptr && elements > 0) bad(g, op, fmt::format("{} is null with shape {}", name, v.shape));
 }
 
 // Whether two elements of a view share memory: sorted by stride, each axis must step past everything

@@ -1565,6 +1565,19 @@ TEST_CASE("collectives over n-d views refuse what does not fit, before anything 
     refused([&] { (void)all_to_all(g, in, TensorView{b.data(), DType::f32, {4, 3, 2}, {}}, 1, 0, true); }, "split axis 1 has extent 3");
     refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {4, 3, 4}, {0, 4, 1}}, 0, true); }, "overlap itself");
     refused([&] { (void)all_gather(g, in, TensorView{b.data(), DType::f32, {6, 3, 4}, {}}, 0, true, {3, 3}); }, "= 3 but this rank's input has 2 along axis 0");
+    // Views larger than memory: a shape whose product wraps (2^80 elements were a view of none, all-reduced
+    // "successfully"), a stride that wraps the address space back onto the first row (it read a's first
+    // row four times), the most negative stride.
+    const std::size_t big = std::size_t{1} << 40;
+    refused([&] { (void)all_reduce(g, TensorView{a.data(), DType::f32, {big, big}, {}}, TensorView{a.data(), DType::f32, {big, big}, {}}); },
+            "input of shape [1099511627776, 1099511627776] and strides [] spans more than memory can hold");
+    refused([&] { (void)all_reduce(g, ConstTensorView{a.data(), DType::f32, {4, 4}, {PTRDIFF_MAX / 2, 1}}, TensorView{b.data(), DType::f32, {4, 4}, {}}); },
+            "spans more than memory can hold");
+    refused([&] { (void)all_reduce(g, ConstTensorView{a.data(), DType::f32, {2, 4}, {PTRDIFF_MIN, 1}}, TensorView{b.data(), DType::f32, {2, 4}, {}}); },
+            "spans more than memory can hold");
+    refused([&] { (void)broadcast(g, TensorView{a.data(), DType::f32, {4}, {std::ptrdiff_t{1} << 46}}, 0); }, "data of shape [4]");
+    // A view of nothing is no view of too much, whatever its other extents and strides.
+    all_reduce(g, ConstTensorView{a.data(), DType::f32, {0, big}, {}}, TensorView{b.data(), DType::f32, {0, big}, {}}).get();
     // Nothing was sent: the group still works.
     std::vector<float> one{1.0f};
     g.all_reduce(one).get();
