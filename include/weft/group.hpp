@@ -190,6 +190,8 @@ class Group {
   /// of the ranks that had not joined it). A receive past its deadline that has not matched is withdrawn
   /// and fails with Errc::timeout; the group stays usable. A send past its deadline (the receiver did not
   /// take it) aborts the group, as cancelling it would.
+  /// Errors: weft::Error (invalid_argument) for a negative timeout or one longer than a year
+  /// (max_duration), as for Options::timeout.
   Group with_timeout(std::chrono::milliseconds timeout) const;
 
   /// A view of this group whose operations are ordered on `stream` (weft::gpu): each waits for the work

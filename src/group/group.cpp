@@ -47,9 +47,16 @@ bool Group::has_shared_arena() const noexcept { return state_ && state_->arena !
 Loop& Group::loop() const { return *live("loop").loop; }
 
 Group Group::with_timeout(std::chrono::milliseconds timeout) const {
-  live("with_timeout");
+  detail::GroupState& g = live("with_timeout");
+  // As Options::timeout: a negative one meant "none" (clamped to 0) and one past a year wrapped the
+  // nanosecond deadline, both without a word.
+  if (timeout.count() < 0 || timeout > max_duration) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = g.rank, .op = "with_timeout"},
+                fmt::format("the timeout is {} ms: it must be 0 (no deadline) to {} ms (a year)", timeout.count(),
+                            max_duration.count()));
+  }
   Group view(state_);
-  view.timeout_ = std::max(timeout, std::chrono::milliseconds(0));
+  view.timeout_ = timeout;
   view.stream_ = stream_;
   return view;
 }

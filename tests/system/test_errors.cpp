@@ -164,6 +164,13 @@ TEST_CASE("durations that would overflow a deadline are refused", "[errors][prec
   options.heartbeat = 1s;
   Group alone = Group::create(loop, options).get();
   check(alone.size() == 1, "a 1 s heartbeat is taken");
+  // One operation's deadline: the same bounds (a negative one meant "none", 100 million hours wrapped).
+  expect_error([&] { (void)alone.with_timeout(-1ms); }, Errc::invalid_argument, {"with_timeout", "the timeout is -1 ms", "a year"});
+  expect_error([&] { (void)alone.with_timeout(std::chrono::hours(8761)); }, Errc::invalid_argument, {"with_timeout"});
+  std::vector<float> one{1.0f};
+  alone.with_timeout(0ms).all_reduce(one).get();
+  alone.with_timeout(std::chrono::hours(8760)).all_reduce(one).get();
+  check(one[0] == 1.0f, "deadlines of none and of a year are taken");
   REQUIRE(checks_made.load() > before);
 }
 
