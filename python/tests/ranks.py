@@ -283,6 +283,11 @@ def bad_arguments(g):
     expect_error(lambda: g.all_reduce(np.ones(4, dtype=np.float32), out=read_only), "invalid_argument", "read-only")
     got = g.all_reduce(np.ones(3, dtype=np.int32)).wait()
     expect(np.all(got == g.size), "the collective after refused calls")
+    work = g.barrier()
+    for bad in (float("nan"), -1, -0.5):
+        expect_error(lambda: work.wait(timeout=bad), "invalid_argument", "timeout is", "0 or more")
+    work.wait(timeout=float("inf"))  # no limit (it timed out at once: the clock overflowed)
+    g.barrier().wait(timeout=1e300)
 
 
 def gil(g):

@@ -99,6 +99,10 @@ class Work:
     def wait(self, timeout=None):
         """Blocks until the operation completes (the GIL released) and returns its result, or raises
         weft.Error. With a timeout (seconds), raises TimeoutError if it has not completed by then."""
+        if timeout is not None and not timeout >= 0:  # NaN fails this too (it timed out "within nan s")
+            raise _invalid(f"wait: timeout is {timeout!r}: it must be a number of seconds, 0 or more, or None")
+        if timeout is not None and timeout > 1e9:  # infinity (or 31 years): no limit; the clock would overflow
+            timeout = None
         if timeout is not None and not self._work.wait_for(timeout):
             raise TimeoutError(f"the operation did not complete within {timeout} s")
         return self._work.wait()
