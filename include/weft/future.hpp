@@ -79,6 +79,12 @@ class FutureStateBase {
   bool wait_for(std::chrono::duration<Rep, Period> timeout) {
     if (ready()) return true;
     if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait_for");
+    // The condition variable adds the timeout to the clock's now: nanoseconds::max() (or infinity) wrapped
+    // it into the past and "timed out" at once. A century or more is no limit.
+    if (!(timeout < std::chrono::hours(24 * 365 * 100))) {
+      wait();
+      return true;
+    }
     Sleeping sleeping(*this);
     std::unique_lock lock(mutex_);
     return done_cv_.wait_for(lock, timeout, [&] { return done_now(); });

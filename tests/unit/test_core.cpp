@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
@@ -211,6 +212,21 @@ TEST_CASE("cancelling a sleeping Future fails it with CancelledError", "[core][c
   f.cancel();
   CHECK_THROWS_AS(f.get(), CancelledError);
   CHECK(std::chrono::steady_clock::now() - start < 2s);
+}
+
+TEST_CASE("wait_for with the longest durations waits without a limit", "[core][future]") {
+  // nanoseconds::max() and an infinite double were added to the clock's now and wrapped: false at once.
+  Loop loop;
+  Future<int> a = spawn(loop, sleepy(loop, 20ms, 1));
+  CHECK(a.wait_for(std::chrono::nanoseconds::max()));
+  Future<int> b = spawn(loop, sleepy(loop, 20ms, 2));
+  CHECK(b.wait_for(std::chrono::duration<double>(std::numeric_limits<double>::infinity())));
+  Future<int> c = spawn(loop, sleepy(loop, 20ms, 3));
+  CHECK(c.wait_for(std::chrono::hours::max()));
+  Future<int> d = spawn(loop, sleepy(loop, 10s, 4));
+  CHECK_FALSE(d.wait_for(1ms));  // a short one still times out
+  d.cancel();
+  CHECK(a.get() + b.get() + c.get() == 6);
 }
 
 TEST_CASE("an empty or moved-from Future throws, naming the call, instead of crashing", "[core][future]") {
