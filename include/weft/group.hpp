@@ -238,8 +238,11 @@ class Group {
   /// takes the next sequence number, so every rank must call it in the same order as the other
   /// collectives, each with its own rank's plan. This is how new collectives are built from public
   /// pieces (examples/hierarchical_all_reduce.cpp).
-  /// Errors: weft::Error (invalid_argument) for a step naming a rank outside the group, before anything
-  /// is sent; failures while running as for any collective. Lifetime: the buffers must outlive the Future.
+  /// Errors: weft::Error (invalid_argument), before anything is sent, for a step naming a rank outside the
+  /// group, a kind that is no StepKind, a range that reaches past 2^47 bytes or moves through a null
+  /// buffer, a dtype or op that is none or not defined; failures while running as for any collective.
+  /// PlanBuffers has no sizes: that each range fits its buffer is the caller's to ensure, as MPI's counts.
+  /// Lifetime: the buffers must outlive the Future.
   Future<void> run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name = "plan");
 
   /// Replaces this rank's algorithm choices for the collectives `spec` names (WEFT_ALGO syntax). Every

@@ -304,6 +304,12 @@ Task<void> Executor::run(const Plan& plan) {
 
   for (std::size_t i = 0; i < plan.size() && !failure_.failed();) {
     const Step& step = plan[i];
+    // A kind no case takes would never move `i` on: the loop's thread spun here for ever. (Group::run_plan
+    // refuses it at the call; execute() is public too.)
+    if (static_cast<std::uint8_t>(step.kind) > static_cast<std::uint8_t>(StepKind::send_recv_reduce)) {
+      throw Error(Errc::invalid_argument, ErrorContext{ch_.rank, -1, ch_.op_name, static_cast<std::int64_t>(ch_.seq), -1},
+                  fmt::format("step {} has kind {}, which is no StepKind", i, static_cast<unsigned>(step.kind)));
+    }
     switch (step.kind) {
       case StepKind::send: {
         for (std::size_t k = 0, n = segments(step.send); k < n; ++k) {

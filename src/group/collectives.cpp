@@ -946,14 +946,38 @@ Task<void> plan_task(std::shared_ptr<GroupState> g, std::uint64_t seq, algo::Pla
 Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buffers, const char* name) {
   auto& g = live(name);
   check_usable(g, name);
-  for (const auto& step : plan) {
+  if (!is_valid(buffers.dtype)) invalid(g, name, fmt::format("the buffers' dtype {} is not a weft DType", static_cast<unsigned>(buffers.dtype)));
+  // PlanBuffers carries no sizes, so a range is the caller's to fit in its buffer (as MPI's counts are);
+  // what can be told is refused: a range past any memory (its end wrapped the pointer: [SIZE_MAX - 2, +4)
+  // wrote 12 bytes before the buffer), a null buffer a range moves from or into, a kind that is no
+  // StepKind (it hung both ranks).
+  const std::size_t limit = (std::size_t{1} << 47) / dtype_size(buffers.dtype);
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    const algo::Step& step = plan[i];
+    if (static_cast<std::uint8_t>(step.kind) > static_cast<std::uint8_t>(algo::StepKind::send_recv_reduce)) {
+      invalid(g, name, fmt::format("step {} has kind {}, which is no StepKind", i, static_cast<unsigned>(step.kind)));
+    }
     const bool sends = step.kind != algo::StepKind::recv && step.kind != algo::StepKind::recv_reduce;
     const bool receives = step.kind != algo::StepKind::send;
+    const bool forwards = step.kind == algo::StepKind::recv_reduce_send || step.kind == algo::StepKind::recv_copy_send;
     if (sends) check_rank(g, name, "send_to", step.send_to);
     if (receives) check_rank(g, name, "recv_from", step.recv_from);
     const bool reduces = step.kind == algo::StepKind::recv_reduce || step.kind == algo::StepKind::recv_reduce_send ||
                          step.kind == algo::StepKind::send_recv_reduce;
     if (reduces) check_op(g, name, buffers.dtype, buffers.op);
+    const auto check_range = [&](const char* which, const algo::Range& range, const void* buffer, const char* buffer_name) {
+      if (range.count == 0) return;
+      if (range.offset > limit || range.count > limit - range.offset) {
+        invalid(g, name, fmt::format("step {} ({}): its {} range [{}, +{}) of {} reaches past what memory can hold (2^47 bytes)", i,
+                                     algo::to_string(step.kind), which, range.offset, range.count, to_string(buffers.dtype)));
+      }
+      if (buffer == nullptr) {
+        invalid(g, name, fmt::format("step {} ({}) moves {} elements through {}, which is null", i, algo::to_string(step.kind),
+                                     range.count, buffer_name));
+      }
+    };
+    if (sends) check_range("send", step.send, forwards ? static_cast<const void*>(buffers.recv) : buffers.send, forwards ? "the receive buffer" : "the send buffer");
+    if (receives) check_range("recv", step.recv, buffers.recv, "the receive buffer");
   }
   return spawn(*g.loop, plan_task(state_, take_seq(g, timeout_), std::move(plan), buffers, name));
 }

@@ -956,6 +956,42 @@ TEST_CASE("a collective past its deadline fails on every rank, naming whom it wa
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a plan with a step of no kind, a range past memory or a null buffer is refused before anything is sent", "[errors][preconditions]") {
+  namespace algo = weft::algorithms;
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    const int other = 1 - g.rank();
+    std::vector<float> a(8, 1.0f), b(8, 0.0f);
+    const algo::PlanBuffers buffers{reinterpret_cast<const std::byte*>(a.data()), reinterpret_cast<std::byte*>(b.data()), DType::f32,
+                                    ReduceOp::sum};
+    const auto exchange = [&](algo::Range send, algo::Range recv) {
+      return algo::Plan{algo::Step{algo::StepKind::send_recv, other, other, send, recv}};
+    };
+    // A kind that is no StepKind hung both ranks; a range whose end wrapped wrote before the buffer.
+    expect_error([&] { (void)g.run_plan({algo::Step{static_cast<algo::StepKind>(99), other, other, {0, 8}, {0, 8}}}, buffers); },
+                 Errc::invalid_argument, {"plan", "step 0 has kind 99, which is no StepKind"});
+    expect_error([&] { (void)g.run_plan(exchange({SIZE_MAX - 2, 4}, {0, 8}), buffers); }, Errc::invalid_argument,
+                 {"step 0 (send_recv): its send range [18446744073709551613, +4) of f32 reaches past what memory can hold"});
+    expect_error([&] { (void)g.run_plan(exchange({0, 8}, {std::size_t{1} << 46, 1}), buffers); }, Errc::invalid_argument, {"its recv range"});
+    algo::PlanBuffers no_recv = buffers;
+    no_recv.recv = nullptr;
+    expect_error([&] { (void)g.run_plan(exchange({0, 8}, {0, 8}), no_recv); }, Errc::invalid_argument,
+                 {"moves 8 elements through the receive buffer, which is null"});
+    // A forwarding step sends from the receive buffer.
+    expect_error([&] { (void)g.run_plan({algo::Step{algo::StepKind::recv_copy_send, other, other, {0, 8}, {0, 8}}}, no_recv); },
+                 Errc::invalid_argument, {"recv_copy_send", "the receive buffer, which is null"});
+    algo::PlanBuffers no_type = buffers;
+    no_type.dtype = static_cast<DType>(99);
+    expect_error([&] { (void)g.run_plan(exchange({0, 8}, {0, 8}), no_type); }, Errc::invalid_argument, {"dtype 99 is not a weft DType"});
+    // Empty ranges move nothing: a null buffer is fine there. Then a real exchange.
+    algo::PlanBuffers nothing{};
+    g.run_plan(exchange({0, 0}, {0, 0}), nothing).get();
+    g.run_plan(exchange({0, 8}, {0, 8}), buffers).get();
+    check(b[0] == 1.0f && b[7] == 1.0f, "the plan after refused ones exchanged its buffers");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("WEFT_INLINE_SPIN_US is refused at the group's creation when malformed", "[errors][preconditions]") {
   const auto env_with = [](const char* value) { return environment_with(value, {"WEFT_INLINE_SPIN_US"}); };
   for (const char* bad : {"-1", "abc", "99999999999999999999"}) {
