@@ -4,10 +4,28 @@
 
 #include <fmt/format.h>
 
+#include "group/checks.hpp"
+#include "group/state.hpp"
 #include "weft/error.hpp"
 #include "weft/group.hpp"
 
 namespace weft {
+
+namespace {
+// The broadcast and reduce transposes write this rank's buffers on the host before their collective (a
+// zeroed gradient; the root's copy of its cotangent): checked first, so that a refused call leaves them
+// alone, and a null, wrapping, short or device buffer is an error rather than a memset or memcpy out of
+// bounds (a non-root broadcast transpose with a null gradient of 8 elements crashed; a reduce transpose
+// copied the gradient's size out of a shorter cotangent).
+void check_host_write(detail::GroupState& g, const char* op, const char* name, const void* data, std::size_t count, DType dtype,
+                      Device device) {
+  detail::check_buffer(g, op, name, data, count, dtype, device);
+  if (device.kind != Device::Kind::host) {
+    detail::invalid(g, op, fmt::format("the {} is device memory, which this transpose writes on the host: zero or copy it on "
+                                       "its stream and call the transpose collective (reduce or broadcast) directly", name));
+  }
+}
+}  // namespace
 
 Collective transpose_of(Collective c) noexcept {
   switch (c) {
@@ -43,6 +61,21 @@ Future<void> apply_transpose(Group& group, Collective c, ConstBufferView cotange
   if (reduces(c) && op != ReduceOp::sum) {
     throw Error(Errc::invalid_argument, ErrorContext{.rank = group.rank(), .op = "apply_transpose"},
                 fmt::format("the transpose of {} with op {} is not linear (only sum is)", to_string(c), to_string(op)));
+  }
+  if (!group.valid()) {
+    throw Error(Errc::invalid_argument, ErrorContext{.op = "apply_transpose"}, "this Group is empty: it has no ranks to talk to");
+  }
+  detail::GroupState& g = *group.state();
+  constexpr const char* op_name = "apply_transpose";
+  if (c == Collective::broadcast || c == Collective::reduce) detail::check_rank(g, op_name, "root", root);
+  if (c == Collective::broadcast && group.rank() != root) {
+    check_host_write(g, op_name, "gradient", gradient.data, gradient.count, gradient.dtype, gradient.device);
+  }
+  if (c == Collective::reduce && group.rank() == root) {
+    check_host_write(g, op_name, "gradient", gradient.data, gradient.count, gradient.dtype, gradient.device);
+    check_host_write(g, op_name, "cotangent", cotangent.data, cotangent.count, cotangent.dtype, cotangent.device);
+    detail::check_same_type(g, op_name, cotangent.dtype, gradient.dtype);
+    detail::check_count(g, op_name, "the cotangent", cotangent.count, gradient.count);
   }
   switch (c) {
     case Collective::all_reduce: return group.all_reduce(cotangent, gradient, ReduceOp::sum);

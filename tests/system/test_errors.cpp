@@ -992,6 +992,36 @@ TEST_CASE("a plan with a step of no kind, a range past memory or a null buffer i
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a transpose refused at the call leaves its buffers alone, and a null or short one is refused, not copied", "[errors][preconditions]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> cotangent(8, 3.0f), gradient(8, 7.0f);
+    // The broadcast transpose zeroed a non-root's gradient before its reduce refused the root.
+    expect_error([&] { (void)apply_transpose(g, Collective::broadcast, cotangent, gradient, ReduceOp::sum, 5); }, Errc::invalid_argument,
+                 {"apply_transpose", "root 5"});
+    check(gradient[0] == 7.0f && gradient[7] == 7.0f, "a refused transpose wrote nothing");
+    // A null gradient of 8 elements: memset(nullptr) on the non-root before.
+    const BufferView null_gradient(nullptr, 8, DType::f32);
+    expect_error([&] { (void)apply_transpose(g, Collective::broadcast, cotangent, null_gradient, ReduceOp::sum, 0); },
+                 Errc::invalid_argument, {"is null with 8 elements"});
+    // The reduce transpose's root copied the gradient's size out of the cotangent, however short: alone
+    // (each rank a group of one), so that only the refusing root is involved.
+    Group alone = g.split(g.rank(), 0).get();
+    const ConstBufferView short_cotangent(cotangent.data(), 4, DType::f32);
+    expect_error([&] { (void)apply_transpose(alone, Collective::reduce, short_cotangent, gradient, ReduceOp::sum, 0); },
+                 Errc::invalid_argument, {"the cotangent has 4 elements, expected 8"});
+    const BufferView on_device(gradient.data(), 8, DType::f32, Device{Device::Kind::cuda, 0});
+    expect_error([&] { (void)apply_transpose(alone, Collective::reduce, cotangent, on_device, ReduceOp::sum, 0); },
+                 Errc::invalid_argument, {"gradient is device memory"});
+    apply_transpose(alone, Collective::reduce, cotangent, gradient, ReduceOp::sum, 0).get();
+    check(gradient[0] == 3.0f, "the reduce transpose alone copies the cotangent");
+    // The group goes on: a broadcast transpose (the root's gradient sums every cotangent).
+    apply_transpose(g, Collective::broadcast, cotangent, gradient, ReduceOp::sum, 0).get();
+    check(gradient[0] == (g.rank() == 0 ? 6.0f : 0.0f), "the broadcast transpose after refused ones");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("WEFT_INLINE_SPIN_US is refused at the group's creation when malformed", "[errors][preconditions]") {
   const auto env_with = [](const char* value) { return environment_with(value, {"WEFT_INLINE_SPIN_US"}); };
   for (const char* bad : {"-1", "abc", "99999999999999999999"}) {
