@@ -34,6 +34,9 @@ Epilogue Epilogue::scale(double factor) {
 }
 
 Epilogue Epilogue::cast(DType to) {
+  if (!is_valid(to)) {
+    throw Error(Errc::invalid_argument, {.op = "Epilogue::cast"}, fmt::format("dtype {} is not a weft DType", static_cast<unsigned>(to)));
+  }
   Epilogue e;
   e.kind_ = Kind::scale_and_cast;
   e.to_ = to;
@@ -41,6 +44,10 @@ Epilogue Epilogue::cast(DType to) {
 }
 
 Epilogue Epilogue::scale_and_cast(double factor, DType to) {
+  if (!is_valid(to)) {
+    throw Error(Errc::invalid_argument, {.op = "Epilogue::scale_and_cast"},
+                fmt::format("dtype {} is not a weft DType", static_cast<unsigned>(to)));
+  }
   Epilogue e = scale(factor);
   e.kind_ = Kind::scale_and_cast;
   e.to_ = to;

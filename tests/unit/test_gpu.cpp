@@ -894,6 +894,9 @@ TEST_CASE("epilogues: Stream::apply equals the CPU on every pair of dtypes, scal
   });
   expect_error(Errc::invalid_argument, "stores 64 x bf16", [&] { (void)s.apply(buffer.view<float>(), buffer.view<float>(), gpu::Epilogue::cast(DType::bf16)); });
   expect_error(Errc::invalid_argument, "not finite", [&] { (void)gpu::Epilogue::scale(std::nan("")); });
+  expect_error(Errc::invalid_argument, "dtype 99 is not a weft DType", [&] { (void)gpu::Epilogue::cast(static_cast<DType>(99)); });
+  expect_error(Errc::invalid_argument, "dtype 200 is not a weft DType",
+               [&] { (void)gpu::Epilogue::scale_and_cast(0.5, static_cast<DType>(200)); });
   const gpu::Epilogue plus_one = gpu::Epilogue::on_host<double, double>([](double x) { return x + 1; }, "plus one");
   expect_error(Errc::invalid_argument, "takes f64 elements, and the reduced ones are f32",
                [&] { (void)s.apply(buffer.view<float>(), buffer.view<float>(), plus_one); });
