@@ -2,6 +2,7 @@
 /// Buffer views: what every send, recv and collective reads from or writes to. A view does not own its
 /// memory; the memory must stay valid until the operation's Future completes.
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -33,7 +34,12 @@ struct BufferView {
   template <class T>
   BufferView(std::vector<T>& v) : data(v.data()), count(v.size()), dtype(dtype_of<T>) {}
 
-  std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
+  /// count x the element's size; SIZE_MAX where the product does not fit (a count no memory holds, which
+  /// every call refuses) rather than a small wrapped number that a bounds check would pass.
+  std::size_t bytes() const noexcept {
+    std::size_t product = 0;
+    return __builtin_mul_overflow(count, dtype_size(dtype), &product) ? SIZE_MAX : product;
+  }
   std::byte* bytes_ptr() const noexcept { return static_cast<std::byte*>(data); }
 };
 
@@ -53,7 +59,11 @@ struct ConstBufferView {
   template <class T>
   ConstBufferView(const std::vector<T>& v) : data(v.data()), count(v.size()), dtype(dtype_of<T>) {}
 
-  std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
+  /// As BufferView::bytes: SIZE_MAX where count x the element's size does not fit.
+  std::size_t bytes() const noexcept {
+    std::size_t product = 0;
+    return __builtin_mul_overflow(count, dtype_size(dtype), &product) ? SIZE_MAX : product;
+  }
   const std::byte* bytes_ptr() const noexcept { return static_cast<const std::byte*>(data); }
 };
 

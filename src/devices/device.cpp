@@ -85,6 +85,14 @@ void check_device(Device d, const char* op, const char* what) {
 
 void check_view(const void* data, std::size_t bytes, Device d, const char* op, const char* what) {
   if (bytes == 0) return;
+  // Past any memory (a view's bytes() is SIZE_MAX where its count wrapped): a pointer plus it wraps round
+  // the address space, and the allocation's bounds would pass it (DeviceSet::all_reduce of SIZE_MAX / 2
+  // floats ran its kernel over them and crashed).
+  if (bytes > (std::size_t{1} << 47)) {
+    throw Error(Errc::invalid_argument, {.op = op},
+                fmt::format("{} claims {} bytes: more than memory can hold (at most 2^47 bytes per buffer)", what,
+                            bytes == SIZE_MAX ? std::string("more than 2^64") : std::to_string(bytes)));
+  }
   if (data == nullptr) {
     throw Error(Errc::invalid_argument, {.op = op}, fmt::format("{} is null and holds {} bytes", what, bytes));
   }

@@ -764,6 +764,16 @@ TEST_CASE("a device set: 10^4 calls back to back, and bad arguments refused at t
     (void)set.all_reduce(std::vector<BufferView>{BufferView(host.data(), 16, DType::f32), views[1]});
   });
   expect_error(Errc::invalid_argument, "a set holds 1 to 8", [&] { (void)gpu::DeviceSet::create(loop, set_of(9)); });
+  // Counts whose bytes wrap: a pointer plus the wrapped size passed the allocation's bounds, and the
+  // kernel ran over SIZE_MAX / 2 floats (SIGSEGV). 2^62 + 1 floats wrap to 4 bytes.
+  for (const std::size_t count : {SIZE_MAX / 2, (std::size_t{1} << 62) + 1}) {
+    std::vector<BufferView> huge;
+    for (std::size_t i = 0; i < 2; ++i) huge.emplace_back(data[i].data(), count, DType::f32, set.devices()[i]);
+    expect_error(Errc::invalid_argument, "more than memory can hold", [&] { (void)set.all_reduce(huge); });
+  }
+  CHECK(BufferView(nullptr, SIZE_MAX / 2, DType::f32).bytes() == SIZE_MAX);
+  CHECK(ConstBufferView(nullptr, (std::size_t{1} << 62) + 1, DType::f32).bytes() == SIZE_MAX);
+  CHECK(ConstBufferView(nullptr, 5, DType::f64).bytes() == 40);
 }
 
 // ---- Epilogues (issue 17: what an all_reduce does to each reduced element as it stores it) ----
