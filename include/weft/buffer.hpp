@@ -10,6 +10,11 @@
 
 namespace weft {
 
+/// The most bytes one buffer may span: 128 TiB, the user address space of x86-64 and aarch64 (48-bit).
+/// A count or view beyond it is a bug (or an attack) whose byte count would wrap or drive allocations;
+/// every call refuses it (weft::Error, invalid_argument: "more than memory can hold").
+inline constexpr std::size_t max_buffer_bytes = std::size_t{1} << 47;
+
 /// Where a buffer lives. Only host memory is moved today; the device field is carried so that the GPU
 /// transports can accept device pointers without a new vocabulary.
 struct Device {

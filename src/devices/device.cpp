@@ -88,7 +88,7 @@ void check_view(const void* data, std::size_t bytes, Device d, const char* op, c
   // Past any memory (a view's bytes() is SIZE_MAX where its count wrapped): a pointer plus it wraps round
   // the address space, and the allocation's bounds would pass it (DeviceSet::all_reduce of SIZE_MAX / 2
   // floats ran its kernel over them and crashed).
-  if (bytes > (std::size_t{1} << 47)) {
+  if (bytes > max_buffer_bytes) {
     throw Error(Errc::invalid_argument, {.op = op},
                 fmt::format("{} claims {} bytes: more than memory can hold (at most 2^47 bytes per buffer)", what,
                             bytes == SIZE_MAX ? std::string("more than 2^64") : std::to_string(bytes)));

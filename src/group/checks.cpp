@@ -21,9 +21,7 @@ void check_device_kind(const GroupState& g, const char* op, Device device) {
   if (device.kind != Device::Kind::host && device.kind != Device::Kind::cuda) invalid(g, op, "the buffer's device kind is unknown");
 }
 
-// The most bytes a buffer can have: 128 TiB, the user address space of x86-64 and aarch64 (48-bit).
-// A count beyond it is a bug (or an attack) whose byte count would wrap or drive allocations.
-constexpr std::size_t max_buffer_bytes = std::size_t{1} << 47;
+// max_buffer_bytes (weft/buffer.hpp) bounds every count here.
 
 void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
                   DType dtype, Device device) {

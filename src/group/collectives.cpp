@@ -951,7 +951,7 @@ Future<void> Group::run_plan(algorithms::Plan plan, algorithms::PlanBuffers buff
   // what can be told is refused: a range past any memory (its end wrapped the pointer: [SIZE_MAX - 2, +4)
   // wrote 12 bytes before the buffer), a null buffer a range moves from or into, a kind that is no
   // StepKind (it hung both ranks).
-  const std::size_t limit = (std::size_t{1} << 47) / dtype_size(buffers.dtype);
+  const std::size_t limit = max_buffer_bytes / dtype_size(buffers.dtype);
   for (std::size_t i = 0; i < plan.size(); ++i) {
     const algo::Step& step = plan[i];
     if (static_cast<std::uint8_t>(step.kind) > static_cast<std::uint8_t>(algo::StepKind::send_recv_reduce)) {

@@ -19,9 +19,9 @@
 namespace weft::detail {
 namespace {
 
-// The most elements of any dtype a buffer can hold (checks.cpp's limit, 2^47 bytes, at one byte each):
-// sums are refused past it rather than wrapped.
-constexpr std::size_t max_elements = std::size_t{1} << 47;
+// The most elements of any dtype a buffer can hold (max_buffer_bytes at one byte each): sums are refused
+// past it rather than wrapped.
+constexpr std::size_t max_elements = max_buffer_bytes;
 
 void check_length(const GroupState& g, const char* op, const char* list, std::size_t length) {
   if (length != static_cast<std::size_t>(g.size)) {

@@ -68,8 +68,7 @@ void check_view(const Group& g, const char* op, const char* name, const V& v) {
   // The elements, and the furthest one the strides reach, without wrapping: a shape of 2^40 x 2^40 was a
   // view of 0 elements (2^80 wrapped), and a stride of 2^62 wrapped around the address space back onto
   // the first row. Both are more than any memory holds (2^47 bytes, as for the buffer collectives).
-  constexpr std::size_t max_bytes = std::size_t{1} << 47;
-  const std::size_t limit = max_bytes / dtype_size(v.dtype);
+  const std::size_t limit = max_buffer_bytes / dtype_size(v.dtype);
   std::size_t elements = 1;
   std::size_t reach = 0;  // in elements from the first, along every axis at its far end
   bool too_large = false;
