@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -207,6 +208,16 @@ std::vector<Rank> start_ranks(const Launch& launch) {
                                                                        : fmt::format("{}:{}", launch.host, launch.port);
   const std::vector<int> cpus = cpus_to_pin(launch);
   const int n = launch.ranks;
+  // Every rank's output takes two pipes held open here: more ranks than the descriptor limit allows
+  // would fail part way, after some had started (`pipe: Too many open files` at -n 100000). Said before
+  // any is started, with what to raise.
+  rlimit files{};
+  const long long needed = 2LL * n + 32;  // the two read ends per rank, and stdio, the store's socket, slack
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY && static_cast<long long>(files.rlim_cur) < needed) {
+    fmt::print(stderr, "weft-run: {} ranks need about {} open files here, and the limit is {} (raise it with ulimit -n)\n", n, needed,
+               static_cast<long long>(files.rlim_cur));
+    std::exit(2);
+  }
   std::vector<Rank> ranks(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
     int out[2];

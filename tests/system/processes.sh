@@ -80,6 +80,14 @@ case $case_name in
     out=$("$run" -n 2 -- sh -c 'kill -9 $$' 2>&1); rc=$?
     [ $rc -eq 137 ] || { echo "$out"; echo "FAIL: killed rank gave $rc"; exit 1; }
     echo "$out" | grep -q "killed by signal 9" || { echo "$out"; echo "FAIL: signal not named"; exit 1; }
+    # More ranks than the descriptor limit allows: refused before any starts (it started some, then
+    # failed with "pipe: Too many open files").
+    marks=$(mktemp -d)
+    out=$(ulimit -n 64; "$run" -n 100 -- sh -c "touch $marks/\$WEFT_RANK" 2>&1); rc=$?
+    [ $rc -eq 2 ] || { echo "$out"; echo "FAIL: 100 ranks under ulimit -n 64 gave $rc, expected 2"; exit 1; }
+    echo "$out" | grep -q "100 ranks need about 232 open files here, and the limit is 64" || { echo "$out"; echo "FAIL: the limit not named"; exit 1; }
+    [ -z "$(ls "$marks")" ] || { echo "FAIL: ranks started: $(ls "$marks" | wc -l)"; exit 1; }
+    rm -rf "$marks"
     ;;
   torchrun-env)
     port=$(free_port)
