@@ -20,6 +20,11 @@ std::string dtype_words(int code) {
   return code >= 0 && code < dtype_count ? std::string(to_string(static_cast<DType>(code))) : fmt::format("dtype #{}", code);
 }
 
+// The dtype a cast stores, refused at construction when it is no DType's value.
+void check_cast_to(DType to, const char* op) {
+  if (!is_valid(to)) throw Error(Errc::invalid_argument, {.op = op}, fmt::format("dtype {} is not a weft DType", static_cast<unsigned>(to)));
+}
+
 }  // namespace
 
 Epilogue Epilogue::scale(double factor) {
@@ -34,9 +39,7 @@ Epilogue Epilogue::scale(double factor) {
 }
 
 Epilogue Epilogue::cast(DType to) {
-  if (!is_valid(to)) {
-    throw Error(Errc::invalid_argument, {.op = "Epilogue::cast"}, fmt::format("dtype {} is not a weft DType", static_cast<unsigned>(to)));
-  }
+  check_cast_to(to, "Epilogue::cast");
   Epilogue e;
   e.kind_ = Kind::scale_and_cast;
   e.to_ = to;
@@ -44,10 +47,7 @@ Epilogue Epilogue::cast(DType to) {
 }
 
 Epilogue Epilogue::scale_and_cast(double factor, DType to) {
-  if (!is_valid(to)) {
-    throw Error(Errc::invalid_argument, {.op = "Epilogue::scale_and_cast"},
-                fmt::format("dtype {} is not a weft DType", static_cast<unsigned>(to)));
-  }
+  check_cast_to(to, "Epilogue::scale_and_cast");
   Epilogue e = scale(factor);
   e.kind_ = Kind::scale_and_cast;
   e.to_ = to;
