@@ -367,12 +367,69 @@ def interrupt(g):
     expect(np.all(got == g.size), "the collective after the interrupted one")
 
 
+async def close_awaited(g):
+    """Rank 0 closes its group while a task awaits one of its collectives (the others call it only
+    later): the task raises the abort at once instead of waiting forever, and the others fail too."""
+    x = np.ones(16, dtype=np.float32)
+    if g.rank == 0:
+        task = asyncio.ensure_future(g.all_reduce(x))
+        await asyncio.sleep(0.3)
+        g.close()
+        try:
+            await asyncio.wait_for(task, 30)
+            raise AssertionError("a collective of a closed group completed")
+        except asyncio.TimeoutError:
+            raise AssertionError("the task awaiting a collective of a closed group was never woken")
+        except weft.Error as e:
+            expect(e.errc == "aborted", f"expected aborted, got {e.errc}: {e}")
+        mark("closed")
+    else:
+        await until_marked("closed")
+        try:
+            await g.all_reduce(x)
+            raise AssertionError("a collective completed after rank 0 closed the group")
+        except weft.Error as e:
+            expect("rank 0" in str(e), f"the error does not name rank 0: {e}")
+
+
+def loops_on_threads(g):
+    """Three threads, each running its own asyncio loop, await point-to-point messages of one group (a
+    tag each): every loop's tasks are woken, whichever loop saw the completion first."""
+    failures = []
+
+    def side(tag):
+        async def go():
+            buf = np.zeros(4, dtype=np.int32)
+            for i in range(200):
+                if g.rank == 0:
+                    await asyncio.wait_for(g.send(np.full(4, i, dtype=np.int32), 1, tag), 30)
+                    await asyncio.wait_for(g.recv(buf, 1, tag), 30)
+                else:
+                    await asyncio.wait_for(g.recv(buf, 0, tag), 30)
+                    await asyncio.wait_for(g.send(buf, 0, tag), 30)
+                if buf[0] != i:
+                    failures.append(f"tag {tag}: message {i} read {buf[0]}")
+        try:
+            asyncio.run(go())
+        except BaseException as e:  # a TimeoutError here is a task nobody woke
+            failures.append(f"tag {tag}: {type(e).__name__} {e}")
+
+    threads = [threading.Thread(target=side, args=(tag,)) for tag in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expect(not failures, "; ".join(failures))
+
+
 SCENARIOS = {
     "interrupt": interrupt,
     "device": device,
     "collectives": collectives,
     "overlap": overlap,
     "cancel": cancel,
+    "close_awaited": close_awaited,
+    "loops_on_threads": loops_on_threads,
     "dead_peer": dead_peer,
     "bad_arguments": bad_arguments,
     "gil": gil,
@@ -383,11 +440,12 @@ def main():
     name = sys.argv[1]
     g = weft.Group.create(timeout=float(os.environ.get("TEST_TIMEOUT", "60")))
     run = SCENARIOS[name]
+    rank, size = g.rank, g.size  # a scenario may close the group
     if asyncio.iscoroutinefunction(run):
         asyncio.run(run(g))
     else:
         run(g)
-    print(f"ok {name} rank {g.rank} of {g.size}", flush=True)
+    print(f"ok {name} rank {rank} of {size}", flush=True)
     g.close()
 
 

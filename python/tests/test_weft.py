@@ -72,6 +72,14 @@ def test_cancelling_an_awaiting_task_cancels_the_collective_everywhere(tmp_path)
     expect_ok(run_ranks(3, "cancel", TEST_READY_FILE=str(tmp_path / "marks")), "cancel")
 
 
+def test_closing_a_group_wakes_the_tasks_awaiting_it(tmp_path):
+    expect_ok(run_ranks(3, "close_awaited", TEST_READY_FILE=str(tmp_path / "marks")), "close_awaited")
+
+
+def test_asyncio_loops_on_several_threads_await_one_group():
+    expect_ok(run_ranks(2, "loops_on_threads"), "loops_on_threads")
+
+
 def test_a_dead_peer_raises_in_every_other_ranks_coroutine():
     results = run_ranks(3, "dead_peer", TEST_TIMEOUT="30")
     expect_ok(results, "dead_peer", ranks={0, 1})

@@ -23,6 +23,7 @@ number); several may be in flight at once.
 
 import asyncio
 import atexit
+import threading
 import weakref
 
 import numpy as np
@@ -83,6 +84,32 @@ def _invalid(message):
     return e
 
 
+def _on_loop_soon(loop, call):
+    """Runs call() on asyncio loop `loop`: now if this thread runs it, else from its next turn (an asyncio
+    loop is not thread-safe: another thread may only hand it work with call_soon_threadsafe)."""
+    if loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        call()
+    else:
+        try:
+            loop.call_soon_threadsafe(call)
+        except RuntimeError:  # closed in the meantime
+            pass
+
+
+def _resolve_soon(waiter):
+    """Wakes a task awaiting an operation that completed, from any thread."""
+    def resolve():
+        if not waiter.done():
+            waiter.set_result(None)
+    _on_loop_soon(waiter.get_loop(), resolve)
+
+
 class Work:
     """One operation in flight: awaitable, waitable, pollable, cancellable."""
 
@@ -136,6 +163,7 @@ class Group:
         self._g = native
         self._waiters = {}   # work id -> (native work, [asyncio futures awaiting it])
         self._loops = set()  # asyncio loops whose reader watches our fd
+        self._lock = threading.Lock()  # guards both, for loops on several threads
         Group._live.add(self)
 
     @classmethod
@@ -158,11 +186,18 @@ class Group:
 
     def close(self):
         """Shuts the group down (operations still running are aborted on every rank first)."""
-        for loop in list(self._loops):
-            if not loop.is_closed():
-                loop.remove_reader(self._g.fd)
-        self._loops.clear()
+        with self._lock:
+            loops, self._loops = self._loops, set()
+        for loop in loops:
+            _on_loop_soon(loop, lambda loop=loop: loop.remove_reader(self._g.fd))
         self._g.close()
+        # Every operation is complete now (aborted if it was running), but with the readers gone no
+        # completion wakes its awaiting tasks: resolve them here (each then raises its operation's error).
+        with self._lock:
+            waiting, self._waiters = self._waiters, {}
+        for _, waiters in waiting.values():
+            for waiter in waiters:
+                _resolve_soon(waiter)
 
     def __enter__(self):
         return self
@@ -184,29 +219,36 @@ class Group:
     def _start(self, work):
         return Work(work, self)
 
+    # Several asyncio loops (one per thread) may await one group's operations: each watches the eventfd,
+    # the first to wake resolves every completed operation's waiters, each on its own loop's thread, and
+    # the table they share is changed under a lock.
+
     def _waiter_for(self, work):
         loop = asyncio.get_running_loop()
-        if loop not in self._loops:
-            self._g.arm()
-            loop.add_reader(self._g.fd, self._on_completions)
-            self._loops.add(loop)
         waiter = loop.create_future()
-        self._waiters.setdefault(work.id, (work, []))[1].append(waiter)
+        with self._lock:
+            if loop not in self._loops:
+                self._g.arm()
+                loop.add_reader(self._g.fd, self._on_completions)
+                self._loops.add(loop)
+            self._waiters.setdefault(work.id, (work, []))[1].append(waiter)
         # Completed between the check and now (before its completion could wake the loop): resolve it here.
         if work.done():
             self._resolve(work.id)
         return waiter
 
     def _resolve(self, id_):
-        _, waiters = self._waiters.pop(id_)
+        with self._lock:
+            _, waiters = self._waiters.pop(id_, (None, ()))
         for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+            _resolve_soon(waiter)
 
     def _on_completions(self):
         # The eventfd says that some operation completed: resolve every waiter whose operation is done.
         self._g.clear_wakeup()
-        for id_, (work, _) in list(self._waiters.items()):
+        with self._lock:
+            entries = list(self._waiters.items())
+        for id_, (work, _) in entries:
             if work.done():
                 self._resolve(id_)
 
