@@ -16,7 +16,7 @@ enum class Errc : int {
   size_mismatch,         ///< a peer sent a different number of bytes than this rank expected
   protocol_error,        ///< a frame that does not follow docs/PROTOCOL.md
   group_failed,          ///< the group failed earlier (see the message) and cannot be used
-  aborted,               ///< a peer aborted the operation (its message is carried along)
+  aborted,               ///< the group was aborted, by a peer or by this rank (the message names which and why)
   connection_failed,     ///< a connection could not be made
   mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation
   refused,               ///< the store or a rank refused this rank (wrong secret, another job, a duplicate rank, a world-size disagreement)

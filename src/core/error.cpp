@@ -17,7 +17,7 @@ class Category final : public std::error_category {
       case Errc::size_mismatch: return "size mismatch";
       case Errc::protocol_error: return "protocol error";
       case Errc::group_failed: return "group failed";
-      case Errc::aborted: return "aborted by a peer";
+      case Errc::aborted: return "aborted";  // by this rank or a peer: the message names which
       case Errc::connection_failed: return "connection failed";
       case Errc::mismatch: return "mismatched collective";
       case Errc::refused: return "refused";
