@@ -257,7 +257,16 @@ class Group {
 
   /// The group's state; for weft's own layers.
   const std::shared_ptr<detail::GroupState>& state() const noexcept { return state_; }
-  explicit Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {}
+  explicit Group(std::shared_ptr<detail::GroupState> state);
+
+  /// Copies are handles to the same group. Lifetime: every handle must be gone before the group's Loop
+  /// is destroyed; a Loop destroyed under one stops the process with a message saying so (the handle
+  /// would otherwise run on freed memory). Operations still in flight without a handle do not count.
+  Group(const Group& other);
+  Group(Group&& other) noexcept = default;
+  Group& operator=(const Group& other);
+  Group& operator=(Group&& other) noexcept;
+  ~Group();
 
  private:
   // The state, or weft::Error naming `op` for an empty Group.

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -24,6 +25,7 @@
 #include "core/env.hpp"
 #include "core/host.hpp"
 #include "core/log.hpp"
+#include "core/loop_users.hpp"
 
 namespace weft {
 namespace {
@@ -127,6 +129,12 @@ void register_loop(Loop* loop) {
 void unregister_loop(Loop* loop) {
   std::lock_guard lock(loops_mutex);
   std::erase(live_loops(), loop);
+}
+
+// The Groups using each live Loop (core/loop_users.hpp), under loops_mutex.
+std::unordered_map<const Loop*, int>& loop_users() {
+  static auto* users = new std::unordered_map<const Loop*, int>();  // never destroyed, as live_loops()
+  return *users;
 }
 
 }  // namespace
@@ -565,6 +573,18 @@ Loop::Linger& Loop::Linger::operator=(Linger&& other) noexcept {
   return *this;
 }
 
+namespace detail {
+void loop_user_added(const Loop& loop) noexcept {
+  std::lock_guard lock(loops_mutex);
+  ++loop_users()[&loop];
+}
+void loop_user_removed(const Loop& loop) noexcept {
+  std::lock_guard lock(loops_mutex);
+  const auto found = loop_users().find(&loop);
+  if (found != loop_users().end() && --found->second <= 0) loop_users().erase(found);
+}
+}  // namespace detail
+
 Loop::Linger Loop::linger() {
   std::lock_guard lock(impl_->lingering->mutex);
   ++impl_->lingering->held;
@@ -572,6 +592,20 @@ Loop::Linger Loop::linger() {
 }
 
 Loop::~Loop() {
+  {
+    std::lock_guard lock(loops_mutex);
+    const auto found = loop_users().find(this);
+    if (found != loop_users().end() && found->second > 0) {
+      // Nothing can be made safe from here: the Group's sockets would outlive their io_context.
+      std::fprintf(stderr,
+                   "weft: a Loop is destroyed while %d Group(s) still run on it: destroy every Group before its "
+                   "Loop (a class holding both must declare the Loop first); stopping the process\n",
+                   found->second);
+      std::fflush(stderr);
+      std::abort();
+    }
+    loop_users().erase(this);
+  }
   if (impl_->progress_thread.joinable()) {
     // Work the loop's tasks finish (Linger): the progress thread runs them before it stops.
     Linger::Count& count = *impl_->lingering;

@@ -8,10 +8,35 @@
 #include <fmt/format.h>
 
 #include "algorithms/registry.hpp"
+#include "core/loop_users.hpp"
 #include "group/checks.hpp"
 #include "group/state.hpp"
 
 namespace weft {
+
+// Handles count as users of their loop (core/loop_users.hpp); a move hands its count over.
+Group::Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {
+  if (state_) detail::loop_user_added(*state_->loop);
+}
+Group::Group(const Group& other) : state_(other.state_), timeout_(other.timeout_), stream_(other.stream_) {
+  if (state_) detail::loop_user_added(*state_->loop);
+}
+Group& Group::operator=(const Group& other) {
+  if (this != &other) *this = Group(other);
+  return *this;
+}
+Group& Group::operator=(Group&& other) noexcept {
+  if (this != &other) {
+    if (state_) detail::loop_user_removed(*state_->loop);
+    state_ = std::move(other.state_);
+    timeout_ = other.timeout_;
+    stream_ = other.stream_;
+  }
+  return *this;
+}
+Group::~Group() {
+  if (state_) detail::loop_user_removed(*state_->loop);
+}
 
 detail::GroupState& Group::live(const char* op) const {
   if (!state_) {

@@ -3,6 +3,9 @@
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>
+#include <sys/wait.h>
+#include <csignal>
+#include <optional>
 
 #include <array>
 #include <filesystem>
@@ -135,6 +138,70 @@ TEST_CASE("an empty or moved-from Group throws, naming the operation, instead of
     g = std::move(moved);  // the harness ends with it
   });
   REQUIRE(checks_made.load() > before);
+}
+
+// Runs `body` in a child process with its stderr captured; returns (wait status, stderr).
+static std::pair<int, std::string> in_child(const std::function<void()>& body) {
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(out[1], 2);
+    ::close(out[0]);
+    try {
+      body();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "threw: %s\n", e.what());
+      ::_exit(3);
+    }
+    ::_exit(0);
+  }
+  ::close(out[1]);
+  std::string text;
+  char chunk[512];
+  for (ssize_t n; (n = ::read(out[0], chunk, sizeof chunk)) > 0;) text.append(chunk, static_cast<std::size_t>(n));
+  ::close(out[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return {status, text};
+}
+
+TEST_CASE("a Loop destroyed under a live Group stops the process, naming the mistake", "[errors][preconditions]") {
+  // A class whose members are `Group group; Loop loop;` destroys the loop first: its Group then ran on
+  // freed memory (a segfault at the next call, or a collective that "succeeded").
+  enum class Order { group_first, group_first_receive_pending, loop_first };
+  auto one_rank = [](Order order) {
+    return [order] {
+      Options o;
+      o.rank = 0;
+      o.world_size = 1;
+      o.store = "127.0.0.1:" + std::to_string(free_port());
+      std::optional<Loop> loop(std::in_place);
+      std::optional<Group> group(Group::create(*loop, o).get());
+      std::vector<float> x(4, 1.0f);
+      group->all_reduce(x).get();
+      {
+        Group copy = *group;  // a second handle, gone before the loop in every order
+        copy.barrier().get();
+      }
+      // A receive nobody sends to, dropped with its Group: an operation in flight is not a handle (a
+      // rank unwinding from an exception between a call and its wait does exactly this).
+      if (order == Order::group_first_receive_pending) (void)group->recv(x, 0, 7);
+      if (order != Order::loop_first) group.reset();
+      loop.reset();
+    };
+  };
+  for (Order order : {Order::group_first, Order::group_first_receive_pending}) {
+    const auto [status, text] = in_child(one_rank(order));
+    INFO(text);
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  }
+  const auto [status, text] = in_child(one_rank(Order::loop_first));
+  INFO(text);
+  CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT));
+  CHECK(text.find("a Loop is destroyed while 1 Group(s) still run on it") != std::string::npos);
+  CHECK(text.find("declare the Loop first") != std::string::npos);
 }
 
 TEST_CASE("durations that would overflow a deadline are refused", "[errors][preconditions]") {
