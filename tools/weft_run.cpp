@@ -149,7 +149,10 @@ Launch parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "-n" || a == "--np" || a == "-np") launch.ranks = parse_int("-n", value());
-    else if (a == "--port") launch.port = parse_int("--port", value());
+    else if (a == "--port") {
+      launch.port = parse_int("--port", value());
+      if (launch.port > 65535) usage(fmt::format("--port expects a TCP port (0-65535), got {}", launch.port));
+    }
     else if (a == "--host") launch.host = value();
     else if (a == "--timeout") launch.timeout_s = parse_int("--timeout", value());
     else if (a == "--bind") {

@@ -46,6 +46,8 @@ std::chrono::microseconds wait_spin() noexcept;
 [[noreturn]] void throw_wait_on_loop_thread(const char* what);
 /// weft::Error (Errc::invalid_argument) naming `what`: a Future without an operation was asked about it.
 [[noreturn]] void throw_empty_future(const char* what);
+/// weft::Error (Errc::invalid_argument): the value of a Future was asked for a second time.
+[[noreturn]] void throw_value_taken();
 
 class FutureStateBase {
  public:
@@ -186,13 +188,18 @@ class FutureState : public FutureStateBase {
   void set_value(U&& value) {
     value_.emplace(std::forward<U>(value));
   }
+  // Hands the value over, once: a second get() or co_await would return what the first left behind (an
+  // empty Group, an empty vector) as if it were a result.
   T take() {
     rethrow_if_error();
+    if (taken_) throw_value_taken();
+    taken_ = true;
     return std::move(*value_);
   }
 
  private:
   std::optional<T> value_;
+  bool taken_ = false;  // by the one consumer
 };
 
 template <>
@@ -230,7 +237,8 @@ class [[nodiscard]] Future {
   bool wait_for(std::chrono::duration<Rep, Period> timeout) const {
     return checked("wait_for").wait_for(timeout);
   }
-  /// Waits, then returns the result or throws the operation's weft::Error. Call once.
+  /// Waits, then returns the result or throws the operation's weft::Error. Call once (or co_await once):
+  /// asking a second time for a value throws weft::Error (invalid_argument); a Future<void> may ask again.
   T get() {
     detail::FutureState<T>& state = checked("get");
     state.wait();

@@ -4,7 +4,8 @@
 /// when_all: completes when every child completed. When one fails, the others are cancelled; the first
 /// failure is rethrown once every child has finished (no child outlives the combinator).
 /// when_any: completes when the first child completes; the others are cancelled and awaited. Returns the
-/// index of the winner and its value (or rethrows its error).
+/// index of the winner and its value (or rethrows its error). Errors: weft::Error (invalid_argument) for
+/// no Futures at all.
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -218,6 +219,9 @@ Task<std::tuple<detail::NonVoid<Ts>...>> when_all(Future<Ts>... futures) {
 
 template <class T>
 Task<WhenAnyResult<T>> when_any(std::vector<Future<T>> futures) {
+  if (futures.empty()) {  // there is no winner to name (it returned index SIZE_MAX, and read past the slots)
+    throw Error(Errc::invalid_argument, ErrorContext{.op = "when_any"}, "no Futures to wait for: there is no first one");
+  }
   auto gathered = co_await detail::gather(futures, true);
   co_return WhenAnyResult<T>{gathered.first, std::move(*gathered.slots[gathered.first])};
 }

@@ -843,6 +843,11 @@ void detail::throw_empty_future(const char* what) {
               "this Future is empty (default-constructed or moved from): it has no operation");
 }
 
+void detail::throw_value_taken() {
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "Future::get"},
+              "this Future's value was already taken: get() and co_await hand it over once");
+}
+
 void detail::throw_wait_on_loop_thread(const char* what) {
   throw Error(Errc::would_deadlock, ErrorContext{.op = std::string("Future::") + what},
               "called on the thread that runs the operation's Loop (inside a Task, or the thread running a "

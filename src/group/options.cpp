@@ -128,7 +128,11 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
       store = "127.0.0.1:29500";
     }
   }
-  (void)parse_host_port(store, "the store address");
+  if (parse_host_port(store, "the store address").port == 0 && world_size > 1) {
+    // Rank 0 would serve on a port the kernel picks, which no other rank can know.
+    bad(fmt::format("the store address='{}' has port 0: every rank must know the store's port before rank 0 serves it "
+                    "(pick a free one; weft-run does)", store));
+  }
   if (interface.empty()) {
     if (const char* v = env("WEFT_IFNAME")) interface = v;
   }

@@ -65,7 +65,10 @@ awaitable<tcp::socket> connect_retrying(const std::string& host, unsigned short 
                                         std::string& last_error) {
   auto executor = co_await asio::this_coro::executor;
   for (;;) {
-    for (const auto& endpoint : co_await resolve(host, port)) {
+    const auto endpoints = co_await resolve(host, port);
+    // The name may resolve later (a DNS record that is not there yet): retried, but said if it never does.
+    if (endpoints.empty()) last_error = fmt::format("cannot resolve '{}'", host);
+    for (const auto& endpoint : endpoints) {
       tcp::socket socket(executor);
       auto [ec] = co_await socket.async_connect(endpoint, no_throw);
       if (!ec) co_return socket;
@@ -168,7 +171,9 @@ awaitable<greeting::Greeting> greet(tcp::socket& socket, const greeting::Local& 
     }
     co_return std::move(*theirs);
   } catch (const greeting::Refused& e) {
-    fail(Errc::refused, local.rank, e.what());
+    // Named by address if the refusal does not say whom (a stranger's bytes: "not a weft greeting").
+    const std::string_view what = e.what();
+    fail(Errc::refused, local.rank, what.starts_with(remote) ? std::string(what) : fmt::format("{} answered: {}", remote, what));
   } catch (const std::system_error& e) {
     if (dynamic_cast<const Error*>(&e)) throw;
     fail(Errc::connection_failed, local.rank, fmt::format("{}: the connection failed during the greeting: {}", remote, e.code().message()));

@@ -61,7 +61,18 @@ awaitable<std::vector<std::byte>> read_hello(tcp::socket& socket, Hello& out) {
   std::vector<std::byte> bytes(hello_size);
   co_await asio::async_read(socket, asio::buffer(bytes.data(), 4), use_awaitable);
   if (le::get_u32(bytes.data()) != magic) {
-    throw Refused(fmt::format("not a weft greeting (magic 0x{:08x}, expected 0x{:08x})", le::get_u32(bytes.data()), magic));
+    // The first bytes as text where they are text: "GET ", "HTTP", "SSH-" say who answered.
+    std::string text;
+    for (int i = 0; i < 4; ++i) {
+      const auto c = static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)]);
+      if (c < 0x20 || c > 0x7e) {
+        text.clear();
+        break;
+      }
+      text += static_cast<char>(c);
+    }
+    throw Refused(fmt::format("not a weft greeting (magic 0x{:08x}{}, expected 0x{:08x})", le::get_u32(bytes.data()),
+                              text.empty() ? "" : fmt::format(": '{}'", text), magic));
   }
   co_await asio::async_read(socket, asio::buffer(bytes.data() + 4, hello_size - 4), use_awaitable);
   std::string error;

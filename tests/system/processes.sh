@@ -88,6 +88,10 @@ case $case_name in
     echo "$out" | grep -q "100 ranks need about 232 open files here, and the limit is 64" || { echo "$out"; echo "FAIL: the limit not named"; exit 1; }
     [ -z "$(ls "$marks")" ] || { echo "FAIL: ranks started: $(ls "$marks" | wc -l)"; exit 1; }
     rm -rf "$marks"
+    # A port no TCP address has: refused by weft-run itself (it handed 70000 to every rank before).
+    out=$("$run" --port 70000 -n 1 -- true 2>&1); rc=$?
+    [ $rc -eq 2 ] || { echo "$out"; echo "FAIL: --port 70000 gave $rc, expected 2"; exit 1; }
+    echo "$out" | grep -q "TCP port (0-65535), got 70000" || { echo "$out"; echo "FAIL: the port not named"; exit 1; }
     ;;
   torchrun-env)
     port=$(free_port)

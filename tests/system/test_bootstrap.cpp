@@ -74,6 +74,10 @@ TEST_CASE("a malformed or missing variable is an error that names it", "[bootstr
   CHECK_THROWS_WITH(from({}), Catch::Contains("no rank and world size"));
   CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "nohostport"}}), Catch::Contains("expected host:port"));
   CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "::1:80"}}), Catch::Contains("[address]:port"));
+  // Port 0: rank 0 served the store on a port the kernel picked, and every rank (rank 0 too) then said
+  // "rank 0 never served the store at 127.0.0.1:0" after the whole bootstrap timeout.
+  CHECK_THROWS_WITH(from({{"WEFT_RANK", "1"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "127.0.0.1:0"}}), Catch::Contains("has port 0"));
+  CHECK(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "1"}, {"WEFT_STORE", "127.0.0.1:0"}}).store == "127.0.0.1:0");  // no store for 1 rank
   CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_PIPELINE_DEPTH", "0"}}), Catch::Contains("WEFT_PIPELINE_DEPTH=0 is out of range"));
 }
 

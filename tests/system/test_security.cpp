@@ -661,6 +661,46 @@ TEST_CASE("a rank that connects to a stranger tells it nothing about the job bef
                             std::string("the proof of the shared secret from the store does not match the secret of the connecting rank (a different WEFT_SECRET?)").size());
 }
 
+TEST_CASE("a store address where something else answers is named with what answered", "[security][claims]") {
+  // A web server on the port the ranks were told: they said "not a weft greeting" without saying where.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(::listen(listener, 4) == 0);
+  socklen_t length = sizeof at;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length);
+  std::thread web([&] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    (void)recv_up_to(fd, greeting::hello_size, 5s);
+    const std::string answer = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n";
+    (void)!::send(fd, answer.data(), answer.size(), MSG_NOSIGNAL);
+    (void)recv_up_to(fd, 4096, 1s);
+    ::close(fd);
+  });
+  Options options;
+  options.rank = 1;
+  options.world_size = 2;
+  const std::string store = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  options.store = store;
+  options.bootstrap_timeout = 5s;
+  Outcome outcome;
+  {
+    Loop loop(Loop::Options{0us});
+    try {
+      Group g = Group::create(loop, options).get();
+    } catch (const Error& e) {
+      outcome.code = e.errc();
+      outcome.text = e.what();
+    }
+  }
+  web.join();
+  ::close(listener);
+  CHECK(outcome.code == Errc::refused);
+  CHECK_THAT(outcome.text, Catch::Contains("the store at " + store + " answered: not a weft greeting (magic 0x50545448: 'HTTP'"));
+}
+
 TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays final: [refusal])", "[security][crowd]") {
   // The test plays rank 0 of a world of 2: it serves the store and registers, as rank 0's address, a
   // listener that closes the first connection without a word (as a crowded listener closes its oldest

@@ -305,6 +305,32 @@ TEST_CASE("when_any returns the first to finish and cancels the rest", "[core][w
   CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
+TEST_CASE("when_any of no Futures is refused, and a Future's value is handed over once", "[core][when][future]") {
+  Loop loop;
+  auto none = []() -> Task<WhenAnyResult<int>> { co_return co_await when_any(std::vector<Future<int>>{}); };
+  // It returned index SIZE_MAX and a value read past its slots.
+  CHECK_THROWS_WITH(sync_wait(loop, none()), Catch::Contains("when_any") && Catch::Contains("no Futures to wait for"));
+  CHECK(sync_wait(loop, []() -> Task<std::size_t> { co_return (co_await when_all(std::vector<Future<int>>{})).size(); }()) == 0);
+
+  Future<std::vector<int>> f = spawn(loop, []() -> Task<std::vector<int>> { co_return std::vector<int>{1, 2, 3}; }());
+  CHECK(f.get().size() == 3);
+  // The second get() returned the moved-from vector (empty) as if it were the result.
+  CHECK_THROWS_WITH(f.get(), Catch::Contains("Future::get") && Catch::Contains("already taken"));
+  auto twice = [](Future<int> g) -> Task<int> {
+    const int first = co_await std::move(g);
+    try {
+      (void)co_await std::move(g);
+    } catch (const Error& e) {
+      co_return e.errc() == Errc::invalid_argument ? first : -1;
+    }
+    co_return -2;
+  };
+  CHECK(sync_wait(loop, twice(spawn(loop, sleepy(loop, 1ms, 9)))) == 9);
+  Future<void> v = spawn(loop, []() -> Task<void> { co_return; }());
+  v.get();
+  v.get();  // nothing to hand over: a Future<void> may be asked again
+}
+
 TEST_CASE("cancelling a Task's Future reaches the Futures it awaits", "[core][cancel]") {
   Loop loop;
   auto outer = [](Loop& l) -> Task<int> {
