@@ -51,4 +51,32 @@ std::chrono::microseconds env_microseconds_or(const char* name, std::chrono::mic
   }
 }
 
+long long parse_count(const char* name, const char* text, long long min, long long max) {
+  const std::string_view digits(text);
+  const auto wrong = [&] { refuse(name, digits, fmt::format("a whole number from {} to {}", min, max)); };
+  if (digits.empty()) wrong();
+  long long value = 0;
+  for (const char c : digits) {
+    if (c < '0' || c > '9') wrong();
+    value = value * 10 + (c - '0');
+    if (value > max) wrong();  // before it could wrap
+  }
+  if (value < min) wrong();
+  return value;
+}
+
+long long env_count(const char* name, long long fallback, long long min, long long max) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  return parse_count(name, v, min, max);
+}
+
+long long env_count_or(const char* name, long long fallback, long long min, long long max) noexcept {
+  try {
+    return env_count(name, fallback, min, max);
+  } catch (...) {
+    return fallback;
+  }
+}
+
 }  // namespace weft::detail

@@ -22,4 +22,12 @@ std::chrono::microseconds parse_microseconds(const char* name, const char* text,
 std::chrono::microseconds env_microseconds_or(const char* name, std::chrono::microseconds fallback,
                                               std::chrono::microseconds max = std::chrono::seconds(10)) noexcept;
 
+/// A whole number from `min` to `max`; unset or empty: `fallback`. Throws on anything else.
+long long env_count(const char* name, long long fallback, long long min, long long max);
+/// `text` as env_count takes it (for a variable read through another lookup than getenv).
+long long parse_count(const char* name, const char* text, long long min, long long max);
+/// The same where no exception may leave (read lazily): `fallback` for a malformed value, which the
+/// Loop's construction refused before anyway.
+long long env_count_or(const char* name, long long fallback, long long min, long long max) noexcept;
+
 }  // namespace weft::detail

@@ -526,9 +526,12 @@ struct Loop::Impl {
 
 namespace {
 // The loop's tuning variables, each refused when malformed (core/env.hpp); WEFT_WAIT_SPIN_US is read
-// lazily by Future::wait, which cannot throw, so it is checked here, before any Future exists.
+// lazily by Future::wait, which cannot throw, so it is checked here, before any Future exists, and so
+// are the thread counts the compute pool and the device's host copies read when first used.
 Loop::Options options_from_environment() {
   (void)detail::env_microseconds("WEFT_WAIT_SPIN_US", {});
+  (void)detail::env_count("WEFT_COMPUTE_THREADS", 0, 1, 1024);
+  (void)detail::env_count("WEFT_COPY_THREADS", 0, 1, 64);
   return Loop::Options{default_spin(), default_caller_drives(), default_yield(), default_yield_when_preempted()};
 }
 }  // namespace

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "core/env.hpp"
+
 namespace weft {
 namespace {
 std::atomic<int> running_jobs{0};
@@ -13,7 +15,7 @@ int detail::compute_jobs_running() noexcept { return running_jobs.load(std::memo
 
 ComputePool::ComputePool(unsigned threads) {
   if (threads == 0) {
-    if (const char* v = std::getenv("WEFT_COMPUTE_THREADS"); v && std::atoi(v) > 0) threads = static_cast<unsigned>(std::atoi(v));
+    threads = static_cast<unsigned>(detail::env_count_or("WEFT_COMPUTE_THREADS", 0, 1, 1024));  // refused by Loop()
   }
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   threads_.reserve(threads);

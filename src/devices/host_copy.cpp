@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/env.hpp"
+
 namespace weft::gpu::detail {
 namespace {
 
@@ -90,9 +92,8 @@ class Helpers {
 };
 
 unsigned threads_from_environment() {
-  if (const char* v = std::getenv("WEFT_COPY_THREADS"); v && *v) {
-    return static_cast<unsigned>(std::clamp(std::atoi(v), 1, 64));
-  }
+  // Refused by Loop() when malformed (WEFT_COPY_THREADS=abc was 1 thread, silently).
+  if (const long long set = weft::detail::env_count_or("WEFT_COPY_THREADS", 0, 1, 64); set > 0) return static_cast<unsigned>(set);
   // Half the CPUs, at most 4: the loop's thread, the device's host functions and the program's own
   // threads need the rest. (On a 2-core VM, 2 threads copied a staged 64 MiB at 3.3-8 GB/s against one
   // thread's 6.3-7.0 through the simulated device: the helper waited for a core.)

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "algorithms/reduction.hpp"
+#include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/signature.hpp"
 #include "devices/peer_window.hpp"
@@ -60,8 +61,7 @@ struct IgnoringStop {
 
 bool ipc_wanted() {
   static const bool on = [] {
-    const char* text = std::getenv("WEFT_DEVICE_IPC");
-    return text && std::string_view(text) == "1";
+    return detail::env_switch("WEFT_DEVICE_IPC", false);  // refused by Group::create when malformed
   }();
   return on;
 }

@@ -158,6 +158,11 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   }
   // Read lazily by the shm collectives, where nothing may throw: refused here, at the group's creation.
   if (const char* v = env("WEFT_INLINE_SPIN_US"); v && *v) (void)detail::parse_microseconds("WEFT_INLINE_SPIN_US", v);
+  // Read lazily too (host::local_ranks, the device windows' choice); "yes" was off and "four" was 1.
+  if (const char* v = env("WEFT_LOCAL_WORLD_SIZE"); v && *v) (void)detail::parse_count("WEFT_LOCAL_WORLD_SIZE", v, 1, 1 << 24);
+  if (const char* v = env("WEFT_DEVICE_IPC"); v && *v && std::string_view(v) != "0" && std::string_view(v) != "1") {
+    bad(fmt::format("WEFT_DEVICE_IPC='{}' is not a switch (valid: 0, 1)", v));
+  }
   if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
   if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = parse_duration("WEFT_HEARTBEAT", v);
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {

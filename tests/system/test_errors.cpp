@@ -1089,7 +1089,7 @@ TEST_CASE("a transpose refused at the call leaves its buffers alone, and a null 
   REQUIRE(checks_made.load() > before);
 }
 
-TEST_CASE("WEFT_INLINE_SPIN_US is refused at the group's creation when malformed", "[errors][preconditions]") {
+TEST_CASE("variables read lazily (WEFT_INLINE_SPIN_US and others) are refused at the group's creation when malformed", "[errors][preconditions]") {
   const auto env_with = [](const char* value) { return environment_with(value, {"WEFT_INLINE_SPIN_US"}); };
   for (const char* bad : {"-1", "abc", "99999999999999999999"}) {
     expect_error([&] { Options{}.from_environment(env_with(bad)); }, Errc::invalid_argument,
@@ -1097,6 +1097,16 @@ TEST_CASE("WEFT_INLINE_SPIN_US is refused at the group's creation when malformed
   }
   Options{}.from_environment(env_with("0"));
   Options{}.from_environment(env_with("50"));
+  // Read lazily as well, and silently wrong before: "four" local ranks meant the next convention's
+  // count (or 1), WEFT_DEVICE_IPC=yes meant off.
+  for (const char* bad : {"four", "0", "-2", "99999999999"}) {
+    expect_error([&] { Options{}.from_environment(environment_with(bad, {"WEFT_LOCAL_WORLD_SIZE"})); }, Errc::invalid_argument,
+                 {"WEFT_LOCAL_WORLD_SIZE='", "is not a whole number from 1 to 16777216"});
+  }
+  Options{}.from_environment(environment_with("4", {"WEFT_LOCAL_WORLD_SIZE"}));
+  expect_error([&] { Options{}.from_environment(environment_with("yes", {"WEFT_DEVICE_IPC"})); }, Errc::invalid_argument,
+               {"WEFT_DEVICE_IPC='yes' is not a switch"});
+  Options{}.from_environment(environment_with("1", {"WEFT_DEVICE_IPC"}));
 }
 
 TEST_CASE("WEFT_TIMEOUT takes a duration and refuses anything else", "[errors][timeout]") {

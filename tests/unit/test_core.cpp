@@ -801,6 +801,12 @@ TEST_CASE("the loop's tuning variables refuse malformed values, naming the varia
     refused("WEFT_DRIVE", bad, "a switch (valid: 0, 1)");
     refused("WEFT_SPIN_YIELD", bad, "a switch (valid: 0, 1)");
   }
+  // The compute pool's and the device's host copies' thread counts, read when first used: "abc" was the
+  // default, and WEFT_COPY_THREADS=abc one thread.
+  for (const char* bad : {"abc", "0", "-1", "2.5", "99999999999999999999"}) {
+    refused("WEFT_COMPUTE_THREADS", bad, "a whole number from 1 to 1024");
+    refused("WEFT_COPY_THREADS", bad, "a whole number from 1 to 64");
+  }
   ::setenv("WEFT_SPIN_US", "10000000", 1);  // the longest taken: 10 s
   ::setenv("WEFT_DRIVE", "0", 1);
   {
