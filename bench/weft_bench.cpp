@@ -120,6 +120,10 @@ std::size_t parse_size(const std::string& flag, const std::string& text) {
   else if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
   else if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
   else if (!suffix.empty()) usage(fmt::format("{}: unknown size suffix '{}' in '{}'", flag, suffix, text));
+  // NaN, infinity and 1e30 would have been cast to a size no double converts to (undefined behaviour).
+  if (!(v * scale <= static_cast<double>(weft::max_buffer_bytes))) {
+    usage(fmt::format("{} expects a size up to 128T (what a buffer can hold), got '{}'", flag, text));
+  }
   return static_cast<std::size_t>(v * scale);
 }
 
@@ -150,8 +154,12 @@ Args parse(int argc, char** argv) {
     } else if (flag == "-e" || flag == "--maxbytes") {
       a.max_bytes = parse_size(flag, value());
     } else if (flag == "-f" || flag == "--stepfactor") {
-      a.factor = std::strtod(value().c_str(), nullptr);
-      if (a.factor <= 1) usage("-f expects a factor above 1");
+      const std::string text = value();
+      char* end = nullptr;
+      a.factor = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0' || !(a.factor > 1) || !(a.factor < 1e6)) {  // NaN fails both
+        usage(fmt::format("-f expects a factor above 1, got '{}'", text));
+      }
     } else if (flag == "-d" || flag == "--datatype") {
       const std::string name = value();
       auto t = parse_dtype(name);

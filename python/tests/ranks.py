@@ -271,6 +271,9 @@ def bad_arguments(g):
     expect_error(lambda: g.all_reduce(np.array(["a", "b"])), "invalid_argument", "numpy dtype")
     # The other byte order was reduced as if native (ones summed to 4.25e37).
     expect_error(lambda: g.all_reduce(np.ones(4, dtype=">f4")), "invalid_argument", "'>f4'", "byte order")
+    # Refused before the bootstrap (NaN seconds was cast to milliseconds: undefined behaviour).
+    for t in (float("nan"), -1.0, 1e300):
+        expect_error(lambda: weft.Group.create(timeout=t), "invalid_argument", "timeout=")
     expect_error(lambda: g.send(np.ones(4, dtype=">i8"), 0), "invalid_argument", "byte order")
     expect(g.all_reduce(np.ones(4, dtype=">u1")).wait()[0] == g.size, "one-byte types have no byte order")
     expect_error(lambda: g.reduce_scatter(np.ones((g.size + 1, 2), dtype=np.float32), axis=0), "invalid_argument", "reduce_scatter")

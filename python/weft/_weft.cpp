@@ -523,7 +523,16 @@ class PyGroup {
       else if (k == "world_size") options.world_size = value.cast<int>();
       else if (k == "store") options.store = value.cast<std::string>();
       else if (k == "transport") options.transport = value.cast<std::string>();
-      else if (k == "timeout") options.timeout = std::chrono::milliseconds(static_cast<long long>(value.cast<double>() * 1000));
+      else if (k == "timeout") {
+        // Checked before the cast: NaN or 1e300 seconds made no number of milliseconds (undefined
+        // behaviour), and a negative one was taken; Group::create refuses more than a year.
+        const double seconds = value.cast<double>();
+        if (!(seconds >= 0) || seconds > 1e10) {
+          raise_invalid("Group.create: timeout=" + py::repr(value).cast<std::string>() +
+                        " is not a number of seconds from 0 (no deadline) to a year");
+        }
+        options.timeout = std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+      }
       else if (k == "secret") options.secret = value.cast<std::string>();
       else raise_invalid("Group.create has no option '" + k + "' (rank, world_size, store, transport, timeout, secret)");
     }

@@ -160,6 +160,9 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (const char* v = env("WEFT_INLINE_SPIN_US"); v && *v) (void)detail::parse_microseconds("WEFT_INLINE_SPIN_US", v);
   // Read lazily too (host::local_ranks, the device windows' choice); "yes" was off and "four" was 1.
   if (const char* v = env("WEFT_LOCAL_WORLD_SIZE"); v && *v) (void)detail::parse_count("WEFT_LOCAL_WORLD_SIZE", v, 1, 1 << 24);
+  if (const char* v = env("WEFT_SHM_CMA_BYTES"); v && *v && std::string_view(v) != "off") {
+    (void)detail::parse_count("WEFT_SHM_CMA_BYTES", v, 0, 1ll << 47);  // was a warning, then "off"
+  }
   if (const char* v = env("WEFT_DEVICE_IPC"); v && *v && std::string_view(v) != "0" && std::string_view(v) != "1") {
     bad(fmt::format("WEFT_DEVICE_IPC='{}' is not a switch (valid: 0, 1)", v));
   }

@@ -23,6 +23,14 @@ case $case_name in
       echo "$out" | grep -q "Out of bounds values : 0 OK" || { echo "$out"; echo "FAIL: $spec"; exit 1; }
       echo "ok: all_reduce $spec"
     done
+    # Sizes and factors no run can have: refused with the flag named (NaN and 1e30 were cast to a size,
+    # "2x" read as 2).
+    for args in "-b nan" "-e 1e30" "-e inf" "-f 2x" "-f nan" "-f 1"; do
+      out=$("$bench" -c all_reduce $args 2>&1); rc=$?
+      [ $rc -eq 2 ] || { echo "$out"; echo "FAIL: weft-bench $args gave $rc, expected 2"; exit 1; }
+      echo "$out" | grep -q "^weft-bench: -[bef] expects" || { echo "$out"; echo "FAIL: weft-bench $args not named"; exit 1; }
+    done
+    echo "ok: bad sizes refused"
     ;;
   bench-device)
     # Every collective through weft-run with --device: the buffers in (simulated) device memory, staged;

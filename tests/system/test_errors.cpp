@@ -1107,6 +1107,11 @@ TEST_CASE("variables read lazily (WEFT_INLINE_SPIN_US and others) are refused at
   expect_error([&] { Options{}.from_environment(environment_with("yes", {"WEFT_DEVICE_IPC"})); }, Errc::invalid_argument,
                {"WEFT_DEVICE_IPC='yes' is not a switch"});
   Options{}.from_environment(environment_with("1", {"WEFT_DEVICE_IPC"}));
+  // Single copy's threshold: a warning and "off" before.
+  expect_error([&] { Options{}.from_environment(environment_with("64k", {"WEFT_SHM_CMA_BYTES"})); }, Errc::invalid_argument,
+               {"WEFT_SHM_CMA_BYTES='64k' is not a whole number"});
+  Options{}.from_environment(environment_with("off", {"WEFT_SHM_CMA_BYTES"}));
+  Options{}.from_environment(environment_with("65536", {"WEFT_SHM_CMA_BYTES"}));
 }
 
 TEST_CASE("WEFT_TIMEOUT takes a duration and refuses anything else", "[errors][timeout]") {
