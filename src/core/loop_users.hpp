@@ -5,6 +5,9 @@
 // loop's destructor now stops the process with a message that names the mistake instead, as
 // std::thread's does for a thread never joined. (A class whose members are `Group group; Loop loop;`
 // destroys the loop first: declare the Loop first.)
+#include <cstdint>
+#include <functional>
+
 #include "weft/loop.hpp"
 
 namespace weft::detail {
@@ -12,5 +15,14 @@ namespace weft::detail {
 /// Counts a Group's transport as using `loop` / releases it. Thread-safe.
 void loop_user_added(const Loop& loop) noexcept;
 void loop_user_removed(const Loop& loop) noexcept;
+
+/// What must end with the loop: the loop's destructor calls each hook still registered once, after its
+/// progress thread stopped (nothing else runs the loop then). A transport registers its shutdown: a
+/// Loop destroyed while an operation of its group was still in flight (a cancelled send being written,
+/// a Future dropped) left the transport, held by that operation, with its connections open and nobody
+/// behind them, so the peers waited for this rank until their deadline. Its sockets are closed now, its
+/// operations fail, and the peers see this rank leave. Thread-safe.
+std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook);
+void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept;
 
 }  // namespace weft::detail

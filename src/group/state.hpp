@@ -160,23 +160,15 @@ class ArenaTurns {
   std::vector<std::uint64_t> abandoned_;                                    // guarded by mutex_
 };
 
-// Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop
-// it waits for that, so that nothing of the transport outlives the Group's destruction.
+// Deletes a transport on its loop's thread, where its handlers run, once the frames that tell the
+// peers why (an abort, a cancel) are out (Transport::control_pending), for at most two seconds: a rank
+// that left right after a failure closed its connections with the abort queued behind a data frame, and
+// its peers saw a lost connection instead of the reason. From another thread of an owned loop it waits
+// for that, so that nothing of the transport outlives the Group's destruction (create.cpp).
 struct DeleteOnLoop {
   Loop* loop;
-  void operator()(Transport* transport) const {
-    if (loop->owns_thread() && !loop->in_loop_thread()) {
-      std::promise<void> done;
-      loop->post([&] {
-        delete transport;
-        done.set_value();
-      });
-      done.get_future().wait();
-    } else {
-      // On the loop thread we may be inside one of the transport's own callbacks: delete it later.
-      loop->post([transport] { delete transport; });
-    }
-  }
+  std::uint64_t end_hook = 0;  // the transport's shutdown, should the loop end first (core/loop_users.hpp)
+  void operator()(Transport* transport) const;
 };
 
 struct DeviceStaging;  // device_staging.cpp
