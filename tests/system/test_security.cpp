@@ -479,6 +479,32 @@ std::string recv_up_to(int fd, std::size_t n, std::chrono::milliseconds limit) {
   return out;
 }
 
+// What Group::create says to a rank alone with a stranger (the stranger answers on another thread).
+Outcome create_alone(const Options& options) {
+  Outcome outcome;
+  Loop loop(Loop::Options{0us});
+  try {
+    Group g = Group::create(loop, options).get();
+  } catch (const Error& e) {
+    outcome.code = e.errc();
+    outcome.text = e.what();
+  }
+  return outcome;
+}
+
+// A listening socket on a free loopback port: (descriptor, port). A stranger where a store should be.
+std::pair<int, unsigned short> loopback_listener() {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(::listen(listener, 4) == 0);
+  socklen_t length = sizeof at;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length);
+  return {listener, ntohs(at.sin_port)};
+}
+
 bool send_all(int fd, const std::vector<std::byte>& bytes) {
   return ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
 }
@@ -615,14 +641,7 @@ TEST_CASE("a stranger without the secret learns nothing about the job and reserv
 
 TEST_CASE("a rank that connects to a stranger tells it nothing about the job before the stranger proves the secret", "[security][claims]") {
   // Issue 13, 2(c), the other direction: a process squatting on the store's port before rank 0 binds it.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
-  REQUIRE(::listen(listener, 4) == 0);
-  socklen_t length = sizeof at;
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length);
+  const auto [listener, port] = loopback_listener();
   std::string heard;
   std::thread squatter([&] {
     const int fd = ::accept(listener, nullptr, nullptr);
@@ -637,20 +656,11 @@ TEST_CASE("a rank that connects to a stranger tells it nothing about the job bef
   Options options;
   options.rank = 1;
   options.world_size = 4;
-  options.store = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  options.store = "127.0.0.1:" + std::to_string(port);
   options.bootstrap_timeout = 5s;
   options.secret = "only the job knows";
   options.job_id = "job-named-secretly";
-  Outcome outcome;
-  {
-    Loop loop(Loop::Options{0us});
-    try {
-      Group g = Group::create(loop, options).get();
-    } catch (const Error& e) {
-      outcome.code = e.errc();
-      outcome.text = e.what();
-    }
-  }
+  const Outcome outcome = create_alone(options);
   squatter.join();
   ::close(listener);
   CHECK(outcome.code == Errc::refused);
@@ -663,14 +673,7 @@ TEST_CASE("a rank that connects to a stranger tells it nothing about the job bef
 
 TEST_CASE("a store address where something else answers is named with what answered", "[security][claims]") {
   // A web server on the port the ranks were told: they said "not a weft greeting" without saying where.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
-  REQUIRE(::listen(listener, 4) == 0);
-  socklen_t length = sizeof at;
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length);
+  const auto [listener, port] = loopback_listener();
   std::thread web([&] {
     const int fd = ::accept(listener, nullptr, nullptr);
     (void)recv_up_to(fd, greeting::hello_size, 5s);
@@ -682,19 +685,10 @@ TEST_CASE("a store address where something else answers is named with what answe
   Options options;
   options.rank = 1;
   options.world_size = 2;
-  const std::string store = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  const std::string store = "127.0.0.1:" + std::to_string(port);
   options.store = store;
   options.bootstrap_timeout = 5s;
-  Outcome outcome;
-  {
-    Loop loop(Loop::Options{0us});
-    try {
-      Group g = Group::create(loop, options).get();
-    } catch (const Error& e) {
-      outcome.code = e.errc();
-      outcome.text = e.what();
-    }
-  }
+  const Outcome outcome = create_alone(options);
   web.join();
   ::close(listener);
   CHECK(outcome.code == Errc::refused);
