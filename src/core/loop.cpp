@@ -138,9 +138,13 @@ std::unordered_map<const Loop*, int>& loop_users() {
 }
 
 // Each live Loop's end hooks (core/loop_users.hpp), under loops_mutex.
+struct EndHook {
+  std::uint64_t id;
+  std::function<void()> end;
+};
 struct EndHooks {
   std::uint64_t next = 1;
-  std::unordered_map<const Loop*, std::vector<std::pair<std::uint64_t, std::function<void()>>>> by_loop;
+  std::unordered_map<const Loop*, std::vector<EndHook>> by_loop;
 };
 EndHooks& end_hooks() {
   static auto* hooks = new EndHooks();  // never destroyed, as live_loops()
@@ -594,14 +598,14 @@ void loop_user_added(const Loop& loop) noexcept {
 std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook) {
   std::lock_guard lock(loops_mutex);
   const std::uint64_t id = end_hooks().next++;
-  end_hooks().by_loop[&loop].emplace_back(id, std::move(hook));
+  end_hooks().by_loop[&loop].push_back(EndHook{id, std::move(hook)});
   return id;
 }
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept {
   std::lock_guard lock(loops_mutex);
   const auto found = end_hooks().by_loop.find(&loop);
   if (found == end_hooks().by_loop.end()) return;
-  std::erase_if(found->second, [id](const auto& entry) { return entry.first == id; });
+  std::erase_if(found->second, [id](const EndHook& entry) { return entry.id == id; });
   if (found->second.empty()) end_hooks().by_loop.erase(found);
 }
 void loop_user_removed(const Loop& loop) noexcept {
@@ -653,7 +657,7 @@ Loop::~Loop() {
     impl_->drain();  // what was posted after the progress thread's own drain (nothing runs concurrently)
   }
   {
-    std::vector<std::pair<std::uint64_t, std::function<void()>>> ending;
+    std::vector<EndHook> ending;
     {
       std::lock_guard lock(loops_mutex);
       if (auto found = end_hooks().by_loop.find(this); found != end_hooks().by_loop.end()) {
@@ -661,7 +665,7 @@ Loop::~Loop() {
         end_hooks().by_loop.erase(found);
       }
     }
-    for (auto& [id, hook] : ending) hook();
+    for (EndHook& hook : ending) hook.end();
   }
   { std::lock_guard wait_for_posters(impl_->ready_mutex); }
   // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
