@@ -13,27 +13,37 @@ namespace {
 [[noreturn]] void refuse(const char* name, std::string_view text, std::string_view expected) {
   throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"}, fmt::format("{}='{}' is not {}", name, text, expected));
 }
+
+// Digits only (no sign, no space), from `min` to `max`; `expected` says so in the refusal.
+long long parse_whole(const char* name, const char* text, long long min, long long max, std::string_view expected) {
+  const std::string_view digits(text);
+  if (digits.empty()) refuse(name, digits, expected);
+  long long value = 0;
+  for (const char c : digits) {
+    if (c < '0' || c > '9') refuse(name, digits, expected);
+    value = value * 10 + (c - '0');
+    if (value > max) refuse(name, digits, expected);  // before it could wrap
+  }
+  if (value < min) refuse(name, digits, expected);
+  return value;
+}
 }  // namespace
+
+bool parse_switch(const char* name, const char* text) {
+  const std::string_view value(text);
+  if (value == "0" || value == "1") return value == "1";
+  refuse(name, value, "a switch (valid: 0, 1)");
+}
 
 bool env_switch(const char* name, bool fallback) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;
-  const std::string_view text(v);
-  if (text == "0" || text == "1") return text == "1";
-  refuse(name, text, "a switch (valid: 0, 1)");
+  return parse_switch(name, v);
 }
 
 std::chrono::microseconds parse_microseconds(const char* name, const char* text, std::chrono::microseconds max) {
-  const std::string_view digits(text);
-  const auto wrong = [&] { refuse(name, digits, fmt::format("a whole number of microseconds from 0 to {}", max.count())); };
-  if (digits.empty()) wrong();
-  long long value = 0;
-  for (const char c : digits) {
-    if (c < '0' || c > '9') wrong();
-    value = value * 10 + (c - '0');
-    if (value > max.count()) wrong();  // before it could wrap
-  }
-  return std::chrono::microseconds(value);
+  return std::chrono::microseconds(
+      parse_whole(name, text, 0, max.count(), fmt::format("a whole number of microseconds from 0 to {}", max.count())));
 }
 
 std::chrono::microseconds env_microseconds(const char* name, std::chrono::microseconds fallback, std::chrono::microseconds max) {
@@ -52,17 +62,7 @@ std::chrono::microseconds env_microseconds_or(const char* name, std::chrono::mic
 }
 
 long long parse_count(const char* name, const char* text, long long min, long long max) {
-  const std::string_view digits(text);
-  const auto wrong = [&] { refuse(name, digits, fmt::format("a whole number from {} to {}", min, max)); };
-  if (digits.empty()) wrong();
-  long long value = 0;
-  for (const char c : digits) {
-    if (c < '0' || c > '9') wrong();
-    value = value * 10 + (c - '0');
-    if (value > max) wrong();  // before it could wrap
-  }
-  if (value < min) wrong();
-  return value;
+  return parse_whole(name, text, min, max, fmt::format("a whole number from {} to {}", min, max));
 }
 
 long long env_count(const char* name, long long fallback, long long min, long long max) {

@@ -8,6 +8,8 @@ namespace weft::detail {
 
 /// A 0/1 switch; unset or empty: `fallback`. Throws on anything else.
 bool env_switch(const char* name, bool fallback);
+/// `text` as env_switch takes it (for a variable read through another lookup than getenv).
+bool parse_switch(const char* name, const char* text);
 
 /// A whole number of microseconds, 0 to `max`; unset or empty: `fallback`. Throws on anything else.
 std::chrono::microseconds env_microseconds(const char* name, std::chrono::microseconds fallback,

@@ -163,9 +163,7 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (const char* v = env("WEFT_SHM_CMA_BYTES"); v && *v && std::string_view(v) != "off") {
     (void)detail::parse_count("WEFT_SHM_CMA_BYTES", v, 0, 1ll << 47);  // was a warning, then "off"
   }
-  if (const char* v = env("WEFT_DEVICE_IPC"); v && *v && std::string_view(v) != "0" && std::string_view(v) != "1") {
-    bad(fmt::format("WEFT_DEVICE_IPC='{}' is not a switch (valid: 0, 1)", v));
-  }
+  if (const char* v = env("WEFT_DEVICE_IPC"); v && *v) (void)detail::parse_switch("WEFT_DEVICE_IPC", v);
   if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
   if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = parse_duration("WEFT_HEARTBEAT", v);
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {
