@@ -207,6 +207,11 @@ class Transport {
   /// as for a lost connection). For ranks left out by shrink.
   virtual void disconnect(int peer, const std::string& reason) = 0;
 
+  /// Whether frames that tell peers why (an abort, a cancel) are still queued or being written: the last
+  /// Group, and the end of an owned Loop, wait for them (at most 2 s) before the transport is shut down,
+  /// so that peers learn the reason rather than see a connection close. Called on the loop's thread.
+  virtual bool control_pending() const noexcept { return false; }
+
   /// Closes every connection; pending operations fail.
   virtual void shutdown() = 0;
 };

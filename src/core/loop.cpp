@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -141,6 +142,7 @@ std::unordered_map<const Loop*, int>& loop_users() {
 struct EndHook {
   std::uint64_t id;
   std::function<void()> end;
+  std::function<bool()> flushing;  // may be empty
 };
 struct EndHooks {
   std::uint64_t next = 1;
@@ -149,6 +151,29 @@ struct EndHooks {
 EndHooks& end_hooks() {
   static auto* hooks = new EndHooks();  // never destroyed, as live_loops()
   return *hooks;
+}
+
+// On the loop's thread: holds `linger` (so the ending loop's progress thread keeps running) while a hook
+// still registered says it is flushing, asking again every millisecond, up to `until`. A hook removed
+// meanwhile belongs to its transport's deletion (DeleteOnLoop), which is posted to this thread after the
+// removal and so cannot run while its predicate is asked here.
+void flush_before_end(Loop& loop, std::chrono::steady_clock::time_point until, std::shared_ptr<Loop::Linger> linger) {
+  loop.post([&loop, until, linger = std::move(linger)]() mutable {
+    std::vector<std::function<bool()>> asks;
+    {
+      std::lock_guard lock(loops_mutex);
+      if (auto found = end_hooks().by_loop.find(&loop); found != end_hooks().by_loop.end()) {
+        for (const EndHook& hook : found->second) {
+          if (hook.flushing) asks.push_back(hook.flushing);
+        }
+      }
+    }
+    const bool flushing = std::any_of(asks.begin(), asks.end(), [](const auto& ask) { return ask(); });
+    if (!flushing || std::chrono::steady_clock::now() >= until) return;  // the Linger goes with the lambda
+    loop.call_after(std::chrono::milliseconds(1), [&loop, until, linger](bool fired) {
+      if (fired) flush_before_end(loop, until, linger);
+    });
+  });
 }
 
 }  // namespace
@@ -595,10 +620,10 @@ void loop_user_added(const Loop& loop) noexcept {
   std::lock_guard lock(loops_mutex);
   ++loop_users()[&loop];
 }
-std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook) {
+std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook, std::function<bool()> flushing) {
   std::lock_guard lock(loops_mutex);
   const std::uint64_t id = end_hooks().next++;
-  end_hooks().by_loop[&loop].push_back(EndHook{id, std::move(hook)});
+  end_hooks().by_loop[&loop].push_back(EndHook{id, std::move(hook), std::move(flushing)});
   return id;
 }
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept {
@@ -637,6 +662,8 @@ Loop::~Loop() {
     loop_users().erase(this);
   }
   if (impl_->progress_thread.joinable()) {
+    // Frames the end hooks still flush (an abort queued behind a data frame): a Linger, like other work.
+    flush_before_end(*this, std::chrono::steady_clock::now() + detail::end_flush_limit, std::make_shared<Linger>(linger()));
     // Work the loop's tasks finish (Linger): the progress thread runs them before it stops.
     Linger::Count& count = *impl_->lingering;
     std::unique_lock lock(count.mutex);

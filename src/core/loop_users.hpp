@@ -5,6 +5,7 @@
 // loop's destructor now stops the process with a message that names the mistake instead, as
 // std::thread's does for a thread never joined. (A class whose members are `Group group; Loop loop;`
 // destroys the loop first: declare the Loop first.)
+#include <chrono>
 #include <cstdint>
 #include <functional>
 
@@ -22,7 +23,15 @@ void loop_user_removed(const Loop& loop) noexcept;
 /// a Future dropped) left the transport, held by that operation, with its connections open and nobody
 /// behind them, so the peers waited for this rank until their deadline. Its sockets are closed now, its
 /// operations fail, and the peers see this rank leave. Thread-safe.
-std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook);
+///
+/// `flushing` (optional): whether the transport still has frames that tell the peers why (an abort
+/// queued behind a data frame being written). An owned loop's destructor first keeps its progress
+/// thread running while any registered hook's `flushing()` holds, asked on the loop's thread every
+/// millisecond, for at most `end_flush_limit`; then the hooks end. A rank that returned right after an
+/// abort otherwise closed its connections in the middle of the frame, and its peers read "closed in
+/// the middle of a frame" instead of the reason (docs/RELIABILITY.md).
+inline constexpr std::chrono::milliseconds end_flush_limit{2000};
+std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook, std::function<bool()> flushing = {});
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept;
 
 }  // namespace weft::detail

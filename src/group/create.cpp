@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <future>
+#include <memory>
 
 #include <asio.hpp>
 #include <fmt/format.h>
@@ -20,20 +22,42 @@
 namespace weft {
 
 namespace detail {
+namespace {
+
+// Loop thread: deletes `transport` once nothing is left to flush, or at `deadline`, then calls `done`.
+// The Linger keeps an owned loop running until then.
+void retire(Loop* loop, Transport* transport, std::chrono::steady_clock::time_point deadline,
+            std::shared_ptr<Loop::Linger> linger, std::function<void()> done) {
+  if (!transport->control_pending() || std::chrono::steady_clock::now() >= deadline) {
+    delete transport;  // (its end hook was removed by DeleteOnLoop)
+    if (done) done();
+    return;
+  }
+  loop->call_after(std::chrono::milliseconds(1), [=](bool fired) {
+    if (fired) {
+      retire(loop, transport, deadline, linger, done);
+    } else {  // the loop is ending
+      delete transport;
+      if (done) done();
+    }
+  });
+}
+
+}  // namespace
 
 void DeleteOnLoop::operator()(Transport* transport) const {
   // From here on the deletion is under way: the loop's end need not shut the transport down.
   if (end_hook) remove_end_hook(*loop, end_hook);
-  if (loop->owns_thread() && !loop->in_loop_thread()) {
-    std::promise<void> done;
-    loop->post([&] {
-      delete transport;
-      done.set_value();
-    });
-    done.get_future().wait();
+  const auto deadline = std::chrono::steady_clock::now() + end_flush_limit;
+  auto linger = std::make_shared<Loop::Linger>(loop->linger());
+  Loop* const on = loop;
+  if (on->owns_thread() && !on->in_loop_thread()) {
+    std::promise<void> finished;
+    on->post([&] { retire(on, transport, deadline, linger, [&finished] { finished.set_value(); }); });
+    finished.get_future().wait();
   } else {
     // On the loop thread we may be inside one of the transport's own callbacks: delete it later.
-    loop->post([transport] { delete transport; });
+    on->post([=] { retire(on, transport, deadline, linger, {}); });
   }
 }
 
@@ -117,7 +141,8 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   transport->seal_frames(options.integrity, result.frame_keys);
   transport->set_early_limit(options.max_early_bytes ? options.max_early_bytes : share_of_half_the_memory());
   transport->watch_liveness(options.heartbeat);
-  const std::uint64_t end_hook = detail::add_end_hook(*loop, [transport] { transport->shutdown(); });
+  const std::uint64_t end_hook = detail::add_end_hook(
+      *loop, [transport] { transport->shutdown(); }, [transport] { return transport->control_pending(); });
   g->transport = std::shared_ptr<Transport>(transport, detail::DeleteOnLoop{loop, end_hook});
   for (int i = 0; i < g->size; ++i) g->members.push_back(i);
   g->place();

@@ -160,8 +160,11 @@ class ArenaTurns {
   std::vector<std::uint64_t> abandoned_;                                    // guarded by mutex_
 };
 
-// Deletes a transport on its loop's thread, where its handlers run; from another thread of an owned loop
-// it waits for that, so that nothing of the transport outlives the Group's destruction (create.cpp).
+// Deletes a transport on its loop's thread, where its handlers run, once the frames that tell the
+// peers why (an abort, a cancel) are out (Transport::control_pending), for at most end_flush_limit (2 s): a rank
+// that left right after a failure closed its connections with the abort queued behind a data frame, and
+// its peers saw a lost connection instead of the reason. From another thread of an owned loop it waits
+// for that, so that nothing of the transport outlives the Group's destruction (create.cpp).
 struct DeleteOnLoop {
   Loop* loop;
   std::uint64_t end_hook = 0;  // the transport's shutdown, should the loop end first (core/loop_users.hpp)

@@ -322,34 +322,51 @@ TEST_CASE("a peer that leaves mid-collective fails every other rank's future", "
 // [leaks]: the operation's frames are abandoned by design (the Loop ends under them), so LeakSanitizer
 // runs it with leak detection off (tests/sanitize.sh); every other ASan check stays on.
 TEST_CASE("a rank whose Loop ends with a send still being written: its peer fails at once, naming it", "[errors][peer][leaks]") {
-  // Rank 1 cancels a send whose 64 MiB frame is half written (rank 0 reads nothing for a second), drops
-  // its Group and the harness destroys its Loop. The cancelled send's operation held the transport past
-  // the Loop's end: its connection stayed open with nobody behind it, and rank 0's barrier waited until
-  // its deadline (30 min). The loop's end now shuts the transport down (core/loop_users.hpp).
-  const long before = checks_made.load();
-  std::atomic<bool> left{false};
-  run_ranks(2, [&](Group& g) {
-    std::vector<float> big(16 << 20, 1.0f);
-    if (g.rank() == 1) {
-      Future<void> send = g.send(big, 0, 5);
-      std::this_thread::sleep_for(200ms);
-      send.cancel();
-      g = Group();  // the last handle
-      left = true;
-      return;  // the harness destroys this rank's Loop now
-    }
-    g.loop().post([] { std::this_thread::sleep_for(1s); });  // rank 0's loop reads nothing meanwhile
-    while (!left) std::this_thread::sleep_for(1ms);
-    Future<void> barrier = g.barrier();
-    check(barrier.wait_for(20s), "rank 0's barrier waited on for rank 1, whose Loop had ended");
-    try {
-      barrier.get();
-      check(false, "a barrier succeeded after rank 1 left");
-    } catch (const Error& e) {
-      check(std::string(e.what()).find("rank 1") != std::string::npos, std::string("rank 1 not named: ") + e.what());
-    }
-  });
-  REQUIRE(checks_made.load() > before);
+  // Rank 1 leaves with a 64 MiB frame half written to rank 0, whose loop reads nothing for a while:
+  // its Group dropped, then the harness destroys its Loop. Two ways:
+  // (1) it cancels the send: the cancelled send's operation held the transport past the Loop's end, its
+  //     connection stayed open with nobody behind it, and rank 0's barrier waited until its deadline
+  //     (30 min). The loop's end now shuts the transport down (core/loop_users.hpp).
+  // (2) it calls abort(reason): the abort frame is queued behind the data frame, and the loop's end
+  //     closed the connection in the middle of the frame, so rank 0 read "closed in the middle of a
+  //     frame" instead of the reason (every run on tcp, shm and uring). The loop's end now lets the
+  //     frames that say why go out first (end_flush_limit).
+  // The send's buffer outlives both Loops: the dropped Future's write still reads it until it ends.
+  static std::vector<float> big(16 << 20, 1.0f);
+  for (const bool abort : {false, true}) {
+    INFO((abort ? "abort(reason), then leave" : "cancel the send, then leave"));
+    const long before = checks_made.load();
+    std::atomic<bool> left{false};
+    run_ranks(2, [&](Group& g) {
+      if (g.rank() == 1) {
+        Future<void> send = g.send(big, 0, 5);
+        std::this_thread::sleep_for(200ms);
+        if (abort) {
+          g.abort("stopping early");
+        } else {
+          send.cancel();
+        }
+        g = Group();  // the last handle
+        left = true;
+        return;  // the harness destroys this rank's Loop now
+      }
+      // Rank 0's loop reads nothing meanwhile (for less than the stuck-frame grace of 1 s in (2), after
+      // which a frame that does not move is cut and the reason is lost).
+      g.loop().post([abort] { std::this_thread::sleep_for(abort ? 500ms : 1s); });
+      while (!left) std::this_thread::sleep_for(1ms);
+      Future<void> barrier = g.barrier();
+      check(barrier.wait_for(20s), "rank 0's barrier waited on for rank 1, whose Loop had ended");
+      try {
+        barrier.get();
+        check(false, "a barrier succeeded after rank 1 left");
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        check(what.find("rank 1") != std::string::npos, "rank 1 not named: " + what);
+        if (abort) check(what.find("rank 1 called abort(): stopping early") != std::string::npos, "the reason did not arrive: " + what);
+      }
+    });
+    REQUIRE(checks_made.load() > before);
+  }
 }
 
 TEST_CASE("ranks that disagree on the size of a collective fail instead of hanging", "[errors][mismatch]") {

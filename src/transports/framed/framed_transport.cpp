@@ -1218,6 +1218,15 @@ void FramedTransport::finish_query(const std::shared_ptr<Query>& query) {
   query->done(query->answers);
 }
 
+bool FramedTransport::control_pending() const noexcept {
+  for (const auto& c : connections_) {
+    // A control frame queued behind a data frame goes out once that frame is written (start_write
+    // takes control frames first); a connection that cannot write any more has nothing pending.
+    if (c && c->alive && !c->write_failed && (!c->control_queue.empty() || (c->writing && c->writing_control))) return true;
+  }
+  return false;
+}
+
 void FramedTransport::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;

@@ -65,6 +65,7 @@ class FramedTransport final : public Transport, private StreamEvents {
     return (cancelled_seqs_[cancelled_word(seq)].load(std::memory_order_acquire) & cancelled_bit(seq)) != 0;
   }
 
+  bool control_pending() const noexcept override;
   void shutdown() override;
 
   /// At most this many bytes of messages that arrive before their receive are kept, all peers together
