@@ -68,7 +68,16 @@ void free_off_thread(std::vector<DeviceBuffer> buffers) {
 Future<MultiDeviceGroup> MultiDeviceGroup::create(Group group, std::vector<Device> devices) {
   if (!group.valid()) throw Error(Errc::invalid_argument, {.op = "MultiDeviceGroup::create"}, "the group is empty");
   auto state = std::make_shared<detail::MultiDeviceState>();
-  state->set.emplace(DeviceSet::create(group.loop(), devices));  // checks the devices
+  try {
+    state->set.emplace(DeviceSet::create(group.loop(), devices));  // checks the devices
+  } catch (const Error& e) {
+    // DeviceSet knows no group: the rank is named here, as every other error of a group's call does.
+    if (e.context().rank >= 0) throw;
+    ErrorContext context = e.context();
+    context.rank = group.rank();
+    context.op = "MultiDeviceGroup::create";
+    throw Error(e.errc(), context, e.context().op.empty() ? e.detail() : e.context().op + ": " + e.detail());
+  }
   for (const Device& d : devices) state->streams.emplace_back(group.loop(), d);
   state->scratch.resize(devices.size());
   state->devices = std::move(devices);

@@ -580,6 +580,14 @@ TEST_CASE("a group whose ranks drive several devices all_reduces over every devi
       } catch (const Error& e) {
         check(std::string(e.what()).find("entry 0: the output is 4 x i32") != std::string::npos, e.what());
       }
+      // A bad device list too, naming the rank (DeviceSet, which checks it, knows no group).
+      try {
+        (void)gpu::MultiDeviceGroup::create(g, std::vector<Device>(9, devices[0]));
+        check(false, "a set of 9 devices was taken");
+      } catch (const Error& e) {
+        const std::string want = fmt::format("rank {}: MultiDeviceGroup::create: DeviceSet: 9 devices", g.rank());
+        check(std::string(e.what()).find(want) != std::string::npos, std::string(e.what()) + " does not say " + want);
+      }
       g.barrier().get();
     });
   }
