@@ -49,15 +49,21 @@ void DeleteOnLoop::operator()(Transport* transport) const {
   // From here on the deletion is under way: the loop's end need not shut the transport down.
   if (end_hook) remove_end_hook(*loop, end_hook);
   const auto deadline = std::chrono::steady_clock::now() + end_flush_limit;
-  auto linger = std::make_shared<Loop::Linger>(loop->linger());
   Loop* const on = loop;
+  // The Linger is taken when the deletion runs on the loop's thread, not here: a post made while the
+  // loop ends (from its end hooks, after its progress thread stopped) never runs, and destroying a
+  // Linger it held in the io_context's teardown crashed (`device collectives (device windows, shm,
+  // delays)`, every run). Such a post now holds plain pointers only: the transport is left, as before.
+  const auto start = [on, transport, deadline](std::function<void()> done) {
+    retire(on, transport, deadline, std::make_shared<Loop::Linger>(on->linger()), std::move(done));
+  };
   if (on->owns_thread() && !on->in_loop_thread()) {
     std::promise<void> finished;
-    on->post([&] { retire(on, transport, deadline, linger, [&finished] { finished.set_value(); }); });
+    on->post([&] { start([&finished] { finished.set_value(); }); });
     finished.get_future().wait();
   } else {
     // On the loop thread we may be inside one of the transport's own callbacks: delete it later.
-    on->post([=] { retire(on, transport, deadline, linger, {}); });
+    on->post([start] { start({}); });
   }
 }
 

@@ -245,7 +245,20 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     // weak_ptr allocated on every receive that had to wait.
     void (*expire)(void* context) = nullptr;
     void* context = nullptr;
+    // A collective still running this long after its start is checked for a silent mismatch
+    // (check_calls), then again after twice as long, up to every stall_check_most.
+    std::chrono::milliseconds next_check = stall_check_first;
   };
+  // A mismatch that sends no frame (a reduce whose ranks disagree on the root: each waits to receive)
+  // was found only at the deadline, 30 min by default. A stalled collective asks the members how they
+  // called it after 1 s, 2 s, 4 s, ... (at most every minute): a member that called it differently
+  // fails it now. Answers that agree, or none, change nothing: a slow peer is never failed here.
+  static constexpr std::chrono::milliseconds stall_check_first{1000};
+  static constexpr std::chrono::milliseconds stall_check_most{60000};
+  static constexpr std::chrono::milliseconds stall_check_patience{500};  // how long the answers are awaited
+  // The `timeout` of a collective watched without a deadline (ten years: never reached, and far from
+  // overflowing the nanoseconds it is compared with).
+  static constexpr std::chrono::milliseconds no_deadline = std::chrono::hours(24 * 365 * 10);
   // In the order they started. A deque: operations mostly finish in that order (a window of receives),
   // or the last first (one at a time), and unwatch takes either end at once (a vector's erase at the
   // front moved a 64-receive window's entries on every receive).
@@ -357,6 +370,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   void on_watchdog();
   static std::string duration_text(std::chrono::milliseconds t);
   void time_out(std::uint64_t seq, const char* op, std::chrono::milliseconds timeout);
+  void check_calls(std::uint64_t seq, const char* op, std::chrono::milliseconds waited);
   std::string mismatched_calls(std::uint64_t seq, const std::vector<Transport::Progress>& answers) const;
   int group_rank(int transport_rank) const;
   std::string stragglers(std::uint64_t seq, const std::vector<Transport::Progress>& answers, std::chrono::milliseconds patience) const;

@@ -29,8 +29,10 @@ std::chrono::milliseconds GroupState::deadline_of(std::uint64_t seq) {
 }
 
 void GroupState::watch(std::uint64_t seq, const char* op) {
-  const auto timeout = deadline_of(seq);
-  if (timeout.count() <= 0) return;
+  auto timeout = deadline_of(seq);
+  // Without a deadline a collective is still watched, for the stall checks alone (check_calls): a
+  // worker waiting hours on a broadcast without a deadline is where a silent mismatch hurts most.
+  if (timeout.count() <= 0) timeout = no_deadline;
   watch(Watched{seq, std::chrono::steady_clock::now(), timeout, op});
 }
 
@@ -69,6 +71,20 @@ void GroupState::on_watchdog() {
   std::vector<Watched> late;
   for (const Watched& w : watched) {
     if (now - w.started >= w.timeout) late.push_back(w);
+  }
+  // Collectives that run long before their deadline: asked once per doubling of their wait whether a
+  // member called them differently (check_calls).
+  std::vector<Watched> stalled;
+  for (Watched& w : watched) {
+    if (w.op == nullptr || w.expire) continue;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - w.started);
+    // Not when the deadline comes before the answers could: its own query would wait for this one.
+    if (waited < w.next_check || w.timeout - waited <= stall_check_patience) continue;
+    w.next_check = std::min(waited + std::max(waited, stall_check_first), waited + stall_check_most);
+    stalled.push_back(w);
+  }
+  for (const Watched& w : stalled) {
+    check_calls(w.id, w.op, std::chrono::duration_cast<std::chrono::milliseconds>(now - w.started));
   }
   // Expiring completes operations, whose coroutines then unwatch: work on the copy.
   for (const Watched& w : late) {
@@ -123,6 +139,26 @@ void GroupState::time_out(std::uint64_t seq, const char* op, std::chrono::millis
       return;
     }
     self->transport->abort_context(self->context, Errc::timeout, head + "; " + self->stragglers(seq, answers, patience));
+  });
+}
+
+// A collective that has waited `waited` (before its deadline): ask every member how it called it
+// (the query a deadline makes), and fail it as a mismatch if one called it differently. Nothing else
+// comes of the answers: a member behind, or one that does not answer, is the deadline's to judge.
+void GroupState::check_calls(std::uint64_t seq, const char* op, std::chrono::milliseconds waited) {
+  if (std::find(reporting.begin(), reporting.end(), seq) != reporting.end()) return;
+  if (transport->signature_of(context, seq).call == 0) return;  // nothing of this rank's own to compare
+  reporting.push_back(seq);
+  const std::string head = fmt::format("{} #{} has waited {} on rank {}", op, seq, duration_text(waited), rank);
+  transport->ask_progress(context, seq, stall_check_patience, [weak = weak_from_this(), seq, head](std::vector<Transport::Progress> answers) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::erase(self->reporting, seq);
+    const bool still_running = std::any_of(self->watched.begin(), self->watched.end(), [&](const Watched& w) { return w.id == seq; });
+    if (!still_running) return;
+    if (const std::string calls = self->mismatched_calls(seq, answers); !calls.empty()) {
+      self->transport->abort_context(self->context, Errc::mismatch, head + "; the ranks called it differently: " + calls);
+    }
   });
 }
 

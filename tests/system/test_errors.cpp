@@ -501,6 +501,29 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
   }
 }
 
+TEST_CASE("a mismatch that sends no frame is found within seconds, long before the deadline", "[errors][mismatch]") {
+  // Ranks that disagree on a reduce's root each wait to receive, and no frame meets a receive of another
+  // call: only the deadline's progress query found it (30 min by default; the cases above shorten the
+  // deadline to 1.5 s). A collective stalled for 1 s now asks the members how they called it
+  // (GroupState::check_calls). The deadline here is 10 minutes; expect_mismatch waits 15 s.
+  std::vector<float> f(8, 1.0f);
+  std::vector<std::vector<float>> out(4, std::vector<float>(8));  // two ranks believe they are the root
+  std::vector<std::vector<float>> each(4, f);
+  const auto mine = [](std::vector<std::vector<float>>& v, const Group& g) -> std::vector<float>& { return v[static_cast<std::size_t>(g.rank())]; };
+  SECTION("reduce: ranks 0 and 1 say root 0, rank 2 says root 2") {
+    expect_mismatch([&](Group& g) { return g.with_timeout(10min).reduce(f, mine(out, g), g.rank() == 2 ? 2 : 0); },
+                    {"reduce #1", "has waited", "the ranks called it differently", "root 2", "root 0"}, true, 3);
+  }
+  SECTION("broadcast: two ranks say root 2, two say root 0") {
+    expect_mismatch([&](Group& g) { return g.with_timeout(10min).broadcast(mine(each, g), g.rank() < 2 ? 2 : 0); },
+                    {"broadcast #1", "root 2", "root 0"}, true, 4);
+  }
+  SECTION("reduce without a deadline (it waited forever)") {
+    expect_mismatch([&](Group& g) { return g.without_deadline().reduce(f, mine(out, g), g.rank() == 2 ? 2 : 0); },
+                    {"reduce #1", "has waited", "the ranks called it differently"}, true, 3);
+  }
+}
+
 TEST_CASE("a collective called with a different dtype, op or root on one rank fails instead of mixing bytes", "[errors][mismatch]") {
   SECTION("dtype: f32 against i32 of the same size") {
     std::vector<float> f(8, 1.0f);
