@@ -147,7 +147,6 @@ void GroupState::time_out(std::uint64_t seq, const char* op, std::chrono::millis
 // comes of the answers: a member behind, or one that does not answer, is the deadline's to judge.
 void GroupState::check_calls(std::uint64_t seq, const char* op, std::chrono::milliseconds waited) {
   if (std::find(reporting.begin(), reporting.end(), seq) != reporting.end()) return;
-  if (transport->signature_of(context, seq).call == 0) return;  // nothing of this rank's own to compare
   reporting.push_back(seq);
   const std::string head = fmt::format("{} #{} has waited {} on rank {}", op, seq, duration_text(waited), rank);
   transport->ask_progress(context, seq, stall_check_patience, [weak = weak_from_this(), seq, head](std::vector<Transport::Progress> answers) {
