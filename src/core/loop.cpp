@@ -153,27 +153,20 @@ EndHooks& end_hooks() {
   return *hooks;
 }
 
-// On the loop's thread: holds `linger` (so the ending loop's progress thread keeps running) while a hook
-// still registered says it is flushing, asking again every millisecond, up to `until`. A hook removed
-// meanwhile belongs to its transport's deletion (DeleteOnLoop), which is posted to this thread after the
-// removal and so cannot run while its predicate is asked here.
-void flush_before_end(Loop& loop, std::chrono::steady_clock::time_point until, std::shared_ptr<Loop::Linger> linger) {
-  loop.post([&loop, until, linger = std::move(linger)]() mutable {
-    std::vector<std::function<bool()>> asks;
-    {
-      std::lock_guard lock(loops_mutex);
-      if (auto found = end_hooks().by_loop.find(&loop); found != end_hooks().by_loop.end()) {
-        for (const EndHook& hook : found->second) {
-          if (hook.flushing) asks.push_back(hook.flushing);
-        }
+// Whether a hook still registered on `loop` says it is flushing. A hook removed meanwhile belongs to its
+// transport's deletion (DeleteOnLoop), which is posted to the loop's thread after the removal and so
+// cannot run while its predicate is asked here (on that thread).
+bool any_hook_flushing(const Loop& loop) {
+  std::vector<std::function<bool()>> asks;
+  {
+    std::lock_guard lock(loops_mutex);
+    if (auto found = end_hooks().by_loop.find(&loop); found != end_hooks().by_loop.end()) {
+      for (const EndHook& hook : found->second) {
+        if (hook.flushing) asks.push_back(hook.flushing);
       }
     }
-    const bool flushing = std::any_of(asks.begin(), asks.end(), [](const auto& ask) { return ask(); });
-    if (!flushing || std::chrono::steady_clock::now() >= until) return;  // the Linger goes with the lambda
-    loop.call_after(std::chrono::milliseconds(1), [&loop, until, linger](bool fired) {
-      if (fired) flush_before_end(loop, until, linger);
-    });
-  });
+  }
+  return std::any_of(asks.begin(), asks.end(), [](const auto& ask) { return ask(); });
 }
 
 }  // namespace
@@ -626,6 +619,21 @@ std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook, std::fu
   end_hooks().by_loop[&loop].push_back(EndHook{id, std::move(hook), std::move(flushing)});
   return id;
 }
+void while_busy(Loop& loop, std::function<bool()> busy, std::chrono::steady_clock::time_point until,
+                std::shared_ptr<Loop::Linger> linger, std::function<void(bool loop_running)> done) {
+  if (!busy() || std::chrono::steady_clock::now() >= until) {
+    done(true);
+    return;
+  }
+  loop.call_after(std::chrono::milliseconds(1), [&loop, busy = std::move(busy), until, linger = std::move(linger),
+                                                 done = std::move(done)](bool fired) mutable {
+    if (fired) {
+      while_busy(loop, std::move(busy), until, std::move(linger), std::move(done));
+    } else {  // the loop is ending
+      done(false);
+    }
+  });
+}
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept {
   std::lock_guard lock(loops_mutex);
   const auto found = end_hooks().by_loop.find(&loop);
@@ -663,7 +671,10 @@ Loop::~Loop() {
   }
   if (impl_->progress_thread.joinable()) {
     // Frames the end hooks still flush (an abort queued behind a data frame): a Linger, like other work.
-    flush_before_end(*this, std::chrono::steady_clock::now() + detail::end_flush_limit, std::make_shared<Linger>(linger()));
+    // The Linger is taken here, before the post, so that the wait below counts it from the start.
+    post([this, until = std::chrono::steady_clock::now() + detail::end_flush_limit, held = std::make_shared<Linger>(linger())] {
+      detail::while_busy(*this, [this] { return any_hook_flushing(*this); }, until, held, [](bool) {});
+    });
     // Work the loop's tasks finish (Linger): the progress thread runs them before it stops.
     Linger::Count& count = *impl_->lingering;
     std::unique_lock lock(count.mutex);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "weft/loop.hpp"
 
@@ -32,6 +33,12 @@ void loop_user_removed(const Loop& loop) noexcept;
 /// the middle of a frame" instead of the reason (docs/RELIABILITY.md).
 inline constexpr std::chrono::milliseconds end_flush_limit{2000};
 std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook, std::function<bool()> flushing = {});
+
+/// On `loop`'s thread (call it there): asks `busy()` now and every millisecond while it holds, up to
+/// `until`, then calls `done(true)`; `done(false)` if the loop ends first. `linger` is held until then,
+/// so that an owned loop's end waits for it. The loop's end and a transport's deletion flush this way.
+void while_busy(Loop& loop, std::function<bool()> busy, std::chrono::steady_clock::time_point until,
+                std::shared_ptr<Loop::Linger> linger, std::function<void(bool loop_running)> done);
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept;
 
 }  // namespace weft::detail

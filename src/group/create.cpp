@@ -22,29 +22,6 @@
 namespace weft {
 
 namespace detail {
-namespace {
-
-// Loop thread: deletes `transport` once nothing is left to flush, or at `deadline`, then calls `done`.
-// The Linger keeps an owned loop running until then.
-void retire(Loop* loop, Transport* transport, std::chrono::steady_clock::time_point deadline,
-            std::shared_ptr<Loop::Linger> linger, std::function<void()> done) {
-  if (!transport->control_pending() || std::chrono::steady_clock::now() >= deadline) {
-    delete transport;  // (its end hook was removed by DeleteOnLoop)
-    if (done) done();
-    return;
-  }
-  loop->call_after(std::chrono::milliseconds(1), [=](bool fired) {
-    if (fired) {
-      retire(loop, transport, deadline, linger, done);
-    } else {  // the loop is ending
-      delete transport;
-      if (done) done();
-    }
-  });
-}
-
-}  // namespace
-
 void DeleteOnLoop::operator()(Transport* transport) const {
   // From here on the deletion is under way: the loop's end need not shut the transport down.
   if (end_hook) remove_end_hook(*loop, end_hook);
@@ -54,8 +31,13 @@ void DeleteOnLoop::operator()(Transport* transport) const {
   // loop ends (from its end hooks, after its progress thread stopped) never runs, and destroying a
   // Linger it held in the io_context's teardown crashed (`device collectives (device windows, shm,
   // delays)`, every run). Such a post now holds plain pointers only: the transport is left, as before.
+  // Once nothing is left to flush, or at the deadline, or when the loop ends: deleted, then `done`.
   const auto start = [on, transport, deadline](std::function<void()> done) {
-    retire(on, transport, deadline, std::make_shared<Loop::Linger>(on->linger()), std::move(done));
+    while_busy(*on, [transport] { return transport->control_pending(); }, deadline, std::make_shared<Loop::Linger>(on->linger()),
+               [transport, done = std::move(done)](bool) {
+                 delete transport;  // (its end hook was removed by DeleteOnLoop)
+                 if (done) done();
+               });
   };
   if (on->owns_thread() && !on->in_loop_thread()) {
     std::promise<void> finished;
