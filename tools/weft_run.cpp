@@ -310,7 +310,8 @@ void forward_output(std::vector<Rank>& ranks) {
 
 // Forwards output and reaps the ranks until all are gone. The first rank that fails (non-zero exit, a
 // signal), an interrupt or the timeout ends the others: SIGTERM, then SIGKILL 3 s later. Returns the exit
-// status weft-run ends with: the failed rank's (128 + signal for a signal), 130 interrupted, 124 timed out.
+// status weft-run ends with: the failed rank's (128 + signal for a signal), 128 + the signal that interrupted
+// weft-run (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP), 124 timed out.
 int reap(std::vector<Rank>& ranks, const Launch& launch) {
   const auto started = std::chrono::steady_clock::now();
   int failed_rank = -1;
@@ -372,7 +373,7 @@ int reap(std::vector<Rank>& ranks, const Launch& launch) {
     if (WIFEXITED(failed_status)) return WEXITSTATUS(failed_status);
     return 128 + WTERMSIG(failed_status);
   }
-  if (interrupted) return 130;
+  if (interrupted) return 128 + static_cast<int>(interrupted);
   if (timed_out) return 124;
   return 0;
 }
@@ -385,6 +386,9 @@ int main(int argc, char** argv) {
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  // A closed terminal (or an ssh session that dropped) ends the ranks as an interrupt does: SIGTERM first,
+  // so that they can say goodbye; only dying here would leave them to PR_SET_PDEATHSIG's SIGKILL.
+  sigaction(SIGHUP, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
   std::vector<Rank> ranks = start_ranks(launch);
   return reap(ranks, launch);

@@ -100,6 +100,21 @@ case $case_name in
     out=$("$run" --port 70000 -n 1 -- true 2>&1); rc=$?
     [ $rc -eq 2 ] || { echo "$out"; echo "FAIL: --port 70000 gave $rc, expected 2"; exit 1; }
     echo "$out" | grep -q "TCP port (0-65535), got 70000" || { echo "$out"; echo "FAIL: the port not named"; exit 1; }
+    # An interrupt, a kill or a closed terminal: every rank is sent SIGTERM (each says so here, from its
+    # trap), none is left, and weft-run ends with 128 + the signal (it died of SIGHUP at once, leaving the
+    # ranks to the parent-death SIGKILL, and ended with 130 for SIGTERM).
+    for sig in INT:130 TERM:143 HUP:129; do
+      marks=$(mktemp -d)
+      "$run" -n 2 -- sh -c "trap 'touch $marks/\$WEFT_RANK; exit 0' TERM; touch $marks/up.\$WEFT_RANK; while :; do sleep 0.1; done" > "$marks/out" 2>&1 &
+      pid=$!
+      for _ in $(seq 100); do [ -e "$marks/up.0" ] && [ -e "$marks/up.1" ] && break; sleep 0.1; done
+      kill -"${sig%:*}" $pid
+      wait $pid; rc=$?
+      [ $rc -eq "${sig#*:}" ] || { cat "$marks/out"; echo "FAIL: SIG${sig%:*} gave $rc, expected ${sig#*:}"; exit 1; }
+      [ -e "$marks/0" ] && [ -e "$marks/1" ] || { cat "$marks/out"; echo "FAIL: SIG${sig%:*}: a rank got no SIGTERM"; exit 1; }
+      grep -q "interrupted (signal" "$marks/out" || { cat "$marks/out"; echo "FAIL: SIG${sig%:*}: not said"; exit 1; }
+      rm -rf "$marks"
+    done
     ;;
   torchrun-env)
     port=$(free_port)
