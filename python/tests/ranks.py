@@ -4,6 +4,7 @@ raises (exit 1) with what differed."""
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -360,6 +361,16 @@ def interrupt(g):
             raise AssertionError("the wait returned though rank 1 had not called the collective")
         except KeyboardInterrupt:
             print(f"interrupted after {time.monotonic() - started:.2f} s", flush=True)
+        # A wait with a long timeout too (it held Ctrl-C until the timeout or the operation's end).
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        started = time.monotonic()
+        try:
+            work.wait(timeout=600)
+            raise AssertionError("the wait returned though rank 1 had not called the collective")
+        except KeyboardInterrupt:
+            took = time.monotonic() - started
+            expect(took < 30, f"a wait(timeout=600) interrupted after {took:.2f} s")
+            print(f"timed wait interrupted after {took:.2f} s", flush=True)
         work.cancel()
         expect_error(work.wait, "cancelled", "rank 0 cancelled")
         mark("cancelled")
@@ -441,6 +452,19 @@ SCENARIOS = {
 
 def main():
     name = sys.argv[1]
+    if name == "interrupt_create":
+        # Group.create waiting for ranks that never come (world_size 2, one process): Ctrl-C raises
+        # KeyboardInterrupt within moments (it was held until the bootstrap's timeout).
+        open(os.environ["TEST_READY_FILE"], "w").close()
+        started = time.monotonic()
+        try:
+            weft.Group.create(world_size=2, timeout=600)
+            raise AssertionError("Group.create returned with one rank of 2")
+        except KeyboardInterrupt:
+            took = time.monotonic() - started
+            expect(took < 30, f"Group.create interrupted after {took:.2f} s")
+            print(f"ok interrupt_create rank 0 after {took:.2f} s", flush=True)
+        return
     g = weft.Group.create(timeout=float(os.environ.get("TEST_TIMEOUT", "60")))
     run = SCENARIOS[name]
     rank, size = g.rank, g.size  # a scenario may close the group

@@ -109,6 +109,12 @@ def test_ctrl_c_interrupts_a_wait_and_the_group_goes_on(tmp_path):
     assert "interrupted after" in results[0][1]
 
 
+def test_ctrl_c_interrupts_a_group_create_waiting_for_ranks(tmp_path):
+    ready = str(tmp_path / "creating")
+    (rc, out), = run_ranks(1, "interrupt_create", timeout=120, interrupt_when=ready, TEST_READY_FILE=ready)
+    assert rc == 0 and "ok interrupt_create rank 0 after" in out, f"exit {rc}:\n{out}"
+
+
 def test_weft_run_starts_python_ranks():
     if not os.access(WEFT_RUN, os.X_OK):
         pytest.skip(f"no weft-run at {WEFT_RUN}")

@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <limits>
 #include <map>
 #include <cerrno>
 #include <memory>
@@ -388,6 +390,34 @@ ReduceOp op_named(const std::string& name) {
   raise_invalid("unknown reduce op '" + name + "' (known: " + known + ")");
 }
 
+// Blocks with the GIL released until `done_within(slice)` returns true, or `seconds` (if finite) passed,
+// in slices of at most 100 ms between which Python's signal handlers run: Ctrl-C raises KeyboardInterrupt
+// here instead of being held until the wait ends (Group.create waiting for ranks that never come, a
+// wait(timeout=3600) on a collective a peer never joins). What was waited for goes on. Returns whether
+// it completed.
+template <class DoneWithin>
+bool wait_interruptibly(DoneWithin done_within, double seconds = std::numeric_limits<double>::infinity()) {
+  using clock = std::chrono::steady_clock;
+  constexpr std::chrono::milliseconds slice_most{100};
+  const bool bounded = seconds < 1e9;  // beyond ~31 years: no limit (the clock would overflow)
+  const auto until = bounded ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds))
+                             : clock::time_point::max();
+  for (;;) {
+    const auto left = until - clock::now();
+    const auto slice = bounded ? std::clamp(std::chrono::duration_cast<clock::duration>(left), clock::duration::zero(),
+                                            std::chrono::duration_cast<clock::duration>(slice_most))
+                               : std::chrono::duration_cast<clock::duration>(slice_most);
+    bool done = false;
+    {
+      py::gil_scoped_release unlocked;
+      done = done_within(slice);
+    }
+    if (done) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (bounded && clock::now() >= until) return false;
+  }
+}
+
 // ---- operations in flight and the completion channel
 
 // What an operation's completion leaves behind, written on the loop's thread before its id is posted.
@@ -484,8 +514,7 @@ class Work {
     return result();
   }
   bool wait_for(double seconds) {
-    py::gil_scoped_release unlocked;
-    return flight_->watcher.wait_for(std::chrono::duration<double>(seconds));
+    return wait_interruptibly([&](auto slice) { return flight_->watcher.wait_for(slice); }, seconds);
   }
   // Drives weft's loop on this thread (as wait() does, the GIL released) until the operation is done or
   // `microseconds` passed; returns done(). An await spends this before it hands the wait to the asyncio
@@ -538,9 +567,9 @@ class PyGroup {
     }
     Loop& l = loop();
     try {
-      py::gil_scoped_release unlocked;
-      Group g = Group::create(l, options).get();
-      return std::make_unique<PyGroup>(std::move(g));
+      Future<Group> created = Group::create(l, options);
+      wait_interruptibly([&](auto slice) { return created.wait_for(slice); });
+      return std::make_unique<PyGroup>(created.get());
     } catch (const Error& e) {
       raise(e);
     }
@@ -607,9 +636,8 @@ class PyGroup {
   std::unique_ptr<PyGroup> split(int color, int key) {
     try {
       Future<Group> f = group().split(color, key);
-      py::gil_scoped_release unlocked;
-      Group g = f.get();
-      return std::make_unique<PyGroup>(std::move(g));
+      wait_interruptibly([&](auto slice) { return f.wait_for(slice); });
+      return std::make_unique<PyGroup>(f.get());
     } catch (const Error& e) {
       raise(e);
     }
