@@ -14,6 +14,7 @@
 #include <random>
 
 #include "support/harness.hpp"
+#include "support/log_capture.hpp"
 #include "core/bytes.hpp"
 #include "transports/framed/integrity.hpp"
 #include "transports/asio/asio_stream.hpp"
@@ -367,6 +368,41 @@ TEST_CASE("a rank whose Loop ends with a send still being written: its peer fail
     });
     REQUIRE(checks_made.load() > before);
   }
+}
+
+TEST_CASE("messages that no receive took are named when their group closes", "[errors][mismatch]") {
+  // A send without its receive completes (its bytes wait at the receiver) and nothing fails: ranks whose
+  // plans differ (rank 0 sends, rank 1's plan receives nothing), or a point-to-point message nobody
+  // receives. Before 2026-11-29 they were dropped without a word when the group closed. A later message
+  // on the same connection (tag 9) is the fence that has them arrive before the group closes.
+  LogCapture log;
+  run_ranks(2, [](Group& g) {
+    std::vector<float> x(4, 1.0f), y(4, 0.0f);
+    algorithms::Plan plan;
+    if (g.rank() == 0) plan.push_back(algorithms::Step{algorithms::StepKind::send, 1, -1, {0, 4}, {}});
+    g.run_plan(plan, algorithms::PlanBuffers{reinterpret_cast<const std::byte*>(x.data()), reinterpret_cast<std::byte*>(y.data()), DType::f32}).get();
+    if (g.rank() == 0) {
+      g.send(x, 1, 7).get();
+      g.send(x, 1, 9).get();
+    } else {
+      g.recv(y, 0, 9).get();
+    }
+    g.barrier().get();
+  });
+  INFO(log.text());
+  CHECK(log.count({"rank 1: a group closed with 2 messages (32 bytes) that no receive of this rank took",
+                   "from rank 0: a plan #1 (f32", "from rank 0: a point-to-point message [tag 7], 16 bytes"}) == 1);
+  CHECK(log.count({"rank 0: a group closed with"}) == 0);
+
+  // A group that closes with every message received says nothing.
+  LogCapture quiet;
+  run_ranks(2, [](Group& g) {
+    std::vector<float> x(4, 1.0f);
+    if (g.rank() == 0) g.send(x, 1, 7).get();
+    else g.recv(x, 0, 7).get();
+    g.all_reduce(x).get();
+  });
+  CHECK(quiet.count({"a group closed with"}) == 0);
 }
 
 TEST_CASE("ranks that disagree on the size of a collective fail instead of hanging", "[errors][mismatch]") {

@@ -182,8 +182,33 @@ void FramedTransport::open_context(std::uint32_t context, std::vector<int> membe
 }
 
 void FramedTransport::close_context(std::uint32_t context) {
+  if (!shut_down_) report_unreceived(context);
   contexts_.erase(context);
   matcher_.forget_context(context);
+}
+
+// A group that closes healthy with messages no receive took: sends without their receive (plans or
+// calls that differ across ranks, a receive withdrawn at its deadline before its message came). They
+// would go unnoticed (nothing waits on them); one line names them. A failed group's leftovers are its
+// failure's, already reported.
+void FramedTransport::report_unreceived(std::uint32_t context) const {
+  const ContextState* state = contexts_.find(context);
+  if (!state || state->failed || state->members.empty()) return;
+  std::size_t count = 0, bytes = 0;
+  std::string named;
+  matcher_.for_each_unreceived(context, [&](int peer, const MessageKey& key, const Matcher::Early& message) {
+    ++count;
+    bytes += message.bytes;
+    if (count > 4) return;
+    const std::string what = message.signature.call != 0 ? signature::describe(message.signature, key.seq)
+                                                         : fmt::format("a point-to-point message [tag {}]", key.tag);
+    named += fmt::format("{}from rank {}: {}, {} bytes", named.empty() ? "" : "; ", peer, what, message.bytes);
+  });
+  if (count == 0) return;
+  log().warn("rank {}: a group closed with {} message{} ({} bytes) that no receive of this rank took: {}{} (a send "
+             "without its receive: plans or calls that differ across ranks, or a receive withdrawn before its "
+             "message came)",
+             rank_, count, count == 1 ? "" : "s", bytes, named, count > 4 ? fmt::format("; and {} more", count - 4) : "");
 }
 
 bool FramedTransport::context_failed(std::uint32_t context, std::error_code* code, std::string* reason) const {
@@ -1229,6 +1254,12 @@ bool FramedTransport::control_pending() const noexcept {
 
 void FramedTransport::shutdown() {
   if (shut_down_) return;
+  // The groups whose close_context did not run first (the last group's transport is deleted as it goes,
+  // before the close it posted): their leftovers, unless an operation still waits (its group is gone,
+  // and its messages are its own).
+  if (!matcher_.any_posted()) {
+    for (const auto& entry : contexts_) report_unreceived(entry.first);
+  }
   shut_down_ = true;
   // A pending liveness timer would keep a borrowed io_context running after the Group is gone.
   if (liveness_timer_) loop_.cancel_timer(std::exchange(liveness_timer_, 0));

@@ -235,6 +235,8 @@ class FramedTransport final : public Transport, private StreamEvents {
   void collect_context_ops(std::uint32_t context, std::vector<TransportOp*>& out);
   void complete_all(const std::vector<TransportOp*>& ops, std::uint32_t context);
   bool context_usable(std::uint32_t context, TransportOp& op);
+  // Logs the messages of a closing group that no receive took (close_context, shutdown).
+  void report_unreceived(std::uint32_t context) const;
 
   // Operations started on another thread (the group arena's fast path, which runs on the caller's):
   // kept here, the latest 64, and noted on the loop before anything reads the contexts' records (a

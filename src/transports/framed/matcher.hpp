@@ -148,6 +148,14 @@ class Matcher {
   }
   // Drops the early messages of `context` that no receive waits on (the context is closed).
   void forget_context(std::uint32_t context);
+  // Calls fn(peer, key, message) for every early message of `context` that no receive waits on.
+  template <class Fn>
+  void for_each_unreceived(std::uint32_t context, Fn fn) const {
+    for (const auto& [key, mailbox] : mailboxes_) {
+      if (key.key.context != context || !mailbox.posted.empty()) continue;
+      for (const Early& message : mailbox.early) fn(key.peer, key.key, message);
+    }
+  }
   bool any_posted() const noexcept;
   // The peers with a receive posted for operation (context, seq).
   void peers_posted(std::uint32_t context, std::uint64_t seq, std::vector<int>& out) const;
