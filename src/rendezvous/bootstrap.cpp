@@ -11,6 +11,8 @@
 
 #include <asio/experimental/as_tuple.hpp>
 #include <asio/experimental/awaitable_operators.hpp>
+#include <cerrno>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -298,7 +300,14 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
           io, endpoints.front(),
           store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout), 64, options.integrity});
     } catch (const std::system_error& e) {
-      fail(Errc::connection_failed, rank, fmt::format("cannot serve the store on {}: {}", options.store, e.code().message()));
+      // In use: most often by this job's own store, which serves for its group's life: a second
+      // Group::create from the same environment. Say so (the other ranks only see "duplicate rank").
+      const bool in_use = e.code().value() == EADDRINUSE;
+      fail(Errc::connection_failed, rank,
+           fmt::format("cannot serve the store on {}: {}{}", options.store, e.code().message(),
+                       in_use ? " (by another process, or by this job's store: a group made earlier from the same "
+                                "environment serves it for its whole life; make further groups with split())"
+                              : ""));
     }
   }
 

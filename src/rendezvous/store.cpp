@@ -157,7 +157,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         return fmt::format("rank {} is not below the world size {}", g.rank, admission.world_size);
       }
       if (auto it = claimed.find(g.rank); it != claimed.end()) {
-        return fmt::format("rank {} already arrived from {} (duplicate rank)", g.rank, it->second);
+        return fmt::format("rank {} already arrived from {} (duplicate rank: two processes were given rank {}, or a "
+                           "process made a second group from the same environment; make further groups with split())",
+                           g.rank, it->second, g.rank);
       }
       claim = g.rank;
       claimed.emplace(g.rank, peer);

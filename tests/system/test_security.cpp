@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <fstream>
 #include <latch>
 #include <optional>
@@ -196,6 +197,45 @@ TEST_CASE("a process of another job is refused, naming both job ids", "[security
   CHECK(same[1].ok);
 }
 
+TEST_CASE("a second Group::create from the same environment says how to make more groups", "[security][duplicate]") {
+  // The store serves for its group's whole life, so a second create of the same job finds its port
+  // taken (rank 0) or its rank already there (the others); both now say what happened and what to do
+  // (before 2026-11-29: "Address already in use" and "(duplicate rank)" alone). The first group goes on.
+  Options base;
+  base.store = "127.0.0.1:" + std::to_string(free_port());
+  base.world_size = 2;
+  base.bootstrap_timeout = 5s;
+  std::array<std::string, 2> second;
+  std::array<bool, 2> first_works{};
+  std::latch created(2), done(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      Loop loop(Loop::Options{0us});
+      Options options = base;
+      options.rank = i;
+      Group first = Group::create(loop, options).get();
+      created.arrive_and_wait();
+      try {
+        Group again = Group::create(loop, options).get();
+        second[i] = "created";
+      } catch (const Error& e) {
+        second[i] = e.what();
+      }
+      std::vector<float> x(4, 1.0f);
+      first.all_reduce(x).get();
+      first_works[i] = x[0] == 2.0f;
+      done.arrive_and_wait();
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK_THAT(second[0], Catch::Contains("cannot serve the store on 127.0.0.1:") && Catch::Contains("Address already in use") &&
+                            Catch::Contains("make further groups with split()"));
+  CHECK_THAT(second[1], Catch::Contains("refused this rank: rank 1 already arrived") && Catch::Contains("make further groups with split()"));
+  CHECK(first_works[0]);
+  CHECK(first_works[1]);
+}
+
 TEST_CASE("a duplicate rank is refused and the job goes on with the first", "[security][duplicate]") {
   LogCapture log;
   // Four processes for a world of three: two claim rank 1.
@@ -209,12 +249,12 @@ TEST_CASE("a duplicate rank is refused and the job goes on with the first", "[se
     if (o.ok) ++ok;
     if (o.code == Errc::refused) {
       ++refused;
-      CHECK_THAT(o.text, Catch::Contains("rank 1 already arrived from 127.0.0.1:") && Catch::Contains("(duplicate rank)"));
+      CHECK_THAT(o.text, Catch::Contains("rank 1 already arrived from 127.0.0.1:") && Catch::Contains("(duplicate rank: two processes were given rank 1"));
     }
   }
   CHECK(ok == 3);
   CHECK(refused == 1);
-  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "(duplicate rank)"}) == 1);
+  CHECK(log.count({"store: refused a connection from 127.0.0.1:", "(duplicate rank:"}) == 1);
 }
 
 TEST_CASE("a rank that disagrees on the world size is refused, naming both sizes", "[security][world-size]") {
