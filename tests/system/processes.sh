@@ -107,7 +107,7 @@ case $case_name in
       marks=$(mktemp -d)
       "$run" -n 2 -- sh -c "trap 'touch $marks/\$WEFT_RANK; exit 0' TERM; touch $marks/up.\$WEFT_RANK; while :; do sleep 0.1; done" > "$marks/out" 2>&1 &
       pid=$!
-      for _ in $(seq 100); do [ -e "$marks/up.0" ] && [ -e "$marks/up.1" ] && break; sleep 0.1; done
+      for _ in $(seq 600); do [ -e "$marks/up.0" ] && [ -e "$marks/up.1" ] && break; sleep 0.1; done
       kill -"${sig%:*}" $pid
       wait $pid; rc=$?
       [ $rc -eq "${sig#*:}" ] || { cat "$marks/out"; echo "FAIL: SIG${sig%:*} gave $rc, expected ${sig#*:}"; exit 1; }
