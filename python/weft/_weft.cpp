@@ -502,14 +502,13 @@ class Work {
   // 100 ms between which Python's signal handlers run: Ctrl-C raises KeyboardInterrupt here instead of
   // waiting for the operation (which goes on; cancel() it).
   py::object wait() {
-    while (!done()) {
-      {
-        py::gil_scoped_release unlocked;
-        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+    if (!done()) {
+      wait_interruptibly([&](auto slice) {
+        const auto until = std::chrono::steady_clock::now() + slice;
         const bool drove = loop().drive_until([&] { return done() || std::chrono::steady_clock::now() >= until; });
-        if (!drove) flight_->watcher.wait_for(std::chrono::milliseconds(100));
-      }
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        if (!drove) flight_->watcher.wait_for(slice);
+        return done();
+      });
     }
     return result();
   }
