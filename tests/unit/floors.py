@@ -158,10 +158,12 @@ def main():
     # 3. Every room, every folder it may not see; 4. every header alone from its own room. The compiles are
     # independent: two at a time (the machines this runs on have two cores), reported in order.
     forbidden, alone = [], []
+    failed_rooms = set()
     for room in rooms:
         command, where = room_command(build, commands, room)
         if command is None:
             fail(f"no compile command for room {room}")
+            failed_rooms.add(room)
             continue
         for folder in FOLDERS:
             headers = [] if folder in allowed_folders(room) else headers_in(src, folder)
@@ -169,10 +171,13 @@ def main():
                 forbidden.append((room, command, where, headers[0]))
         for header in headers_in(src, OWN[room], top_level_only=(room == "transports")):
             alone.append((room, command, where, header))
+    def compile_include(job):
+        _, command, where, header = job
+        return compile_text(command, where, f'#include "{header}"\n')
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        forbidden_results = list(pool.map(lambda job: compile_text(job[1], job[2], f'#include "{job[3]}"\n'), forbidden))
-        alone_results = list(pool.map(lambda job: compile_text(job[1], job[2], f'#include "{job[3]}"\n'), alone))
-    failed_rooms = set()
+        forbidden_results = list(pool.map(compile_include, forbidden))
+        alone_results = list(pool.map(compile_include, alone))
     for (room, _, _, header), (rc, err) in zip(forbidden, forbidden_results):
         missing = [l for l in err.splitlines() if "No such file" in l]
         if rc == 0 or not missing or f"{header}: No such file" not in missing[0]:
