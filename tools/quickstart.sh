@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's two commands. On a fresh Debian machine: installs what is missing (apt-get, through sudo
 # when not root), configures and builds with Meson, then
-#   bench: runs weft-bench all_reduce on 4 local ranks over TCP (through weft-run)
+#   bench: runs weft-bench all_reduce on 4 local ranks, shared memory between them (through weft-run)
 #   test:  runs every test and ends with the line "N passed, N failed[, N skipped]"
 #   python: builds the Python module too and runs the README's Python example on 4 local ranks
 set -euo pipefail

@@ -69,7 +69,8 @@ struct Options {
   /// (the same with io_uring for the others), or "auto" (what measured fastest: shared memory where it
   /// can, tcp with the others; io_uring measured slower, docs/DESIGN.md). They speak the same protocol, so ranks may differ. When io_uring
   /// cannot be set up, weft uses tcp and says so once in the log; a pair that cannot share memory stays
-  /// on TCP with one log line. Empty: WEFT_TRANSPORT, else "tcp" (weft-run sets "shm" for its ranks).
+  /// on TCP with one log line. Empty: WEFT_TRANSPORT, else "auto" (so ranks that any launcher starts on
+  /// one host share memory; weft-run sets "shm", which is the same).
   /// Any other value is an error naming the valid ones.
   std::string transport;
   /// Every collective's deadline (WEFT_TIMEOUT: "500ms", "30s", "2m", "1h"; a bare number is seconds;

@@ -152,7 +152,9 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (transport.empty()) {
     if (const char* v = env("WEFT_TRANSPORT")) transport = v;
   }
-  if (transport.empty()) transport = "tcp";
+  // Shared memory with the ranks of this host, TCP with the others: what a user of mpirun, torchrun or
+  // srun gets without asking, as Open MPI's vader and NCCL's SHM transport are their defaults.
+  if (transport.empty()) transport = "auto";
   if (transport != "tcp" && transport != "uring" && transport != "auto" && transport != "shm" && transport != "shm+uring") {
     bad(fmt::format("WEFT_TRANSPORT='{}' is not a transport (valid: tcp, uring, auto, shm, shm+uring)", transport));
   }

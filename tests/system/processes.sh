@@ -134,6 +134,35 @@ case $case_name in
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
     exit $rc
     ;;
+  launcher-default)
+    # Ranks that another launcher starts on one host, WEFT_TRANSPORT unset: shared memory between them and
+    # the group arena, as under weft-run (the default is auto); WEFT_TRANSPORT=tcp keeps them on TCP.
+    unset WEFT_TRANSPORT
+    for setting in "" tcp; do
+      port=$(free_port)
+      dir=$(mktemp -d)
+      pids=()
+      for r in 0 1 2; do
+        env ${setting:+WEFT_TRANSPORT=$setting} RANK=$r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+          timeout 120 "$bench" -c all_reduce -b 8 -e 64K -f 8 -w 1 -n 3 --check > "$dir/$r" 2>&1 & pids+=($!)
+      done
+      rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      [ $rc -eq 0 ] || { cat "$dir"/*; echo "FAIL: the ranks (WEFT_TRANSPORT=${setting:-unset}) failed"; exit 1; }
+      expected="links of rank 0: shm to 2 peers; group arena: yes"
+      [ "$setting" = tcp ] && expected="links of rank 0: tcp to 2 peers; group arena: no"
+      grep -q "$expected" "$dir/0" || { cat "$dir/0"; echo "FAIL: WEFT_TRANSPORT=${setting:-unset}: expected '$expected'"; exit 1; }
+      grep -q "Out of bounds values : 0 OK" "$dir/0" || { cat "$dir/0"; echo "FAIL: wrong values"; exit 1; }
+      echo "ok: WEFT_TRANSPORT=${setting:-unset}: $expected"
+      rm -rf "$dir"
+    done
+    if command -v mpirun >/dev/null; then
+      port=$(free_port)
+      out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpirun --oversubscribe -n 3 \
+        -x WEFT_STORE=127.0.0.1:$port "$bench" -c all_reduce -b 8 -e 64K -f 8 -w 1 -n 3 --check 2>&1) || { echo "$out"; echo "FAIL: mpirun"; exit 1; }
+      echo "$out" | grep -q "links of rank 0: shm to 2 peers; group arena: yes" || { echo "$out"; echo "FAIL: mpirun's ranks are not on shared memory"; exit 1; }
+      echo "ok: mpirun's ranks share memory"
+    fi
+    ;;
   mpirun)
     if ! command -v mpirun >/dev/null; then echo "skipped: mpirun not installed"; exit 77; fi
     port=$(free_port)
