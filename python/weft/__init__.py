@@ -169,7 +169,8 @@ class Group:
     @classmethod
     def create(cls, **options):
         """Bootstraps the group (blocks until every rank arrived). Options: rank, world_size, store
-        ("host:port"), transport ("tcp", "uring", "shm", "auto"), timeout (seconds), secret."""
+        ("host:port"), transport ("auto", the default: shared memory with the ranks of this host, tcp
+        with the others; "tcp", "uring", "shm"), timeout (seconds), secret."""
         return cls(_weft.Group.create(options))
 
     @property
