@@ -98,6 +98,11 @@ fi
 # ---- the base root: from the cache, or debootstrap
 
 started=$(date +%s)
+# Two runs at once (CI runs the bench and the Python roots side by side): the first to take the lock
+# makes the cached base root, the other waits for it and unpacks it, instead of both running debootstrap.
+if [ "${WEFT_FRESH_NO_CACHE:-0}" != 1 ] && mkdir -p "$cache_dir" 2>/dev/null && exec 9>"$cache_dir/.lock"; then
+  flock 9
+fi
 fresh_cache=""
 if [ "${WEFT_FRESH_NO_CACHE:-0}" != 1 ] && [ -f "$cache" ] && [ -n "$(find "$cache" -mtime -7 2>/dev/null)" ]; then
   fresh_cache=$cache
@@ -121,6 +126,7 @@ else
     rm -f "$cache.tmp.$$"
   fi
 fi
+exec 9>&-
 say "base root ready in $(elapsed "$started") s"
 
 # ---- what a fresh machine here has besides the packages: name resolution and apt's sources
