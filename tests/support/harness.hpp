@@ -2,6 +2,7 @@
 // Multi-rank test harness: ranks as threads in one process (Gloo's spawn harness), each with its own Loop
 // and its own TCP connections over loopback. Catch2 assertions are not thread-safe, so rank bodies
 // throw (check()) and the harness rethrows the first failure on the test's thread.
+#include <cstdlib>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -71,6 +72,10 @@ inline bool harness_caller_drives = true;
 inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {
   if (base.store.empty()) base.store = "127.0.0.1:" + std::to_string(free_port());
   if (base.bootstrap_timeout == Options{}.bootstrap_timeout) base.bootstrap_timeout = std::chrono::seconds(30);
+  // The suites run over the transport WEFT_TRANSPORT names (meson runs each over tcp, uring and shm);
+  // unset, tcp, as before the library's default became auto: the suites' shm runs are the ones that say
+  // so, and tests/system/processes.sh launcher-default checks the default itself.
+  if (base.transport.empty() && !std::getenv("WEFT_TRANSPORT")) base.transport = "tcp";
   std::vector<std::string> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
