@@ -11,15 +11,36 @@
 #include "core/loop_users.hpp"
 #include "group/checks.hpp"
 #include "group/state.hpp"
+#include "transports/shm/arena.hpp"
 
 namespace weft {
 
-// Handles count as users of their loop (core/loop_users.hpp); a move hands its count over.
+namespace {
+void hold(detail::GroupState& g) {
+  detail::loop_user_added(*g.loop);
+  g.handles.fetch_add(1, std::memory_order_relaxed);
+}
+// The last handle gone: what waits in the background on the group arena for this group stops waiting
+// (state.hpp, `unheld`), looked at on the loop.
+void release(const std::shared_ptr<detail::GroupState>& g) {
+  detail::loop_user_removed(*g->loop);
+  if (g->handles.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  g->unheld.store(true, std::memory_order_release);
+  if (g->arena) {
+    g->loop->post([weak = std::weak_ptr<detail::GroupState>(g)] {
+      if (auto state = weak.lock(); state && state->arena) state->arena->poll();
+    });
+  }
+}
+}  // namespace
+
+// Handles count as users of their loop (core/loop_users.hpp) and of their group; a move hands its
+// counts over.
 Group::Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {
-  if (state_) detail::loop_user_added(*state_->loop);
+  if (state_) hold(*state_);
 }
 Group::Group(const Group& other) : state_(other.state_), timeout_(other.timeout_), stream_(other.stream_) {
-  if (state_) detail::loop_user_added(*state_->loop);
+  if (state_) hold(*state_);
 }
 Group& Group::operator=(const Group& other) {
   if (this != &other) *this = Group(other);
@@ -27,7 +48,7 @@ Group& Group::operator=(const Group& other) {
 }
 Group& Group::operator=(Group&& other) noexcept {
   if (this != &other) {
-    if (state_) detail::loop_user_removed(*state_->loop);
+    if (state_) release(state_);
     state_ = std::move(other.state_);
     timeout_ = other.timeout_;
     stream_ = other.stream_;
@@ -35,7 +56,7 @@ Group& Group::operator=(Group&& other) noexcept {
   return *this;
 }
 Group::~Group() {
-  if (state_) detail::loop_user_removed(*state_->loop);
+  if (state_) release(state_);
 }
 
 detail::GroupState& Group::live(const char* op) const {

@@ -77,6 +77,8 @@ class ArenaRun final : public shm::Arena::Waiter {
 
   // Loop thread (the transport's state).
   bool interrupted() override {
+    // A cancelled collective's background supersteps stop once nobody holds the group (state.hpp).
+    if (cancelled_ && g_.unheld.load(std::memory_order_acquire)) return true;
     if (g_.failed.load(std::memory_order_relaxed) || g_.transport->context_failed(g_.context, nullptr, nullptr)) return true;
     if (!cancelled_ && (hook_->cancelled || g_.transport->operation_cancelled(g_.context, seq_, nullptr))) return true;
     if (!cancelled_ && (box_mismatch_ = box_conflict()) >= 0) return true;

@@ -300,6 +300,13 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   std::array<std::pair<PlanShape, std::shared_ptr<const algo::Plan>>, 8> plans;  // guarded, round robin
   std::size_t plans_next = 0;                                                     // guarded
 
+  // ---- Group handles (group.cpp): how many there are, and whether the last one went (any thread). A
+  // cancelled arena collective's supersteps go on in the background holding this state
+  // (shm_collectives.cpp, finish_cancelled); once nobody holds the group, they stop waiting for peers
+  // that may never come, so that the state and its transport are freed while the loop still runs.
+  std::atomic<int> handles{0};
+  std::atomic<bool> unheld{false};
+
   // ---- callers: device buffers (device_staging.cpp), made at the first device operation
   std::mutex device_staging_mutex;
   std::shared_ptr<DeviceStaging> device_staging;  // guarded by device_staging_mutex

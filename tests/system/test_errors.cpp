@@ -756,6 +756,26 @@ TEST_CASE("a cancelled collective is cancelled on every rank, and the group goes
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a collective cancelled while its peer never joins leaves nothing behind when the group and its loop end", "[errors][cancel]") {
+  // Over shm the cancelled collective's remaining supersteps go on in the background, holding the group;
+  // rank 0 drops its group and ends its loop long before rank 1 leaves. They stop when the last handle
+  // goes (2026-11-29: they stayed suspended, and the group and its transport leaked; the ASan suite runs
+  // this over shm with leak detection, tests/sanitize.sh).
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> x(1025, 1.0f);
+    if (g.rank() == 0) {
+      Future<void> f = g.all_reduce(x);
+      std::this_thread::sleep_for(50ms);
+      f.cancel();
+      expect_error([&] { f.get(); }, Errc::cancelled, {"cancelled"});
+    } else {
+      std::this_thread::sleep_for(500ms);  // joins nothing, and leaves after rank 0 is gone
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("a small broadcast cancelled while its root is late is cancelled on every rank, and small broadcasts go on", "[errors][cancel]") {
   // Over shm a broadcast this small goes through the root's box (arena.hpp, "Boxes"): the readers wait
   // for the root's slot, the cancel ends their wait, and the late root fails at once; every rank's box
