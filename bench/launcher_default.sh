@@ -6,11 +6,15 @@ build=${1:-build}
 set -euo pipefail
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 out=$(mktemp -d)
+# weft's ranks under mpirun, with mpirun's extra flags (-x ...): the table's rows of weft-bench.
+weft_under_mpirun() {
+  local port
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  mpirun -n 2 -x WEFT_STORE=127.0.0.1:$port "$@" $build/bench/weft-bench -c all_reduce -b 8 -e 1M -f 8 -w 200 -n 2000 2>/dev/null | grep -E "^ +[0-9]"
+}
 for round in 1 2 3 4 5; do
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  mpirun -n 2 -x WEFT_STORE=127.0.0.1:$port $build/bench/weft-bench -c all_reduce -b 8 -e 1M -f 8 -w 200 -n 2000 2>/dev/null | grep -E "^ +[0-9]" > $out/auto.$round
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  mpirun -n 2 -x WEFT_STORE=127.0.0.1:$port -x WEFT_TRANSPORT=tcp $build/bench/weft-bench -c all_reduce -b 8 -e 1M -f 8 -w 200 -n 2000 2>/dev/null | grep -E "^ +[0-9]" > $out/tcp.$round
+  weft_under_mpirun > $out/auto.$round
+  weft_under_mpirun -x WEFT_TRANSPORT=tcp > $out/tcp.$round
   mpirun -n 2 $build/bench/mpi-allreduce-bench 8 1048576 8 2000 all_reduce 2>/dev/null | grep -E "^ +[0-9]" > $out/mpi.$round
 done
 OUT=$out python3 - <<'P'
