@@ -72,18 +72,29 @@ struct Detach {
 
 class ArenaRun final : public shm::Arena::Waiter {
  public:
-  ArenaRun(GroupState& g, std::uint64_t seq, const char* op, OpSignature signature, std::shared_ptr<Hook> hook)
-      : g_(g), arena_(*g.arena), seq_(seq), op_(op), signature_(signature), hook_(std::move(hook)) {}
+  // `failed_at_call`: the group had failed (as far as this rank knew) when the collective was called
+  // (arena_group_failed); only then does a failure win over a superstep every rank reached.
+  ArenaRun(GroupState& g, std::uint64_t seq, const char* op, OpSignature signature, std::shared_ptr<Hook> hook,
+           bool failed_at_call)
+      : g_(g), arena_(*g.arena), seq_(seq), op_(op), signature_(signature), hook_(std::move(hook)), failed_at_call_(failed_at_call) {}
 
   // Loop thread (the transport's state).
-  bool interrupted() override {
-    // A cancelled collective's background supersteps stop once nobody holds the group (state.hpp).
+  bool interrupted() override { return failed() || called_off() || departed(); }
+
+  /// The group failed: an abort, a lost peer, a deadline, another operation's failure (or, for a
+  /// cancelled collective's background supersteps, nobody holds the group any more: state.hpp).
+  bool failed() {
     if (cancelled_ && g_.unheld.load(std::memory_order_acquire)) return true;
-    if (g_.failed.load(std::memory_order_relaxed) || g_.transport->context_failed(g_.context, nullptr, nullptr)) return true;
+    return g_.failed.load(std::memory_order_relaxed) || g_.transport->context_failed(g_.context, nullptr, nullptr);
+  }
+  /// This operation was cancelled (here or by another member), or a rank called something else.
+  bool called_off() {
     if (!cancelled_ && (hook_->cancelled || g_.transport->operation_cancelled(g_.context, seq_, nullptr))) return true;
-    if (!cancelled_ && (box_mismatch_ = box_conflict()) >= 0) return true;
-    // A rank that left the group normally (its Group closed) does not fail the context by itself: a
-    // rank that waits on it must (the framed transport fails such a receive the same way).
+    return !cancelled_ && (box_mismatch_ = box_conflict()) >= 0;
+  }
+  /// A rank that left the group normally (its Group closed) does not fail the context by itself: a
+  /// rank that waits on it must (the framed transport fails such a receive the same way).
+  bool departed() {
     for (int r = 0; r < g_.size; ++r) {
       if (arena_.waits_on(r) && !g_.transport->connected(g_.members[static_cast<std::size_t>(r)])) {
         departed_ = r;
@@ -91,6 +102,21 @@ class ArenaRun final : public shm::Arena::Waiter {
       }
     }
     return false;
+  }
+
+  /// Whether a wait that ended must throw: what it waited for did not come, or it came and the
+  /// operation was called off, or the group failed before the collective was called. A failure after
+  /// the call (a rank that finished this superstep and aborted at once, a deadline that fired as the
+  /// last rank came) does not undo a superstep that every rank reached: its areas were all written
+  /// before, so the result is whole, and the failure fails what comes next. (It did: a rank that ran
+  /// `barrier().get(); abort()` failed its peer's barrier whenever the peer's loop read the abort
+  /// before it looked at the arena again.)
+  bool ends_in_error(bool came) {
+    if (!came) {
+      (void)interrupted();  // what throw_interruption() reports (departed_, box_mismatch_)
+      return true;
+    }
+    return called_off() || (failed_at_call_ && (failed() || departed()));
   }
 
   // What the wait waits for: every rank's superstep, or (box broadcasts) a root's stamp or a free slot.
@@ -170,10 +196,9 @@ class ArenaRun final : public shm::Arena::Waiter {
   Task<void> wait_box(shm::Arena::Waiting what) {
     arena_.waiting_for(what, root_);
     co_await arena_.until_ready(*this);
-    const bool ready_now = ready(arena_);
-    const bool interrupted_now = interrupted();
+    const bool error = ends_in_error(ready(arena_));
     arena_.waiting_for(shm::Arena::Waiting::step);
-    if (!ready_now || interrupted_now) throw_interruption();
+    if (error) throw_interruption();
   }
 
   shm::Arena& arena() noexcept { return arena_; }
@@ -204,7 +229,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   /// cancelled. Throws on anything else (Detach for a cancel; otherwise why; a mismatch). Loop thread.
   Task<void> wait(std::uint32_t step) {
     co_await arena_.until_ready(*this);
-    if (!arena_.reached() || interrupted()) throw_interruption();
+    if (ends_in_error(arena_.reached())) throw_interruption();
     if (cancelled_) co_return;
     if (const int r = cancelled_by(); r >= 0) throw_cancelled_in_arena(r);
     if (const int r = disagreeing(step); r >= 0) throw_mismatch(r);
@@ -313,6 +338,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   std::uint32_t published_ = 0;
   bool cancelled_ = false;
   int root_ = -1;  // box broadcasts: the root
+  bool failed_at_call_;
 };
 
 // The chunks of `n` elements a script goes through when each rank writes `pieces` pieces of a chunk into
@@ -585,7 +611,7 @@ std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int 
 // A failure ends it: the group's later collectives report it.
 Task<void> finish_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature,
                             std::uint32_t published, std::uint32_t steps, ArenaTicket ticket) {
-  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
+  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>(), true);
   run.mark_cancelled();
   try {
     if (published > 0) co_await run.wait(published - 1);
@@ -603,7 +629,7 @@ Task<void> finish_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, co
 // both then finish it, so that every rank's box count stays where the next one expects it.
 Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* op, OpSignature signature, int root,
                                 std::size_t bytes, bool slot_written, std::uint64_t box, ArenaTicket ticket) {
-  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>());
+  ArenaRun run(*g, seq, op, signature, std::make_shared<Hook>(), true);
   run.mark_cancelled();
   run.begin_box(root, bytes);
   try {
@@ -623,14 +649,18 @@ Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq
 
 }  // namespace
 
+bool arena_group_failed(const GroupState& g) {
+  return g.failed.load(std::memory_order_relaxed) || g.transport->any_context_failed();
+}
+
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
-                        bool first_published) {
+                        bool first_published, bool failed_at_call) {
   if (!g->arena) co_return false;
   const char* op = to_string(call.collective).data();
   const OpSignature signature = signature_of_call(call);
   if (!first_published) co_await TakeTurn{g->arena_turns, ticket.number()};
   auto hook = std::make_shared<Hook>();
-  ArenaRun run(*g, seq, op, signature, hook);
+  ArenaRun run(*g, seq, op, signature, hook, failed_at_call);
   if (first_published) run.published_before(1);
   const std::uint64_t box = g->arena->box_count();  // a box broadcast's first slot (the turn is this one's)
   std::exception_ptr failure;
@@ -676,7 +706,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   if (!g.arena || !g.arena_turns.has_turn(ticket.number())) return ArenaNow::not_started;
   shm::Arena& arena = *g.arena;
   // Whatever failed (an abort, a lost peer, a mismatch) the loop sorts out: it knows which context and why.
-  const auto failed = [&] { return g.failed.load(std::memory_order_relaxed) || g.transport->any_context_failed(); };
+  const auto failed = [&] { return arena_group_failed(g); };
   // A collective that may have been cancelled already (another member's cancel frame) is the loop's too.
   if (reduces_in_blocks(call) || failed() || g.transport->maybe_cancelled(seq)) return ArenaNow::not_started;
   const Chunks chunks = chunks_of(arena, call, g.size);
@@ -706,7 +736,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
     return ArenaNow::done;
   };
   // No hook: nothing here waits where a cancel could reach it (the loop's part makes its own).
-  ArenaRun run(g, seq, op, signature, nullptr);
+  ArenaRun run(g, seq, op, signature, nullptr, false);
   if (in_box(g, call)) {
     // The root writes its slot once it is free and goes on; a reader takes the root's slot once it is
     // stamped. Anything else (a slot not free or not stamped in time, a conflict, a failure) is the

@@ -43,9 +43,15 @@ class ArenaTicket {
 /// (`first_published`: run_on_arena_now holds it and published the first step already). Returns false,
 /// having sent and written nothing that anybody reads, when the group has no arena or has left it: the
 /// caller then runs the collective's framed algorithm. Errors: as any collective (mismatch, timeout,
-/// cancelled, a failed peer).
+/// cancelled, a failed peer). `failed_at_call`: arena_group_failed when the collective was called; a
+/// failure after it does not fail a superstep that every rank reached (docs/RELIABILITY.md, "A failure
+/// after every rank came").
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
-                        bool first_published);
+                        bool first_published, bool failed_at_call);
+
+/// Whether this rank knows its group, or a context of its transport, to have failed. Any thread (a
+/// failed context of another group on the same transport counts too: it errs on the side of failing).
+bool arena_group_failed(const GroupState& g);
 
 /// What run_on_arena_now did.
 enum class ArenaNow {
