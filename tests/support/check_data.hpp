@@ -1,6 +1,7 @@
 #pragma once
 // Check data (shared by weft-bench --check and the tests) and an independent reference for every (dtype, op): values are small so that every
 // reduction order gives the same exact result, and the reference reduces in rank order in wide types.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -10,6 +11,10 @@
 #include <weft/weft.hpp>
 
 namespace weft::reference {
+
+/// value() repeats every `period` elements (i * 3 + i / 5 modulo 11 does: 55 * 3 and 55 / 5 are both
+/// multiples of 11), so a buffer of inputs or of results is its first `period` elements over and over.
+inline constexpr std::size_t period = 55;
 
 /// Element i of rank r's input for reduction `op` (also used, with op sum, for data movement tests).
 inline double value(DType t, ReduceOp op, int r, std::size_t i) {
@@ -74,10 +79,24 @@ inline double load(DType t, const void* base, std::size_t i) {
   return 0;
 }
 
+/// Fills `out` past its first `filled` bytes (one period of elements) with copies of them. (The tests
+/// build megabyte buffers for every dtype, op and rank; computed element by element, the reference was
+/// a third of the collectives suite's time.)
+inline void repeat_period(std::vector<std::byte>& out, std::size_t filled) {
+  if (filled == 0) return;
+  for (std::size_t done = filled; done < out.size();) {
+    const std::size_t n = std::min(done, out.size() - done);  // done stays a multiple of the period
+    std::memcpy(out.data() + done, out.data(), n);
+    done += n;
+  }
+}
+
 /// Rank r's input buffer.
 inline std::vector<std::byte> make_input(DType t, ReduceOp op, int r, std::size_t count, std::size_t salt = 0) {
   std::vector<std::byte> out(count * dtype_size(t));
-  for (std::size_t i = 0; i < count; ++i) store(t, out.data(), i, value(t, op, r, i + salt));
+  const std::size_t first = std::min(count, period);
+  for (std::size_t i = 0; i < first; ++i) store(t, out.data(), i, value(t, op, r, i + salt));
+  repeat_period(out, first * dtype_size(t));
   return out;
 }
 
@@ -86,7 +105,8 @@ inline std::vector<std::byte> make_input(DType t, ReduceOp op, int r, std::size_
 inline std::vector<std::byte> make_reduced(DType t, ReduceOp op, int p, std::size_t count, std::size_t salt = 0) {
   std::vector<std::byte> out(count * dtype_size(t));
   const bool floating = is_floating(t);
-  for (std::size_t i = 0; i < count; ++i) {
+  const std::size_t first = std::min(count, period);
+  for (std::size_t i = 0; i < first; ++i) {
     double acc = value(t, op, 0, i + salt);
     long long iacc = static_cast<long long>(acc);
     for (int r = 1; r < p; ++r) {
@@ -116,19 +136,20 @@ inline std::vector<std::byte> make_reduced(DType t, ReduceOp op, int p, std::siz
     } else {
       if (op == ReduceOp::logical_and || op == ReduceOp::logical_or) iacc = iacc != 0 ? 1 : 0;
       // Wrap to the dtype first (as the kernel does), then divide in the dtype.
-      std::vector<std::byte> tmp(8);
-      store(t, tmp.data(), 0, static_cast<double>(iacc));
+      alignas(8) std::byte tmp[8]{};
+      store(t, tmp, 0, static_cast<double>(iacc));
       if (t == DType::i64 || t == DType::u64) {
         std::int64_t w = iacc;
         if (op == ReduceOp::avg) w = t == DType::i64 ? w / p : static_cast<std::int64_t>(static_cast<std::uint64_t>(w) / static_cast<std::uint64_t>(p));
         std::memcpy(out.data() + i * 8, &w, 8);
         continue;
       }
-      double wrapped = load(t, tmp.data(), 0);
+      double wrapped = load(t, tmp, 0);
       if (op == ReduceOp::avg && t != DType::boolean) wrapped = static_cast<double>(static_cast<long long>(wrapped) / p);
       store(t, out.data(), i, wrapped);
     }
   }
+  repeat_period(out, first * dtype_size(t));
   return out;
 }
 
