@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <algorithm>
 #include <coroutine>
+#include <filesystem>
 #include <future>
 #include <iterator>
 #include <mutex>
@@ -27,6 +29,7 @@
 #include "support/harness.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "transports/shm/arena.hpp"
+#include "transports/shm/link.hpp"
 #include "transports/shm/ring.hpp"
 #include "transports/shm/segment.hpp"
 #include "transports/shm/shm_stream.hpp"
@@ -622,6 +625,57 @@ struct TurnOf {
   void await_resume() const noexcept {}
 };
 }  // namespace
+
+// The capacities of the rings this process holds now (created and adopted), read from their memfds as
+// an outsider would (/proc/self/fd): a ring's segment is its control lines and its capacity.
+static std::vector<std::size_t> ring_capacities_held() {
+  std::vector<std::size_t> capacities;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (ec || target.rfind("/memfd:weft-ring", 0) != 0) continue;
+    struct stat st {};
+    if (::stat(entry.path().c_str(), &st) != 0) continue;
+    capacities.push_back(static_cast<std::size_t>(st.st_size) - shm::ring_segment_bytes(0));
+  }
+  return capacities;
+}
+
+TEST_CASE("a rank sizes its rings by its peers on the host: 1 MiB up to 16 peers, less beyond, never below 64 KiB", "[shm][link]") {
+  CHECK(shm::ring_bytes_for(0) == shm::ring_bytes_most);
+  CHECK(shm::ring_bytes_for(1) == std::size_t{1} << 20);
+  CHECK(shm::ring_bytes_for(16) == std::size_t{1} << 20);
+  CHECK(shm::ring_bytes_for(17) == std::size_t{512} << 10);
+  CHECK(shm::ring_bytes_for(32) == std::size_t{512} << 10);
+  CHECK(shm::ring_bytes_for(63) == std::size_t{256} << 10);
+  CHECK(shm::ring_bytes_for(127) == std::size_t{128} << 10);
+  CHECK(shm::ring_bytes_for(255) == shm::ring_bytes_least);
+  CHECK(shm::ring_bytes_for(100000) == shm::ring_bytes_least);
+  for (std::size_t peers = 1; peers < 300; ++peers) {
+    const std::size_t bytes = shm::ring_bytes_for(peers);
+    CHECK((bytes & (bytes - 1)) == 0);
+    CHECK((bytes * peers <= shm::inbound_ring_budget || bytes == shm::ring_bytes_least));
+  }
+  Options options;
+  options.transport = "shm";
+  // 2 ranks keep the full ring; 18 (17 peers each) take 512 KiB. Every rank's rings, inbound and the
+  // peers' it writes to, are held by this one process: n(n-1) rings, each twice.
+  for (const auto& [ranks, capacity] : {std::pair{2, std::size_t{1} << 20}, std::pair{18, std::size_t{512} << 10}}) {
+    std::vector<std::size_t> held;
+    run_ranks(ranks, [&](Group& g) {
+      check(g.algorithm_for("all_reduce", 1024) == "shm", "every pair should be linked (the group arena is there)");
+      g.barrier().get();
+      if (g.rank() == 0) held = ring_capacities_held();
+      g.barrier().get();
+      std::vector<float> x(100000, 1.0f);  // 400 KB: through the rings, in pieces where they are small
+      g.override_algorithms("all_reduce:ring");
+      g.all_reduce(x).get();
+      check(std::all_of(x.begin(), x.end(), [&](float v) { return v == static_cast<float>(g.size()); }), "all_reduce over the rings");
+    }, options);
+    CHECK(held.size() == static_cast<std::size_t>(ranks * (ranks - 1) * 2));
+    CHECK(std::all_of(held.begin(), held.end(), [&](std::size_t c) { return c == capacity; }));
+  }
+}
 
 TEST_CASE("the arena's turns go in ticket order, skipping the tickets given up, whichever thread leaves", "[shm][turns]") {
   Loop loop;

@@ -163,7 +163,7 @@ awaitable<bool> probe_single_copy(unix_socket::socket& socket, int rank, int pee
 // The unix half of linking one pair; returns the Link, or nullopt with `why` set.
 awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, const Offer& mine, const Offer& theirs,
                                                           std::unique_ptr<unix_socket::acceptor>& listener, int wake_fd,
-                                                          Clock::time_point deadline, std::string& why) {
+                                                          std::size_t ring_capacity, Clock::time_point deadline, std::string& why) {
   auto executor = co_await asio::this_coro::executor;
   unix_socket::socket socket(executor);
   if (rank < peer) {
@@ -200,7 +200,7 @@ awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, co
   }
   ShmStream::Link link;
   try {
-    link.inbound = make_ring(ring_bytes);
+    link.inbound = make_ring(ring_capacity);
   } catch (const std::exception& e) {
     why = std::string("cannot make a ring: ") + e.what();
     co_return std::nullopt;
@@ -248,9 +248,38 @@ awaitable<std::optional<ShmStream::Link>> connect_locally(int rank, int peer, co
   co_return link;
 }
 
+// Every pair's offer, counted before any ring is made: a rank sizes its inbound rings by the number of
+// peers it links on this host (ring_bytes_for), which it knows only once every offer is in. The
+// coroutines of one link_local_peers share it, on one executor.
+class OfferCount {
+ public:
+  OfferCount(const asio::any_io_executor& executor, std::size_t pairs, Clock::time_point deadline)
+      : pending_(pairs), all_in_(executor, deadline) {}
+  /// One pair's offer came (or its exchange failed: `local` false); the last one wakes the waiters.
+  void arrived(bool local) {
+    local_ += local ? 1 : 0;
+    if (--pending_ == 0) all_in_.cancel();
+  }
+  /// Until every pair's offer came, or the deadline passed (a pair whose offer never comes fails the
+  /// link anyway; the others then size their rings by what came).
+  awaitable<void> every_offer() {
+    if (pending_ == 0) co_return;
+    std::error_code ignored;
+    co_await all_in_.async_wait(asio::redirect_error(use_awaitable, ignored));
+  }
+  std::size_t local_peers() const noexcept { return local_; }
+
+ private:
+  std::size_t pending_;
+  std::size_t local_ = 0;
+  asio::steady_timer all_in_;
+};
+
 // One pair: offers, then (where both want it) the unix half, then the verdicts.
 awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer mine, int wake_fd, Clock::time_point deadline,
-                         std::optional<ShmStream::Link>& out, std::vector<bool>::reference same_host, std::exception_ptr& failure) {
+                         OfferCount& offers, std::optional<ShmStream::Link>& out, std::vector<bool>::reference same_host,
+                         std::exception_ptr& failure) {
+  bool counted = false;
   try {
     std::unique_ptr<unix_socket::acceptor> listener;
     if (mine.wants && rank < peer) {
@@ -271,9 +300,13 @@ awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer m
     if (!theirs) throw std::runtime_error(fmt::format("rank {} sent a malformed link offer", peer));
     // Both sides decide alike from the same two offers.
     same_host = mine.host == theirs->host;
-    if (!(mine.wants && theirs->wants && mine.host == theirs->host && mine.uid == theirs->uid)) co_return;
+    const bool local = mine.wants && theirs->wants && mine.host == theirs->host && mine.uid == theirs->uid;
+    counted = true;
+    offers.arrived(local);
+    if (!local) co_return;
+    co_await offers.every_offer();
     std::string why;
-    auto link = co_await connect_locally(rank, peer, mine, *theirs, listener, wake_fd, deadline, why);
+    auto link = co_await connect_locally(rank, peer, mine, *theirs, listener, wake_fd, ring_bytes_for(offers.local_peers()), deadline, why);
     listener.reset();
     const std::byte verdict = link ? std::byte{1} : std::byte{0};
     std::byte their_verdict{0};
@@ -296,11 +329,18 @@ awaitable<void> link_one(asio::ip::tcp::socket& tcp, int rank, int peer, Offer m
     }
     log().warn("rank {}: shared memory with rank {} on this host is not used ({}); using TCP", rank, peer, why);
   } catch (...) {
+    if (!counted) offers.arrived(false);
     failure = std::current_exception();
   }
 }
 
 }  // namespace
+
+std::size_t ring_bytes_for(std::size_t local_peers) noexcept {
+  std::size_t bytes = ring_bytes_most;
+  while (bytes > ring_bytes_least && bytes * local_peers > inbound_ring_budget) bytes /= 2;
+  return bytes;
+}
 
 std::array<std::byte, 24> host_identity() {
   std::array<std::byte, 24> id{};
@@ -335,6 +375,9 @@ awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vec
   // Every pair at once: a rank that linked its peers one by one could wait on a peer that waits on another.
   auto remaining = std::make_shared<std::size_t>(0);
   asio::steady_timer all_done(executor, Clock::time_point::max());
+  std::size_t pairs = 0;
+  for (std::size_t peer = 0; peer < size; ++peer) pairs += static_cast<int>(peer) == rank ? 0 : 1;
+  OfferCount offers(executor, pairs, deadline);
   for (std::size_t peer = 0; peer < size; ++peer) {
     if (static_cast<int>(peer) == rank) continue;
     Offer offer = mine;
@@ -343,7 +386,7 @@ awaitable<std::vector<std::optional<ShmStream::Link>>> link_local_peers(std::vec
     }
     ++*remaining;
     asio::co_spawn(executor,
-                   link_one(sockets[peer], rank, static_cast<int>(peer), offer, wake_fd, deadline, links[peer], same_host[peer], failures[peer]),
+                   link_one(sockets[peer], rank, static_cast<int>(peer), offer, wake_fd, deadline, offers, links[peer], same_host[peer], failures[peer]),
                    [remaining, &all_done](std::exception_ptr) {
                      if (--*remaining == 0) all_done.cancel();
                    });

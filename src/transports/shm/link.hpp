@@ -20,8 +20,15 @@
 
 namespace weft::shm {
 
-/// Ring capacity per direction (docs/DESIGN.md quotes it by name).
-inline constexpr std::size_t ring_bytes = std::size_t{1} << 20;
+/// Ring capacity per direction, chosen by the receiver for its inbound rings from the number of peers
+/// it links on this host (docs/DESIGN.md quotes these by name): `ring_bytes_most` while its inbound
+/// rings fit in `inbound_ring_budget` (up to 16 peers), then the largest power of two that keeps them
+/// inside it, never below `ring_bytes_least`. A flat 1 MiB put N(N-1) MiB of populated shared memory on
+/// a host of N ranks: 4 GiB at 64, 16 GiB at 128 (Open MPI's vader takes 4 MiB a process).
+inline constexpr std::size_t ring_bytes_most = std::size_t{1} << 20;
+inline constexpr std::size_t ring_bytes_least = std::size_t{64} << 10;
+inline constexpr std::size_t inbound_ring_budget = std::size_t{16} << 20;
+std::size_t ring_bytes_for(std::size_t local_peers) noexcept;
 /// Single copy is off unless WEFT_SHM_CMA_BYTES names the smallest write to send by it: on these
 /// machines it measured slower than the rings at every size and in every pattern (ping-pong, streaming,
 /// all_reduce: bench/RESULTS.md, "Single copy"), so the rings are the default.
