@@ -159,6 +159,13 @@ class Loop {
   /// io_context, whose turns are the user's, runs it as a post. Loop thread only.
   void before_kernel_poll(std::function<bool()> fn);
 
+  /// A transport's message source that only the kernel reports (a TCP stream, an io_uring ring) opens on
+  /// this loop (+1) or closes (-1). While memory pollers spin and find nothing, a turn asks the kernel
+  /// every 10 us while such a source is open, else only every 50 us: every ask is a system call, and a
+  /// rank whose peers were all in shared memory paid them in its round trips (a fifth of a small
+  /// ping-pong's time on these VMs: bench/RESULTS.md). Thread-safe.
+  void count_kernel_sources(int delta) noexcept;
+
   /// Calls `fn(true)` on the loop after `delay`, or `fn(false)` if cancel_timer() came first.
   /// Returns an id for cancel_timer(). Thread-safe.
   std::uint64_t call_after(std::chrono::nanoseconds delay, std::function<void(bool fired)> fn);

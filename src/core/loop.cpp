@@ -376,6 +376,10 @@ struct Loop::Impl {
   Clock::time_point kernel_polled{};  // while pollers spin, the kernel is asked only every kernel_every
   static constexpr std::chrono::microseconds kernel_every{10};
   static constexpr std::chrono::microseconds kernel_at_most{50};
+  // Message sources only the kernel reports (count_kernel_sources): without one, a spinning turn whose
+  // pollers find nothing asks the kernel only every kernel_at_most (timers, the shm peers' unix
+  // sockets, which only say that a peer ended, and posts through Asio can wait that long).
+  std::atomic<int> kernel_sources{0};
 
   std::size_t run_pollers() {
     PollingHere here(this);
@@ -424,7 +428,8 @@ struct Loop::Impl {
       // (One clock read per turn: a spinning turn is a few loads, and the clock is a good share of it.)
       const auto now = Clock::now();
       const auto since = now - kernel_polled;
-      if (since >= kernel_at_most || (found == 0 && (pollers.empty() || since >= kernel_every))) {
+      const auto every = kernel_sources.load(std::memory_order_relaxed) > 0 ? kernel_every : kernel_at_most;
+      if (since >= kernel_at_most || (found == 0 && (pollers.empty() || since >= every))) {
         const std::size_t early = run_before_poll();
         if (early == 0 || since >= kernel_at_most) {
           found += poll_kernel(done);
@@ -807,6 +812,8 @@ void Loop::before_kernel_poll(std::function<bool()> fn) {
     asio::post(*impl_->io, [fn = std::move(fn)] { (void)fn(); });
   }
 }
+
+void Loop::count_kernel_sources(int delta) noexcept { impl_->kernel_sources.fetch_add(delta, std::memory_order_relaxed); }
 
 std::uint64_t Loop::id() const noexcept { return impl_->id; }
 

@@ -20,7 +20,12 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   /// Events go to `events` for `peer` while `alive` lives (the transport's lifetime flag). `loop` runs
   /// the socket's io_context and outlives the stream's operations.
   AsioStream(Loop& loop, asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive)
-      : loop_(loop), socket_(std::move(socket)), events_(events), peer_(peer), alive_(std::move(alive)) {}
+      : loop_(loop), socket_(std::move(socket)), events_(events), peer_(peer), alive_(std::move(alive)) {
+    loop_.count_kernel_sources(1);  // its reads are reported by epoll: the loop asks the kernel often
+  }
+  ~AsioStream() override { loop_.count_kernel_sources(-1); }
+  AsioStream(const AsioStream&) = delete;
+  AsioStream& operator=(const AsioStream&) = delete;
 
   std::string_view backend() const noexcept override { return "tcp"; }
   int native_handle() const noexcept override {

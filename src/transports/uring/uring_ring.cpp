@@ -177,6 +177,7 @@ void UringRing::multishot_unsupported() {
 }
 
 UringRing::~UringRing() {
+  loop_.count_kernel_sources(-1);
   if (watch_) loop_.unwatch(watch_);
   if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
   if (event_fd_ >= 0) ::close(event_fd_);

@@ -86,7 +86,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   }
 
  private:
-  explicit UringRing(Loop& loop) : loop_(loop) {}
+  // Its completions are reported through an eventfd: the loop asks the kernel often while it lives.
+  explicit UringRing(Loop& loop) : loop_(loop) { loop_.count_kernel_sources(1); }
   void set_up_buffers();
   void set_up_staging();
   void run_deferred_work();
