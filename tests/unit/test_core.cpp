@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <random>
 #include <thread>
@@ -393,6 +394,68 @@ TEST_CASE("work left for the kernel poll runs after the posted work, on the loop
   CHECK_FALSE(ran);
   io.poll();
   CHECK(ran);
+}
+
+namespace {
+// A memory event source that never finds anything: the loop spins on it while an operation is in flight.
+class NothingPoller final : public Loop::Poller {
+ public:
+  std::size_t poll() override { return 0; }
+  bool arm() override { return false; }
+  void disarm() override {}
+};
+
+// Counts the turns that ask the kernel (each first runs the work left for it, and leaves itself there
+// again) while `counting` holds.
+struct KernelAsks {
+  Loop* loop;
+  std::atomic<long>* asks;
+  std::atomic<bool>* counting;
+  bool operator()() const {
+    if (!counting->load()) return false;
+    ++*asks;
+    loop->before_kernel_poll(*this);
+    return false;  // found nothing: the turn asks the kernel
+  }
+};
+}  // namespace
+
+TEST_CASE("while memory pollers spin, the kernel is asked at most every 50 us unless a socket carries messages", "[core][loop]") {
+  // Each ask is a system call (0.5-1 us on a VM) that the spinning rank's next message may wait for: a
+  // loop whose peers are all in shared memory asks only every 50 us; one with a TCP stream or an io_uring
+  // ring (Loop::count_kernel_sources) every 10 us. Only ceilings are checked: a loaded machine spins less.
+  for (const bool kernel_source : {false, true}) {
+    Loop::Options options;
+    options.spin = std::chrono::seconds(2);  // polls the whole time: the bound halves only after 2 s of nothing
+    options.caller_drives = false;
+    Loop loop(options);
+    if (kernel_source) loop.count_kernel_sources(1);
+    const auto poller = loop.add_poller(std::make_shared<NothingPoller>());
+    std::atomic<long> asks{0};
+    std::atomic<bool> counting{true};
+    const auto start = std::chrono::steady_clock::now();
+    loop.post([&] {
+      loop.operation_started();
+      loop.before_kernel_poll(KernelAsks{&loop, &asks, &counting});
+    });
+    std::this_thread::sleep_for(40ms);
+    // A loaded machine may not have run the loop yet: the ceilings stand on the time that passed.
+    for (int i = 0; i < 500 && asks.load() == 0; ++i) std::this_thread::sleep_for(10ms);
+    counting = false;
+    const auto spun = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start);
+    std::promise<void> stopped;
+    loop.post([&] {
+      loop.operation_finished();
+      stopped.set_value();
+    });
+    stopped.get_future().wait();
+    loop.remove_poller(poller);
+    if (kernel_source) loop.count_kernel_sources(-1);
+    const long ceiling = spun.count() / (kernel_source ? 10 : 50) + 5;
+    INFO("kernel source: " << kernel_source << ", " << asks.load() << " asks in " << spun.count() << " us");
+    CHECK(asks.load() > 0);
+    CHECK(asks.load() <= ceiling);
+  }
 }
 
 TEST_CASE("run_here starts work on the calling thread while the progress thread is parked, and only then", "[core][loop]") {
