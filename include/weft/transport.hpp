@@ -186,10 +186,12 @@ class Transport {
   virtual void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
     (void)context, (void)seq, (void)signature;
   }
-  /// Whether some context of this transport has failed (an abort, a lost peer, a mismatch) so far. Any
-  /// thread: the group arena's fast path, which finishes a collective on the caller's thread, leaves
-  /// every collective to the loop (which knows which context and why) once this is true. Default: true.
-  virtual bool any_context_failed() const noexcept { return true; }
+  /// False only when `context` is known not to have failed (an abort, a lost peer, a mismatch) so far;
+  /// true may also mean "cannot tell" (many contexts failed). Any thread: the group arena's fast path,
+  /// which finishes a collective on the caller's thread, leaves its group's collectives to the loop (which
+  /// knows which context and why) once this is true. Another group's failure on the same transport (a
+  /// split's sibling) does not count. Default: true.
+  virtual bool context_may_have_failed(std::uint32_t /*context*/) const noexcept { return true; }
   /// How this rank called operation `seq` of `context` (call 0: not yet, or no longer remembered).
   virtual OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const = 0;
   /// Asks every other member of `context` how far it is (a query frame, answered by the member's

@@ -650,7 +650,7 @@ Task<void> finish_box_cancelled(std::shared_ptr<GroupState> g, std::uint64_t seq
 }  // namespace
 
 bool arena_group_failed(const GroupState& g) {
-  return g.failed.load(std::memory_order_relaxed) || g.transport->any_context_failed();
+  return g.failed.load(std::memory_order_relaxed) || g.transport->context_may_have_failed(g.context);
 }
 
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,

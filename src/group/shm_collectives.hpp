@@ -49,8 +49,10 @@ class ArenaTicket {
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
                         bool first_published, bool failed_at_call);
 
-/// Whether this rank knows its group, or a context of its transport, to have failed. Any thread (a
-/// failed context of another group on the same transport counts too: it errs on the side of failing).
+/// Whether this rank knows its group to have failed, or cannot tell (Transport::context_may_have_failed).
+/// Any thread. Another group's failure on the same transport (a split's sibling) does not count: it
+/// would fail, in this group, a superstep that every rank reached (ends_in_error), and leave every
+/// collective of it to the loop.
 bool arena_group_failed(const GroupState& g);
 
 /// What run_on_arena_now did.

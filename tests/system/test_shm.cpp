@@ -27,6 +27,7 @@
 
 #include "group/state.hpp"
 #include "support/harness.hpp"
+#include "transports/framed/contexts.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "transports/shm/arena.hpp"
 #include "transports/shm/link.hpp"
@@ -568,6 +569,68 @@ TEST_CASE("small broadcasts go through the roots' boxes: many more than a box ho
     }, options);
     REQUIRE(checks_made.load() > before);
   }
+}
+
+TEST_CASE("a failed sibling group leaves a healthy group's small collectives finishing inside the call", "[shm][arena]") {
+  // A split of the same ranks shares the transport, and so its record of failed contexts. The sibling's
+  // failure is not the healthy group's: there a small broadcast's root still writes its box and returns
+  // a finished Future (the arena's fast path), where a failed group's call goes to the loop, which must
+  // run it before its Future is done. (Until 2026-11-29 any failed context of the transport counted as
+  // the group's, and the second half of this test failed.)
+  Options options;
+  options.transport = "shm";
+  const long before = checks_made.load();
+  run_ranks(2, [&](Group& g) {
+    std::vector<float> x(2);
+    const auto root_finishes_in_its_call = [&](const std::string& when) {
+      int finished = 0;
+      for (int i = 0; i < 20; ++i) {
+        std::fill(x.begin(), x.end(), g.rank() == 0 ? static_cast<float>(i) : -1.0f);
+        Future<void> f = g.broadcast(x, 0);
+        if (f.ready()) ++finished;
+        f.get();
+        check(x[1] == static_cast<float>(i), fmt::format("{}: broadcast {} carried {}", when, i, x[1]));
+      }
+      if (g.rank() == 0) check(finished == 20, fmt::format("{}: {} of 20 broadcasts finished inside the root's call", when, finished));
+      g.barrier().get();
+    };
+    root_finishes_in_its_call("before the sibling failed");
+    Group sibling = g.split(0, g.rank()).get();
+    sibling.abort("the sibling gave up");
+    bool sibling_failed = false;
+    try {
+      sibling.barrier().get();
+    } catch (const Error& e) {
+      sibling_failed = std::string(e.what()).find("the sibling gave up") != std::string::npos;
+    }
+    check(sibling_failed, "the sibling's barrier did not fail with its abort");
+    const Transport& transport = *g.state()->transport;
+    // The transport learns of an abort on the loop's thread, soon after the call.
+    const auto soon = [](const auto& holds) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!holds() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return holds();
+    };
+    check(soon([&] { return transport.context_may_have_failed(sibling.state()->context); }), "the sibling's context is not among the failed");
+    check(!transport.context_may_have_failed(g.state()->context), "the healthy group's context is among the failed");
+    root_finishes_in_its_call("after the sibling failed");
+    // The group's own failure does count.
+    g.abort("now this one");
+    check(soon([&] { return transport.context_may_have_failed(g.state()->context); }), "the aborted group's context is not among the failed");
+  }, options);
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("the failed contexts are told exactly for the first 16, and past them every context may have failed", "[shm][arena]") {
+  FailedContexts failures;
+  for (std::uint32_t id = 100; id < 116; ++id) {
+    CHECK_FALSE(failures.may_contain(id));
+    failures.add(id);
+    CHECK(failures.may_contain(id));
+    CHECK_FALSE(failures.may_contain(7));
+  }
+  failures.add(200);
+  CHECK(failures.may_contain(7));  // can no longer tell: the caller goes to the loop, which can
 }
 
 TEST_CASE("idle ranks over shared memory use no CPU, and the first collective after idling still arrives", "[shm][idle]") {

@@ -1,7 +1,7 @@
 #pragma once
 // The contexts of the framed transport: per context, its members, its failure (the first one wins), the
 // signatures of the latest operations seen (this rank's and early arrivals') and the operations cancelled
-// here. Plain state on the loop's thread (but for the flag that some context failed, which any thread
+// here. Plain state on the loop's thread (but for the ids of the failed contexts, which any thread
 // may read); the transport acts on it (aborts, completes operations).
 #include <array>
 #include <atomic>
@@ -18,10 +18,38 @@
 
 namespace weft {
 
+// The ids of the contexts that failed, for threads other than the loop's (the group arena's fast path
+// asks, on the caller's thread, whether its own context failed, where the table itself is the loop's).
+// The first `size` failures are remembered exactly; past them every context may have failed, which only
+// sends a caller to the loop, where the table answers. One writer: the loop's thread.
+class FailedContexts {
+ public:
+  static constexpr std::size_t size = 16;
+  void add(std::uint32_t context) noexcept {
+    const std::size_t n = count_.load(std::memory_order_relaxed);
+    if (n < size) ids_[n].store(context, std::memory_order_relaxed);
+    count_.store(n + 1, std::memory_order_release);  // the id is published before the count that shows it
+  }
+  /// False only when `context` is known not to have failed. Any thread.
+  bool may_contain(std::uint32_t context) const noexcept {
+    const std::size_t n = count_.load(std::memory_order_acquire);
+    if (n > size) return true;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (ids_[i].load(std::memory_order_relaxed) == context) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::array<std::atomic<std::uint32_t>, size> ids_{};
+  std::atomic<std::size_t> count_{0};
+};
+
 struct ContextState {
   std::vector<int> members;
   bool failed = false;
-  std::atomic<bool>* any_failed = nullptr;  // the table's flag, set with `failed`
+  std::uint32_t id = 0;
+  FailedContexts* failures = nullptr;  // the table's record, told with `failed`
   std::error_code code;
   std::string reason;
   int failed_peer = -1;
@@ -30,7 +58,7 @@ struct ContextState {
   bool fail(std::error_code why, int peer, std::string text) {
     if (failed) return false;
     failed = true;
-    if (any_failed) any_failed->store(true, std::memory_order_release);
+    if (failures) failures->add(id);
     code = why;
     failed_peer = peer;
     reason = std::move(text);
@@ -105,11 +133,12 @@ class ContextTable {
  public:
   ContextState& at(std::uint32_t context) {  // created when new
     ContextState& state = contexts_[context];
-    state.any_failed = &any_failed_;
+    state.id = context;
+    state.failures = &failures_;
     return state;
   }
-  /// Whether some context failed so far. Any thread.
-  bool any_failed() const noexcept { return any_failed_.load(std::memory_order_acquire); }
+  /// False only when `context` is known not to have failed so far. Any thread.
+  bool may_have_failed(std::uint32_t context) const noexcept { return failures_.may_contain(context); }
   ContextState* find(std::uint32_t context) noexcept {
     if (cached_state_ && cached_context_ == context) return cached_state_;
     auto it = contexts_.find(context);
@@ -138,7 +167,7 @@ class ContextTable {
 
  private:
   std::unordered_map<std::uint32_t, ContextState> contexts_;
-  std::atomic<bool> any_failed_{false};
+  FailedContexts failures_;
   std::uint32_t cached_context_ = 0;
   ContextState* cached_state_ = nullptr;
   MessageKey last_noted_{};

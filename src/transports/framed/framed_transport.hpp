@@ -59,7 +59,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   OpSignature signature_of(std::uint32_t context, std::uint64_t seq) const override;
   std::string_view backend_to(int peer) const override;
   void note_started(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) override;
-  bool any_context_failed() const noexcept override { return contexts_.any_failed(); }
+  bool context_may_have_failed(std::uint32_t context) const noexcept override { return contexts_.may_have_failed(context); }
   bool operation_cancelled(std::uint32_t context, std::uint64_t seq, std::string* reason) const override;
   bool maybe_cancelled(std::uint64_t seq) const noexcept override {
     return (cancelled_seqs_[cancelled_word(seq)].load(std::memory_order_acquire) & cancelled_bit(seq)) != 0;
