@@ -121,11 +121,20 @@ class Transport {
   /// Starts sending `bytes` bytes to `peer`. `op` completes when `data` may be reused.
   virtual void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) = 0;
   /// Sends `bytes` bytes to `peer` at once when that needs no operation in flight: nothing is queued
-  /// to `peer` and its stream takes the whole message now (shared memory with room in the ring). Returns
-  /// true when the message went (as a start_send that completed at once: `data` may be reused); false when
-  /// nothing happened (start_send it). Default: false. A point-to-point send from plain code then costs no
-  /// operation state (docs/DESIGN.md, "The shm round trip, counted").
-  virtual bool send_now(int /*peer*/, const MessageKey& /*key*/, const void* /*data*/, std::size_t /*bytes*/) { return false; }
+  /// to `peer` and its stream takes the whole message now (shared memory with room in the ring), or a
+  /// socket takes what it has room for and the rest of a small message is copied and written after it.
+  /// Returns true when the message went (as a start_send that completed at once: `data` may be reused);
+  /// false when nothing happened (start_send it). `signature` goes in the frame's header as start_send's
+  /// op.signature does. Default: false. A point-to-point send from plain code then costs no operation
+  /// state (docs/DESIGN.md, "The shm round trip, counted", "Over tcp too").
+  virtual bool send_now(int /*peer*/, const MessageKey& /*key*/, const void* /*data*/, std::size_t /*bytes*/,
+                        const OpSignature& /*signature*/ = {}) {
+    return false;
+  }
+  /// Whether send_now(peer, key, data, bytes) would send now, as far as the connection to `peer` can
+  /// tell (nothing is sent; the key's context may still have failed). Loop thread. A plan of sends to
+  /// several peers asks for all of them before it sends any. Default: false.
+  virtual bool can_send_now(int /*peer*/, std::size_t /*bytes*/) const { return false; }
   /// Receives `bytes` bytes from `peer` at once when a point-to-point message with `key` (signature 0)
   /// already arrived, of exactly that size: it is copied into `data` and true returned, as a start_recv
   /// that completed at once. False when nothing happened (no such message, or one that start_recv would

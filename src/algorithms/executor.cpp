@@ -531,7 +531,34 @@ void MessagePlan::reduce(const Step& step) {
   kernels::find_reduce(buf_.dtype, buf_.op)(buf_.recv + at, local, scratch(step.recv.count * esize_), step.recv.count);
 }
 
-void MessagePlan::start() { advance(); }
+std::size_t MessagePlan::send_now(const Channel& ch, const Plan& plan, const PlanBuffers& buf) {
+  if (plan.size() > most_messages) return 0;
+  const std::size_t esize = dtype_size(buf.dtype);
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    const Step& step = plan[i];
+    if (step.kind != StepKind::send) return 0;
+    // Each to another peer: a message taken now changes what its connection can take next.
+    for (std::size_t j = 0; j < i; ++j) {
+      if (plan[j].send_to == step.send_to) return 0;
+    }
+    if (!ch.transport->can_send_now(ch.members[static_cast<std::size_t>(step.send_to)], step.send.count * esize)) return 0;
+  }
+  std::size_t sent = 0;
+  for (const Step& step : plan) {
+    // Every peer's first message of the operation: tag first_tag, as start_message numbers it.
+    const MessageKey key{ch.context, ch.seq, ch.first_tag};
+    if (!ch.transport->send_now(ch.members[static_cast<std::size_t>(step.send_to)], key, buf.send + step.send.offset * esize,
+                                step.send.count * esize, ch.signature))
+      break;  // the context failed on the way (a mismatch that a signature just revealed): start() from here fails it
+    ++sent;
+  }
+  return sent;
+}
+
+void MessagePlan::start(std::size_t sent_already) {
+  next_step_ = sent_already;
+  advance();
+}
 
 void MessagePlan::cancel() {
   if (finished_) return;

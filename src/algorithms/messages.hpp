@@ -50,6 +50,13 @@ class MessagePlan {
   /// executor's reduction waits for an overlapping send; a recv_reduce_send then sends the range on.
   static bool fits(const Plan& plan, const PlanBuffers& buffers, const ExecOptions& options);
 
+  /// A plan that only sends, each message to another peer, sent at once where the transport takes
+  /// every message without an operation (Transport::can_send_now, then send_now): no run at all.
+  /// Returns how many of the plan's steps went: all of them (the plan is done, as a run that completed
+  /// at once), none (nothing happened), or, where the context failed on the way, the first few (a run
+  /// started after them, start(sent), fails with the context). Loop thread.
+  static std::size_t send_now(const Channel& channel, const Plan& plan, const PlanBuffers& buffers);
+
   /// `done(context)` is called once, on the loop's thread, when every message of the plan completed (the
   /// sends may be reused, the receives landed) or the plan failed and every message it started ended;
   /// it may destroy this. Lifetime: `channel.members` and the buffers outlive the run.
@@ -64,8 +71,8 @@ class MessagePlan {
   ~MessagePlan();
 
   /// Loop thread, once. The messages of the first steps start here; `done` may be called before this
-  /// returns.
-  void start();
+  /// returns. `sent_already`: the plan's first steps that send_now sent (they are not sent again).
+  void start(std::size_t sent_already = 0);
   /// Loop thread, before `done`: cancels the operation on every member (the transport's
   /// cancel_operation), as a cancelled plan run does.
   void cancel();

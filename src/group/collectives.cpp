@@ -374,20 +374,26 @@ class MessagePlanOp final : public FutureState<void> {
   static Future<void> start(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
                             std::shared_ptr<const algo::Plan> plan, algo::PlanBuffers buffers, AroundPlan around) {
     const bool sends_only = std::all_of(plan->begin(), plan->end(), [](const algo::Step& s) { return s.kind == algo::StepKind::send; });
-    auto op = std::allocate_shared<MessagePlanOp>(PooledAllocator<MessagePlanOp>{}, std::move(g), seq, name, signature, std::move(plan), buffers);
-    op->around_ = std::move(around);
-    op->weak_ = op;
-    op->set_loop(op->g_->loop);
-    op->set_cancel_hook(&MessagePlanOp::on_cancel);
     // A plan that only sends (a broadcast's root) starts on this thread when the loop's thread is parked
     // (Loop::run_here, as a send does): its messages usually leave whole, and its Future is done before
     // the call returns (2-rank broadcast, 8 B-2 KiB: 0.94-0.97 of the old path's time against 0.95-0.98
-    // posted, bench/RESULTS.md "Plans of whole messages"). Others are posted, as the
-    // collectives' tasks are (bench/RESULTS.md, "Starting on the caller's thread": a collective that
-    // waits, started here, cost the loop more wake-ups than it saved).
+    // posted, bench/RESULTS.md "Plans of whole messages"). Where the transport takes every message at
+    // once (MessagePlan::send_now) there is no operation at all (bench/RESULTS.md, "Sends over tcp
+    // without an operation"). Others are posted, as the collectives' tasks are (bench/RESULTS.md,
+    // "Starting on the caller's thread": a collective that waits, started here, cost the loop more
+    // wake-ups than it saved).
+    if (sends_only) {
+      Loop& loop = *g->loop;
+      SendingNow now{&g, seq, name, signature, &plan, buffers, &around, {}};
+      if (loop.in_loop_thread()) {
+        send_here(&now);
+        return std::move(now.result);
+      }
+      if (loop.run_here(&MessagePlanOp::send_here, &now)) return std::move(now.result);
+    }
+    auto op = make(std::move(g), seq, name, signature, std::move(plan), buffers, std::move(around));
     if (op->g_->loop->in_loop_thread()) {
       op->begin(op);
-    } else if (sends_only && op->g_->loop->run_here(&MessagePlanOp::begin_here, &op)) {
     } else {
       // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function
       // without an allocation.
@@ -411,19 +417,60 @@ class MessagePlanOp final : public FutureState<void> {
     });
   }
 
-  // Loop::run_here's call: `arg` is the caller's shared_ptr to the operation.
-  static void begin_here(void* arg) {
-    auto& op = *static_cast<std::shared_ptr<MessagePlanOp>*>(arg);
-    op->begin(op);
+  static std::shared_ptr<MessagePlanOp> make(std::shared_ptr<GroupState> g, std::uint64_t seq, const char* name, OpSignature signature,
+                                             std::shared_ptr<const algo::Plan> plan, algo::PlanBuffers buffers, AroundPlan around) {
+    auto op = std::allocate_shared<MessagePlanOp>(PooledAllocator<MessagePlanOp>{}, std::move(g), seq, name, signature, std::move(plan), buffers);
+    op->around_ = std::move(around);
+    op->weak_ = op;
+    op->set_loop(op->g_->loop);
+    op->set_cancel_hook(&MessagePlanOp::on_cancel);
+    return op;
+  }
+
+  // What follows a plan that succeeded: the result copied out, the reduction's last step.
+  static void finish_around(const GroupState& g, const AroundPlan& around) {
+    copy_bytes(around.copy_out_to, around.copy_out_from, around.copy_out_bytes);
+    if (around.finish_reduction) algo::finish_reduction(around.op, around.reduced.data, around.reduced.count, around.reduced.dtype, g.size);
+  }
+
+  // A plan that only sends, started on the loop's thread (its own, or borrowed): its messages sent at
+  // once where the transport takes them all (no operation, a ready Future), else an operation that
+  // begins here, after the messages that did go.
+  struct SendingNow {
+    std::shared_ptr<GroupState>* g;
+    std::uint64_t seq;
+    const char* name;
+    OpSignature signature;
+    std::shared_ptr<const algo::Plan>* plan;
+    algo::PlanBuffers buffers;
+    AroundPlan* around;
+    Future<void> result;
+  };
+  static void send_here(void* arg) {
+    auto& now = *static_cast<SendingNow*>(arg);
+    GroupState& g = **now.g;
+    copy_bytes(now.around->copy_to, now.around->copy_from, now.around->copy_bytes);
+    const algo::Plan& plan = **now.plan;
+    const std::size_t sent = algo::MessagePlan::send_now(g.channel(now.seq, now.name, now.signature, 0), plan, now.buffers);
+    if (sent == plan.size()) {
+      finish_around(g, *now.around);
+      now.result = make_ready_future();
+      return;
+    }
+    now.around->copy_bytes = 0;  // done above
+    auto op = make(std::move(*now.g), now.seq, now.name, now.signature, std::move(*now.plan), now.buffers, std::move(*now.around));
+    op->begin(op, sent);
+    now.result = Future<void>(std::move(op));
   }
 
   // Loop thread. self_ keeps the operation alive until its plan is done, `self` until this returns.
-  void begin(std::shared_ptr<MessagePlanOp> self) {
+  // `sent_already`: the plan's first messages, which send_here sent.
+  void begin(std::shared_ptr<MessagePlanOp> self, std::size_t sent_already = 0) {
     g_->loop->operation_started();
     g_->watch(seq_, name_);
     self_ = self;
     copy_bytes(around_.copy_to, around_.copy_from, around_.copy_bytes);
-    run_.start();
+    run_.start(sent_already);
   }
 
   // The plan run is done (loop thread).
@@ -442,9 +489,7 @@ class MessagePlanOp final : public FutureState<void> {
       }
       op->set_error(std::move(failure));
     } else {
-      const AroundPlan& around = op->around_;
-      copy_bytes(around.copy_out_to, around.copy_out_from, around.copy_out_bytes);
-      if (around.finish_reduction) algo::finish_reduction(around.op, around.reduced.data, around.reduced.count, around.reduced.dtype, g.size);
+      finish_around(g, op->around_);
     }
     g.loop->operation_finished();
     op->finish();

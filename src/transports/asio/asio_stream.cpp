@@ -33,6 +33,19 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
 
 // sendmsg now; true when it took everything. Otherwise the stream reports on_written later itself (a
 // failure through the ready queue, the rest once the reactor says the socket has room).
+std::size_t AsioStream::write_some_now(ConstBytes first, ConstBytes second, ConstBytes third) {
+  if (!socket_.is_open()) return 0;
+  std::array<iovec, 3> iov{};
+  msghdr message{};
+  for (const ConstBytes& part : {first, second, third}) {
+    if (part.size != 0) iov[message.msg_iovlen++] = iovec{const_cast<void*>(part.data), part.size};
+  }
+  if (message.msg_iovlen == 0) return 0;
+  message.msg_iov = iov.data();
+  const ssize_t n = ::sendmsg(socket_.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+  return n > 0 ? static_cast<std::size_t>(n) : 0;
+}
+
 bool AsioStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   std::array<ConstBytes, 3> parts{first, second, third};
   const std::size_t total = first.size + second.size + third.size;

@@ -33,6 +33,8 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   }
   void write(ConstBytes first, ConstBytes second, ConstBytes third) override;
   bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  std::size_t write_some_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  bool writes_some_now() const noexcept override { return true; }
   void read(void* dst, std::size_t min, std::size_t cap) override;
   void write_blocking(const void* data, std::size_t size) override;
   void shutdown_send() override;

@@ -271,7 +271,8 @@ void FramedTransport::abort_context(std::uint32_t context, Errc code, const std:
 
 bool FramedTransport::carries_frame_of(const Connection& c, std::uint32_t context) const {
   if (!c.alive) return false;
-  const bool writing = c.writing && !c.writing_control && !c.send_queue.empty() && c.send_queue.front()->key.context == context;
+  const bool writing = c.writing && (c.writing_kept ? c.kept_context == context
+                                                    : !c.writing_control && !c.send_queue.empty() && c.send_queue.front()->key.context == context);
   const bool reading = c.current_op && c.current_op->key.context == context;
   // A lent send's payload is still being read by the peer: a frame in flight as much as a write is.
   const bool lent = std::any_of(c.lent.begin(), c.lent.end(), [context](const TransportOp* op) { return op->key.context == context; });
@@ -430,15 +431,13 @@ void FramedTransport::start_send(int peer, const MessageKey& key, const void* da
   if (!c.writing) start_write(c, &op);
 }
 
-bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes) {
+bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
   if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
   if (!connections_[static_cast<std::size_t>(peer)]) return false;
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
-  // Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path).
-  if (!c.alive || c.write_failed || c.writing || !c.send_queue.empty() || !c.control_queue.empty() || c.send_seal.on() ||
-      integrity_ != Integrity::off || !c.stream->writes_whole_now())
-    return false;
-  note_local_signature(key.context, key.seq, OpSignature{});
+  const bool whole = c.stream->writes_whole_now();
+  if (!idle_for_send_now(c, bytes)) return false;
+  note_local_signature(key.context, key.seq, signature);
   if (const ContextState* state = contexts_.find(key.context); state && state->failed) return false;
   if (cancellation_of(key)) return false;
   wire::Header h;
@@ -447,8 +446,44 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   h.seq = key.seq;
   h.tag = key.tag;
   h.bytes = bytes;
+  h.call = signature.call;
+  h.count = signature.count;
   encode_header(h, c);
-  return c.stream->write_whole_now(ConstBytes{c.send_header.data(), header_bytes()}, ConstBytes{data, bytes}, ConstBytes{});
+  const ConstBytes header{c.send_header.data(), header_bytes()};
+  if (whole) return c.stream->write_whole_now(header, ConstBytes{data, bytes}, ConstBytes{});
+  // A socket takes what its buffer has room for; the rest is copied and written as the connection's
+  // own bytes (the send is done: its buffer may be reused, as once the kernel has it). A failure
+  // meets that write and fails the connection as any write's does.
+  const std::size_t sent = c.stream->write_some_now(header, ConstBytes{data, bytes}, ConstBytes{});
+  if (sent == header.size + bytes) return true;
+  c.control_payload.clear();
+  if (sent < header.size) c.control_payload.append(reinterpret_cast<const char*>(header.data) + sent, header.size - sent);
+  const std::size_t payload_sent = sent > header.size ? sent - header.size : 0;
+  c.control_payload.append(static_cast<const char*>(data) + payload_sent, bytes - payload_sent);
+  c.writing = true;
+  c.writing_control = true;
+  c.kept_context = key.context;
+  c.writing_kept = true;
+  sends_partly_kept_.fetch_add(1, std::memory_order_relaxed);
+  c.stream->write(ConstBytes{}, ConstBytes{c.control_payload.data(), c.control_payload.size()}, ConstBytes{});
+  return true;
+}
+
+// Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path), whose
+// stream takes the whole frame now (shm: room in the ring) or takes some and lets the rest be kept (a
+// socket, for a small message).
+bool FramedTransport::idle_for_send_now(const Connection& c, std::size_t bytes) const noexcept {
+  if (!c.alive || c.write_failed || c.writing || !c.send_queue.empty() || !c.control_queue.empty() || c.send_seal.on() ||
+      integrity_ != Integrity::off)
+    return false;
+  if (c.stream->writes_whole_now()) return c.stream->takes_whole_now(header_bytes(), bytes);
+  return c.stream->writes_some_now() && bytes <= send_now_socket_most;
+}
+
+bool FramedTransport::can_send_now(int peer, std::size_t bytes) const {
+  if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
+  const auto& c = connections_[static_cast<std::size_t>(peer)];
+  return c && idle_for_send_now(*c, bytes);
 }
 
 bool FramedTransport::recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) {
@@ -527,6 +562,7 @@ void FramedTransport::on_lent(int peer) {
   c.writing = false;
   if (c.writing_control || c.send_queue.empty()) {  // only data frames lend; nothing else to do
     c.writing_control = false;
+    c.writing_kept = false;
     c.control_payload.clear();
   } else {
     c.lent.push_back(c.send_queue.front());
@@ -549,6 +585,7 @@ void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
   TransportOp* done = nullptr;
   if (c.writing_control) {
     c.writing_control = false;
+    c.writing_kept = false;
     c.control_payload.clear();
   } else if (!c.send_queue.empty()) {
     done = c.send_queue.front();

@@ -41,7 +41,8 @@ class FramedTransport final : public Transport, private StreamEvents {
   int size() const noexcept override { return size_; }
 
   void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
-  bool send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes) override;
+  bool send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature = {}) override;
+  bool can_send_now(int peer, std::size_t bytes) const override;
   bool recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) override;
   void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
   bool cancel_recv(TransportOp& op) override;
@@ -95,10 +96,17 @@ class FramedTransport final : public Transport, private StreamEvents {
   /// ended such connections (a rank busy for 20 s lost its peers; docs/RELIABILITY.md).
   void watch_liveness(std::chrono::milliseconds interval);
 
+  /// How many sends send_now finished by copying the part of their frame a full socket buffer did not
+  /// take (diagnostics; the test of that path counts them). Any thread.
+  std::uint64_t sends_partly_kept() const noexcept { return sends_partly_kept_.load(std::memory_order_relaxed); }
+
  private:
   enum class Reading : std::uint8_t { header, payload, discard, trailer };
   // What a frame's trailer, once checked, lets go on (seal_frames).
   enum class AfterTrailer : std::uint8_t { payload, discarded, header_only };
+  // The largest message send_now writes to a socket: what the socket does not take is copied, and a
+  // copy of a few KiB costs less than the operation it spares, one of megabytes does not.
+  static constexpr std::size_t send_now_socket_most = 64 * 1024;
   struct Connection {
     int peer = -1;
     std::shared_ptr<Stream> stream;
@@ -111,6 +119,8 @@ class FramedTransport final : public Transport, private StreamEvents {
     bool writing = false;
     bool write_failed = false;  // a write failed: the connection fails shortly (on_write_done)
     bool writing_control = false;  // the write in flight is a control frame, not send_queue.front()
+    bool writing_kept = false;     // ... or the rest of a data frame send_now copied (of kept_context)
+    std::uint32_t kept_context = 0;
     std::array<std::byte, wire::header_size + 4> send_header{};  // the header, then its check (sealed frames)
     std::string control_payload;
     // Reader. Headers are read through a read-ahead buffer, so that one recv usually brings a header
@@ -274,6 +284,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   std::vector<std::shared_ptr<Connection>> connections_;
   ContextTable contexts_;
   bool shut_down_ = false;
+  std::atomic<std::uint64_t> sends_partly_kept_{0};
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // handlers check it after we are gone
   // After a context fails, its I/O that is in the middle of a frame (the write in flight, the payload
   // being read) cannot be withdrawn without breaking the framing, and would complete only when its peer
@@ -286,6 +297,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   void watch_stuck_io(std::uint32_t context, bool at_once = true);
   void check_stuck_io(std::uint32_t context);
   bool carries_frame_of(const Connection& c, std::uint32_t context) const;
+  bool idle_for_send_now(const Connection& c, std::size_t bytes) const noexcept;
   // watch_liveness: the check's interval and its pending timer (0: none).
   std::chrono::milliseconds liveness_interval_{0};
   std::uint64_t liveness_timer_ = 0;

@@ -61,6 +61,14 @@ class Stream {
   virtual bool write_whole_now(ConstBytes /*first*/, ConstBytes /*second*/, ConstBytes /*third*/) { return false; }
   /// Whether write_whole_now can ever say yes (asked first, so that a socket costs no header built twice).
   virtual bool writes_whole_now() const noexcept { return false; }
+  /// Whether write_whole_now would take pieces of `first` and `second` bytes now (nothing is written).
+  virtual bool takes_whole_now(std::size_t /*first*/, std::size_t /*second*/) const noexcept { return false; }
+  /// Writes what the stream takes of `first`, `second`, `third` now, without waiting, and returns how
+  /// many bytes that was (0 on a full socket buffer, and on a failure, which the write of the rest then
+  /// meets and reports through on_written). No on_written follows. Only a stream whose
+  /// writes_some_now() says so: a socket, whose buffer may take part of a frame.
+  virtual std::size_t write_some_now(ConstBytes /*first*/, ConstBytes /*second*/, ConstBytes /*third*/) { return 0; }
+  virtual bool writes_some_now() const noexcept { return false; }
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a
   /// time. End of stream before `min` bytes is an error (asio::error::eof).
   virtual void read(void* dst, std::size_t min, std::size_t cap) = 0;

@@ -251,13 +251,18 @@ bool ShmStream::by_reference(const ConstBytes& piece) const noexcept {
   return link_.single_copy_from != 0 && piece.size >= link_.single_copy_from;
 }
 
-bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
+bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noexcept {
   if (peer_closed_ || closed_ || write_.active || !lent_.empty()) return false;
-  if (by_reference(first) || by_reference(second) || by_reference(third)) return false;
-  const std::size_t total = first.size + second.size + third.size;
+  if (by_reference(ConstBytes{nullptr, first}) || by_reference(ConstBytes{nullptr, second})) return false;
+  const std::size_t total = first + second;
   // One inline record of every piece (push_some's, written straight): only when the room holds it all,
   // asked once here rather than per piece.
-  if (total == 0 || total > UINT32_MAX || out_.room() < shm::record_header_bytes + total) return false;
+  return total != 0 && total <= UINT32_MAX && out_.room() >= shm::record_header_bytes + total;
+}
+
+bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
+  if (by_reference(third) || !takes_whole_now(first.size, second.size + third.size)) return false;
+  const std::size_t total = first.size + second.size + third.size;
   std::byte header[shm::record_header_bytes];
   shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(total)});
   out_.put_fitting(header, sizeof header);

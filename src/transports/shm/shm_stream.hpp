@@ -89,6 +89,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   /// With room in the ring for one inline record of all three (no single-copy piece, no write in flight).
   bool write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   bool writes_whole_now() const noexcept override { return true; }
+  bool takes_whole_now(std::size_t first, std::size_t second) const noexcept override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
   /// 4 KiB: a read is a copy out of the ring, so reading ahead saves no system call.
   std::size_t read_ahead_limit() const override { return 4096; }
