@@ -435,8 +435,8 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
   if (!connections_[static_cast<std::size_t>(peer)]) return false;
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
-  const bool whole = c.stream->writes_whole_now();
-  if (!idle_for_send_now(c, bytes)) return false;
+  const bool whole = c.stream->writes_whole_now();  // (write_whole_now asks for the room itself)
+  if (!idle_for_send_now(c) || !(whole || (c.stream->writes_some_now() && bytes <= send_now_socket_most))) return false;
   note_local_signature(key.context, key.seq, signature);
   if (const ContextState* state = contexts_.find(key.context); state && state->failed) return false;
   if (cancellation_of(key)) return false;
@@ -469,21 +469,20 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   return true;
 }
 
-// Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path), whose
-// stream takes the whole frame now (shm: room in the ring) or takes some and lets the rest be kept (a
-// socket, for a small message).
-bool FramedTransport::idle_for_send_now(const Connection& c, std::size_t bytes) const noexcept {
-  if (!c.alive || c.write_failed || c.writing || !c.send_queue.empty() || !c.control_queue.empty() || c.send_seal.on() ||
-      integrity_ != Integrity::off)
-    return false;
-  if (c.stream->writes_whole_now()) return c.stream->takes_whole_now(header_bytes(), bytes);
-  return c.stream->writes_some_now() && bytes <= send_now_socket_most;
+// Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path).
+bool FramedTransport::idle_for_send_now(const Connection& c) const noexcept {
+  return c.alive && !c.write_failed && !c.writing && c.send_queue.empty() && c.control_queue.empty() && !c.send_seal.on() &&
+         integrity_ == Integrity::off;
 }
 
+// ... and its stream takes the whole frame now (shm: room in the ring), or takes some and lets the
+// rest be kept (a socket, for a small message).
 bool FramedTransport::can_send_now(int peer, std::size_t bytes) const {
   if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
   const auto& c = connections_[static_cast<std::size_t>(peer)];
-  return c && idle_for_send_now(*c, bytes);
+  if (!c || !idle_for_send_now(*c)) return false;
+  if (c->stream->writes_whole_now()) return c->stream->takes_whole_now(header_bytes(), bytes);
+  return c->stream->writes_some_now() && bytes <= send_now_socket_most;
 }
 
 bool FramedTransport::recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) {
