@@ -31,8 +31,8 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
   if (write_now(first, second, third)) loop_.post([self = shared_from_this()] { self->report_written({}); });
 }
 
-// sendmsg now; true when it took everything. Otherwise the stream reports on_written later itself (a
-// failure through the ready queue, the rest once the reactor says the socket has room).
+// sendmsg now, and nothing more: what the socket took (the transport keeps the rest, and a failure
+// meets that rest's write, which reports it).
 std::size_t AsioStream::write_some_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   if (!socket_.is_open()) return 0;
   std::array<iovec, 3> iov{};
@@ -46,6 +46,8 @@ std::size_t AsioStream::write_some_now(ConstBytes first, ConstBytes second, Cons
   return n > 0 ? static_cast<std::size_t>(n) : 0;
 }
 
+// sendmsg now; true when it took everything. Otherwise the stream reports on_written later itself (a
+// failure through the ready queue, the rest once the reactor says the socket has room).
 bool AsioStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   std::array<ConstBytes, 3> parts{first, second, third};
   const std::size_t total = first.size + second.size + third.size;
