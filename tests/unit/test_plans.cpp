@@ -714,6 +714,10 @@ class BoardTransport final : public Transport {
   void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
   void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
   void deliver(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op);
+  // send_now: taken at once by every peer not in `busy`; after `take_now` messages (a context that
+  // failed on the way) no more. Each message taken is delivered at once and noted in `sent_now`.
+  bool can_send_now(int peer, std::size_t) const override { return std::find(busy.begin(), busy.end(), peer) == busy.end(); }
+  bool send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) override;
   bool cancel_recv(TransportOp&) override { return false; }
   void open_context(std::uint32_t, std::vector<int>) override {}
   void close_context(std::uint32_t) override {}
@@ -743,6 +747,14 @@ class BoardTransport final : public Transport {
   std::vector<Arrived> unexpected;
   int aborts = 0;
   int fail_sends_to = -1;  // a send to this rank fails with peer_failure
+  std::vector<int> busy;
+  int take_now = 1 << 30;
+  struct SentNow {
+    int to;
+    MessageKey key;
+    OpSignature signature;
+  };
+  std::vector<SentNow> sent_now;
 
  private:
   Switchboard& board_;
@@ -815,6 +827,16 @@ void BoardTransport::deliver(int peer, const MessageKey& key, const void* data, 
     to.unexpected.push_back(Arrived{rank_, key, std::vector<std::byte>(bytes_at, bytes_at + bytes)});
   }
   board_.complete(op);
+}
+
+bool BoardTransport::send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
+  if (!can_send_now(peer, bytes) || static_cast<int>(sent_now.size()) >= take_now) return false;
+  sent_now.push_back(SentNow{peer, key, signature});
+  TransportOp done;  // delivered now, not deferred: nothing of it outlives this call
+  const bool deferred = std::exchange(board_.deferred, false);
+  deliver(peer, key, data, bytes, done);
+  board_.deferred = deferred;
+  return true;
 }
 
 void BoardTransport::start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) {
@@ -1050,6 +1072,80 @@ TEST_CASE("a plan of whole messages fails with the first failure, naming the pee
     REQUIRE_THROWS_MATCHES(std::rethrow_exception(run.failure()), Error, Catch::Predicate<Error>([](const Error& e) {
                              return e.errc() == Errc::cancelled && e.context().peer == 0 && e.context().seq == 12;
                            }));
+  }
+}
+
+TEST_CASE("a plan that only sends goes at once where every peer takes it now, none of it where one does not", "[plans][messages]") {
+  // MessagePlan::send_now: a broadcast's root on 4 ranks (binomial: to ranks 2 and 1), the readers' runs
+  // completing from what it sent.
+  const std::vector<int> members{0, 1, 2, 3};
+  const auto readers_get = [&](Switchboard& board, std::uint64_t seq) {
+    std::vector<std::vector<Value>> bufs(4, std::vector<Value>(5, 0));
+    std::vector<Outcome> outcomes(4);
+    std::vector<std::unique_ptr<MessagePlan>> runs;
+    for (int r = 1; r < 4; ++r) {
+      auto* bytes = reinterpret_cast<std::byte*>(bufs[static_cast<std::size_t>(r)].data());
+      runs.push_back(std::make_unique<MessagePlan>(board_channel(board, members, r, seq), binomial_broadcast(4, r, 0, 5),
+                                                   PlanBuffers{bytes, bytes, DType::i64, ReduceOp::sum}, &Outcome::mark,
+                                                   &outcomes[static_cast<std::size_t>(r)]));
+      runs.back()->start();
+    }
+    board.pump();
+    for (int r = 1; r < 4; ++r) {
+      CHECK(outcomes[static_cast<std::size_t>(r)].done);
+      CHECK(bufs[static_cast<std::size_t>(r)] == std::vector<Value>(5, 3));
+    }
+    for (const auto& rank : board.ranks) CHECK(rank->unexpected.empty());  // nothing sent twice
+  };
+  std::vector<Value> buf(5, 3);
+  auto* bytes = reinterpret_cast<std::byte*>(buf.data());
+  const PlanBuffers buffers{bytes, bytes, DType::i64, ReduceOp::sum};
+  const Plan root = binomial_broadcast(4, 0, 0, buf.size());
+  REQUIRE(root.size() == 2);
+  {
+    // Every peer takes it now: both go, with the call's signature and the first tag, and nothing else.
+    Switchboard board(4, false);
+    REQUIRE(MessagePlan::send_now(board_channel(board, members, 0, 21), root, buffers) == 2);
+    const auto& sent = board.ranks[0]->sent_now;
+    REQUIRE(sent.size() == 2);
+    CHECK(sent[0].to != sent[1].to);
+    for (const auto& m : sent) {
+      CHECK(m.key == MessageKey{1, 21, 0});
+      CHECK(m.signature.call == 7);
+      CHECK(m.signature.count == 1);
+    }
+    readers_get(board, 21);
+  }
+  {
+    // One peer cannot take it now: none goes (the run then sends them all).
+    Switchboard board(4, false);
+    board.ranks[0]->busy = {1};
+    REQUIRE(MessagePlan::send_now(board_channel(board, members, 0, 22), root, buffers) == 0);
+    CHECK(board.ranks[0]->sent_now.empty());
+  }
+  {
+    // A plan with a receive, and two sends to one peer: not taken.
+    Switchboard board(4, false);
+    CHECK(MessagePlan::send_now(board_channel(board, members, 2, 23), binomial_broadcast(4, 2, 0, 5), buffers) == 0);
+    Plan twice = root;
+    twice[1].send_to = twice[0].send_to;
+    CHECK(MessagePlan::send_now(board_channel(board, members, 0, 23), twice, buffers) == 0);
+    CHECK(board.ranks[0]->sent_now.empty());
+    CHECK(board.ranks[2]->sent_now.empty());
+  }
+  for (bool deferred : {false, true}) {
+    // The context fails after the first message went: send_now says 1, and a run started after it sends
+    // the rest, not the first again.
+    Switchboard board(4, deferred);
+    board.ranks[0]->take_now = 1;
+    const Channel ch = board_channel(board, members, 0, 24);
+    REQUIRE(MessagePlan::send_now(ch, root, buffers) == 1);
+    Outcome outcome;
+    MessagePlan rest(ch, root, buffers, &Outcome::mark, &outcome);
+    rest.start(1);
+    readers_get(board, 24);
+    CHECK(outcome.done);
+    CHECK(rest.failure() == nullptr);
   }
 }
 
