@@ -23,6 +23,19 @@ bool would_block(int error) noexcept { return error == EAGAIN || error == EWOULD
 
 std::error_code system_error(int error) { return {error, asio::error::get_system_category()}; }
 
+// One sendmsg of the non-empty pieces, without waiting: what it returned (-1 with errno), 0 when all
+// are empty.
+ssize_t send_pieces(int socket, ConstBytes first, ConstBytes second, ConstBytes third) {
+  std::array<iovec, 3> iov{};
+  msghdr message{};
+  for (const ConstBytes& part : {first, second, third}) {
+    if (part.size != 0) iov[message.msg_iovlen++] = iovec{const_cast<void*>(part.data), part.size};
+  }
+  if (message.msg_iovlen == 0) return 0;
+  message.msg_iov = iov.data();
+  return ::sendmsg(socket, &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
 }  // namespace
 
 // Handlers hold the stream (and so the socket) until they run, and report only while the transport
@@ -35,14 +48,7 @@ void AsioStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
 // meets that rest's write, which reports it).
 std::size_t AsioStream::write_some_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   if (!socket_.is_open()) return 0;
-  std::array<iovec, 3> iov{};
-  msghdr message{};
-  for (const ConstBytes& part : {first, second, third}) {
-    if (part.size != 0) iov[message.msg_iovlen++] = iovec{const_cast<void*>(part.data), part.size};
-  }
-  if (message.msg_iovlen == 0) return 0;
-  message.msg_iov = iov.data();
-  const ssize_t n = ::sendmsg(socket_.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+  const ssize_t n = send_pieces(socket_.native_handle(), first, second, third);
   return n > 0 ? static_cast<std::size_t>(n) : 0;
 }
 
@@ -54,14 +60,7 @@ bool AsioStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third
   std::size_t sent = 0;
   std::error_code failed;
   if (socket_.is_open()) {
-    std::array<iovec, 3> iov{};
-    msghdr message{};
-    for (const auto& part : parts) {
-      if (part.size == 0) continue;
-      iov[message.msg_iovlen++] = iovec{const_cast<void*>(part.data), part.size};
-    }
-    message.msg_iov = iov.data();
-    const ssize_t n = message.msg_iovlen == 0 ? 0 : ::sendmsg(socket_.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+    const ssize_t n = send_pieces(socket_.native_handle(), first, second, third);
     if (n >= 0) {
       sent = static_cast<std::size_t>(n);
     } else if (!would_block(errno)) {

@@ -432,11 +432,10 @@ void FramedTransport::start_send(int peer, const MessageKey& key, const void* da
 }
 
 bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature) {
-  if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
-  if (!connections_[static_cast<std::size_t>(peer)]) return false;
-  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  Connection* idle = idle_for_send_now(peer, bytes);
+  if (!idle) return false;
+  Connection& c = *idle;
   const bool whole = c.stream->writes_whole_now();  // (write_whole_now asks for the room itself)
-  if (!idle_for_send_now(c) || !(whole || (c.stream->writes_some_now() && bytes <= send_now_socket_most))) return false;
   note_local_signature(key.context, key.seq, signature);
   if (const ContextState* state = contexts_.find(key.context); state && state->failed) return false;
   if (cancellation_of(key)) return false;
@@ -469,20 +468,25 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   return true;
 }
 
-// Alone on an idle, unsealed connection (a sealed frame needs its trailer: start_write's path).
-bool FramedTransport::idle_for_send_now(const Connection& c) const noexcept {
-  return c.alive && !c.write_failed && !c.writing && c.send_queue.empty() && c.control_queue.empty() && !c.send_seal.on() &&
-         integrity_ == Integrity::off;
+// The connection to `peer` when a message of `bytes` may go on it without an operation: alone on an
+// idle, unsealed connection (a sealed frame needs its trailer: start_write's path), whose stream can
+// take a whole frame at once (shm, when its ring has the room) or take some of a small one and let the
+// rest be kept (a socket). Null otherwise.
+FramedTransport::Connection* FramedTransport::idle_for_send_now(int peer, std::size_t bytes) const noexcept {
+  if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return nullptr;
+  const auto& connection = connections_[static_cast<std::size_t>(peer)];
+  if (!connection) return nullptr;
+  Connection& c = *connection;
+  if (!c.alive || c.write_failed || c.writing || !c.send_queue.empty() || !c.control_queue.empty() || c.send_seal.on() ||
+      integrity_ != Integrity::off)
+    return nullptr;
+  const bool takes = c.stream->writes_whole_now() || (c.stream->writes_some_now() && bytes <= send_now_socket_most);
+  return takes ? &c : nullptr;
 }
 
-// ... and its stream takes the whole frame now (shm: room in the ring), or takes some and lets the
-// rest be kept (a socket, for a small message).
 bool FramedTransport::can_send_now(int peer, std::size_t bytes) const {
-  if (shut_down_ || peer == rank_ || peer < 0 || static_cast<std::size_t>(peer) >= connections_.size()) return false;
-  const auto& c = connections_[static_cast<std::size_t>(peer)];
-  if (!c || !idle_for_send_now(*c)) return false;
-  if (c->stream->writes_whole_now()) return c->stream->takes_whole_now(header_bytes(), bytes);
-  return c->stream->writes_some_now() && bytes <= send_now_socket_most;
+  const Connection* c = idle_for_send_now(peer, bytes);
+  return c && (!c->stream->writes_whole_now() || c->stream->takes_whole_now(header_bytes(), bytes));
 }
 
 bool FramedTransport::recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) {

@@ -297,7 +297,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   void watch_stuck_io(std::uint32_t context, bool at_once = true);
   void check_stuck_io(std::uint32_t context);
   bool carries_frame_of(const Connection& c, std::uint32_t context) const;
-  bool idle_for_send_now(const Connection& c) const noexcept;
+  Connection* idle_for_send_now(int peer, std::size_t bytes) const noexcept;
   // watch_liveness: the check's interval and its pending timer (0: none).
   std::chrono::milliseconds liveness_interval_{0};
   std::uint64_t liveness_timer_ = 0;
