@@ -120,6 +120,33 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
   return chosen ? chosen->name : std::string_view();
 }
 
+namespace {
+
+// Up to where the direct shm algorithm is the default on a group arena (exclusive). 128 KiB, from 2 ranks
+// (the comment in built_in). Where the ranks outnumber the cores (every wait a wake-up or a yield) the
+// arena's few supersteps beat the plans' many rounds further up: 3, 4 and 8 ranks on 2 cores, the arena
+// forced against the table, 2-3 interleaved rounds, out of place / in place time ratios
+// (bench/RESULTS.md, "The arena on a crowded host"): all_reduce 128 KiB 0.54-0.62 / 0.81-0.89 on 3 and
+// 4 ranks, level at 256 KiB, and 0.54-0.83 / 0.72-0.92 at 128 KiB-2 MiB on 8; all_gather 0.48-0.83 /
+// 0.73-1.07 at 256 KiB-2 MiB on 3 and 4, 0.23-0.46 / 0.31-0.58 on 8; reduce_scatter 0.59-0.84 /
+// 0.65-0.92 at 128-256 KiB on 4 (level on 3), 0.27-0.88 / 0.50-0.84 at 128 KiB-2 MiB on 8. Beyond 2 MiB
+// nothing was measured; 5-7 ranks take the 3-4-rank bounds. Broadcast and all_to_all stay (the arena
+// was slower there, or mixed).
+std::size_t arena_below(Collective collective, int ranks, Placement where) {
+  constexpr std::size_t kib = 1024;
+  const std::size_t plain = 128 * kib;
+  if (!where.crowded || ranks < 3) return plain;
+  const bool many = ranks >= 8;
+  switch (collective) {
+    case Collective::all_reduce: return many ? 2048 * kib + 1 : 256 * kib;
+    case Collective::all_gather: return 2048 * kib + 1;
+    case Collective::reduce_scatter: return many ? 2048 * kib + 1 : ranks >= 4 ? 512 * kib : plain;
+    default: return plain;
+  }
+}
+
+}  // namespace
+
 const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, Placement where) {
   // On a group arena the direct shm algorithms are the defaults below 128 KiB for the collectives that
   // have one (bench/RESULTS.md, "Direct shm collectives"): no frames, no matching, one copy in and the
@@ -127,7 +154,7 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
   // best plan over the rings. From 128 KiB the plans over the rings win (128 KiB: 21-37 us on the
   // arena against 21-29; 256 KiB: 70-74 against 36-40): their copies pipeline, the arena's supersteps
   // (copy in, wait, read) do not.
-  if (where.shared_arena && ranks > 1 && (bytes < (std::size_t{128} << 10) || collective == Collective::barrier)) {
+  if (where.shared_arena && ranks > 1 && (bytes < arena_below(collective, ranks, where) || collective == Collective::barrier)) {
     switch (collective) {
       case Collective::all_reduce:
       case Collective::all_gather:

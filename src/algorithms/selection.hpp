@@ -19,6 +19,9 @@ namespace weft::algorithms {
 struct Placement {
   bool shared_arena = false;  // the group has a group arena (all its ranks on one host, over shm)
   bool across_hosts = false;  // some of its ranks are on other hosts (another boot or network namespace)
+  // With an arena: its ranks outnumber the cores of their host (the host's online CPUs, the same count
+  // for every rank of it), so that every wait for a peer is a wake-up or a yield.
+  bool crowded = false;
 };
 
 class Selection {

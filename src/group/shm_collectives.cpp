@@ -445,7 +445,10 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
       const std::size_t esize = dtype_size(call.in.dtype);
       const std::size_t n = call.in.count;
       for (int r = 0; r < g.size; ++r) {
-        std::memcpy(call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize, run.area_of(r, chunks.area_bytes(k)), c * esize);
+        std::byte* to = call.out.bytes_ptr() + (static_cast<std::size_t>(r) * n + off) * esize;
+        // In place this rank's block is where its input already is: copying it back is a third copy.
+        if (r == g.rank && to == call.in.bytes_ptr() + off * esize) continue;
+        std::memcpy(to, run.area_of(r, chunks.area_bytes(k)), c * esize);
       }
       break;
     }

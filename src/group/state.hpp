@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "algorithms/selection.hpp"
@@ -208,7 +209,10 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     across_hosts = false;
     for (int m : members) across_hosts = across_hosts || !(static_cast<std::size_t>(m) < on_my_host.size() && on_my_host[static_cast<std::size_t>(m)]);
   }
-  algo::Placement placement() const { return algo::Placement{arena != nullptr, across_hosts}; }
+  algo::Placement placement() const {
+    const unsigned cores = std::thread::hardware_concurrency();
+    return algo::Placement{arena != nullptr, across_hosts, arena != nullptr && cores > 0 && static_cast<unsigned>(size) > cores};
+  }
   static std::uint64_t next_id() noexcept {
     static std::atomic<std::uint64_t> ids{0};
     return ids.fetch_add(1, std::memory_order_relaxed) + 1;
