@@ -29,6 +29,7 @@
 #include "core/env.hpp"
 #include "core/signature.hpp"
 #include "transports/shm/arena.hpp"
+#include "transports/shm/copy.hpp"
 #include "weft/future.hpp"
 
 namespace weft::detail {
@@ -203,7 +204,8 @@ class ArenaRun final : public shm::Arena::Waiter {
 
   shm::Arena& arena() noexcept { return arena_; }
   /// This rank's next area and rank r's last one, holding `bytes` (the same on every rank: arena.hpp).
-  std::byte* area(std::size_t bytes) noexcept { return arena_.next_area(bytes); }
+  /// `like`: the source the contents are copied from (they start as far into a cache line as it does).
+  std::byte* area(std::size_t bytes, const void* like = nullptr) noexcept { return arena_.next_area(bytes, like); }
   const std::byte* area_of(int r, std::size_t bytes) const noexcept { return arena_.area(r, bytes); }
   /// Supersteps of this operation published so far (`n` before this run: the caller's thread's).
   std::uint32_t published() const noexcept { return published_; }
@@ -404,7 +406,8 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
     case Collective::all_reduce:
     case Collective::all_gather: {
       const std::size_t esize = dtype_size(call.in.dtype);
-      std::memcpy(run.area(chunks.area_bytes(k)), call.in.bytes_ptr() + off * esize, c * esize);
+      const std::byte* from = call.in.bytes_ptr() + off * esize;
+      shm::copy_to_shared(run.area(chunks.area_bytes(k), from), from, c * esize);
       break;
     }
     case Collective::reduce_scatter:
@@ -412,14 +415,17 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
       const std::size_t esize = dtype_size(call.in.dtype);
       const auto p = static_cast<std::size_t>(g.size);
       const std::size_t n = call.in.count / p;
+      // Aligned like the first piece's source (the others are alike too when the call is one chunk).
+      std::byte* area = run.area(chunks.area_bytes(k), call.in.bytes_ptr() + off * esize);
       for (std::size_t q = 0; q < p; ++q) {
-        std::memcpy(run.area(chunks.area_bytes(k)) + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
+        shm::copy_to_shared(area + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
       }
       break;
     }
     case Collective::broadcast: {
       const std::size_t esize = dtype_size(call.out.dtype);
-      if (g.rank == call.root) std::memcpy(run.area(chunks.area_bytes(k)), call.out.bytes_ptr() + off * esize, c * esize);
+      const std::byte* from = call.out.bytes_ptr() + off * esize;
+      if (g.rank == call.root) shm::copy_to_shared(run.area(chunks.area_bytes(k), from), from, c * esize);
       break;
     }
     default: break;  // barrier: the header says it all
@@ -498,7 +504,7 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     const std::size_t held = chunks.area_bytes(k);
-    std::memcpy(run.area(held), in + off * esize, c * esize);
+    shm::copy_to_shared(run.area(held, in + off * esize), in + off * esize, c * esize);
     run.publish(step);
     co_await run.wait(step++);
     // This rank's block of the chunk, reduced from every area into its own next area; then every block

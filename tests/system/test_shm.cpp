@@ -30,6 +30,7 @@
 #include "transports/framed/contexts.hpp"
 #include "transports/framed/framed_transport.hpp"
 #include "transports/shm/arena.hpp"
+#include "transports/shm/copy.hpp"
 #include "transports/shm/link.hpp"
 #include "transports/shm/ring.hpp"
 #include "transports/shm/segment.hpp"
@@ -86,6 +87,38 @@ TEST_CASE("a ring carries bytes in order across its wrap, and never more than it
   writer.disarm_wait();
   REQUIRE(!reader.release());
   REQUIRE(writer.put(fill.data(), fill.size()) == 100);
+}
+
+TEST_CASE("a copy into shared memory writes exactly its bytes at every size and alignment, either way it goes", "[shm][copy]") {
+  // copy_to_shared copies alike in pieces of copy_piece_most, and takes non-temporal stores from
+  // nontemporal_from when source and destination sit differently in their cache lines (copy.hpp): every
+  // way must give memcpy's bytes and touch nothing beside them.
+  std::mt19937 random(7);
+  std::vector<std::byte> from((std::size_t{600} << 10) + 256);
+  for (auto& b : from) b = static_cast<std::byte>(random());
+  std::vector<std::byte> to(from.size() + 256);
+  const std::size_t k16 = std::size_t{16} << 10, k256 = shm::nontemporal_from;
+  static_assert(shm::copy_piece_most < (std::size_t{600} << 10), "the largest copy below is taken in pieces");
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{63}, std::size_t{64}, std::size_t{4097}, k16 - 1, k16, k16 + 1,
+                        k16 + 63, std::size_t{100000}, k256 - 1, k256, k256 + 17, std::size_t{600} << 10}) {
+    for (std::size_t src_off : {0, 1, 8, 16, 48, 63}) {
+      for (std::size_t dst_off : {0, 1, 16, 33, 64}) {
+        std::fill(to.begin(), to.end(), std::byte{0xA5});
+        shm::copy_to_shared(to.data() + dst_off, from.data() + src_off, n);
+        INFO("n " << n << ", source offset " << src_off << ", destination offset " << dst_off);
+        REQUIRE(std::memcmp(to.data() + dst_off, from.data() + src_off, n) == 0);
+        REQUIRE(std::all_of(to.begin(), to.begin() + static_cast<std::ptrdiff_t>(dst_off), [](std::byte b) { return b == std::byte{0xA5}; }));
+        REQUIRE(std::all_of(to.begin() + static_cast<std::ptrdiff_t>(dst_off + n), to.end(), [](std::byte b) { return b == std::byte{0xA5}; }));
+      }
+    }
+  }
+  // The non-temporal copy on its own, the same way (it is what the large and misaligned copies take).
+  for (std::size_t n : {std::size_t{0}, std::size_t{5}, std::size_t{64}, std::size_t{65}, std::size_t{1000}, std::size_t{70001}}) {
+    std::fill(to.begin(), to.end(), std::byte{0});
+    shm::copy_nontemporal(to.data() + 3, from.data() + 9, n);
+    REQUIRE(std::memcmp(to.data() + 3, from.data() + 9, n) == 0);
+    REQUIRE(std::all_of(to.begin() + static_cast<std::ptrdiff_t>(3 + n), to.end(), [](std::byte b) { return b == std::byte{0}; }));
+  }
 }
 
 TEST_CASE("a ring whose peer writes nonsense counters never copies outside it", "[shm][ring]") {
