@@ -122,25 +122,30 @@ std::string_view Selection::choose(std::string_view collective, std::size_t byte
 
 namespace {
 
-// Up to where the direct shm algorithm is the default on a group arena (exclusive). 128 KiB, from 2 ranks
-// (the comment in built_in). Where the ranks outnumber the cores (every wait a wake-up or a yield) the
-// arena's few supersteps beat the plans' many rounds further up: 3, 4 and 8 ranks on 2 cores, the arena
-// forced against the table, 2-3 interleaved rounds, out of place / in place time ratios
-// (bench/RESULTS.md, "The arena on a crowded host"): all_reduce 128 KiB 0.54-0.62 / 0.81-0.89 on 3 and
-// 4 ranks, level at 256 KiB, and 0.54-0.83 / 0.72-0.92 at 128 KiB-2 MiB on 8; all_gather 0.48-0.83 /
-// 0.73-1.07 at 256 KiB-2 MiB on 3 and 4, 0.23-0.46 / 0.31-0.58 on 8; reduce_scatter 0.59-0.84 /
-// 0.65-0.92 at 128-256 KiB on 4 (level on 3), 0.27-0.88 / 0.50-0.84 at 128 KiB-2 MiB on 8. Beyond 2 MiB
-// nothing was measured; 5-7 ranks take the 3-4-rank bounds. Broadcast and all_to_all stay (the arena
-// was slower there, or mixed).
+// Up to where the direct shm algorithm is the default on a group arena (exclusive): 128 KiB as measured
+// first (the comment in built_in), further where measured since (bench/RESULTS.md, "The arena on a
+// crowded host" and "Copies into shared memory": the arena forced against this table, taking turns, 2-3
+// rounds, on 2 cores; after the arena's copies were placed alike in their cache lines, 2026-12-01):
+// - 2 ranks, a core each: all_gather 0.58-0.91 of the plans' time (out of place) and 0.45-0.68 (in
+//   place) at 128 KiB-2 MiB (4 MiB level); reduce_scatter 0.55-0.87 / 0.67-0.86 and broadcast
+//   0.69-0.93 / 0.61-0.94 at 128 KiB-4 MiB; all_to_all 0.41-0.87 / 0.53-0.73 to 1 MiB (2 MiB mixed);
+//   all_reduce slower from 256 KiB (1.3-1.6x: the plans' rings pipeline the reduction), so 128 KiB.
+// - More ranks than cores (`crowded`: every wait a wake-up or a yield), 3, 4 and 8 ranks: the arena's
+//   few supersteps beat the plans' many rounds for every collective at 256 KiB-4 MiB (all_reduce
+//   0.68-0.90, all_gather at 4 MiB 0.40-0.70, reduce_scatter 0.46-0.73, broadcast 0.41-0.91, all_to_all
+//   0.12-1.00, out of place; in place alike or better) and level or better at 128 KiB.
+// Beyond 4 MiB, and more than 2 ranks each with a core of its own, were not measured: 128 KiB there.
 std::size_t arena_below(Collective collective, int ranks, Placement where) {
   constexpr std::size_t kib = 1024;
-  const std::size_t plain = 128 * kib;
-  if (!where.crowded || ranks < 3) return plain;
-  const bool many = ranks >= 8;
+  constexpr std::size_t plain = 128 * kib;
+  constexpr std::size_t through_4_mib = 4096 * kib + 1;
+  if (where.crowded && ranks >= 3) return through_4_mib;
+  if (ranks != 2 || where.crowded) return plain;
   switch (collective) {
-    case Collective::all_reduce: return many ? 2048 * kib + 1 : 256 * kib;
-    case Collective::all_gather: return 2048 * kib + 1;
-    case Collective::reduce_scatter: return many ? 2048 * kib + 1 : ranks >= 4 ? 512 * kib : plain;
+    case Collective::all_gather: return 4096 * kib;
+    case Collective::reduce_scatter:
+    case Collective::broadcast: return through_4_mib;
+    case Collective::all_to_all: return 2048 * kib;
     default: return plain;
   }
 }

@@ -528,32 +528,39 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 8, across)->kind == Kind::ring);
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{64} << 10, 8, across)->kind == Kind::rabenseifner);
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 2, across)->kind == Kind::bidirectional_ring);
-  // On an arena the direct shm algorithms below 128 KiB; where the ranks outnumber the cores further up
-  // for all_reduce, all_gather and reduce_scatter (bench/RESULTS.md, "The arena on a crowded host").
+  // On an arena the direct shm algorithms below 128 KiB, further up where measured (arena_below in
+  // selection.cpp; bench/RESULTS.md, "The arena on a crowded host", "Copies into shared memory"): on 2
+  // ranks for all_gather, reduce_scatter, broadcast and all_to_all, and for every collective with a
+  // script where the ranks outnumber the cores, up to 4 MiB.
   const Placement arena{.shared_arena = true};
   const Placement crowded{.shared_arena = true, .crowded = true};
-  const std::size_t kib = 1024;
-  for (Collective c : {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::broadcast, Collective::all_to_all}) {
-    for (int ranks : {2, 3, 4, 8}) {
+  const std::size_t kib = 1024, mib = kib * kib;
+  const Collective scripted[] = {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter, Collective::broadcast,
+                                 Collective::all_to_all};
+  for (Collective c : scripted) {
+    for (int ranks : {2, 3, 4, 8, 17}) {
       CHECK(Selection::built_in(c, 127 * kib, ranks, arena)->kind == Kind::shm);
-      CHECK(Selection::built_in(c, 128 * kib, ranks, arena)->kind != Kind::shm);
       CHECK(Selection::built_in(c, 127 * kib, ranks, crowded)->kind == Kind::shm);
+      if (ranks > 2) {
+        CHECK(Selection::built_in(c, 128 * kib, ranks, arena)->kind != Kind::shm);  // a core per rank: not measured
+        CHECK(Selection::built_in(c, 4 * mib, ranks, crowded)->kind == Kind::shm);
+      }
+      CHECK(Selection::built_in(c, 4 * mib + 1, ranks, crowded)->kind != Kind::shm);  // beyond: not measured
+      CHECK(Selection::built_in(c, 4 * mib + 1, ranks, arena)->kind != Kind::shm);
     }
-    // Two crowded ranks, and the collectives where the arena did not win, keep the plain bound.
-    CHECK(Selection::built_in(c, 128 * kib, 2, crowded)->kind != Kind::shm);
-    // Beyond 2 MiB nothing was measured: the table as it was.
-    CHECK(Selection::built_in(c, 2048 * kib + 1, 8, crowded)->kind != Kind::shm);
+    // Without an arena, never.
+    CHECK(Selection::built_in(c, 64, 2)->kind != Kind::shm);
   }
-  CHECK(Selection::built_in(Collective::all_reduce, 255 * kib, 3, crowded)->kind == Kind::shm);
-  CHECK(Selection::built_in(Collective::all_reduce, 256 * kib, 4, crowded)->kind == Kind::rabenseifner);
-  CHECK(Selection::built_in(Collective::all_reduce, 2048 * kib, 8, crowded)->kind == Kind::shm);
-  CHECK(Selection::built_in(Collective::all_gather, 2048 * kib, 3, crowded)->kind == Kind::shm);
-  CHECK(Selection::built_in(Collective::reduce_scatter, 128 * kib, 3, crowded)->kind != Kind::shm);
-  CHECK(Selection::built_in(Collective::reduce_scatter, 511 * kib, 4, crowded)->kind == Kind::shm);
-  CHECK(Selection::built_in(Collective::reduce_scatter, 512 * kib, 4, crowded)->kind != Kind::shm);
-  CHECK(Selection::built_in(Collective::reduce_scatter, 2048 * kib, 8, crowded)->kind == Kind::shm);
-  CHECK(Selection::built_in(Collective::broadcast, 128 * kib, 8, crowded)->kind == Kind::binomial);
-  CHECK(Selection::built_in(Collective::all_to_all, 128 * kib, 8, crowded)->kind != Kind::shm);
+  CHECK(Selection::built_in(Collective::all_reduce, 128 * kib, 2, arena)->kind == Kind::recursive_doubling);
+  CHECK(Selection::built_in(Collective::all_gather, 4 * mib - 1, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_gather, 4 * mib, 2, arena)->kind == Kind::ring);
+  CHECK(Selection::built_in(Collective::reduce_scatter, 4 * mib, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::broadcast, 4 * mib, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_to_all, 2 * mib - 1, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_to_all, 2 * mib, 2, arena)->kind != Kind::shm);
+  // Two ranks on one core (crowded) were not measured: the plain bound.
+  CHECK(Selection::built_in(Collective::all_gather, 128 * kib, 2, crowded)->kind != Kind::shm);
+  CHECK(Selection::built_in(Collective::barrier, 8 * mib, 4, arena)->kind == Kind::shm);
   // WEFT_ALGO is parsed against the registry.
   Selection s;
   s.override_with("all_gather:recursive_doubling@0-1K,ring", "WEFT_ALGO");
