@@ -59,8 +59,9 @@ void run(std::size_t bytes, std::size_t skew, Way way, int iterations) {
     std::exit(1);
   }
   new (turn) std::atomic<long>(0);
-  std::vector<char> mine(bytes + 8192, 1);
-  char* source = mine.data() + ((64 - reinterpret_cast<std::uintptr_t>(mine.data()) % 64) % 64) + skew;
+  auto* mine = static_cast<char*>(std::aligned_alloc(4096, bytes + 8192));
+  std::memset(mine, 1, bytes + 8192);
+  char* source = mine + skew;
   char* place = shared + 64 + (way == Way::alike ? reinterpret_cast<std::uintptr_t>(source) % 64 : 0);
   const pid_t child = fork();
   const bool writer = child != 0;
@@ -79,7 +80,7 @@ void run(std::size_t bytes, std::size_t skew, Way way, int iterations) {
         std::memcpy(place, source, bytes);
       }
     } else {
-      std::memcpy(mine.data(), place, bytes);
+      std::memcpy(mine, place, bytes);
     }
     busy += seconds() - t0;
     turn->store(mine_turn + 1, std::memory_order_release);
@@ -88,6 +89,7 @@ void run(std::size_t bytes, std::size_t skew, Way way, int iterations) {
   if (!writer) std::_Exit(0);
   waitpid(child, nullptr, 0);
   std::printf("| %zu | %zu | %s | %.1f | %.1f |\n", bytes, skew, name(way), times[0], times[1]);
+  std::free(mine);
   munmap(shared, bytes + 8192);
   munmap(turn, 4096);
 }
