@@ -15,6 +15,7 @@
 #include "algorithms/messages.hpp"
 #include "algorithms/reduction.hpp"
 #include "algorithms/registry.hpp"
+#include "core/scratch.hpp"
 #include "core/signature.hpp"
 #include "group/checks.hpp"
 #include "group/device_staging.hpp"
@@ -34,7 +35,7 @@ Task<void> ordered_reduce(GroupState& g, std::uint64_t seq, Collective name, con
                           GroupState::Call call) {
   const std::size_t esize = dtype_size(type);
   const algo::Range mine = blocks[static_cast<std::size_t>(g.rank)];
-  auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, mine.count * esize * static_cast<std::size_t>(g.size)));
+  auto slots = scratch_bytes(mine.count * esize * static_cast<std::size_t>(g.size));
   copy_bytes(slots.get() + static_cast<std::size_t>(g.rank) * mine.count * esize, in + mine.offset * esize, mine.count * esize);
   const auto plan = algo::ordered_exchange(g.size, g.rank, blocks);
   co_await g.run(plan, seq, name, algo::PlanBuffers{in, slots.get(), type, op}, call);
@@ -157,7 +158,7 @@ Task<void> all_gather_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
   if ((algorithm.kind == Kind::bruck || algorithm.kind == Kind::recursive_doubling) && g->size > 1) {
     // Bruck gathers into a rotated buffer (slot i holds rank r+i's block); rotate it into place.
     const auto p = static_cast<std::size_t>(g->size);
-    auto rotated = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
+    auto rotated = scratch_bytes(p * block_bytes);
     copy_bytes(rotated.get(), in.data, block_bytes);
     const auto plan = algo::bruck_all_gather(g->size, g->rank, in.count);
     co_await g->run(plan, seq, Collective::all_gather, algo::PlanBuffers{rotated.get(), rotated.get(), out.dtype, ReduceOp::sum}, {in.count});
@@ -203,7 +204,7 @@ Task<void> reduce_scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq,
     algo::finish_reduction(op, out.data, out.count, out.dtype, g->size);
     co_return;
   }
-  auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+  auto work = scratch_bytes(in.bytes());
   const ReduceScatterPlan made = reduce_scatter_plan(*g, in, out, op, algorithm, work.get());
   if (made.copy_first) copy_bytes(work.get(), in.data, in.bytes());
   co_await g->run(*made.plan, seq, Collective::reduce_scatter, made.buffers, {out.count});
@@ -235,19 +236,19 @@ Task<void> reduce_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBu
   require(algorithm, {Kind::binomial, Kind::reduce_scatter_gather});
   if (g->options.deterministic && g->size > 1) {
     // Every rank computes the rank-order result; only the root keeps it.
-    std::unique_ptr<std::byte[]> scratch;
+    ScratchBytes scratch;
     BufferView result = out;
     if (g->rank != root) {
-      scratch = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+      scratch = scratch_bytes(in.bytes());
       result = BufferView(scratch.get(), in.count, in.dtype);
     }
     co_await deterministic_all_reduce(g, seq, Collective::reduce, in, result, op, {in.count, root});
     co_return;
   }
-  std::unique_ptr<std::byte[]> scratch;
+  ScratchBytes scratch;
   std::byte* work = out.bytes_ptr();
   if (g->rank != root) {
-    scratch = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    scratch = scratch_bytes(in.bytes());
     work = scratch.get();
   }
   copy_bytes(work, in.data, in.bytes());
@@ -318,17 +319,17 @@ Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Con
     // Rotate in (slot i: the block for rank r+i), run, rotate out (slot i came from rank r-i).
     const auto p = static_cast<std::size_t>(g->size);
     const auto r = static_cast<std::size_t>(g->rank);
-    auto slots = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, p * block_bytes));
+    auto slots = scratch_bytes(p * block_bytes);
     slots_from_blocks(slots.get(), in.bytes_ptr(), p, r, block_bytes);
     const auto plan = algo::bruck_all_to_all(g->size, g->rank, block);
     co_await g->run(plan, seq, Collective::all_to_all, algo::PlanBuffers{slots.get(), slots.get(), in.dtype, ReduceOp::sum}, {in.count});
     blocks_from_slots(out.bytes_ptr(), slots.get(), p, r, block_bytes, Turn::down);
     co_return;
   }
-  std::unique_ptr<std::byte[]> copy;
+  ScratchBytes copy;
   const std::byte* source = in.bytes_ptr();
   if (in.data == out.data && in.bytes()) {  // in place: send from a copy
-    copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    copy = scratch_bytes(in.bytes());
     std::memcpy(copy.get(), in.data, in.bytes());
     source = copy.get();
   }
@@ -356,7 +357,7 @@ struct AroundPlan {
   std::byte* copy_to = nullptr;
   const std::byte* copy_from = nullptr;
   std::size_t copy_bytes = 0;
-  std::unique_ptr<std::byte[]> work;  // the buffer the plan runs over, when it is neither the input nor the output
+  ScratchBytes work;  // the buffer the plan runs over, when it is neither the input nor the output
   std::byte* copy_out_to = nullptr;
   const std::byte* copy_out_from = nullptr;
   std::size_t copy_out_bytes = 0;
@@ -535,7 +536,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       if (g->options.deterministic || g->size == 1) return {};
       // Each step of either plan moves at least a block: past one segment it cannot fit (spares the allocation).
       if (call.out.bytes() > g->options.segment_bytes) return {};
-      around.work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, call.in.bytes()));
+      around.work = scratch_bytes(call.in.bytes());
       std::byte* work = around.work.get();
       ReduceScatterPlan made = reduce_scatter_plan(*g, call.in, call.out, call.op, algorithm, work);
       plan = std::move(made.plan);
@@ -594,11 +595,11 @@ Task<void> permute_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
     if (src == g->rank) send_to = dst;
     if (dst == g->rank) recv_from = src;
   }
-  std::unique_ptr<std::byte[]> copy;
+  ScratchBytes copy;
   const std::byte* source = in.bytes_ptr();
   // Sharing bytes with the output at all (in place, or a partial overlap): send from a copy.
   if (share_bytes(in, out) && send_to >= 0) {
-    copy = std::make_unique_for_overwrite<std::byte[]>(in.bytes());
+    copy = scratch_bytes(in.bytes());
     std::memcpy(copy.get(), in.data, in.bytes());
     source = copy.get();
   }

@@ -20,10 +20,10 @@ void blocks_from_slots(std::byte* blocks, const std::byte* slots, std::size_t p,
   }
 }
 
-std::unique_ptr<std::byte[]> slots_for(const algorithms::Plan& plan, std::size_t count, DType dtype) {
+ScratchBytes slots_for(const algorithms::Plan& plan, std::size_t count, DType dtype) {
   std::size_t end = count;
   for (const algorithms::Step& step : plan) end = std::max({end, step.send.offset + step.send.count, step.recv.offset + step.recv.count});
-  return std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, end * dtype_size(dtype)));
+  return scratch_bytes(end * dtype_size(dtype));
 }
 
 }  // namespace weft::detail

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <memory>
 
+#include "core/scratch.hpp"
 #include "weft/algorithms.hpp"
 #include "weft/dtype.hpp"
 
@@ -21,6 +22,6 @@ void blocks_from_slots(std::byte* blocks, const std::byte* slots, std::size_t p,
 
 /// Room for what a binomial gather or scatter plan touches on this rank (at least its own block of
 /// `count` elements), in virtual-order slots.
-std::unique_ptr<std::byte[]> slots_for(const algorithms::Plan& plan, std::size_t count, DType dtype);
+ScratchBytes slots_for(const algorithms::Plan& plan, std::size_t count, DType dtype);
 
 }  // namespace weft::detail

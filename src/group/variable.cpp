@@ -12,6 +12,7 @@
 
 #include "algorithms/reduction.hpp"
 #include "algorithms/registry.hpp"
+#include "core/scratch.hpp"
 #include "core/signature.hpp"
 #include "group/checks.hpp"
 #include "group/staging.hpp"
@@ -151,7 +152,8 @@ Task<void> padded_bruck_all_gatherv(GroupState& g, std::uint64_t seq, ConstBuffe
   const auto r = static_cast<std::size_t>(g.rank);
   const std::size_t widest = b.padded / p;
   // Zeroed: the padding travels too, and bytes that travel are defined.
-  auto slots = std::make_unique<std::byte[]>(std::max<std::size_t>(1, p * widest * esize));
+  auto slots = scratch_bytes(p * widest * esize);
+  std::memset(slots.get(), 0, std::max<std::size_t>(1, p * widest * esize));
   copy_bytes(slots.get(), in.data, in.bytes());
   const auto plan = algo::bruck_all_gather(g.size, g.rank, widest);
   co_await g.run(plan, seq, Collective::all_gatherv, algo::PlanBuffers{slots.get(), slots.get(), out.dtype, ReduceOp::sum}, {b.digest});
@@ -196,10 +198,10 @@ Task<void> scatterv_task(std::shared_ptr<GroupState> g, std::uint64_t seq, Const
 Task<void> all_to_allv_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
                             std::shared_ptr<const BlockLayout> b) {
   const std::size_t esize = dtype_size(in.dtype);
-  std::unique_ptr<std::byte[]> copy;
+  ScratchBytes copy;
   const std::byte* source = in.bytes_ptr();
   if (in.data == out.data && b->in_reach) {  // in place: send from a copy of what the sends read
-    copy = std::make_unique_for_overwrite<std::byte[]>(b->in_reach * esize);
+    copy = scratch_bytes(b->in_reach * esize);
     std::memcpy(copy.get(), in.data, b->in_reach * esize);
     source = copy.get();
   }
@@ -220,7 +222,7 @@ Task<void> reduce_scatterv_task(std::shared_ptr<GroupState> g, std::uint64_t seq
   }
   // The ring reduces into scratch, reading this rank's contributions from `in`; its own block is the
   // result (one rank: the input is).
-  auto work = std::make_unique_for_overwrite<std::byte[]>(std::max<std::size_t>(1, in.bytes()));
+  auto work = scratch_bytes(in.bytes());
   if (g->size == 1) copy_bytes(work.get(), in.data, in.bytes());
   const auto plan = algo::ring_reduce_scatter(g->size, g->rank, b->in, -1);
   co_await g->run(plan, seq, Collective::reduce_scatterv, algo::PlanBuffers{in.bytes_ptr(), work.get(), out.dtype, op, in.bytes_ptr()},

@@ -19,6 +19,7 @@
 #include <weft/asio.hpp>
 #include <weft/weft.hpp>
 
+#include "core/scratch.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "transports/framed/contexts.hpp"
 #include "support/harness.hpp"
@@ -915,4 +916,65 @@ TEST_CASE("a context's recent signatures: every kept entry of a seq is found, wh
       if (disagreeing) REQUIRE((disagreeing->peer == expect_disagreeing->peer && disagreeing->signature == expect_disagreeing->signature));
     }
   }
+}
+
+TEST_CASE("scratch buffers from 4 MiB are kept and reused, within their bound; smaller ones come from the heap", "[core][scratch]") {
+  using namespace weft::detail;
+  // A buffer is written end to end and comes back whole (every size rounds up, never down).
+  for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, scratch_pooled_from - 1, scratch_pooled_from, scratch_pooled_from + 4097}) {
+    ScratchBytes b = scratch_bytes(bytes);
+    REQUIRE(b);
+    std::memset(b.get(), 0x5a, std::max<std::size_t>(1, bytes));
+    CHECK(static_cast<unsigned char>(b[std::max<std::size_t>(1, bytes) - 1]) == 0x5a);
+  }
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  CHECK(scratch_kept().buffers == 0);  // under a sanitizer nothing is kept
+#else
+  const ScratchKept before = scratch_kept();
+  std::byte* first = nullptr;
+  {
+    ScratchBytes b = scratch_bytes(std::size_t{8} << 20);
+    first = b.get();
+  }
+  CHECK(scratch_kept().buffers >= 1);
+  {
+    // A smaller call that the kept buffer serves (at most twice its size) takes it again.
+    ScratchBytes b = scratch_bytes(std::size_t{7} << 20);  // the 4 and 6 MiB ones kept above are too small
+    CHECK(b.get() == first);
+    // One that it would serve at more than twice its size does not (a new mapping, or another kept one).
+    ScratchBytes small = scratch_bytes(std::size_t{4} << 20);
+    ScratchBytes large = scratch_bytes(std::size_t{16} << 20);
+    CHECK(small.get() != b.get());
+    CHECK(large.get() != b.get());
+  }
+  // Below the pool's size: the heap's, not kept.
+  const std::size_t kept_now = scratch_kept().bytes;
+  { ScratchBytes b = scratch_bytes(std::size_t{1} << 20); }
+  CHECK(scratch_kept().bytes == kept_now);
+  // Many large releases keep at most scratch_kept_most, the oldest leaving first.
+  {
+    std::vector<ScratchBytes> many;
+    for (int i = 0; i < 40; ++i) many.push_back(scratch_bytes(std::size_t{12} << 20));
+  }
+  CHECK(scratch_kept().bytes <= scratch_kept_most);
+  CHECK(scratch_kept().bytes >= scratch_kept_most - (std::size_t{14} << 20));
+  { ScratchBytes huge = scratch_bytes(scratch_kept_most + 1); }  // more than the whole bound: not kept
+  CHECK(scratch_kept().bytes <= scratch_kept_most);
+  (void)before;
+#endif
+  // From many threads at once, each buffer its own.
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([t, &wrong] {
+      for (int i = 0; i < 50; ++i) {
+        ScratchBytes b = scratch_bytes((std::size_t{4} << 20) + static_cast<std::size_t>(t) * 4096);
+        std::memset(b.get(), t, 4096);
+        std::this_thread::yield();
+        for (int k = 0; k < 4096; ++k) wrong += static_cast<int>(b[k]) != t;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(wrong == 0);
 }
