@@ -210,7 +210,8 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     for (int m : members) across_hosts = across_hosts || !(static_cast<std::size_t>(m) < on_my_host.size() && on_my_host[static_cast<std::size_t>(m)]);
   }
   algo::Placement placement() const {
-    const unsigned cores = std::thread::hardware_concurrency();
+    // Read once: glibc asks /sys for the count, three system calls, on a path every new call shape takes.
+    static const unsigned cores = std::thread::hardware_concurrency();
     return algo::Placement{arena != nullptr, across_hosts, arena != nullptr && cores > 0 && static_cast<unsigned>(size) > cores};
   }
   static std::uint64_t next_id() noexcept {
