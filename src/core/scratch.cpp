@@ -6,14 +6,7 @@
 #include <mutex>
 #include <new>
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
-#define WEFT_SCRATCH_PLAIN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define WEFT_SCRATCH_PLAIN 1
-#endif
+#include "core/sanitizer.hpp"
 
 namespace weft::detail {
 namespace {
@@ -67,7 +60,7 @@ void ScratchRelease::operator()(std::byte* bytes) const noexcept {
 
 ScratchBytes scratch_bytes(std::size_t bytes) {
   if (bytes == 0) bytes = 1;
-#if defined(WEFT_SCRATCH_PLAIN)
+#if defined(WEFT_UNDER_SANITIZER)
   return ScratchBytes(new std::byte[bytes], ScratchRelease{0});
 #else
   if (bytes < scratch_pooled_from) return ScratchBytes(new std::byte[bytes], ScratchRelease{0});

@@ -153,7 +153,7 @@ Task<void> padded_bruck_all_gatherv(GroupState& g, std::uint64_t seq, ConstBuffe
   const std::size_t widest = b.padded / p;
   // Zeroed: the padding travels too, and bytes that travel are defined.
   auto slots = scratch_bytes(p * widest * esize);
-  std::memset(slots.get(), 0, std::max<std::size_t>(1, p * widest * esize));
+  std::memset(slots.get(), 0, p * widest * esize);
   copy_bytes(slots.get(), in.data, in.bytes());
   const auto plan = algo::bruck_all_gather(g.size, g.rank, widest);
   co_await g.run(plan, seq, Collective::all_gatherv, algo::PlanBuffers{slots.get(), slots.get(), out.dtype, ReduceOp::sum}, {b.digest});

@@ -19,6 +19,7 @@
 #include <weft/asio.hpp>
 #include <weft/weft.hpp>
 
+#include "core/sanitizer.hpp"
 #include "core/scratch.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "transports/framed/contexts.hpp"
@@ -927,7 +928,7 @@ TEST_CASE("scratch buffers from 4 MiB are kept and reused, within their bound; s
     std::memset(b.get(), 0x5a, std::max<std::size_t>(1, bytes));
     CHECK(static_cast<unsigned char>(b[std::max<std::size_t>(1, bytes) - 1]) == 0x5a);
   }
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(WEFT_UNDER_SANITIZER)
   CHECK(scratch_kept().buffers == 0);  // under a sanitizer nothing is kept
 #else
   const ScratchKept before = scratch_kept();

@@ -1,14 +1,7 @@
 #include "transports/shm/copy.hpp"
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
-#define WEFT_SHM_COPY_PLAIN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define WEFT_SHM_COPY_PLAIN 1
-#endif
-#if !defined(WEFT_SHM_COPY_PLAIN) && (defined(__x86_64__) || defined(_M_X64))
+#include "core/sanitizer.hpp"
+#if !defined(WEFT_UNDER_SANITIZER) && (defined(__x86_64__) || defined(_M_X64))
 #include <emmintrin.h>  // SSE2: in every x86-64
 #define WEFT_SHM_COPY_STREAM 1
 #endif

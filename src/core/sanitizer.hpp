@@ -1,0 +1,12 @@
+#pragma once
+// WEFT_UNDER_SANITIZER: defined when this translation unit is built under AddressSanitizer,
+// ThreadSanitizer or MemorySanitizer (GCC's and Clang's spellings). Code that keeps memory for reuse or
+// writes it by means a sanitizer does not see (non-temporal stores) takes the plain path then, so that a
+// use after release or an unsynchronised write stays visible.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define WEFT_UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define WEFT_UNDER_SANITIZER 1
+#endif
+#endif
