@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -124,27 +125,33 @@ namespace {
 
 // Up to where the direct shm algorithm is the default on a group arena (exclusive): 128 KiB as measured
 // first (the comment in built_in), further where measured since (bench/RESULTS.md, "The arena on a
-// crowded host" and "Copies into shared memory": the arena forced against this table, taking turns, 2-3
-// rounds, on 2 cores; after the arena's copies were placed alike in their cache lines, 2026-12-01):
+// crowded host", "Copies into shared memory" and "The arena past 4 MiB": the arena forced against this
+// table, taking turns, 2-3 rounds, on 2 cores; after the arena's copies were placed alike in their cache
+// lines, 2026-12-01):
 // - 2 ranks, a core each: all_gather 0.58-0.91 of the plans' time (out of place) and 0.45-0.68 (in
-//   place) at 128 KiB-2 MiB (4 MiB level); reduce_scatter 0.55-0.87 / 0.67-0.86 and broadcast
-//   0.69-0.93 / 0.61-0.94 at 128 KiB-4 MiB; all_to_all 0.41-0.87 / 0.53-0.73 to 1 MiB (2 MiB mixed);
-//   all_reduce slower from 256 KiB (1.3-1.6x: the plans' rings pipeline the reduction), so 128 KiB.
+//   place) at 128 KiB-2 MiB (4 MiB level, 8-64 MiB mixed: 0.90-1.22 out of place); reduce_scatter
+//   0.55-0.87 / 0.67-0.86 at 128 KiB-4 MiB and 0.32-0.79 at 8-64 MiB; broadcast 0.69-0.93 / 0.61-0.94
+//   at 128 KiB-4 MiB and 0.84-1.08 (most below 1) at 8-64 MiB; all_to_all 0.41-0.87 / 0.53-0.73 to 1
+//   MiB (2 MiB mixed; 8-64 MiB mixed out of place, 0.55-1.43, though 0.36-0.70 in place); all_reduce slower
+//   from 256 KiB (1.3-1.6x: the plans' rings pipeline the reduction), so 128 KiB.
 // - More ranks than cores (`crowded`: every wait a wake-up or a yield), 3, 4 and 8 ranks: the arena's
-//   few supersteps beat the plans' many rounds for every collective at 256 KiB-4 MiB (all_reduce
-//   0.68-0.90, all_gather at 4 MiB 0.40-0.70, reduce_scatter 0.46-0.73, broadcast 0.41-0.91, all_to_all
-//   0.12-1.00, out of place; in place alike or better) and level or better at 128 KiB.
-// Beyond 4 MiB, and more than 2 ranks each with a core of its own, were not measured: 128 KiB there.
+//   few supersteps beat the plans' many rounds for every collective at every size measured, 256 KiB-4
+//   MiB (all_reduce 0.68-0.90, all_gather at 4 MiB 0.40-0.70, reduce_scatter 0.46-0.73, broadcast
+//   0.41-0.91, all_to_all 0.12-1.00, out of place; in place alike or better), 8-64 MiB (0.26-1.06,
+//   in place 0.32-0.99, but for two of fifteen out-of-place all_to_all rounds of 8 MiB, 1.16 on 8
+//   ranks and 1.64 on 3) and 256 MiB on 4 ranks (all_reduce 0.51, all_to_all 0.55), and level or
+//   better at 128 KiB.
+// More than 2 ranks each with a core of its own were not measured: 128 KiB there.
 std::size_t arena_below(Collective collective, int ranks, Placement where) {
   constexpr std::size_t kib = 1024;
   constexpr std::size_t plain = 128 * kib;
-  constexpr std::size_t through_4_mib = 4096 * kib + 1;
-  if (where.crowded && ranks >= 3) return through_4_mib;
+  constexpr std::size_t every_size = std::numeric_limits<std::size_t>::max();
+  if (where.crowded && ranks >= 3) return every_size;
   if (ranks != 2 || where.crowded) return plain;
   switch (collective) {
     case Collective::all_gather: return 4096 * kib;
     case Collective::reduce_scatter:
-    case Collective::broadcast: return through_4_mib;
+    case Collective::broadcast: return every_size;
     case Collective::all_to_all: return 2048 * kib;
     default: return plain;
   }

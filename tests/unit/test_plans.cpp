@@ -529,9 +529,9 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{64} << 10, 8, across)->kind == Kind::rabenseifner);
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 2, across)->kind == Kind::bidirectional_ring);
   // On an arena the direct shm algorithms below 128 KiB, further up where measured (arena_below in
-  // selection.cpp; bench/RESULTS.md, "The arena on a crowded host", "Copies into shared memory"): on 2
-  // ranks for all_gather, reduce_scatter, broadcast and all_to_all, and for every collective with a
-  // script where the ranks outnumber the cores, up to 4 MiB.
+  // selection.cpp; bench/RESULTS.md, "The arena on a crowded host", "Copies into shared memory", "The
+  // arena past 4 MiB"): on 2 ranks for all_gather and all_to_all, reduce_scatter and broadcast at every
+  // size, and for every collective with a script at every size where 3 ranks or more outnumber the cores.
   const Placement arena{.shared_arena = true};
   const Placement crowded{.shared_arena = true, .crowded = true};
   const std::size_t kib = 1024, mib = kib * kib;
@@ -544,9 +544,9 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
       if (ranks > 2) {
         CHECK(Selection::built_in(c, 128 * kib, ranks, arena)->kind != Kind::shm);  // a core per rank: not measured
         CHECK(Selection::built_in(c, 4 * mib, ranks, crowded)->kind == Kind::shm);
+        CHECK(Selection::built_in(c, 256 * mib + 3, ranks, crowded)->kind == Kind::shm);
+        CHECK(Selection::built_in(c, 4 * mib + 1, ranks, arena)->kind != Kind::shm);
       }
-      CHECK(Selection::built_in(c, 4 * mib + 1, ranks, crowded)->kind != Kind::shm);  // beyond: not measured
-      CHECK(Selection::built_in(c, 4 * mib + 1, ranks, arena)->kind != Kind::shm);
     }
     // Without an arena, never.
     CHECK(Selection::built_in(c, 64, 2)->kind != Kind::shm);
@@ -555,7 +555,10 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::all_gather, 4 * mib - 1, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::all_gather, 4 * mib, 2, arena)->kind == Kind::ring);
   CHECK(Selection::built_in(Collective::reduce_scatter, 4 * mib, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::reduce_scatter, 64 * mib + 1, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::broadcast, 4 * mib, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::broadcast, 64 * mib + 1, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_reduce, 4 * mib + 1, 2, arena)->kind == Kind::bidirectional_ring);
   CHECK(Selection::built_in(Collective::all_to_all, 2 * mib - 1, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::all_to_all, 2 * mib, 2, arena)->kind != Kind::shm);
   // Two ranks on one core (crowded) were not measured: the plain bound.
