@@ -486,7 +486,8 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
       if (call.collective == Collective::reduce_scatter) {
         sources.resize(p);
         for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), chunks.area_bytes(k)) + mine;
-        if (own_piece_from_input(call, g.rank, g.size)) sources[static_cast<std::size_t>(g.rank)] = call.in.bytes_ptr() + (static_cast<std::size_t>(g.rank) * n + off) * esize;
+        const auto me = static_cast<std::size_t>(g.rank);
+        if (own_piece_from_input(call, g.rank, g.size)) sources[me] = call.in.bytes_ptr() + (me * n + off) * esize;
         algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
       } else {
         for (std::size_t r = 0; r < p; ++r) {
