@@ -132,7 +132,9 @@ namespace {
 //   place) at 128 KiB-2 MiB (4 MiB level, 8-64 MiB mixed: 0.90-1.22 out of place); reduce_scatter
 //   0.55-0.87 / 0.67-0.86 at 128 KiB-4 MiB and 0.32-0.79 at 8-64 MiB; broadcast 0.69-0.93 / 0.61-0.94
 //   at 128 KiB-4 MiB and 0.84-1.08 (most below 1) at 8-64 MiB; all_to_all 0.41-0.87 / 0.53-0.73 to 1
-//   MiB (2 MiB mixed; 8-64 MiB mixed out of place, 0.55-1.43, though 0.36-0.70 in place); all_reduce slower
+//   MiB and, once the writer's own piece skipped its area, 0.80-0.96 / 0.47-0.50 at 2 MiB, 0.83-0.97 /
+//   0.43-0.50 at 4 MiB, 0.74-1.09 / 0.33-0.38 at 8 MiB (16-64 MiB, before that: mixed out of place,
+//   0.55-1.43, though 0.36-0.70 in place); all_reduce slower
 //   from 256 KiB (1.3-1.6x: the plans' rings pipeline the reduction), so 128 KiB.
 // - More ranks than cores (`crowded`: every wait a wake-up or a yield), 3, 4 and 8 ranks: the arena's
 //   few supersteps beat the plans' many rounds for every collective at every size measured, 256 KiB-4
@@ -152,7 +154,7 @@ std::size_t arena_below(Collective collective, int ranks, Placement where) {
     case Collective::all_gather: return 4096 * kib;
     case Collective::reduce_scatter:
     case Collective::broadcast: return every_size;
-    case Collective::all_to_all: return 2048 * kib;
+    case Collective::all_to_all: return 8192 * kib + 1;
     default: return plain;
   }
 }

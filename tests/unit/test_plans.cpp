@@ -559,8 +559,8 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::broadcast, 4 * mib, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::broadcast, 64 * mib + 1, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::all_reduce, 4 * mib + 1, 2, arena)->kind == Kind::bidirectional_ring);
-  CHECK(Selection::built_in(Collective::all_to_all, 2 * mib - 1, 2, arena)->kind == Kind::shm);
-  CHECK(Selection::built_in(Collective::all_to_all, 2 * mib, 2, arena)->kind != Kind::shm);
+  CHECK(Selection::built_in(Collective::all_to_all, 8 * mib, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_to_all, 8 * mib + 1, 2, arena)->kind != Kind::shm);
   // Two ranks on one core (crowded) were not measured: the plain bound.
   CHECK(Selection::built_in(Collective::all_gather, 128 * kib, 2, crowded)->kind != Kind::shm);
   CHECK(Selection::built_in(Collective::barrier, 8 * mib, 4, arena)->kind == Kind::shm);
