@@ -134,8 +134,8 @@ namespace {
 //   at 128 KiB-4 MiB and 0.84-1.08 (most below 1) at 8-64 MiB; all_to_all 0.41-0.87 / 0.53-0.73 to 1
 //   MiB and, once the writer's own piece skipped its area, 0.80-0.96 / 0.47-0.50 at 2 MiB, 0.83-0.97 /
 //   0.43-0.50 at 4 MiB, 0.74-1.09 / 0.33-0.38 at 8 MiB (16-64 MiB, before that: mixed out of place,
-//   0.55-1.43, though 0.36-0.70 in place); all_reduce slower
-//   from 256 KiB (1.3-1.6x: the plans' rings pipeline the reduction), so 128 KiB.
+//   0.55-1.43, though 0.36-0.70 in place); all_reduce slower from 256 KiB (1.3-1.6x: the plans' rings
+//   pipeline the reduction), so 128 KiB.
 // - More ranks than cores (`crowded`: every wait a wake-up or a yield), 3, 4 and 8 ranks: the arena's
 //   few supersteps beat the plans' many rounds for every collective at every size measured, 256 KiB-4
 //   MiB (all_reduce 0.68-0.90, all_gather at 4 MiB 0.40-0.70, reduce_scatter 0.46-0.73, broadcast

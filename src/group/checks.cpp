@@ -1,5 +1,7 @@
 #include "group/checks.hpp"
 
+#include <cstdint>
+
 #include <fmt/format.h>
 
 namespace weft::detail {
@@ -70,6 +72,13 @@ std::uint64_t take_seq(GroupState& g, std::chrono::milliseconds timeout) {
   const std::uint64_t seq = g.next_seq.fetch_add(1);
   if (timeout.count() >= 0) g.set_deadline(seq, timeout);
   return seq;
+}
+
+bool share_bytes(ConstBufferView a, ConstBufferView b) noexcept {
+  if (a.bytes() == 0 || b.bytes() == 0 || !a.data || !b.data) return false;
+  const auto x = reinterpret_cast<std::uintptr_t>(a.data);
+  const auto y = reinterpret_cast<std::uintptr_t>(b.data);
+  return x < y + b.bytes() && y < x + a.bytes();
 }
 
 }  // namespace weft::detail

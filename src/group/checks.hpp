@@ -25,6 +25,8 @@ void check_count(const GroupState& g, const char* op, const char* what, std::siz
 void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce);
 void check_rank(const GroupState& g, const char* op, const char* what, int r);
 std::uint64_t take_seq(GroupState& g, std::chrono::milliseconds timeout);
+/// Whether two views have a byte in common (empty views share none).
+bool share_bytes(ConstBufferView a, ConstBufferView b) noexcept;
 
 /// A buffer collective's preconditions (collectives.cpp, `validate`), then the algorithm the group's table
 /// chooses for it. A call of the same shape as this thread's last call that passed on this group (every

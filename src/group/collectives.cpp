@@ -301,14 +301,6 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
                   {out.count, root});
 }
 
-// Whether two views have a byte in common (empty views share none).
-bool share_bytes(ConstBufferView a, ConstBufferView b) noexcept {
-  if (a.bytes() == 0 || b.bytes() == 0 || !a.data || !b.data) return false;
-  const auto x = reinterpret_cast<std::uintptr_t>(a.data);
-  const auto y = reinterpret_cast<std::uintptr_t>(b.data);
-  return x < y + b.bytes() && y < x + a.bytes();
-}
-
 Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
                            const algo::Algorithm& algorithm) {
   using algo::Kind;

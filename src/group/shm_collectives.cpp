@@ -28,6 +28,7 @@
 #include "algorithms/reduction.hpp"
 #include "core/env.hpp"
 #include "core/signature.hpp"
+#include "group/checks.hpp"
 #include "transports/shm/arena.hpp"
 #include "transports/shm/copy.hpp"
 #include "weft/future.hpp"
@@ -398,18 +399,11 @@ bool reduces_in_blocks(const CollectiveCall& call) {
 // Whether this rank's own piece of a reduce_scatter or all_to_all goes from its input straight to where
 // it is used (all_to_all: the output; reduce_scatter: the fold) instead of through its area, where nobody
 // else reads it: a copy less, and one read from local memory. Not for a reduce_scatter whose output
-// overlaps its own input block (in place): the fold writes its output while it still reads its sources.
-bool own_piece_from_input(const CollectiveCall& call, int rank, int ranks) {
+// shares bytes with its input (in place: the output is its own input block): the fold writes its output
+// while it still reads its sources.
+bool own_piece_from_input(const CollectiveCall& call) {
   if (call.collective == Collective::all_to_all) return true;
-  if (call.collective != Collective::reduce_scatter) return false;
-  const std::size_t esize = dtype_size(call.in.dtype);
-  const std::size_t n = call.in.count / static_cast<std::size_t>(ranks);
-  const std::byte* own_block = call.in.bytes_ptr() + static_cast<std::size_t>(rank) * n * esize;
-  const std::byte* out = call.out.bytes_ptr();
-  const std::size_t block_bytes = n * esize;
-  const std::size_t out_bytes = call.out.count * dtype_size(call.out.dtype);
-  if (block_bytes == 0 || out_bytes == 0) return true;  // nothing to fold
-  return std::less<>{}(own_block + block_bytes - 1, out) || std::less<>{}(out + out_bytes - 1, own_block);
+  return call.collective == Collective::reduce_scatter && !share_bytes(call.in, call.out);
 }
 
 // One superstep's work on chunk `k`, for every collective but all_reduce in blocks: what this rank writes
@@ -434,7 +428,7 @@ void write_chunk(ArenaRun& run, const GroupState& g, const CollectiveCall& call,
       const std::size_t n = call.in.count / p;
       // Aligned like the first piece's source (the others are alike too when the call is one chunk).
       std::byte* area = run.area(chunks.area_bytes(k), call.in.bytes_ptr() + off * esize);
-      const bool own_direct = own_piece_from_input(call, g.rank, g.size);
+      const bool own_direct = own_piece_from_input(call);
       for (std::size_t q = 0; q < p; ++q) {
         if (own_direct && q == static_cast<std::size_t>(g.rank)) continue;  // read_chunk takes it from the input
         shm::copy_to_shared(area + q * c * esize, call.in.bytes_ptr() + (q * n + off) * esize, c * esize);
@@ -487,7 +481,7 @@ void read_chunk(ArenaRun& run, GroupState& g, const CollectiveCall& call, const 
         sources.resize(p);
         for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), chunks.area_bytes(k)) + mine;
         const auto me = static_cast<std::size_t>(g.rank);
-        if (own_piece_from_input(call, g.rank, g.size)) sources[me] = call.in.bytes_ptr() + (me * n + off) * esize;
+        if (own_piece_from_input(call)) sources[me] = call.in.bytes_ptr() + (me * n + off) * esize;
         algo::fold_in_rank_order(call.out.bytes_ptr() + off * esize, sources, c, call.out.dtype, call.op);
       } else {
         for (std::size_t r = 0; r < p; ++r) {

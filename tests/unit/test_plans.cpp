@@ -530,8 +530,9 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 2, across)->kind == Kind::bidirectional_ring);
   // On an arena the direct shm algorithms below 128 KiB, further up where measured (arena_below in
   // selection.cpp; bench/RESULTS.md, "The arena on a crowded host", "Copies into shared memory", "The
-  // arena past 4 MiB"): on 2 ranks for all_gather and all_to_all, reduce_scatter and broadcast at every
-  // size, and for every collective with a script at every size where 3 ranks or more outnumber the cores.
+  // arena past 4 MiB"): on 2 ranks all_gather below 4 MiB, all_to_all through 8 MiB, reduce_scatter and
+  // broadcast at every size, and every collective with a script at every size where 3 ranks or more
+  // outnumber the cores.
   const Placement arena{.shared_arena = true};
   const Placement crowded{.shared_arena = true, .crowded = true};
   const std::size_t kib = 1024, mib = kib * kib;
