@@ -1439,7 +1439,11 @@ TEST_CASE("a send past its own deadline aborts the group, naming the send", "[er
   // 64 MiB, more than any stream holds (socket buffers, the shm ring), to a rank whose loop reads
   // nothing for 4 s (a receiver that reads keeps an unexpected message, so the send would complete).
   const long before = checks_made.load();
-  run_ranks(2, [](Group& g) {
+  // Rank 0 sends only once rank 1's loop is blocked: a send that starts earlier is read (kept as an
+  // unexpected message) for as long as that loop runs, and on a loaded machine it ran long enough to
+  // take all 64 MiB, so the send completed and nothing failed (seen once in CI, under ASan over uring).
+  std::latch receiver_blocked(1);
+  run_ranks(2, [&](Group& g) {
     std::vector<float> data(std::size_t{16} << 20, 1.0f);
     if (g.rank() == 1) {
       std::promise<void> blocked;
@@ -1448,8 +1452,10 @@ TEST_CASE("a send past its own deadline aborts the group, naming the send", "[er
         std::this_thread::sleep_for(4s);  // the loop's thread, busy elsewhere: nothing reads
       });
       blocked.get_future().wait();
+      receiver_blocked.count_down();
     }
     if (g.rank() == 0) {
+      receiver_blocked.wait();
       const auto t0 = std::chrono::steady_clock::now();
       Future<void> s = g.with_timeout(300ms).send(data, 1, 9);
       check(s.wait_for(10s), "a send past its deadline hung");
