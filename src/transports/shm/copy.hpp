@@ -1,5 +1,5 @@
 #pragma once
-// Copies into shared memory that another core reads next (an arena's areas).
+// Copies into shared memory that another core reads next (an arena's areas, a ring's records).
 //
 // Why not memcpy alone: the lines of such memory sit in the reader's cache, and a plain store must first
 // fetch its line from there (a read for ownership). glibc's memcpy avoids that with `rep movsb`, which
@@ -30,14 +30,8 @@ inline constexpr std::size_t nontemporal_from = std::size_t{256} << 10;
 /// store) is ordered after them. x86-64 only; elsewhere memcpy.
 void copy_nontemporal(void* to, const void* from, std::size_t n) noexcept;
 
-/// Copies `n` bytes into shared memory that another core reads next (see above). The caller's release
-/// store that publishes them comes after this returns.
-inline void copy_to_shared(void* to, const void* from, std::size_t n) noexcept {
-  const auto skew = (reinterpret_cast<std::uintptr_t>(to) - reinterpret_cast<std::uintptr_t>(from)) & 63;
-  if (skew != 0 && n >= nontemporal_from) {
-    copy_nontemporal(to, from, n);
-    return;
-  }
+/// memcpy of `n` bytes in calls of at most copy_piece_most.
+inline void copy_in_pieces(void* to, const void* from, std::size_t n) noexcept {
   auto* d = static_cast<std::byte*>(to);
   const auto* s = static_cast<const std::byte*>(from);
   while (n > 0) {
@@ -47,6 +41,17 @@ inline void copy_to_shared(void* to, const void* from, std::size_t n) noexcept {
     s += piece;
     n -= piece;
   }
+}
+
+/// Copies `n` bytes into shared memory that another core reads next (see above). The caller's release
+/// store that publishes them comes after this returns.
+inline void copy_to_shared(void* to, const void* from, std::size_t n) noexcept {
+  const auto skew = (reinterpret_cast<std::uintptr_t>(to) - reinterpret_cast<std::uintptr_t>(from)) & 63;
+  if (skew != 0 && n >= nontemporal_from) {
+    copy_nontemporal(to, from, n);
+    return;
+  }
+  copy_in_pieces(to, from, n);
 }
 
 }  // namespace weft::shm

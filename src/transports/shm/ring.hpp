@@ -18,7 +18,12 @@
 //   inline:    `length` bytes of the stream, in the ring;
 //   reference: 16 bytes, an address and a length in the sender's memory: the receiver copies them
 //              straight into its read (process_vm_readv, one copy: "single copy", CMA) and counts them
-//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them.
+//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them;
+//   padding:   `length` bytes (0 to 63) that carry nothing: they put the inline record after them where
+//              its large piece sits in the ring as far into its cache lines as its source sits in its own
+//              (record_padding). The ring's lines are in the reader's cache; glibc's memcpy writes whole
+//              lines without fetching them only between buffers placed alike (copy.hpp): 256 KiB took
+//              7.7 us alike and 38.2 us with the source 16 bytes off (bench/RESULTS.md).
 // A sender publishes a header with its whole record (never half a header), so a reader that sees fewer
 // bytes than a header waits. Reference records are sent only to a receiver that said at connect time it
 // can read the sender's memory (docs/PROTOCOL.md, "Link offer"); any other gets inline records only.
@@ -27,20 +32,24 @@
 #include <cstdint>
 #include <cstring>
 
+#include "transports/shm/copy.hpp"
+
 namespace weft::shm {
 
-// Copies between a ring's bytes at position `at` (wrapping at `capacity`) and flat memory. (Plain
-// memcpy: copy.hpp's non-temporal stores, tried here on 2026-12-01, made streams of 1-4 MiB 1.1-1.2x
-// slower, the reader fetching from memory while the writer goes on.)
+// Copies between a ring's bytes at position `at` (wrapping at `capacity`) and flat memory, in memcpy
+// calls of at most 256 KiB (copy.hpp's copy_in_pieces: a larger one leaves rep movsb and writes lines
+// out of the caches, the reader's and the writer's). (Not copy_to_shared's non-temporal stores: tried
+// here on 2026-12-01, they made streams of 1-4 MiB 1.1-1.2x slower, the reader fetching from memory while
+// the writer goes on.)
 inline void copy_into_ring(std::byte* ring, std::size_t capacity, std::size_t at, const void* from, std::size_t n) noexcept {
   const std::size_t first = n < capacity - at ? n : capacity - at;
-  std::memcpy(ring + at, from, first);
-  if (n > first) std::memcpy(ring, static_cast<const std::byte*>(from) + first, n - first);
+  copy_in_pieces(ring + at, from, first);
+  if (n > first) copy_in_pieces(ring, static_cast<const std::byte*>(from) + first, n - first);
 }
 inline void copy_from_ring(const std::byte* ring, std::size_t capacity, std::size_t at, void* to, std::size_t n) noexcept {
   const std::size_t first = n < capacity - at ? n : capacity - at;
-  std::memcpy(to, ring + at, first);
-  if (n > first) std::memcpy(static_cast<std::byte*>(to) + first, ring, n - first);
+  copy_in_pieces(to, ring + at, first);
+  if (n > first) copy_in_pieces(static_cast<std::byte*>(to) + first, ring, n - first);
 }
 
 // This side's store to its own word, then a full fence: of two sides that each do this and then load the
@@ -53,14 +62,28 @@ inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order ord
 }
 
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
-inline constexpr std::uint32_t ring_version = 2;
+inline constexpr std::uint32_t ring_version = 3;  // 3: padding records
 
 // A record's first 8 bytes: a marker (catches a reader out of step with its writer at once), the kind,
-// and for an inline record the length of what follows.
-enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2 };
+// and for an inline or a padding record the length of what follows.
+enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2, padding = 3 };
 inline constexpr std::uint16_t record_marker = 0x7772;  // "rw"
 inline constexpr std::size_t record_header_bytes = 8;
 inline constexpr std::size_t reference_record_bytes = record_header_bytes + 16;
+// A padding record's bytes after its header: at most this many (a cache line less one).
+inline constexpr std::uint32_t padding_most = 63;
+// An inline record is placed alike (padding before it) when a piece of at least this many bytes is in it:
+// below, the lines fetched cost less than the padding's header read and written.
+inline constexpr std::size_t align_records_from = 4096;
+
+// The bytes of a padding record (0: none; else its header and 0-63 bytes, 8 to 71 in all) that put a
+// byte which would land at ring position `position` as far into its cache line as `source` is into
+// its own. `position` counts the padding's place too: the byte lands at position + the result.
+inline std::size_t record_padding(std::uint64_t position, const void* source) noexcept {
+  const auto off = static_cast<std::size_t>((reinterpret_cast<std::uintptr_t>(source) - position) & 63);
+  if (off == 0) return 0;
+  return off >= record_header_bytes ? off : off + 64;
+}
 
 struct RecordHeader {
   RecordKind kind{};
@@ -78,7 +101,7 @@ inline bool decode_record_header(const std::byte* in, RecordHeader& h) noexcept 
   std::uint16_t marker = 0;
   std::memcpy(&marker, in, 2);
   const auto kind = static_cast<std::uint8_t>(in[2]);
-  if (marker != record_marker || in[3] != std::byte{0} || kind < 1 || kind > 2) return false;
+  if (marker != record_marker || in[3] != std::byte{0} || kind < 1 || kind > 3) return false;
   h.kind = static_cast<RecordKind>(kind);
   std::memcpy(&h.length, in + 4, 4);
   return true;
@@ -123,6 +146,8 @@ class RingWriter {
     copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, size);
     tail_ += size;
   }
+  // Where the next byte put goes: bytes ever written (its place in the ring is this mod the capacity).
+  std::uint64_t position() const noexcept { return tail_; }
   // Makes what put() copied visible; true when the receiver may be asleep (signal it).
   bool publish() noexcept {
     store_and_fence(ring_->tail, tail_, std::memory_order_release);

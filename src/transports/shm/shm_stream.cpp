@@ -37,7 +37,8 @@ class RingErrorCategory final : public std::error_category {
   std::string message(int value) const override {
     switch (static_cast<RingError>(value)) {
       case RingError::not_a_record: return "protocol error: the peer wrote bytes into the ring that are not a record";
-      case RingError::bad_length: return "protocol error: a record in the ring has a length of 0 or more than the ring";
+      case RingError::bad_length:
+        return "protocol error: a record in the ring has a length of 0 or more than the ring, or a padding record more than 63 bytes";
       case RingError::unreadable_reference:
         return "protocol error: a single-copy reference from a peer whose memory this rank cannot read (it said so at connect time)";
       case RingError::empty_reference: return "protocol error: a single-copy reference with a length of 0";
@@ -251,6 +252,31 @@ bool ShmStream::by_reference(const ConstBytes& piece) const noexcept {
   return link_.single_copy_from != 0 && piece.size >= link_.single_copy_from;
 }
 
+std::size_t ShmStream::padding_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept {
+  std::size_t before = 0;  // the record's bytes ahead of the piece looked at
+  for (int i = piece; i < 3; ++i) {
+    if (i != piece && by_reference(pieces[i])) break;
+    const std::size_t from = i == piece ? offset : 0;
+    const std::size_t left = pieces[i].size - from;
+    if (left >= shm::align_records_from) {
+      const std::size_t padding = shm::record_padding(out_.position() + shm::record_header_bytes + before,
+                                                      static_cast<const std::byte*>(pieces[i].data) + from);
+      return room >= padding + shm::record_header_bytes + before + shm::align_records_from ? padding : 0;
+    }
+    before += left;
+  }
+  return 0;
+}
+
+void ShmStream::put_padding(std::size_t bytes) noexcept {
+  static constexpr std::byte zeros[shm::padding_most] = {};
+  std::byte header[shm::record_header_bytes];
+  const std::size_t after = bytes - shm::record_header_bytes;
+  shm::encode_record_header(header, {shm::RecordKind::padding, static_cast<std::uint32_t>(after)});
+  out_.put_fitting(header, sizeof header);
+  out_.put_fitting(zeros, after);
+}
+
 bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noexcept {
   if (peer_closed_ || closed_ || write_.active || !lent_.empty()) return false;
   if (by_reference(ConstBytes{nullptr, first}) || by_reference(ConstBytes{nullptr, second})) return false;
@@ -263,6 +289,11 @@ bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noe
 bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   if (by_reference(third) || !takes_whole_now(first.size, second.size + third.size)) return false;
   const std::size_t total = first.size + second.size + third.size;
+  // Placed alike when the room holds the padding too (takes_whole_now asked for the record alone).
+  const ConstBytes pieces[3] = {first, second, third};
+  const std::size_t room = out_.room();
+  const std::size_t padding = padding_for(pieces, 0, 0, room);
+  if (padding != 0 && room >= padding + shm::record_header_bytes + total) put_padding(padding);
   std::byte header[shm::record_header_bytes];
   shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(total)});
   out_.put_fitting(header, sizeof header);
@@ -297,9 +328,14 @@ bool ShmStream::push_some() {
       moved = true;
       continue;
     }
-    // An inline record: as much of this piece and the inline pieces after it as fits.
-    const std::size_t room = out_.room();
+    // An inline record: as much of this piece and the inline pieces after it as fits, placed alike
+    // (padding_for) where a large piece is in it.
+    std::size_t room = out_.room();
     if (room <= shm::record_header_bytes) break;
+    if (const std::size_t padding = padding_for(write_.pieces, write_.piece, write_.offset, room)) {
+      put_padding(padding);
+      room -= padding;
+    }
     std::size_t length = 0;
     for (int i = write_.piece; i < 3; ++i) {
       const ConstBytes& next = write_.pieces[i];
@@ -349,6 +385,16 @@ bool ShmStream::pull_read() {
         }
         in_.take(nullptr, shm::record_header_bytes);
         record_ = Record{shm::RecordKind::inline_bytes, h.length, 0};
+      } else if (h.kind == shm::RecordKind::padding) {
+        // Nothing of the stream: skipped whole (its writer publishes it with the record after it).
+        if (h.length > shm::padding_most) {
+          read_error_ = make_error(RingError::bad_length);
+          break;
+        }
+        if (in_.available() < shm::record_header_bytes + h.length) break;
+        in_.take(nullptr, shm::record_header_bytes + h.length);
+        ring_moved = true;
+        continue;
       } else {
         // Only from a peer this rank said it can read (the link's probe); never trusted further than
         // that: a bad address fails the read (process_vm_readv checks it), it cannot touch this process.

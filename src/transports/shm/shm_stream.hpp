@@ -114,6 +114,12 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool push_some();   // moves what fits now; true when every piece is in the ring
   std::size_t take_released();  // lent writes whose references the receiver has read all of
   bool by_reference(const ConstBytes& piece) const noexcept;
+  // The padding record (its bytes, 0 for none) that places alike the inline record about to start at the
+  // ring's tail, holding pieces[piece] from `offset` and the inline pieces after it: when one of them has
+  // at least shm::align_records_from bytes and `room` holds the padding, the record's header and that
+  // many of its bytes. put_padding writes it.
+  std::size_t padding_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept;
+  void put_padding(std::size_t bytes) noexcept;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
   void read_referenced(std::size_t limit);  // from the current reference record into the read (read_error_ on failure)
   bool peer_still_there() const noexcept;
