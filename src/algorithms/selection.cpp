@@ -135,7 +135,10 @@ namespace {
 //   MiB and, once the writer's own piece skipped its area, 0.80-0.96 / 0.47-0.50 at 2 MiB, 0.83-0.97 /
 //   0.43-0.50 at 4 MiB, 0.74-1.09 / 0.33-0.38 at 8 MiB (16-64 MiB, before that: mixed out of place,
 //   0.55-1.43, though 0.36-0.70 in place); all_reduce slower from 256 KiB (1.3-1.6x: the plans' rings
-//   pipeline the reduction), so 128 KiB.
+//   pipeline the reduction), so 128 KiB there; on the Intel Xeon of 2026-12-02, 7 rounds, the arena
+//   took 0.64 of the table's time at 128 KiB (25.7 us against 40.3; Open MPI's vader 34.7) and 0.84
+//   at 256 KiB, level or behind at 512 KiB-1 MiB: so through 128 KiB (below 256 KiB), where the EPYC
+//   measured the two level.
 // - More ranks than cores (`crowded`: every wait a wake-up or a yield), 3, 4 and 8 ranks: the arena's
 //   few supersteps beat the plans' many rounds for every collective at every size measured, 256 KiB-4
 //   MiB (all_reduce 0.68-0.90, all_gather at 4 MiB 0.40-0.70, reduce_scatter 0.46-0.73, broadcast
@@ -155,6 +158,7 @@ std::size_t arena_below(Collective collective, int ranks, Placement where) {
     case Collective::reduce_scatter:
     case Collective::broadcast: return every_size;
     case Collective::all_to_all: return 8192 * kib + 1;
+    case Collective::all_reduce: return 256 * kib;
     default: return plain;
   }
 }

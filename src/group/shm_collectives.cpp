@@ -527,13 +527,21 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
     const std::size_t off = chunk.offset;
     const std::size_t c = chunk.count;
     const std::size_t held = chunks.area_bytes(k);
-    shm::copy_to_shared(run.area(held, in + off * esize), in + off * esize, c * esize);
+    // Every block of the chunk but this rank's own goes into its area: only this rank reduces its own
+    // block, and it reads that one from its input (a copy of 1/p of the chunk less; in place too, since
+    // the fold writes into the area and the output is written only after the next wait).
+    const algo::Range mine = algo::block(c, g.size, g.rank);
+    const std::byte* from = in + off * esize;
+    std::byte* area = run.area(held, from);
+    const std::size_t own_end = (mine.offset + mine.count) * esize;
+    shm::copy_to_shared(area, from, mine.offset * esize);
+    shm::copy_to_shared(area + own_end, from + own_end, c * esize - own_end);
     run.publish(step);
     co_await run.wait(step++);
-    // This rank's block of the chunk, reduced from every area into its own next area; then every block
-    // from its owner's area.
-    const algo::Range mine = algo::block(c, g.size, g.rank);
+    // This rank's block of the chunk, reduced from every area (its own from its input) into its own next
+    // area; then every block from its owner's area.
     for (std::size_t r = 0; r < p; ++r) sources[r] = run.area_of(static_cast<int>(r), held) + mine.offset * esize;
+    sources[static_cast<std::size_t>(g.rank)] = from + mine.offset * esize;
     std::byte* reduced = run.area(held) + mine.offset * esize;
     algo::fold_in_rank_order(reduced, sources, mine.count, call.out.dtype, call.op);
     run.publish(step);

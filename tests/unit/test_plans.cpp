@@ -530,7 +530,7 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::all_reduce, std::size_t{1} << 20, 2, across)->kind == Kind::bidirectional_ring);
   // On an arena the direct shm algorithms below 128 KiB, further up where measured (arena_below in
   // selection.cpp; bench/RESULTS.md, "The arena on a crowded host", "Copies into shared memory", "The
-  // arena past 4 MiB"): on 2 ranks all_gather below 4 MiB, all_to_all through 8 MiB, reduce_scatter and
+  // arena past 4 MiB"): on 2 ranks all_reduce below 256 KiB, all_gather below 4 MiB, all_to_all through 8 MiB, reduce_scatter and
   // broadcast at every size, and every collective with a script at every size where 3 ranks or more
   // outnumber the cores.
   const Placement arena{.shared_arena = true};
@@ -552,7 +552,9 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
     // Without an arena, never.
     CHECK(Selection::built_in(c, 64, 2)->kind != Kind::shm);
   }
-  CHECK(Selection::built_in(Collective::all_reduce, 128 * kib, 2, arena)->kind == Kind::recursive_doubling);
+  CHECK(Selection::built_in(Collective::all_reduce, 256 * kib - 1, 2, arena)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_reduce, 256 * kib, 2, arena)->kind == Kind::recursive_doubling);
+  CHECK(Selection::built_in(Collective::all_reduce, 128 * kib, 2, crowded)->kind != Kind::shm);
   CHECK(Selection::built_in(Collective::all_gather, 4 * mib - 1, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::all_gather, 4 * mib, 2, arena)->kind == Kind::ring);
   CHECK(Selection::built_in(Collective::reduce_scatter, 4 * mib, 2, arena)->kind == Kind::shm);
