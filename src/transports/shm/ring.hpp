@@ -23,7 +23,8 @@
 //              its large piece sits in the ring as far into its cache lines as its source sits in its own
 //              (record_padding). The ring's lines are in the reader's cache; glibc's memcpy writes whole
 //              lines without fetching them only between buffers placed alike (copy.hpp): 256 KiB took
-//              7.7 us alike and 38.2 us with the source 16 bytes off (bench/RESULTS.md).
+//              7.7 us alike and 38.2 us with the source 16 bytes off on the AMD EPYC machines, the same
+//              either way on an Intel Xeon (bench/RESULTS.md, "Ring records placed alike").
 // A sender publishes a header with its whole record (never half a header), so a reader that sees fewer
 // bytes than a header waits. Reference records are sent only to a receiver that said at connect time it
 // can read the sender's memory (docs/PROTOCOL.md, "Link offer"); any other gets inline records only.
