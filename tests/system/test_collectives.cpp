@@ -17,6 +17,8 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <future>
+#include <latch>
 #include <thread>
 
 using namespace weft;
@@ -914,12 +916,15 @@ TEST_CASE("a send buffer overwritten right after its send completes does not cha
 TEST_CASE("small sends to a rank that does not read yet arrive whole and in order, their buffers reused at once", "[collectives][reuse]") {
   // Over tcp a small send on an idle connection goes straight to the socket (Transport::send_now); a
   // socket buffer that is nearly full takes part of its frame, and the rest is copied and written after
-  // it, the send already done. The receiver sleeps first, so that the buffers fill: every message must
-  // still arrive whole and in order, with the bytes it had when its send completed, though each send's
-  // buffer is overwritten at once.
+  // it, the send already done. The receiver's loop is held first, so that the buffers fill: every
+  // message must still arrive whole and in order, with the bytes it had when its send completed, though
+  // each send's buffer is overwritten at once. (Its loop, not only its thread: a loop left to run reads
+  // every frame into early-message buffers, and on a fast machine it kept up with the sender, so that no
+  // socket ever filled; seen on an Intel Xeon, 2026-12-02.)
   const long before = checks_made.load();
   std::atomic<std::uint64_t> kept{0};
   std::string transport;
+  std::latch receiver_held(1);
   run_ranks(2, [&](Group& g) {
     constexpr int messages = 1200;  // about 34 MB: more than loopback's socket buffers hold
     const auto size_of = [](int i) { return std::size_t{4096} + static_cast<std::size_t>(i % 7) * 8191; };
@@ -927,6 +932,7 @@ TEST_CASE("small sends to a rank that does not read yet arrive whole and in orde
     std::vector<std::uint8_t> buffer(size_of(6));
     if (g.rank() == 0) {
       transport = std::string(g.transport_name());
+      receiver_held.wait();
       for (int i = 0; i < messages; ++i) {
         const std::size_t n = size_of(i);
         for (std::size_t j = 0; j < n; ++j) buffer[j] = byte_of(i, j);
@@ -935,7 +941,13 @@ TEST_CASE("small sends to a rank that does not read yet arrive whole and in orde
       }
       if (auto* framed = dynamic_cast<FramedTransport*>(g.state()->transport.get())) kept = framed->sends_partly_kept();
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      std::promise<void> held;
+      g.loop().post([&] {
+        held.set_value();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the loop's thread: nothing reads
+      });
+      held.get_future().wait();
+      receiver_held.count_down();
       for (int i = 0; i < messages; ++i) {
         const std::size_t n = size_of(i);
         g.recv(BufferView(buffer.data(), n, DType::u8), 0, static_cast<std::uint32_t>(i)).get();
