@@ -22,6 +22,9 @@ struct Placement {
   // With an arena: its ranks outnumber the cores of their host (the host's online CPUs, the same count
   // for every rank of it), so that every wait for a peer is a wake-up or a yield.
   bool crowded = false;
+  // With an arena: it reads the peers' buffers directly (single copy; transports/shm/arena.hpp, "Direct
+  // reads"), the same choice on every rank.
+  bool direct_reads = false;
 };
 
 class Selection {

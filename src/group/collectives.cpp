@@ -823,8 +823,8 @@ Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, co
 // A direct shm algorithm: on the group arena, or (no arena, or the group left it) the built-in choice
 // over the transport.
 Task<void> on_arena_or_framed(std::shared_ptr<GroupState> g, std::uint64_t seq, detail::CollectiveCall call, ArenaTicket ticket,
-                              bool first_published, bool failed_at_call) {
-  const bool ran = co_await run_on_arena(g, seq, call, std::move(ticket), first_published, failed_at_call);
+                              std::uint32_t published, bool failed_at_call) {
+  const bool ran = co_await run_on_arena(g, seq, call, std::move(ticket), published, failed_at_call);
   if (ran) co_return;
   const algo::Algorithm& framed = *algo::Selection::built_in(call.collective, selection_bytes(*g, call), g->size);
   co_await start_collective(std::move(g), seq, call, framed);
@@ -836,7 +836,7 @@ Task<void> start_collective(std::shared_ptr<GroupState> g, std::uint64_t seq, co
   if (algorithm.kind == algo::Kind::shm) {
     ArenaTicket ticket = g->arena ? ArenaTicket(*g) : ArenaTicket();
     const bool failed_at_call = arena_group_failed(*g);
-    return on_arena_or_framed(std::move(g), seq, call, std::move(ticket), false, failed_at_call);
+    return on_arena_or_framed(std::move(g), seq, call, std::move(ticket), 0, failed_at_call);
   }
   switch (call.collective) {
     case Collective::all_reduce: return all_reduce_task(std::move(g), seq, call.in, call.out, call.op, algorithm, call.staged);
@@ -938,12 +938,9 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
     // The arena's fast path: a small collective whose turn has come runs here, on this thread.
     ArenaTicket ticket(g);
     const bool failed_at_call = arena_group_failed(g);
-    switch (run_on_arena_now(g, seq, call, ticket)) {
-      case ArenaNow::done: return make_ready_future();
-      case ArenaNow::published: return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), true, failed_at_call));
-      case ArenaNow::not_started:
-        return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), false, failed_at_call));
-    }
+    const ArenaNow now = run_on_arena_now(g, seq, call, ticket);
+    if (now == ArenaNow::done) return make_ready_future();
+    return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), steps_published(now), failed_at_call));
   }
   if (Future<void> messages = start_as_messages(state_, seq, call, algorithm); messages.valid()) return messages;
   return spawn(*g.loop, start_collective(state_, seq, call, algorithm));

@@ -4,6 +4,7 @@
 #include "weft/group.hpp"
 
 #include <algorithm>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -14,6 +15,13 @@
 #include "transports/shm/arena.hpp"
 
 namespace weft {
+
+algo::Placement detail::GroupState::placement() const {
+  // Read once: glibc asks /sys for the count, three system calls, on a path every new call shape takes.
+  static const unsigned cores = std::thread::hardware_concurrency();
+  return algo::Placement{arena != nullptr, across_hosts, arena != nullptr && cores > 0 && static_cast<unsigned>(size) > cores,
+                         arena != nullptr && arena->direct_from() != 0};
+}
 
 namespace {
 void hold(detail::GroupState& g) {

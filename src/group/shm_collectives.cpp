@@ -13,11 +13,13 @@
 #include "group/shm_collectives.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <span>
 #include <stop_token>
 #include <thread>
 #include <vector>
@@ -27,6 +29,7 @@
 
 #include "algorithms/reduction.hpp"
 #include "core/env.hpp"
+#include "core/scratch.hpp"
 #include "core/signature.hpp"
 #include "group/checks.hpp"
 #include "transports/shm/arena.hpp"
@@ -215,6 +218,68 @@ class ArenaRun final : public shm::Arena::Waiter {
   /// From now on the operation is cancelled: its headers say so and its waits compare nothing.
   void mark_cancelled() noexcept { cancelled_ = true; }
 
+  std::uint64_t seq() const noexcept { return seq_; }
+
+  /// Direct reads (arena.hpp): how a read from a lender went.
+  enum class Read { done, short_loan, refused, taken_back };
+  /// Reads `bytes` at `offset` into what rank r lent for this operation (the address and length its
+  /// area of the last superstep announces) into `to`: a loan shorter than `lent_bytes` (what the call
+  /// needs) is not read; `error` gets the kernel's errno of a read it refused; a loan taken back
+  /// (revoked) after or during the read means the bytes may not be the caller's. Nothing thrown.
+  Read try_read_lent(int r, std::size_t offset, std::byte* to, std::size_t bytes, std::size_t lent_bytes, int& error) const noexcept {
+    std::uint64_t announced[2] = {0, 0};  // address, length
+    std::memcpy(announced, arena_.area(r, sizeof announced), sizeof announced);
+    if (announced[1] != lent_bytes) return Read::short_loan;
+    error = bytes == 0 ? 0 : arena_.read_direct(r, announced[0] + offset, to, bytes);
+    if (arena_.revoked(r, seq_)) return Read::taken_back;
+    return error == 0 ? Read::done : Read::refused;
+  }
+  /// try_read_lent, throwing: naming r and aborting the group (the others wait for this rank's next
+  /// superstep) for a loan shorter than the call says or a read the kernel refused (ESRCH: its process is
+  /// gone, a peer failure; anything else a protocol error). A loan taken back is not an error here: it is
+  /// remembered (lent_taken_back) and the operation fails once its last superstep is over.
+  void read_lent(int r, std::size_t offset, std::byte* to, std::size_t bytes, std::size_t lent_bytes) {
+    int error = 0;
+    switch (try_read_lent(r, offset, to, bytes, lent_bytes, error)) {
+      case Read::done: return;
+      case Read::taken_back: taken_back_ = r; return;
+      case Read::short_loan: {
+        std::uint64_t announced[2] = {0, 0};
+        std::memcpy(announced, arena_.area(r, sizeof announced), sizeof announced);
+        fail_read(r, Errc::protocol_error,
+                  fmt::format("rank {} lent {} bytes for {} #{} where the call needs {} (seen in the group's shared-memory arena)", r,
+                              announced[1], op_, seq_, lent_bytes));
+      }
+      case Read::refused: break;
+    }
+    if (error == ESRCH) {
+      fail_read(r, Errc::peer_failure,
+                fmt::format("rank {}'s process is gone (process_vm_readv: {}) while rank {} read its buffer in {} #{}", r,
+                            std::strerror(error), g_.rank, op_, seq_));
+    }
+    fail_read(r, Errc::protocol_error,
+              fmt::format("rank {} cannot read the {} bytes rank {} lent for {} #{} (process_vm_readv: {})", g_.rank, bytes, r, op_, seq_,
+                          error == EIO ? "it read nothing more" : std::strerror(error)));
+  }
+  /// A rank whose loan was taken back during this operation's reads; -1 when none was.
+  int lent_taken_back() const noexcept { return taken_back_; }
+  /// Fails this operation after rank r took its loan back: with the group's failure where this rank
+  /// knows of it, else as cancelled (Detach; a lender's operation ends early only through a cancel,
+  /// which every rank gets, or a failure, which reaches every rank too).
+  [[noreturn]] void throw_taken_back(int r) {
+    std::error_code code;
+    std::string reason;
+    if (g_.transport->context_failed(g_.context, &code, &reason)) {
+      throw_error(static_cast<Errc>(code.value()), g_.where(op_, static_cast<std::int64_t>(seq_)), reason);
+    }
+    if (!g_.transport->operation_cancelled(g_.context, seq_, &reason)) {
+      reason = fmt::format("rank {} took back the buffer it lent for {} #{} while rank {} read it (its {} ended early: cancelled, "
+                           "failed or past its deadline)",
+                           r, op_, seq_, g_.rank, op_);
+    }
+    detach(reason);
+  }
+
   /// Publishes this rank's area for step `step` (written before, unless cancelled), naming the operation
   /// in its header.
   void publish(std::uint32_t step) {
@@ -265,6 +330,11 @@ class ArenaRun final : public shm::Arena::Waiter {
       if (r != g_.rank && theirs.seq == seq_ && (theirs.flags & shm::area_cancelled) != 0) return r;
     }
     return -1;
+  }
+
+  [[noreturn]] void fail_read(int r, Errc errc, const std::string& reason) const {
+    g_.transport->abort_context(g_.context, errc, reason);
+    throw_error(errc, g_.where(op_, static_cast<std::int64_t>(seq_), r), reason);
   }
 
   [[noreturn]] void detach(const std::string& reason) const {
@@ -338,6 +408,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   std::shared_ptr<Hook> hook_;
   int departed_ = -1;
   int box_mismatch_ = -1;  // a box conflict found by interrupted()
+  int taken_back_ = -1;    // read_lent: a rank that revoked its loan
   std::uint32_t published_ = 0;
   bool cancelled_ = false;
   int root_ = -1;  // box broadcasts: the root
@@ -404,6 +475,36 @@ bool reduces_in_blocks(const CollectiveCall& call) {
 bool own_piece_from_input(const CollectiveCall& call) {
   if (call.collective == Collective::all_to_all) return true;
   return call.collective == Collective::reduce_scatter && !share_bytes(call.in, call.out);
+}
+
+// Whether `call` reads the peers' buffers directly (arena.hpp, "Direct reads"): a collective that moves
+// pieces between buffers, each piece (what one read moves) at least the arena's direct_from(), or by
+// default at least its collective's measured size. The same on every rank: the call's signature (which
+// the headers compare) and direct_from() decide it.
+// The defaults (bench/RESULTS.md, "Direct reads in the arena"; 2 ranks on the Intel Xeon of 2026-12-02,
+// the arena forced, paired medians of direct / through the areas): all_gather from blocks of 8 KiB
+// (0.78 there, 0.40 at 128 KiB blocks; 2-4 KiB blocks 1.13-1.53); all_to_all from pieces of 32 KiB
+// (0.94, 0.54 at 128 KiB; 8-16 KiB pieces 1.41-1.51); broadcast never: a root waits for its readers'
+// reads, where through the areas it goes on once they are written, and a root buffer its own core just
+// wrote is read across cores slower by the kernel than by the readers' own copies (1.64-2.46 at 4-256
+// KiB with the bench's copy into the root's buffer before each call; without it 0.6 at 64 KiB-1 MiB
+// but 1.2 at 4 MiB).
+constexpr std::size_t all_gather_direct_from = std::size_t{8} << 10;
+constexpr std::size_t all_to_all_direct_from = std::size_t{32} << 10;
+
+bool reads_directly(const shm::Arena& arena, const CollectiveCall& call, int ranks) {
+  const std::uint64_t from = arena.direct_from();
+  if (from == 0) return false;
+  const bool defaults = from == shm::Arena::direct_defaults;
+  switch (call.collective) {
+    case Collective::broadcast: return !defaults && call.out.bytes() >= from;
+    case Collective::all_gather: return call.in.bytes() >= (defaults ? all_gather_direct_from : from);
+    case Collective::all_to_all: {
+      const std::size_t piece = call.in.count / static_cast<std::size_t>(ranks) * dtype_size(call.in.dtype);
+      return piece >= (defaults ? all_to_all_direct_from : from);
+    }
+    default: return false;
+  }
 }
 
 // One superstep's work on chunk `k`, for every collective but all_reduce in blocks: what this rank writes
@@ -553,6 +654,115 @@ Task<void> all_reduce_in_blocks(ArenaRun& run, GroupState& g, const CollectiveCa
   }
 }
 
+// What a rank lends its readers in a direct collective, from its announce until its second superstep
+// is over; the loan is taken back (revoked) if the script ends before: an error, a cancel, a deadline,
+// the coroutine dropped. Declared after what it lends, so that the revoke comes before that is freed.
+struct Loan {
+  shm::Arena& arena;
+  std::uint64_t seq;
+  bool over = false;
+  Loan(shm::Arena& a, std::uint64_t s) : arena(a), seq(s) {}
+  Loan(const Loan&) = delete;
+  Loan& operator=(const Loan&) = delete;
+  ~Loan() {
+    if (!over) arena.revoke(seq);
+  }
+};
+
+using LentBytes = std::span<const std::byte>;
+
+// What a rank lends in a direct collective: the root's buffer (broadcast), its input (all_gather,
+// all_to_all); nothing for a broadcast's readers.
+LentBytes lent_by(const GroupState& g, const CollectiveCall& call) {
+  switch (call.collective) {
+    case Collective::broadcast: return g.rank == call.root ? LentBytes{call.out.bytes_ptr(), call.out.bytes()} : LentBytes{};
+    case Collective::all_gather:
+    case Collective::all_to_all: return LentBytes{call.in.bytes_ptr(), call.in.bytes()};
+    default: return LentBytes{};
+  }
+}
+// An all_to_all in place overwrites its input with what it reads while the peers still read it: it
+// lends a copy.
+bool lends_a_copy(const CollectiveCall& call) { return call.collective == Collective::all_to_all && share_bytes(call.in, call.out); }
+
+// Announces `lent` in this rank's next area (address and length, beside its header).
+void announce(ArenaRun& run, LentBytes lent) {
+  const std::uint64_t words[2] = {reinterpret_cast<std::uintptr_t>(lent.data()), lent.size()};
+  std::memcpy(run.area(sizeof words), words, sizeof words);
+}
+
+// The reads of a direct collective, after every rank announced its loan: `read(r, offset, to, bytes,
+// lent_bytes)` for every piece from a peer (false: stop), this rank's own piece copied from `lent` (what
+// it lent: its own part of the input, or its copy of it). Whether every read returned true.
+template <class ReadFn>
+bool read_pieces(const GroupState& g, const CollectiveCall& call, const std::byte* lent, ReadFn&& read) {
+  const auto p = static_cast<std::size_t>(g.size);
+  const auto me = static_cast<std::size_t>(g.rank);
+  std::byte* out = call.out.bytes_ptr();
+  switch (call.collective) {
+    case Collective::broadcast: return g.rank == call.root || read(call.root, 0, out, call.out.bytes(), call.out.bytes());
+    case Collective::all_gather: {
+      const std::size_t block = call.in.bytes();
+      for (std::size_t r = 0; r < p; ++r) {
+        if (r != me) {
+          if (!read(static_cast<int>(r), 0, out + r * block, block, block)) return false;
+        } else if (out + r * block != lent) {  // in place it is there already
+          std::memcpy(out + r * block, lent, block);
+        }
+      }
+      return true;
+    }
+    case Collective::all_to_all: {
+      const std::size_t piece = call.in.count / p * dtype_size(call.in.dtype);
+      for (std::size_t r = 0; r < p; ++r) {
+        if (r != me) {
+          if (!read(static_cast<int>(r), me * piece, out + r * piece, piece, call.in.bytes())) return false;
+        } else if (out + r * piece != lent + r * piece) {
+          std::memcpy(out + r * piece, lent + r * piece, piece);
+        }
+      }
+      return true;
+    }
+    default: return true;
+  }
+}
+
+// broadcast, all_gather and all_to_all reading the peers' buffers directly (reads_directly; arena.hpp,
+// "Direct reads"): every rank announces what it lends (address and length, beside its header), then
+// reads its pieces straight from the lenders into its output, then says it has finished; one copy of
+// every byte, where the areas take two, and two supersteps at any size. `published`: the supersteps the
+// caller's thread published already (run_on_arena_now; never for a loan of a copy).
+Task<void> read_directly(ArenaRun& run, GroupState& g, const CollectiveCall& call, std::uint32_t published) {
+  LentBytes lent = lent_by(g, call);
+  ScratchBytes copy;
+  if (published == 0 && lends_a_copy(call)) {
+    copy = scratch_bytes(lent.size());
+    std::memcpy(copy.get(), lent.data(), lent.size());
+    lent = LentBytes{copy.get(), lent.size()};
+  }
+  Loan loan(run.arena(), run.seq());  // from the announce on (or from the caller's thread's)
+  if (published == 0) {
+    announce(run, lent);
+    run.publish(0);
+  }
+  if (published < 2) {
+    co_await run.wait(0);
+    read_pieces(g, call, lent.data(), [&](int r, std::size_t offset, std::byte* to, std::size_t bytes, std::size_t lent_bytes) {
+      run.read_lent(r, offset, to, bytes, lent_bytes);
+      return true;
+    });
+    // Every rank has read what it needed once every rank published this: the loans end.
+    run.publish(1);
+  }
+  co_await run.wait(1);
+  loan.over = true;
+  // A lender that took its loan back while this rank read it ended its operation early: before its
+  // second superstep (which it then publishes as cancelled, or never: the wait above failed), or during
+  // its wait for it, where a cancel or the group's failure may not have reached this rank yet. The
+  // bytes read may be the lender's next ones: this operation fails as the lender's did.
+  if (const int r = run.lent_taken_back(); r >= 0) run.throw_taken_back(r);
+}
+
 // A broadcast that goes through its root's box: the root does not wait for its readers (arena.hpp,
 // "Boxes"). One slot's worth on any group; up to box_capacity from 3 ranks. Measured (bench/RESULTS.md,
 // "Small broadcasts that do not wait"): on 2 ranks, each on a core of its own, the reader keeps up and a
@@ -587,14 +797,19 @@ Task<void> box_broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& cal
   run.finish_box();
 }
 
-// The collective's script. `first_published`: its first superstep was written and published already
-// (by run_on_arena_now, on the caller's thread).
-Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {
+// The collective's script. `published`: its first supersteps (one, or two of a direct collective) were
+// written and published already (by run_on_arena_now, on the caller's thread).
+Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, std::uint32_t published) {
+  const bool first_published = published > 0;
   if (!has_script(call.collective)) {
     throw std::logic_error(fmt::format("weft: {} has no direct shared-memory algorithm", to_string(call.collective)));
   }
   if (in_box(g, call)) {
     co_await box_broadcast(run, g, call, first_published);
+    co_return;
+  }
+  if (reads_directly(run.arena(), call, g.size)) {
+    co_await read_directly(run, g, call, published);
     co_return;
   }
   const Chunks chunks = chunks_of(run.arena(), call, g.size);
@@ -641,6 +856,7 @@ struct CancelOnArena {
 
 // The supersteps of `call` on `arena`.
 std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int ranks) {
+  if (reads_directly(arena, call, ranks)) return 2;
   const auto chunks = static_cast<std::uint32_t>(chunks_of(arena, call, ranks).count());
   return reduces_in_blocks(call) ? 2 * chunks : chunks;
 }
@@ -694,14 +910,15 @@ bool arena_group_failed(const GroupState& g) {
 }
 
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
-                        bool first_published, bool failed_at_call) {
+                        std::uint32_t published, bool failed_at_call) {
   if (!g->arena) co_return false;
   const char* op = to_string(call.collective).data();
   const OpSignature signature = signature_of_call(call);
+  const bool first_published = published > 0;
   if (!first_published) co_await TakeTurn{g->arena_turns, ticket.number()};
   auto hook = std::make_shared<Hook>();
   ArenaRun run(*g, seq, op, signature, hook, failed_at_call);
-  if (first_published) run.published_before(1);
+  run.published_before(published);
   const std::uint64_t box = g->arena->box_count();  // a box broadcast's first slot (the turn is this one's)
   std::exception_ptr failure;
   std::exception_ptr cancelled;
@@ -714,7 +931,7 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
     g->watch(seq, op);
     try {
       if (!first_published) run.check_cancelled();
-      co_await run_script(run, *g, call, first_published);
+      co_await run_script(run, *g, call, published);
     } catch (const Detach& detach) {
       cancelled = detach.error;
     } catch (const Error& e) {
@@ -749,8 +966,11 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   const auto failed = [&] { return arena_group_failed(g); };
   // A collective that may have been cancelled already (another member's cancel frame) is the loop's too.
   if (reduces_in_blocks(call) || failed() || g.transport->maybe_cancelled(seq)) return ArenaNow::not_started;
+  // A direct collective's loan of a copy lives in the loop's script (read_directly).
+  const bool direct = reads_directly(arena, call, g.size);
+  if (direct && lends_a_copy(call)) return ArenaNow::not_started;
   const Chunks chunks = chunks_of(arena, call, g.size);
-  if (chunks.count() != 1 || !has_script(call.collective)) return ArenaNow::not_started;
+  if ((!direct && chunks.count() != 1) || !has_script(call.collective)) return ArenaNow::not_started;
   const OpSignature signature = signature_of_call(call);
   const char* op = to_string(call.collective).data();
   // Polls until `done` holds: memory only, bounded, as long as the loop would (not at all where it does
@@ -777,6 +997,26 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   };
   // No hook: nothing here waits where a cancel could reach it (the loop's part makes its own).
   ArenaRun run(g, seq, op, signature, nullptr, false);
+  if (direct) {
+    // Announce, publish, read, publish, each wait polled for. Anything else (a rank late, a mismatch, a
+    // read that did not go plainly) is the loop's from the last superstep published: its script reads
+    // again after the first (the same bytes into the same place) and reports what went wrong. Nothing
+    // here completes the Future, so the loan needs no revoke until the loop's script holds it.
+    const LentBytes lent = lent_by(g, call);
+    announce(run, lent);
+    run.publish(0);
+    poll_until([&] { return arena.reached(); });
+    if (!arena.reached() || run.disagreeing(0) >= 0 || failed()) return ArenaNow::published;
+    const bool read = read_pieces(g, call, lent.data(), [&](int r, std::size_t offset, std::byte* to, std::size_t bytes, std::size_t lent_bytes) {
+      int error = 0;
+      return run.try_read_lent(r, offset, to, bytes, lent_bytes, error) == ArenaRun::Read::done;
+    });
+    if (!read) return ArenaNow::published;
+    run.publish(1);
+    poll_until([&] { return arena.reached(); });
+    if (!arena.reached() || run.disagreeing(1) >= 0 || failed()) return ArenaNow::published_both;
+    return finished();
+  }
   if (in_box(g, call)) {
     // The root writes its slot once it is free and goes on; a reader takes the root's slot once it is
     // stamped. Anything else (a slot not free or not stamped in time, a conflict, a failure) is the

@@ -40,14 +40,14 @@ class ArenaTicket {
 };
 
 /// Runs `call` (operation `seq`) on the group's arena, on the loop, once `ticket`'s turn came
-/// (`first_published`: run_on_arena_now holds it and published the first step already). Returns false,
+/// (`published`: run_on_arena_now holds it and published that many supersteps already: ArenaNow). Returns false,
 /// having sent and written nothing that anybody reads, when the group has no arena or has left it: the
 /// caller then runs the collective's framed algorithm. Errors: as any collective (mismatch, timeout,
 /// cancelled, a failed peer). `failed_at_call`: arena_group_failed when the collective was called; a
 /// failure after it does not fail a superstep that every rank reached (docs/RELIABILITY.md, "A failure
 /// after every rank came").
 Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, CollectiveCall call, ArenaTicket ticket,
-                        bool first_published, bool failed_at_call);
+                        std::uint32_t published, bool failed_at_call);
 
 /// Whether this rank knows its group to have failed, or cannot tell (Transport::context_may_have_failed).
 /// Any thread. Another group's failure on the same transport (a split's sibling) does not count: it
@@ -59,12 +59,17 @@ bool arena_group_failed(const GroupState& g);
 enum class ArenaNow {
   not_started,  // nothing: run_on_arena(..., false) runs it
   done,         // the whole collective, and the ticket was left
-  published,    // its first step, then a rank was late or disagreed: run_on_arena(..., true) goes on
+  published,    // its first step, then a rank was late or disagreed: run_on_arena(..., 1) goes on
+  published_both,  // both steps of a direct collective (arena.hpp, "Direct reads"): run_on_arena(..., 2)
 };
+/// The supersteps run_on_arena_now published.
+constexpr std::uint32_t steps_published(ArenaNow now) noexcept {
+  return now == ArenaNow::published_both ? 2 : now == ArenaNow::published ? 1 : 0;
+}
 
 /// The fast path, on the caller's thread: a collective of one superstep whose turn has come is written,
 /// published and, when every rank published within a short poll (WEFT_INLINE_SPIN_US, default 20 us),
-/// read and finished here. Nothing here throws, waits unboundedly or reports: whatever is not the plain
+/// read and finished here; a direct collective's two supersteps the same way, each polled for. Nothing here throws, waits unboundedly or reports: whatever is not the plain
 /// case is left to run_on_arena on the loop.
 ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall& call, ArenaTicket& ticket);
 

@@ -209,11 +209,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     across_hosts = false;
     for (int m : members) across_hosts = across_hosts || !(static_cast<std::size_t>(m) < on_my_host.size() && on_my_host[static_cast<std::size_t>(m)]);
   }
-  algo::Placement placement() const {
-    // Read once: glibc asks /sys for the count, three system calls, on a path every new call shape takes.
-    static const unsigned cores = std::thread::hardware_concurrency();
-    return algo::Placement{arena != nullptr, across_hosts, arena != nullptr && cores > 0 && static_cast<unsigned>(size) > cores};
-  }
+  algo::Placement placement() const;  // group.cpp
   static std::uint64_t next_id() noexcept {
     static std::atomic<std::uint64_t> ids{0};
     return ids.fetch_add(1, std::memory_order_relaxed) + 1;

@@ -246,20 +246,25 @@ case $case_name in
     if ! setpriv --reuid=65534 --regid=65534 --clear-groups test -x "$worker"; then
       echo "skipped: user nobody cannot run $worker (the build folder is not open to other users)"; exit 77
     fi
-    port=$(free_port)
-    common="WEFT_WORLD_SIZE=2 WEFT_STORE=127.0.0.1:$port WEFT_TRANSPORT=shm WEFT_SHM_CMA_BYTES=4096 WEFT_LOG_LEVEL=info"
-    setpriv --reuid=65534 --regid=65534 --clear-groups env $common WEFT_RANK=1 WEFT_TEST_UNDUMPABLE=1 \
-      timeout 120 "$worker" loop all_reduce 20 300000 > /tmp/weft-single-copy.$$.1 2>&1 & r1=$!
-    out=$(cd / && setpriv --reuid=65534 --regid=65534 --clear-groups env $common WEFT_RANK=0 timeout 120 "$worker" loop all_reduce 20 300000 2>&1); rc=$?
-    wait $r1; rc1=$?
-    out1=$(cat /tmp/weft-single-copy.$$.1); rm -f /tmp/weft-single-copy.$$.1
-    echo "$out"; echo "$out1"
-    [ $rc -eq 0 ] && [ $rc1 -eq 0 ] || { echo "FAIL: exit statuses $rc and $rc1"; exit 1; }
-    echo "$out" | grep -q "rank 0: completed 20" && echo "$out1" | grep -q "rank 1: completed 20" || { echo "FAIL: not completed"; exit 1; }
-    echo "$out" | grep -q "rank 0: cannot read rank 1's memory (pid [0-9]*: Operation not permitted); its large messages come through the ring" \
-      || { echo "FAIL: rank 0 did not say it cannot read rank 1"; exit 1; }
-    if echo "$out1" | grep -q "cannot read rank 0's memory"; then echo "FAIL: rank 1 could not read rank 0 either"; exit 1; fi
-    echo "ok: a non-dumpable rank's messages come through the ring, checked"
+    # all_gather too: the group arena, which reads peers directly only where every rank can read every
+    # other, copies through its areas instead (arena.hpp, "Direct reads"), and says so.
+    for c in all_reduce all_gather; do
+      port=$(free_port)
+      common="WEFT_WORLD_SIZE=2 WEFT_STORE=127.0.0.1:$port WEFT_TRANSPORT=shm WEFT_SHM_CMA_BYTES=4096 WEFT_LOG_LEVEL=info"
+      setpriv --reuid=65534 --regid=65534 --clear-groups env $common WEFT_RANK=1 WEFT_TEST_UNDUMPABLE=1 \
+        timeout 120 "$worker" loop $c 20 300000 > /tmp/weft-single-copy.$$.1 2>&1 & r1=$!
+      out=$(cd / && setpriv --reuid=65534 --regid=65534 --clear-groups env $common WEFT_RANK=0 timeout 120 "$worker" loop $c 20 300000 2>&1); rc=$?
+      wait $r1; rc1=$?
+      out1=$(cat /tmp/weft-single-copy.$$.1); rm -f /tmp/weft-single-copy.$$.1
+      echo "$out"; echo "$out1"
+      [ $rc -eq 0 ] && [ $rc1 -eq 0 ] || { echo "FAIL ($c): exit statuses $rc and $rc1"; exit 1; }
+      echo "$out" | grep -q "rank 0: completed 20" && echo "$out1" | grep -q "rank 1: completed 20" || { echo "FAIL ($c): not completed"; exit 1; }
+      echo "$out" | grep -q "rank 0: cannot read rank 1's memory (pid [0-9]*: Operation not permitted); its large messages come through the ring" \
+        || { echo "FAIL ($c): rank 0 did not say it cannot read rank 1"; exit 1; }
+      if echo "$out1" | grep -q "cannot read rank 0's memory"; then echo "FAIL ($c): rank 1 could not read rank 0 either"; exit 1; fi
+      echo "$out" | grep -q "rank 0: the group arena copies through its areas" || { echo "FAIL ($c): the arena did not say it copies"; exit 1; }
+      echo "ok: $c with a non-dumpable rank: its messages come through the ring and the arena copies, checked"
+    done
     ;;
   mixed-transports)
     # Even ranks on io_uring, odd ranks on Asio: one protocol, so every collective checks out.

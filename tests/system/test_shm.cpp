@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <sys/mman.h>
+#include <cerrno>
 #include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -566,6 +567,51 @@ TEST_CASE("an arena from a peer is checked before it is used", "[shm][arena]") {
   shm::Segment small = shm::Segment::create(1 << 16, "small");
   new (small.data()) shm::ArenaHeader{shm::arena_magic, shm::arena_version, 2, std::uint64_t{1} << 20};
   REQUIRE_THROWS_WITH(shm::Arena::adopt(::dup(small.fd()), 2, 1), Catch::Contains("smaller than its header says"));
+}
+
+TEST_CASE("the arena's direct reads: one group choice, reads checked by the kernel, loans taken back", "[shm][arena]") {
+  auto a0 = shm::Arena::create(3, 0);
+  auto a1 = shm::Arena::adopt(::dup(a0->fd()), 3, 1);
+  auto a2 = shm::Arena::adopt(::dup(a0->fd()), 3, 2);
+  const int me = static_cast<int>(::getpid());
+  // Every rank offers, then every rank settles: the largest offer, or none where one rank cannot read
+  // every peer (a pid of 0).
+  a0->offer_direct_reads(4096, {0, me, me});
+  a1->offer_direct_reads(65536, {me, 0, me});
+  a2->offer_direct_reads(16384, {me, me, 0});
+  for (auto* a : {a0.get(), a1.get(), a2.get()}) a->settle_direct_reads();
+  for (auto* a : {a0.get(), a1.get(), a2.get()}) REQUIRE(a->direct_from() == 65536);
+  a2->offer_direct_reads(16384, {me, 0, 0});  // rank 2 cannot read rank 1
+  for (auto* a : {a0.get(), a1.get(), a2.get()}) a->settle_direct_reads();
+  for (auto* a : {a0.get(), a1.get(), a2.get()}) REQUIRE(a->direct_from() == 0);
+  a2->offer_direct_reads(0, {me, me, 0});  // WEFT_SHM_ARENA_CMA_BYTES=off on rank 2
+  for (auto* a : {a0.get(), a1.get(), a2.get()}) a->settle_direct_reads();
+  REQUIRE(a1->direct_from() == 0);
+  a2->offer_direct_reads(16384, {me, me, 0});
+  // A read of this process's memory, at every offset and length the kernel is given; a bad address
+  // (unmapped) is EFAULT, and nothing is written where the read goes.
+  std::vector<std::byte> lent(100000), got(100000);
+  for (std::size_t i = 0; i < lent.size(); ++i) lent[i] = static_cast<std::byte>(i * 7 + 1);
+  for (std::size_t off : {std::size_t{0}, std::size_t{1}, std::size_t{4099}}) {
+    std::fill(got.begin(), got.end(), std::byte{0});
+    REQUIRE(a0->read_direct(1, reinterpret_cast<std::uintptr_t>(lent.data()) + off, got.data(), lent.size() - off) == 0);
+    REQUIRE(std::equal(lent.begin() + static_cast<long>(off), lent.end(), got.begin()));
+  }
+  void* hole = ::mmap(nullptr, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(hole != MAP_FAILED);
+  std::fill(got.begin(), got.end(), std::byte{0x5a});
+  REQUIRE(a0->read_direct(1, reinterpret_cast<std::uintptr_t>(hole), got.data(), 4096) == EFAULT);
+  REQUIRE(a0->read_direct(1, 8, got.data(), 64) == EFAULT);  // the first page is never mapped
+  REQUIRE(std::all_of(got.begin(), got.end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+  ::munmap(hole, 4096);
+  REQUIRE(a0->read_direct(1, reinterpret_cast<std::uintptr_t>(lent.data()), got.data(), 0) == 0);
+  // A loan taken back is seen by every reader for that operation only.
+  REQUIRE_FALSE(a0->revoked(1, 7));
+  a1->revoke(7);
+  REQUIRE(a0->revoked(1, 7));
+  REQUIRE(a2->revoked(1, 7));
+  REQUIRE_FALSE(a0->revoked(1, 8));
+  REQUIRE_FALSE(a1->revoked(2, 7));
 }
 
 TEST_CASE("ranks of one host share a group arena, and its collectives match the reference", "[shm][arena]") {

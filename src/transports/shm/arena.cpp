@@ -1,6 +1,9 @@
 #include "transports/shm/arena.hpp"
 
+#include <sys/uio.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstring>
@@ -148,6 +151,45 @@ void Arena::wake_sleepers() noexcept {
 }
 
 
+
+void Arena::offer_direct_reads(std::uint64_t from_bytes, std::vector<int> pids) noexcept {
+  pids_ = std::move(pids);
+  pids_.resize(static_cast<std::size_t>(ranks_), 0);
+  bool every_peer = true;
+  for (int r = 0; r < ranks_; ++r) every_peer = every_peer && (r == rank_ || pids_[static_cast<std::size_t>(r)] > 0);
+  control(rank_).reads_from.store(every_peer ? from_bytes : 0, std::memory_order_release);
+}
+
+void Arena::settle_direct_reads() noexcept {
+  std::uint64_t most = 0;
+  for (int r = 0; r < ranks_; ++r) {
+    const std::uint64_t theirs = control(r).reads_from.load(std::memory_order_acquire);
+    if (theirs == 0) {
+      direct_from_ = 0;
+      return;
+    }
+    most = std::max(most, theirs);
+  }
+  direct_from_ = most;
+}
+
+int Arena::read_direct(int r, std::uint64_t address, void* to, std::size_t bytes) const noexcept {
+  auto* at = static_cast<std::byte*>(to);
+  while (bytes > 0) {
+    iovec local{at, bytes};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), bytes};
+    const ssize_t n = ::process_vm_readv(pids_[static_cast<std::size_t>(r)], &local, 1, &remote, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
+    at += n;
+    address += static_cast<std::uint64_t>(n);
+    bytes -= static_cast<std::size_t>(n);
+  }
+  return 0;
+}
+
+void Arena::revoke(std::uint64_t seq) noexcept { store_and_fence(control(rank_).revoked, seq, std::memory_order_release); }
 
 std::vector<int> Arena::behind() const {
   std::vector<int> out;

@@ -43,6 +43,22 @@
 // which stamped slot b (a box broadcast where this rank has a superstep); a rank waiting for a slot
 // that finds a rank past it in the supersteps while the slot is not stamped (or still in use).
 //
+// Direct reads (single copy, as vader's CMA): where every rank can read every other's memory
+// (process_vm_readv, probed per pair at connect time), a collective that moves large pieces between
+// buffers (broadcast, all_gather, all_to_all) takes two supersteps whatever its size: each rank announces
+// the address and length of what it lends in its area, publishes, waits, reads what it needs straight
+// from the peers' buffers into its output, publishes again and waits: after that second wait nobody reads
+// its buffer any more. Which collectives go direct follows from the call and `direct_from()`, the same on
+// every rank: each rank's `reads_from` is written before its `Y` at set-up, and after rank 0's verdict
+// every rank takes the largest of them, or 0 (no direct reads) where any is 0.
+// A rank whose operation ends before its second superstep (a failure, a deadline, a cancel) revokes its
+// loans first: it stores the operation's seq in its `revoked` word and fences, before its Future
+// completes. A reader fences after each read and loads the lender's `revoked`: equal to the seq, and the
+// bytes it read are dropped and its operation fails. If it loaded the word before the revoke, its read
+// had ended before the lender's Future completed, so the bytes were still the caller's. What a peer
+// announces is only an address in its own process: the kernel checks it (a bad one fails the read with
+// EFAULT, a protocol error naming it), nothing in this process is touched.
+//
 // Cancelling: the ranks never leave the arena. A collective cancelled on one rank (its Future) is
 // cancelled on every rank (the transport's cancel frame, operation_cancelled): each fails its Future at
 // once and goes on with the collective's remaining supersteps in the background, headers only (marked
@@ -63,7 +79,7 @@
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
-inline constexpr std::uint32_t arena_version = 6;
+inline constexpr std::uint32_t arena_version = 7;  // 7: reads_from and revoked (direct reads)
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -78,6 +94,13 @@ struct alignas(64) RankControl {
   // every box broadcast, where `sleeping` is read by every rank that publishes anything and seldom
   // changes; on one line the readers' sleeping words missed in the root's cache at every broadcast.
   alignas(64) std::atomic<std::uint64_t> box_done{0};
+  // Direct reads ("Direct reads" above). On a line of their own: written at set-up and on a revoke only,
+  // read after every direct read (a line that stays in the reader's cache).
+  // The smallest piece this rank reads straight out of a peer's buffer; 0: it cannot read every peer's
+  // memory (its link probes), or will not (WEFT_SHM_ARENA_CMA_BYTES=off). Written before its `Y` at set-up.
+  alignas(64) std::atomic<std::uint64_t> reads_from{0};
+  // The seq of the last operation whose lent buffers this rank took back before its readers finished.
+  std::atomic<std::uint64_t> revoked{0};
 };
 
 // What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
@@ -210,6 +233,31 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool ahead(int r) const noexcept { return header_at(r, count_ & 1).published.load(std::memory_order_acquire) > count_; }
   const AreaHeader& ahead_header(int r) const noexcept { return header_at(r, count_ & 1); }
 
+  // ---- direct reads ("Direct reads" above)
+  /// `reads_from` of a rank that leaves the sizes to the collectives' measured defaults.
+  static constexpr std::uint64_t direct_defaults = ~std::uint64_t{0};
+  /// Writes this rank's `reads_from`: `from_bytes` (or direct_defaults) where `pids` (every rank's
+  /// process, this one's unused) holds every peer (0: this rank cannot read it), else 0. Before this
+  /// rank's `Y` at set-up.
+  void offer_direct_reads(std::uint64_t from_bytes, std::vector<int> pids) noexcept;
+  /// After the set-up's verdict: the group's choice (direct_from), alike on every rank: 0 where any rank
+  /// offered 0, else the largest offer (so direct_defaults unless every rank named a size).
+  void settle_direct_reads() noexcept;
+  /// The smallest piece the arena's collectives read straight from a peer's buffer; 0: never;
+  /// direct_defaults: each collective's measured size (shm_collectives.cpp, reads_directly).
+  std::uint64_t direct_from() const noexcept { return direct_from_; }
+  /// Reads `bytes` at `address` in rank r's process into `to`: 0, or the errno that stopped it (EIO:
+  /// the kernel read nothing more).
+  int read_direct(int r, std::uint64_t address, void* to, std::size_t bytes) const noexcept;
+  /// Takes back this rank's loans of operation `seq` (its Future completes before its readers finished).
+  void revoke(std::uint64_t seq) noexcept;
+  /// Whether rank r took back its loans of operation `seq` (fenced: after a read, says whether the read
+  /// may have come after the lender's Future completed).
+  bool revoked(int r, std::uint64_t seq) const noexcept {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return control(r).revoked.load(std::memory_order_acquire) == seq;
+  }
+
   /// What this rank waits for in the arena now: what its wait's readiness and conflict checks look at
   /// (shm_collectives.cpp), and whom the deadline's report names (waits_on).
   enum class Waiting { step, slot, free_slot };
@@ -288,6 +336,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // The least box_done of the other ranks as slot_free() last read it (this rank's threads only; atomic
   // because the loop's poller and a caller's fast path may both ask, one after the other).
   mutable std::atomic<std::uint64_t> others_done_{0};
+  std::uint64_t direct_from_ = 0;  // settle_direct_reads
+  std::vector<int> pids_;          // every rank's process (offer_direct_reads)
   Waiting waiting_ = Waiting::step;
   int waiting_root_ = -1;
   Waiter* waiter_ = nullptr;

@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -103,6 +104,21 @@ std::size_t single_copy_from() {
   return bytes;
 }
 
+// The smallest piece the group arena reads straight from a peer's buffer (arena.hpp, "Direct reads"):
+// WEFT_SHM_ARENA_CMA_BYTES, "off" for never, unset for each collective's measured default.
+// Options::from_environment refused a malformed value.
+std::uint64_t arena_direct_from() {
+  static const std::uint64_t bytes = [] {
+    const char* v = std::getenv("WEFT_SHM_ARENA_CMA_BYTES");
+    if (!v || !*v) return Arena::direct_defaults;
+    if (std::string_view(v) == "off") return std::uint64_t{0};
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(v, &end, 10);
+    return *end == '\0' ? std::max<std::uint64_t>(1, n) : Arena::direct_defaults;
+  }();
+  return bytes;
+}
+
 // Whether this process can read `size` bytes at `address` in process `pid` and finds `expected` there
 // (the link's probe: Yama, a non-dumpable peer, seccomp or a container may forbid it). `why`: errno's
 // words when it cannot.
@@ -139,13 +155,16 @@ awaitable<bool> probe_single_copy(unix_socket::socket& socket, int rank, int pee
       }(),
       step_deadline(deadline));
   if (!exchanged) co_return false;
+  // Probed whether or not the rings use it: the group arena reads peers directly where every rank can
+  // read every other (share_arena), whatever WEFT_SHM_CMA_BYTES says.
   std::string why;
-  const bool can_read = enabled && can_read_memory_of(static_cast<int>(theirs.pid), le::get_u64(their_address.data()), theirs.nonce, why);
-  if (enabled && !can_read) {
-    log().info("rank {}: cannot read rank {}'s memory (pid {}: {}); its large messages come through the ring", rank, peer,
-               theirs.pid, why);
+  const bool can_read = can_read_memory_of(static_cast<int>(theirs.pid), le::get_u64(their_address.data()), theirs.nonce, why);
+  if (!can_read) {
+    log().info("rank {}: cannot read rank {}'s memory (pid {}: {}); its large messages come through the ring, and a group "
+               "arena copies through its areas",
+               rank, peer, theirs.pid, why);
   }
-  const char verdict = can_read ? 'Y' : 'N';
+  const char verdict = enabled && can_read ? 'Y' : 'N';
   char their_verdict = 'N';
   auto told = co_await with_deadline(
       [&]() -> awaitable<bool> {
@@ -423,6 +442,31 @@ int receive_byte(int socket, int timeout_ms) {
   return n == 1 ? static_cast<unsigned char>(byte) : -1;
 }
 
+// This rank's word for the arena's direct reads (arena.hpp): every peer's process where its link's probe
+// could read it. Written before this rank's `Y`, so that every rank sees it after rank 0's verdict.
+void offer_direct_reads(Arena& arena, const std::vector<std::optional<ShmStream::Link>>& links) {
+  std::vector<int> pids(links.size(), 0);
+  for (std::size_t peer = 0; peer < links.size(); ++peer) {
+    if (links[peer]) pids[peer] = links[peer]->peer_pid;
+  }
+  arena.offer_direct_reads(arena_direct_from(), std::move(pids));
+}
+
+// After the verdict: the group's choice, said once (by rank 0, where it is the same for all).
+void settle_direct_reads(Arena& arena, int rank) {
+  arena.settle_direct_reads();
+  if (rank != 0) return;
+  if (arena.direct_from() == Arena::direct_defaults) {
+    log().info("rank 0: the group arena reads large pieces straight from the peers' buffers (single copy)");
+  } else if (arena.direct_from() != 0) {
+    log().info("rank 0: the group arena reads pieces of {} bytes or more straight from the peers' buffers (single copy)",
+               arena.direct_from());
+  } else {
+    log().info("rank 0: the group arena copies through its areas (a rank cannot read every peer's memory, or "
+               "WEFT_SHM_ARENA_CMA_BYTES=off)");
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Arena> share_arena(std::vector<std::optional<ShmStream::Link>>& links, int rank, int timeout_ms) {
@@ -443,9 +487,12 @@ std::shared_ptr<Arena> share_arena(std::vector<std::optional<ShmStream::Link>>& 
     } catch (const std::exception& e) {
       log().warn("rank {}: the group's shared-memory arena from rank 0 is unusable ({})", rank, e.what());
     }
+    if (arena) offer_direct_reads(*arena, links);
     // Every rank must have it, or none uses it (the others would wait for this rank in vain).
     if (!send_byte(to_root->socket, arena ? 'Y' : 'N')) return nullptr;
-    return receive_byte(to_root->socket, timeout_ms) == 'Y' ? arena : nullptr;
+    if (receive_byte(to_root->socket, timeout_ms) != 'Y') return nullptr;
+    settle_direct_reads(*arena, rank);
+    return arena;
   }
   // Rank 0: every linked peer votes; an arena only if every rank is linked to every other.
   bool all_voted_yes = all_linked;
@@ -458,6 +505,7 @@ std::shared_ptr<Arena> share_arena(std::vector<std::optional<ShmStream::Link>>& 
   if (all_voted_yes) {
     try {
       arena = Arena::create(size, rank);
+      offer_direct_reads(*arena, links);
     } catch (const std::exception& e) {
       log().warn("rank 0: cannot make the group's shared-memory arena ({}); collectives run over the rings", e.what());
     }
@@ -487,6 +535,7 @@ std::shared_ptr<Arena> share_arena(std::vector<std::optional<ShmStream::Link>>& 
     log().warn("rank 0: a rank could not map the group's shared-memory arena; collectives run over the rings");
     return nullptr;
   }
+  settle_direct_reads(*arena, rank);
   return arena;
 }
 
