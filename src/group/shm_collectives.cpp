@@ -254,8 +254,9 @@ class ArenaRun final : public shm::Arena::Waiter {
     }
     if (error == ESRCH) {
       fail_read(r, Errc::peer_failure,
-                fmt::format("rank {}'s process is gone (process_vm_readv: {}) while rank {} read its buffer in {} #{}", r,
-                            std::strerror(error), g_.rank, op_, seq_));
+                fmt::format("connection to rank {} lost: its process is gone (process_vm_readv: {}) while rank {} read its "
+                            "buffer in {} #{}",
+                            r, std::strerror(error), g_.rank, op_, seq_));
     }
     fail_read(r, Errc::protocol_error,
               fmt::format("rank {} cannot read the {} bytes rank {} lent for {} #{} (process_vm_readv: {})", g_.rank, bytes, r, op_, seq_,
@@ -492,12 +493,19 @@ bool own_piece_from_input(const CollectiveCall& call) {
 constexpr std::size_t all_gather_direct_from = std::size_t{8} << 10;
 constexpr std::size_t all_to_all_direct_from = std::size_t{32} << 10;
 
+// Whether a broadcast goes through its root's box (box_broadcast, below): the box wins over direct reads.
+bool in_box(const CollectiveCall& call, int ranks) {
+  if (call.collective != Collective::broadcast) return false;
+  const std::size_t bytes = call.out.bytes();
+  return bytes <= shm::Arena::slot_contents || (ranks >= 3 && bytes <= shm::Arena::box_capacity);
+}
+
 bool reads_directly(const shm::Arena& arena, const CollectiveCall& call, int ranks) {
   const std::uint64_t from = arena.direct_from();
   if (from == 0) return false;
   const bool defaults = from == shm::Arena::direct_defaults;
   switch (call.collective) {
-    case Collective::broadcast: return !defaults && call.out.bytes() >= from;
+    case Collective::broadcast: return !defaults && call.out.bytes() >= from && !in_box(call, ranks);
     case Collective::all_gather: return call.in.bytes() >= (defaults ? all_gather_direct_from : from);
     case Collective::all_to_all: {
       const std::size_t piece = call.in.count / static_cast<std::size_t>(ranks) * dtype_size(call.in.dtype);
@@ -768,11 +776,7 @@ Task<void> read_directly(ArenaRun& run, GroupState& g, const CollectiveCall& cal
 // "Small broadcasts that do not wait"): on 2 ranks, each on a core of its own, the reader keeps up and a
 // superstep costs one line each way, and the box took 1.3x its time at 512 B and 1.9x at 2 KiB; from 3
 // ranks the root running ahead made 512 B - 2 KiB 2.8-7x faster.
-bool in_box(const GroupState& g, const CollectiveCall& call) {
-  if (call.collective != Collective::broadcast) return false;
-  const std::size_t bytes = call.out.bytes();
-  return bytes <= shm::Arena::slot_contents || (g.size >= 3 && bytes <= shm::Arena::box_capacity);
-}
+bool in_box(const GroupState& g, const CollectiveCall& call) { return in_box(call, g.size); }
 
 // A box broadcast on the loop (`first_published`: the root's slot was written on the caller's thread).
 Task<void> box_broadcast(ArenaRun& run, GroupState& g, const CollectiveCall& call, bool first_published) {

@@ -7,7 +7,7 @@
 #                        it (the deadline's straggler report) within the deadline + 1 s of the later of
 #                        the stop and its call; then shrink
 #   kill-fast TRANSPORT  kill -9 of one rank of 4 in a loop of small all_reduces, in the middle of a 64 MiB
-#                        all_reduce, and while the others wait for it asleep: every survivor must fail naming
+#                        all_reduce and of an all_gather of 32 MiB blocks, and while the others wait for it asleep: every survivor must fail naming
 #                        it within 100 ms (400 ms for 64 MiB; no deadline involved: WEFT_TIMEOUT=60s), and nothing is left in
 #                        /dev/shm (shared memory: the unix socket's end is the signal)
 #   strangers            strangers connect to the store and to every rank's listening port during the
@@ -166,6 +166,10 @@ case $case_name in
     # the victim's hundreds of MiB took 57-161 ms of that here; its socket's end is the first sign.)
     FROM_CALL=1 strike KILL 60s all_reduce 400 "connection to rank %d lost" 8388608
     echo "ok: kill -9 of rank $victim in the middle of 64 MiB all_reduces ($transport): survivors failed [$times ] ms after the kill or their call"
+    # all_gather of 32 MiB blocks: over shm the survivors read the victim's input straight out of its
+    # memory (the arena's direct reads); a read from a process being torn down is its death too.
+    FROM_CALL=1 strike KILL 60s all_gather 400 "connection to rank %d lost" 8388608
+    echo "ok: kill -9 of rank $victim in the middle of all_gathers of 32 MiB blocks ($transport): survivors failed [$times ] ms after the kill or their call"
     # The victim pauses before its collective #5 while the others wait in it, their loops asleep.
     victim=$(( RANDOM % 4 ))
     port=$(free_port)
