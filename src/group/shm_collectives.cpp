@@ -484,8 +484,11 @@ bool own_piece_from_input(const CollectiveCall& call) {
 // the headers compare) and direct_from() decide it.
 // The defaults (bench/RESULTS.md, "Direct reads in the arena"; 2 ranks on the Intel Xeon of 2026-12-02,
 // the arena forced, paired medians of direct / through the areas): all_gather from blocks of 8 KiB
-// (0.78 there, 0.40 at 128 KiB blocks; 2-4 KiB blocks 1.13-1.53); all_to_all from pieces of 32 KiB
-// (0.94, 0.54 at 128 KiB; 8-16 KiB pieces 1.41-1.51); broadcast never: a root waits for its readers'
+// (0.78 there, 0.40 at 128 KiB blocks; 2-4 KiB blocks 1.13-1.53), on 2 ranks only: through the areas
+// an all_gather copies a rank's block once for all its readers, so reading directly saves one copy in
+// p and costs a superstep (4 ranks on the 2 cores, 8 KiB-512 KiB blocks: 1.13-1.81, 2 MiB 0.93);
+// all_to_all from pieces of 32 KiB (0.94, 0.54 at 128 KiB; 8-16 KiB pieces 1.41-1.51; 4 ranks on 2
+// cores 0.56-0.87 at every size: it saves half the copies); broadcast never: a root waits for its readers'
 // reads, where through the areas it goes on once they are written, and a root buffer its own core just
 // wrote is read across cores slower by the kernel than by the readers' own copies (1.64-2.46 at 4-256
 // KiB with the bench's copy into the root's buffer before each call; without it 0.6 at 64 KiB-1 MiB
@@ -506,7 +509,7 @@ bool reads_directly(const shm::Arena& arena, const CollectiveCall& call, int ran
   const bool defaults = from == shm::Arena::direct_defaults;
   switch (call.collective) {
     case Collective::broadcast: return !defaults && call.out.bytes() >= from && !in_box(call, ranks);
-    case Collective::all_gather: return call.in.bytes() >= (defaults ? all_gather_direct_from : from);
+    case Collective::all_gather: return defaults ? ranks == 2 && call.in.bytes() >= all_gather_direct_from : call.in.bytes() >= from;
     case Collective::all_to_all: {
       const std::size_t piece = call.in.count / static_cast<std::size_t>(ranks) * dtype_size(call.in.dtype);
       return piece >= (defaults ? all_to_all_direct_from : from);
