@@ -11,7 +11,9 @@
 # peer to weft's WEFT_TRANSPORT=shm, which weft-run passes on to the ranks). ITERS (default 20) sets the
 # timed iterations per size of every side (more steadies the small sizes). COLLECTIVE all_gatherv or
 # all_to_allv compares the variable-size forms (equal counts: weft-bench --variable, MPI_Allgatherv,
-# MPI_Alltoallv). WEFT_BENCH_FLAGS adds flags to weft-bench (e.g. --await).
+# MPI_Alltoallv). WEFT_BENCH_FLAGS adds flags to weft-bench (e.g. --await). INPLACE=1 takes weft's
+# in-place runs instead of its out-of-place ones: for broadcast, whose weft-bench "out of place" copies
+# the root's input into its buffer before every call, while MPI_Bcast (the peer's) works in place.
 set -euo pipefail
 build=$1
 ranks=${2:-2}
@@ -62,7 +64,7 @@ out, rounds, ranks, collective = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 weft, mpi, gloo = {}, {}, {}
 for r in range(1, rounds + 1):
     for rec in json.load(open(f"{out}/weft.{r}.json")):
-        if not rec["inplace"]:
+        if rec["inplace"] == (os.environ.get("INPLACE") == "1"):
             weft.setdefault(rec["bytes"], []).append((rec["time_us"], rec["busbw"]))
     for line in open(f"{out}/mpi.{r}.txt"):
         f = line.split()
