@@ -1288,6 +1288,13 @@ TEST_CASE("variables read lazily (WEFT_INLINE_SPIN_US and others) are refused at
                {"WEFT_SHM_CMA_BYTES='64k' is not a whole number"});
   Options{}.from_environment(environment_with("off", {"WEFT_SHM_CMA_BYTES"}));
   Options{}.from_environment(environment_with("65536", {"WEFT_SHM_CMA_BYTES"}));
+  // The arena's direct reads: a byte count of at least 1, or off.
+  expect_error([&] { Options{}.from_environment(environment_with("32k", {"WEFT_SHM_ARENA_CMA_BYTES"})); }, Errc::invalid_argument,
+               {"WEFT_SHM_ARENA_CMA_BYTES='32k' is not a whole number"});
+  expect_error([&] { Options{}.from_environment(environment_with("0", {"WEFT_SHM_ARENA_CMA_BYTES"})); }, Errc::invalid_argument,
+               {"WEFT_SHM_ARENA_CMA_BYTES='0'"});
+  Options{}.from_environment(environment_with("off", {"WEFT_SHM_ARENA_CMA_BYTES"}));
+  Options{}.from_environment(environment_with("16384", {"WEFT_SHM_ARENA_CMA_BYTES"}));
 }
 
 TEST_CASE("WEFT_TIMEOUT takes a duration and refuses anything else", "[errors][timeout]") {
