@@ -75,28 +75,23 @@ if [ "$scope" = tsan ]; then
       rc=1
     fi
   done
-  # Single copy: the receiver reads the sender's memory while its send is lent.
-  for t in "test_shm [stream]" "test_collectives [p2]" "test_errors [cancel]"; do
-    start=$SECONDS
-    if log=$(WEFT_TRANSPORT=shm WEFT_SHM_CMA_BYTES=4096 "$out/tests/"$t 2>&1); then
-      echo "ok: $t over shm with single copy ($((SECONDS - start)) s)"
-    else
-      report "$log"
-      echo "FAIL: $t over shm with single copy"
-      rc=1
-    fi
-  done
-  # The group arena's direct reads at every size: ranks read each other's buffers (process_vm_readv,
-  # which TSan does not see) between the supersteps' atomics, loans revoked by the cancels.
-  for t in "test_shm [arena]" "test_collectives [p2]" "test_collectives [p3]" "test_errors [cancel]"; do
-    start=$SECONDS
-    if log=$(WEFT_TRANSPORT=shm WEFT_SHM_ARENA_CMA_BYTES=1 "$out/tests/"$t 2>&1); then
-      echo "ok: $t over shm with the arena's direct reads at every size ($((SECONDS - start)) s)"
-    else
-      report "$log"
-      echo "FAIL: $t over shm with the arena's direct reads at every size"
-      rc=1
-    fi
+  # Single copy: the receiver reads the sender's memory while its send is lent. And the group arena's
+  # direct reads at every size: ranks read each other's buffers (process_vm_readv, which TSan does not
+  # see) between the supersteps' atomics, loans revoked by the cancels. SETTING|WHAT|TEST;TEST...
+  for spec in "WEFT_SHM_CMA_BYTES=4096|single copy|test_shm [stream];test_collectives [p2];test_errors [cancel]" \
+              "WEFT_SHM_ARENA_CMA_BYTES=1|the arena's direct reads at every size|test_shm [arena];test_collectives [p2];test_collectives [p3];test_errors [cancel]"; do
+    IFS='|' read -r setting what tests <<< "$spec"
+    IFS=';' read -r -a cases <<< "$tests"
+    for t in "${cases[@]}"; do
+      start=$SECONDS
+      if log=$(env WEFT_TRANSPORT=shm "$setting" "$out/tests/"$t 2>&1); then
+        echo "ok: $t over shm with $what ($((SECONDS - start)) s)"
+      else
+        report "$log"
+        echo "FAIL: $t over shm with $what"
+        rc=1
+      fi
+    done
   done
   exit $rc
 fi
