@@ -227,10 +227,9 @@ class ArenaRun final : public shm::Arena::Waiter {
   /// needs) is not read; `error` gets the kernel's errno of a read it refused; a loan taken back
   /// (revoked) after or during the read means the bytes may not be the caller's. Nothing thrown.
   Read try_read_lent(int r, std::size_t offset, std::byte* to, std::size_t bytes, std::size_t lent_bytes, int& error) const noexcept {
-    std::uint64_t announced[2] = {0, 0};  // address, length
-    std::memcpy(announced, arena_.area(r, sizeof announced), sizeof announced);
-    if (announced[1] != lent_bytes) return Read::short_loan;
-    error = bytes == 0 ? 0 : arena_.read_direct(r, announced[0] + offset, to, bytes);
+    const Announced loan = announced_by(r);
+    if (loan.bytes != lent_bytes) return Read::short_loan;
+    error = bytes == 0 ? 0 : arena_.read_direct(r, loan.address + offset, to, bytes);
     if (arena_.revoked(r, seq_)) return Read::taken_back;
     return error == 0 ? Read::done : Read::refused;
   }
@@ -243,13 +242,10 @@ class ArenaRun final : public shm::Arena::Waiter {
     switch (try_read_lent(r, offset, to, bytes, lent_bytes, error)) {
       case Read::done: return;
       case Read::taken_back: taken_back_ = r; return;
-      case Read::short_loan: {
-        std::uint64_t announced[2] = {0, 0};
-        std::memcpy(announced, arena_.area(r, sizeof announced), sizeof announced);
+      case Read::short_loan:
         fail_read(r, Errc::protocol_error,
                   fmt::format("rank {} lent {} bytes for {} #{} where the call needs {} (seen in the group's shared-memory arena)", r,
-                              announced[1], op_, seq_, lent_bytes));
-      }
+                              announced_by(r).bytes, op_, seq_, lent_bytes));
       case Read::refused: break;
     }
     if (error == ESRCH) {
@@ -261,6 +257,17 @@ class ArenaRun final : public shm::Arena::Waiter {
     fail_read(r, Errc::protocol_error,
               fmt::format("rank {} cannot read the {} bytes rank {} lent for {} #{} (process_vm_readv: {})", g_.rank, bytes, r, op_, seq_,
                           error == EIO ? "it read nothing more" : std::strerror(error)));
+  }
+  /// What rank r announced in its area of the last superstep: the address and length of its loan.
+  struct Announced {
+    std::uint64_t address = 0;
+    std::uint64_t bytes = 0;
+  };
+  Announced announced_by(int r) const noexcept {
+    Announced loan;
+    static_assert(sizeof loan == 16, "two words, as announce() writes them");
+    std::memcpy(&loan, arena_.area(r, sizeof loan), sizeof loan);
+    return loan;
   }
   /// A rank whose loan was taken back during this operation's reads; -1 when none was.
   int lent_taken_back() const noexcept { return taken_back_; }
