@@ -167,6 +167,14 @@ std::size_t arena_below(Collective collective, int ranks, Placement where) {
   }
 }
 
+// Where the arena reads all_reduce straight from the peers' buffers (2 ranks, each with a core of its
+// own, calls of 2 MiB and up: shm_collectives.cpp, all_reduce_direct_from), it beats the table's
+// bidirectional ring there (0.61-0.83 of its time at 2-8 MiB on the Intel Xeon of 2026-12-02, in and out
+// of place; bench/RESULTS.md, "all_reduce reading the peers' buffers"), while below it the ring stays.
+bool arena_reads_directly(Collective collective, std::size_t bytes, int ranks, Placement where) {
+  return collective == Collective::all_reduce && where.direct_reads && ranks == 2 && !where.crowded && bytes >= (std::size_t{2} << 20);
+}
+
 }  // namespace
 
 const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, int ranks, Placement where) {
@@ -176,7 +184,8 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
   // best plan over the rings. From 128 KiB the plans over the rings win (128 KiB: 21-37 us on the
   // arena against 21-29; 256 KiB: 70-74 against 36-40): their copies pipeline, the arena's supersteps
   // (copy in, wait, read) do not.
-  if (where.shared_arena && ranks > 1 && (bytes < arena_below(collective, ranks, where) || collective == Collective::barrier)) {
+  if (where.shared_arena && ranks > 1 &&
+      (bytes < arena_below(collective, ranks, where) || collective == Collective::barrier || arena_reads_directly(collective, bytes, ranks, where))) {
     switch (collective) {
       case Collective::all_reduce:
       case Collective::all_gather:

@@ -500,6 +500,12 @@ bool own_piece_from_input(const CollectiveCall& call) {
 // wrote is read across cores slower by the kernel than by the readers' own copies (1.64-2.46 at 4-256
 // KiB with the bench's copy into the root's buffer before each call; without it 0.6 at 64 KiB-1 MiB
 // but 1.2 at 4 MiB).
+// all_reduce (all_reduce_directly), on 2 ranks only, from blocks of 1 MiB (2 MiB calls): against the
+// table's bidirectional ring 0.61-0.83 of its time at 2-8 MiB, in and out of place, but 0.84-1.09 at 1
+// MiB and 0.68-1.24 at 256-512 KiB over three runs (bench/RESULTS.md, "all_reduce reading the peers'
+// buffers"); 4 ranks on the 2 cores 1.05-1.90 (three supersteps of wake-ups, and the kernel's copy is
+// slower than memcpy: it saves only the areas' local copies).
+constexpr std::size_t all_reduce_direct_from = std::size_t{1} << 20;
 constexpr std::size_t all_gather_direct_from = std::size_t{8} << 10;
 constexpr std::size_t all_to_all_direct_from = std::size_t{32} << 10;
 
@@ -520,6 +526,10 @@ bool reads_directly(const shm::Arena& arena, const CollectiveCall& call, int ran
     case Collective::all_to_all: {
       const std::size_t piece = call.in.count / static_cast<std::size_t>(ranks) * dtype_size(call.in.dtype);
       return piece >= (defaults ? all_to_all_direct_from : from);
+    }
+    case Collective::all_reduce: {
+      const std::size_t block = call.out.count / static_cast<std::size_t>(ranks) * dtype_size(call.out.dtype);
+      return defaults ? ranks == 2 && block >= all_reduce_direct_from : block >= from;
     }
     default: return false;
   }
@@ -694,6 +704,7 @@ using LentBytes = std::span<const std::byte>;
 LentBytes lent_by(const GroupState& g, const CollectiveCall& call) {
   switch (call.collective) {
     case Collective::broadcast: return g.rank == call.root ? LentBytes{call.out.bytes_ptr(), call.out.bytes()} : LentBytes{};
+    case Collective::all_reduce:  // then its output (all_reduce_directly)
     case Collective::all_gather:
     case Collective::all_to_all: return LentBytes{call.in.bytes_ptr(), call.in.bytes()};
     default: return LentBytes{};
@@ -781,6 +792,74 @@ Task<void> read_directly(ArenaRun& run, GroupState& g, const CollectiveCall& cal
   if (const int r = run.lent_taken_back(); r >= 0) run.throw_taken_back(r);
 }
 
+// How much of each peer's block all_reduce_directly reads before it folds: the reads land in scratch that
+// stays in the cache for the fold, and each is one system call (the kernel's copy here: 256 KiB 12 us).
+constexpr std::size_t direct_fold_piece = std::size_t{256} << 10;
+
+// all_reduce reading the peers' buffers directly (reads_directly): reduce-scatter, then all-gather, each
+// read straight from the peers' buffers, three supersteps at any size. Every rank lends its input (the
+// announce of step 0); folds its own block (algo::block) from every rank's input, the peers' read piece by
+// piece into scratch, in rank order, into its output; lends its output (the announce of step 1); reads
+// every other block from its owner's output; and says it has finished (step 2), after which nobody reads
+// its buffers. The peers' inputs are read once (1/p each) and their reduced blocks once, where the areas
+// copy every byte in and out twice. In place needs no copy: the peers read this rank's other blocks while
+// it writes its own, and it writes the others only after every peer has read them (step 1's wait).
+// Never started on the caller's thread (run_on_arena_now leaves it to the loop): it starts at step 0.
+Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCall& call) {
+  const std::size_t esize = dtype_size(call.out.dtype);
+  const std::size_t n = call.out.count;
+  const std::byte* in = call.in.bytes_ptr();
+  std::byte* out = call.out.bytes_ptr();
+  const algo::Range mine = algo::block(n, g.size, g.rank);
+  Loan loan(run.arena(), run.seq());
+  announce(run, LentBytes{in, call.in.bytes()});
+  run.publish(0);
+  co_await run.wait(0);
+  {
+    // This rank's block, piece by piece: every peer's piece read into scratch, then the fold. In place
+    // from rank 2 on, the fold's first write (sources 0 and 1 into the output) would land on this rank's
+    // own source before it is read: that source is copied into scratch too.
+    const auto p = static_cast<std::size_t>(g.size);
+    const std::size_t piece = std::max<std::size_t>(1, direct_fold_piece / esize);
+    const std::size_t held = std::min(piece, mine.count) * esize;
+    const bool own_copied = g.rank >= 2 && share_bytes(call.in, call.out);
+    ScratchBytes scratch = scratch_bytes(held * p);
+    std::vector<const std::byte*>& sources = g.arena_sources;
+    sources.resize(p);
+    for (std::size_t done = 0; done < mine.count; done += piece) {
+      const std::size_t c = std::min(piece, mine.count - done);
+      const std::size_t offset = (mine.offset + done) * esize;
+      for (std::size_t r = 0; r < p; ++r) {
+        std::byte* to = scratch.get() + r * held;
+        if (r != static_cast<std::size_t>(g.rank)) {
+          run.read_lent(static_cast<int>(r), offset, to, c * esize, call.in.bytes());
+          sources[r] = to;
+        } else if (own_copied) {
+          std::memcpy(to, in + offset, c * esize);
+          sources[r] = to;
+        } else {
+          sources[r] = in + offset;
+        }
+      }
+      algo::fold_in_rank_order(out + offset, sources, c, call.out.dtype, call.op);
+    }
+  }
+  announce(run, LentBytes{out, call.out.bytes()});
+  run.publish(1);
+  co_await run.wait(1);
+  for (int r = 0; r < g.size; ++r) {
+    if (r == g.rank) continue;
+    const algo::Range theirs = algo::block(n, g.size, r);
+    run.read_lent(r, theirs.offset * esize, out + theirs.offset * esize, theirs.count * esize, call.out.bytes());
+  }
+  run.publish(2);
+  co_await run.wait(2);
+  loan.over = true;
+  if (const int r = run.lent_taken_back(); r >= 0) run.throw_taken_back(r);
+  // Only now: the peers read this rank's block as its fold left it (the average's sum).
+  finish_call(g, call);
+}
+
 // A broadcast that goes through its root's box: the root does not wait for its readers (arena.hpp,
 // "Boxes"). One slot's worth on any group; up to box_capacity from 3 ranks. Measured (bench/RESULTS.md,
 // "Small broadcasts that do not wait"): on 2 ranks, each on a core of its own, the reader keeps up and a
@@ -823,7 +902,11 @@ Task<void> run_script(ArenaRun& run, GroupState& g, const CollectiveCall& call, 
     co_return;
   }
   if (reads_directly(run.arena(), call, g.size)) {
-    co_await read_directly(run, g, call, published);
+    if (call.collective == Collective::all_reduce) {
+      co_await all_reduce_directly(run, g, call);
+    } else {
+      co_await read_directly(run, g, call, published);
+    }
     co_return;
   }
   const Chunks chunks = chunks_of(run.arena(), call, g.size);
@@ -870,7 +953,7 @@ struct CancelOnArena {
 
 // The supersteps of `call` on `arena`.
 std::uint32_t steps_of(const shm::Arena& arena, const CollectiveCall& call, int ranks) {
-  if (reads_directly(arena, call, ranks)) return 2;
+  if (reads_directly(arena, call, ranks)) return call.collective == Collective::all_reduce ? 3 : 2;
   const auto chunks = static_cast<std::uint32_t>(chunks_of(arena, call, ranks).count());
   return reduces_in_blocks(call) ? 2 * chunks : chunks;
 }
@@ -988,7 +1071,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   if (direct) {
     const auto p = static_cast<std::size_t>(g.size);
     const std::size_t reads = call.collective == Collective::broadcast ? call.out.bytes() : call.out.bytes() / p * (p - 1);
-    if (lends_a_copy(call) || reads > arena.area_bytes()) return ArenaNow::not_started;
+    if (call.collective == Collective::all_reduce || lends_a_copy(call) || reads > arena.area_bytes()) return ArenaNow::not_started;
   }
   const Chunks chunks = chunks_of(arena, call, g.size);
   if ((!direct && chunks.count() != 1) || !has_script(call.collective)) return ArenaNow::not_started;
