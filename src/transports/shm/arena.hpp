@@ -45,7 +45,8 @@
 //
 // Direct reads (single copy, as vader's CMA): where every rank can read every other's memory
 // (process_vm_readv, probed per pair at connect time), a collective that moves large pieces between
-// buffers (broadcast, all_gather, all_to_all) takes two supersteps whatever its size: each rank announces
+// buffers (broadcast, all_gather, all_to_all; all_reduce in three, shm_collectives.cpp's
+// all_reduce_directly) takes two supersteps whatever its size: each rank announces
 // the address and length of what it lends in its area, publishes, waits, reads what it needs straight
 // from the peers' buffers into its output, publishes again and waits: after that second wait nobody reads
 // its buffer any more. Which collectives go direct follows from the call and `direct_from()`, the same on

@@ -7,7 +7,7 @@
 #                        it (the deadline's straggler report) within the deadline + 1 s of the later of
 #                        the stop and its call; then shrink
 #   kill-fast TRANSPORT  kill -9 of one rank of 4 in a loop of small all_reduces, in the middle of a 64 MiB
-#                        all_reduce and of an all_gather of 32 MiB blocks, and while the others wait for it asleep: every survivor must fail naming
+#                        all_reduce (on 4 ranks and on 2) and of an all_gather of 32 MiB blocks, and while the others wait for it asleep: every survivor must fail naming
 #                        it within 100 ms (400 ms for 64 MiB; no deadline involved: WEFT_TIMEOUT=60s), and nothing is left in
 #                        /dev/shm (shared memory: the unix socket's end is the signal)
 #   strangers            strangers connect to the store and to every rank's listening port during the
@@ -70,13 +70,13 @@ wait_ranks() {
   done
 }
 
-# check_survivors VICTIM T0 LIMIT_MS WORDS: every rank but VICTIM failed at most LIMIT_MS after T0 with an
-# error containing WORDS, then shrank to 3. Prints the times.
+# check_survivors VICTIM T0 LIMIT_MS WORDS: every rank but VICTIM (of RANKS, default 4) failed at most
+# LIMIT_MS after T0 with an error containing WORDS, then shrank to RANKS - 1. Prints the times.
 # With FROM_CALL=1 the time counts from the later of the fault and the call of the failed collective
 # (its deadline runs from the call; a rank may call it after the fault, when its inputs took a while).
 check_survivors() {
-  local victim=$1 t0=$2 limit=$3 words=$4 times=""
-  for r in 0 1 2 3; do
+  local victim=$1 t0=$2 limit=$3 words=$4 times="" ranks=${RANKS:-4}
+  for r in $(seq 0 $((ranks - 1))); do
     [ $r -eq "$victim" ] && continue
     local line at from
     line=$(grep "failed at" "$tmp/$r.log") || fail "rank $r did not fail"
@@ -90,23 +90,23 @@ check_survivors() {
     fi
     [ $((at - from)) -le "$limit" ] || fail "rank $r failed $((at - from)) ms after the fault or its call (limit $limit)"
     times="$times $((at - from))"
-    [ "${SHRINK:-1}" = 0 ] || grep -q "shrunk to 3, ok" "$tmp/$r.log" || fail "rank $r did not shrink and go on"
+    [ "${SHRINK:-1}" = 0 ] || grep -q "shrunk to $((ranks - 1)), ok" "$tmp/$r.log" || fail "rank $r did not shrink and go on"
   done
   echo "$times"
 }
 
-# strike SIGNAL DEADLINE COLLECTIVE LIMIT_MS WORDS: 4 ranks loop COLLECTIVE (deadline DEADLINE); at a random
-# point one random rank gets SIGNAL; the survivors must fail within LIMIT_MS saying WORDS (%d: the victim),
-# shrink to 3 and go on. Sets $victim and $times.
+# strike SIGNAL DEADLINE COLLECTIVE LIMIT_MS WORDS [ELEMENTS]: RANKS ranks (default 4) loop COLLECTIVE
+# (deadline DEADLINE); at a random point one random rank gets SIGNAL; the survivors must fail within
+# LIMIT_MS saying WORDS (%d: the victim), shrink to RANKS - 1 and go on. Sets $victim and $times.
 strike() {
-  local signal=$1 deadline=$2 collective=$3 limit=$4 words=$5 elements=${6:-65536}
+  local signal=$1 deadline=$2 collective=$3 limit=$4 words=$5 elements=${6:-65536} ranks=${RANKS:-4}
   local port
   port=$(free_port)
   worker_args="loop $collective 1000000 $elements"
-  start_ranks 4 "$port" WEFT_TIMEOUT="$deadline" WEFT_FAULT_SHRINK="${SHRINK:-1}"
-  wait_started 4
+  start_ranks "$ranks" "$port" WEFT_TIMEOUT="$deadline" WEFT_FAULT_SHRINK="${SHRINK:-1}"
+  wait_started "$ranks"
   sleep "0.$(( RANDOM % 8 + 2 ))"
-  victim=$(( RANDOM % 4 ))
+  victim=$(( RANDOM % ranks ))
   local t0
   t0=$(now_ms)
   kill -"$signal" "${pids[$victim]}"
@@ -119,7 +119,7 @@ strike() {
     t0=$(now_ms)
   fi
   local survivors=()
-  for r in 0 1 2 3; do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
+  for r in $(seq 0 $((ranks - 1))); do [ $r -eq $victim ] || survivors+=("${pids[$r]}"); done
   wait_ranks 40 "${survivors[@]}"
   # shellcheck disable=SC2059
   # (A fail inside $(...) ends only the subshell: its FAIL line comes back in the output, and ends us here.)
@@ -170,6 +170,10 @@ case $case_name in
     # memory (the arena's direct reads); a read from a process being torn down is its death too.
     FROM_CALL=1 strike KILL 60s all_gather 400 "connection to rank %d lost" 8388608
     echo "ok: kill -9 of rank $victim in the middle of all_gathers of 32 MiB blocks ($transport): survivors failed [$times ] ms after the kill or their call"
+    # 2 ranks, 64 MiB all_reduces: over shm the arena reads the peer's input and then its output straight
+    # out of its memory (the direct all_reduce, 2 ranks from 2 MiB).
+    RANKS=2 FROM_CALL=1 strike KILL 60s all_reduce 400 "connection to rank %d lost" 16777216
+    echo "ok: kill -9 of rank $victim of 2 in the middle of 64 MiB all_reduces ($transport): the survivor failed [$times ] ms after the kill or its call"
     # The victim pauses before its collective #5 while the others wait in it, their loops asleep.
     victim=$(( RANDOM % 4 ))
     port=$(free_port)
