@@ -700,11 +700,10 @@ struct Loan {
 using LentBytes = std::span<const std::byte>;
 
 // What a rank lends in a direct collective: the root's buffer (broadcast), its input (all_gather,
-// all_to_all); nothing for a broadcast's readers.
+// all_to_all); nothing for a broadcast's readers. (all_reduce_directly lends its input, then its output.)
 LentBytes lent_by(const GroupState& g, const CollectiveCall& call) {
   switch (call.collective) {
     case Collective::broadcast: return g.rank == call.root ? LentBytes{call.out.bytes_ptr(), call.out.bytes()} : LentBytes{};
-    case Collective::all_reduce:  // then its output (all_reduce_directly)
     case Collective::all_gather:
     case Collective::all_to_all: return LentBytes{call.in.bytes_ptr(), call.in.bytes()};
     default: return LentBytes{};
