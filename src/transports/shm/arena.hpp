@@ -80,7 +80,9 @@
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
-inline constexpr std::uint32_t arena_version = 7;  // 7: reads_from and revoked (direct reads)
+// 7: reads_from and revoked (direct reads); 8: the direct all_reduce (its areas hold loans where 7's
+// held contents: a rank of each would read the other's bytes as addresses)
+inline constexpr std::uint32_t arena_version = 8;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
