@@ -155,7 +155,9 @@ std::size_t arena_below(Collective collective, int ranks, Placement where) {
   if (ranks != 2 || where.crowded) return plain;
   // Reading the peer's buffer directly, 2 ranks: all_gather and all_to_all at every size (the Intel Xeon
   // of 2026-12-02, direct against the table's rings: all_gather 4 MiB 442 us against 624, 16 MiB 1734
-  // against 3049, 64 MiB level; all_to_all 16 MiB 1826 against 3022, 64 MiB 16825 against 19773).
+  // against 3049, 64 MiB level; all_to_all 16 MiB 1826 against 3022, 64 MiB 16825 against 19773). The
+  // AMD EPYC of the same day was behind there (all_gather 1.37 and 1.05 of the rings' time at 16 and 64
+  // MiB, all_to_all 1.01 and 1.16), by less than the Xeon gains: shm_collectives.cpp, reads_directly.
   if (where.direct_reads && (collective == Collective::all_gather || collective == Collective::all_to_all)) return every_size;
   switch (collective) {
     case Collective::all_gather: return 4096 * kib;
@@ -165,14 +167,6 @@ std::size_t arena_below(Collective collective, int ranks, Placement where) {
     case Collective::all_reduce: return 256 * kib;
     default: return plain;
   }
-}
-
-// Where the arena reads all_reduce straight from the peers' buffers (2 ranks, each with a core of its
-// own, calls of 2 MiB and up: shm_collectives.cpp, all_reduce_direct_from), it beats the table's
-// bidirectional ring there (0.61-0.83 of its time at 2-8 MiB on the Intel Xeon of 2026-12-02, in and out
-// of place; bench/RESULTS.md, "all_reduce reading the peers' buffers"), while below it the ring stays.
-bool arena_reads_directly(Collective collective, std::size_t bytes, int ranks, Placement where) {
-  return collective == Collective::all_reduce && where.direct_reads && ranks == 2 && !where.crowded && bytes >= (std::size_t{2} << 20);
 }
 
 }  // namespace
@@ -185,7 +179,7 @@ const Algorithm* Selection::built_in(Collective collective, std::size_t bytes, i
   // arena against 21-29; 256 KiB: 70-74 against 36-40): their copies pipeline, the arena's supersteps
   // (copy in, wait, read) do not.
   if (where.shared_arena && ranks > 1 &&
-      (bytes < arena_below(collective, ranks, where) || collective == Collective::barrier || arena_reads_directly(collective, bytes, ranks, where))) {
+      (bytes < arena_below(collective, ranks, where) || collective == Collective::barrier)) {
     switch (collective) {
       case Collective::all_reduce:
       case Collective::all_gather:

@@ -489,25 +489,40 @@ bool own_piece_from_input(const CollectiveCall& call) {
 // pieces between buffers, each piece (what one read moves) at least the arena's direct_from(), or by
 // default at least its collective's measured size. The same on every rank: the call's signature (which
 // the headers compare) and direct_from() decide it.
-// The defaults (bench/RESULTS.md, "Direct reads in the arena"; 2 ranks on the Intel Xeon of 2026-12-02,
-// the arena forced, paired medians of direct / through the areas): all_gather from blocks of 8 KiB
-// (0.78 there, 0.40 at 128 KiB blocks; 2-4 KiB blocks 1.13-1.53), on 2 ranks only: through the areas
-// an all_gather copies a rank's block once for all its readers, so reading directly saves one copy in
-// p and costs a superstep (4 ranks on the 2 cores, 8 KiB-512 KiB blocks: 1.13-1.81, 2 MiB 0.93);
-// all_to_all from pieces of 32 KiB (0.94, 0.54 at 128 KiB; 8-16 KiB pieces 1.41-1.51; 4 ranks on 2
-// cores 0.56-0.87 at every size: it saves half the copies); broadcast never: a root waits for its readers'
-// reads, where through the areas it goes on once they are written, and a root buffer its own core just
-// wrote is read across cores slower by the kernel than by the readers' own copies (1.64-2.46 at 4-256
-// KiB with the bench's copy into the root's buffer before each call; without it 0.6 at 64 KiB-1 MiB
-// but 1.2 at 4 MiB).
-// all_reduce (all_reduce_directly), on 2 ranks only, from blocks of 1 MiB (2 MiB calls): against the
-// table's bidirectional ring 0.61-0.83 of its time at 2-8 MiB, in and out of place, but 0.84-1.09 at 1
-// MiB and 0.68-1.24 at 256-512 KiB over three runs (bench/RESULTS.md, "all_reduce reading the peers'
-// buffers"); 4 ranks on the 2 cores 1.05-1.90 (three supersteps of wake-ups, and the kernel's copy is
-// slower than memcpy: it saves only the areas' local copies).
+// The defaults were measured on two machines that disagree (bench/RESULTS.md, "Direct reads in the
+// arena" for the Intel Xeon of 2026-12-02, "Direct reads on an AMD EPYC" for the EPYC of 2026-12-02;
+// 2 ranks, paired medians of direct / through the areas or the table's rings). The kernel's copy
+// (process_vm_readv) runs at about 16 GB/s alone on both, but the EPYC's own copies between cores are
+// about twice as fast as the Xeon's (bench/shm-copy-ceiling's 256 KiB: 7.7 us against 13.2; the 2 MiB
+// ring all_reduce: 242 us against about 500), so what the Xeon gains by a copy less the EPYC loses by
+// the slower kernel copy and the system call per read. Where the two disagree the default takes the choice whose loss on the other machine is
+// the smaller; `weft-bench --tune` (or WEFT_ALGO, WEFT_SHM_ARENA_CMA_BYTES) gives a machine its own.
+// - all_gather, 2 ranks only, from blocks of 128 KiB: the Xeon 0.78 at 8 KiB blocks, 0.40 at 128 KiB;
+//   the EPYC 2.6 at 8 KiB blocks and 1.45 at 32 KiB (a system call per read against a 2 us copy),
+//   0.53-0.90 at 128 KiB-2 MiB blocks, 1.37 at 8 MiB and 1.05 at 32 MiB (the Xeon: 0.57 at 8 MiB
+//   blocks, so it stays).
+//   Through the areas an all_gather copies a rank's block once for all its readers, so reading
+//   directly saves one copy in p and costs a superstep (4 ranks on the Xeon's 2 cores, 8 KiB-512 KiB
+//   blocks: 1.13-1.81, 2 MiB 0.93): 2 ranks only.
+// - all_to_all, 2 ranks from pieces of 2 MiB, more ranks from 32 KiB: the Xeon 0.94 at 32 KiB pieces,
+//   0.54 at 128 KiB, 0.60 at 8 MiB; the EPYC 2.3 at 32 KiB, 1.16-1.33 at 128-512 KiB, 0.98-1.01 at
+//   2-8 MiB, 1.16 at 32 MiB: where the EPYC is level. 4 ranks on 2 cores (the Xeon only: not measured
+//   on the EPYC) 0.56-0.87 at every size: it saves half the copies.
+// - broadcast never: a root waits for its readers' reads, where through the areas it goes on once they
+//   are written, and a root buffer its own core just wrote is read across cores slower by the kernel
+//   than by the readers' own copies (the Xeon: 1.64-2.46 at 4-256 KiB with the bench's copy into the
+//   root's buffer before each call; without it 0.6 at 64 KiB-1 MiB but 1.2 at 4 MiB).
+// - all_reduce (all_reduce_directly) only where the arena is chosen for it (WEFT_ALGO, a tuning file)
+//   or WEFT_SHM_ARENA_CMA_BYTES names a size; then on 2 ranks from blocks of 1 MiB. Against the
+//   table's bidirectional ring the Xeon took 0.61-0.83 of its time at 2-8 MiB and 0.84-1.09 at 1 MiB;
+//   the EPYC 1.7-2.3x at 2-8 MiB and 1.15-1.45x at 16-64 MiB (its rings run twice as fast as the Xeon's,
+//   its direct all_reduce as fast), so the table keeps the rings (selection.cpp). 4 ranks on the Xeon's
+//   2 cores 1.05-1.90 (three supersteps of wake-ups, and the kernel's copy is slower than memcpy: it
+//   saves only the areas' local copies).
 constexpr std::size_t all_reduce_direct_from = std::size_t{1} << 20;
-constexpr std::size_t all_gather_direct_from = std::size_t{8} << 10;
+constexpr std::size_t all_gather_direct_from = std::size_t{128} << 10;
 constexpr std::size_t all_to_all_direct_from = std::size_t{32} << 10;
+constexpr std::size_t all_to_all_direct_from_two = std::size_t{2} << 20;
 
 // Whether a broadcast goes through its root's box (box_broadcast, below): the box wins over direct reads.
 bool in_box(const CollectiveCall& call, int ranks) {
@@ -525,7 +540,7 @@ bool reads_directly(const shm::Arena& arena, const CollectiveCall& call, int ran
     case Collective::all_gather: return defaults ? ranks == 2 && call.in.bytes() >= all_gather_direct_from : call.in.bytes() >= from;
     case Collective::all_to_all: {
       const std::size_t piece = call.in.count / static_cast<std::size_t>(ranks) * dtype_size(call.in.dtype);
-      return piece >= (defaults ? all_to_all_direct_from : from);
+      return piece >= (defaults ? (ranks == 2 ? all_to_all_direct_from_two : all_to_all_direct_from) : from);
     }
     case Collective::all_reduce: {
       const std::size_t block = call.out.count / static_cast<std::size_t>(ranks) * dtype_size(call.out.dtype);

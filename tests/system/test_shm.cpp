@@ -624,13 +624,12 @@ TEST_CASE("ranks of one host share a group arena, and its collectives match the 
       // 1 MiB and 8 MiB: over the rings, but where 3 ranks or more outnumber the cores (the arena then
       // at every size; selection.cpp, arena_below).
       const bool crowded = g.size() >= 3 && static_cast<unsigned>(g.size()) > std::thread::hardware_concurrency();
-      // From 2 MiB two ranks that read each other's memory take the arena's direct all_reduce.
-      const bool direct = g.size() == 2 && g.state()->arena->direct_from() != 0 && std::thread::hardware_concurrency() >= 2;
+      // Two ranks that read each other's memory too: the table keeps the rings for all_reduce (its direct
+      // form runs where the arena is chosen, as below; shm_collectives.cpp, reads_directly).
       check((g.algorithm_for("all_reduce", 1 << 20) == "shm") == crowded, "1 MiB should run over the rings unless the ranks outnumber the cores");
-      check((g.algorithm_for("all_reduce", 8 << 20) == "shm") == (crowded || direct),
-            "8 MiB should run over the rings unless the ranks outnumber the cores or 2 ranks read each other directly");
-      // 600001 floats: on 2 ranks blocks of 1.2 MB, read directly (reads_directly: from 1 MiB blocks), and
-      // of an odd count.
+      check((g.algorithm_for("all_reduce", 8 << 20) == "shm") == crowded, "8 MiB should run over the rings unless the ranks outnumber the cores");
+      // 600001 floats: on 2 ranks blocks of 1.2 MB, read directly where the arena is chosen (reads_directly:
+      // from 1 MiB blocks), and of an odd count.
       for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{300001}, std::size_t{600001}}) {
         std::vector<float> x(count);
         for (std::size_t i = 0; i < count; ++i) x[i] = static_cast<float>(g.rank() + 1) * static_cast<float>(i % 13);

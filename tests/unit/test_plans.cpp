@@ -564,6 +564,16 @@ TEST_CASE("the registry: every built-in choice is a registered algorithm of its 
   CHECK(Selection::built_in(Collective::all_reduce, 4 * mib + 1, 2, arena)->kind == Kind::bidirectional_ring);
   CHECK(Selection::built_in(Collective::all_to_all, 8 * mib, 2, arena)->kind == Kind::shm);
   CHECK(Selection::built_in(Collective::all_to_all, 8 * mib + 1, 2, arena)->kind != Kind::shm);
+  // Two ranks that read each other's buffers: all_gather and all_to_all on the arena at every size, which
+  // reads directly from its sizes (shm_collectives.cpp); all_reduce keeps the rings (measured on two
+  // machines that disagree: the EPYC's rings beat the direct all_reduce 1.7-2.3x at 2-8 MiB).
+  const Placement direct{.shared_arena = true, .direct_reads = true};
+  CHECK(Selection::built_in(Collective::all_gather, 64 * mib + 1, 2, direct)->kind == Kind::shm);
+  CHECK(Selection::built_in(Collective::all_to_all, 64 * mib + 1, 2, direct)->kind == Kind::shm);
+  for (std::size_t bytes : {256 * kib, 2 * mib, 8 * mib, 64 * mib}) {
+    CHECK(Selection::built_in(Collective::all_reduce, bytes, 2, direct)->kind != Kind::shm);
+  }
+  CHECK(Selection::built_in(Collective::all_reduce, 256 * kib - 1, 2, direct)->kind == Kind::shm);
   // Two ranks on one core (crowded) were not measured: the plain bound.
   CHECK(Selection::built_in(Collective::all_gather, 128 * kib, 2, crowded)->kind != Kind::shm);
   CHECK(Selection::built_in(Collective::barrier, 8 * mib, 4, arena)->kind == Kind::shm);

@@ -81,8 +81,9 @@ namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
 // 7: reads_from and revoked (direct reads); 8: the direct all_reduce (its areas hold loans where 7's
-// held contents: a rank of each would read the other's bytes as addresses)
-inline constexpr std::uint32_t arena_version = 8;
+// held contents: a rank of each would read the other's bytes as addresses); 9: the sizes from which
+// all_gather and all_to_all read directly by default moved (ranks of 8 and 9 would disagree on them)
+inline constexpr std::uint32_t arena_version = 9;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
