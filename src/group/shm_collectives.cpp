@@ -504,10 +504,11 @@ bool own_piece_from_input(const CollectiveCall& call) {
 //   Through the areas an all_gather copies a rank's block once for all its readers, so reading
 //   directly saves one copy in p and costs a superstep (4 ranks on the Xeon's 2 cores, 8 KiB-512 KiB
 //   blocks: 1.13-1.81, 2 MiB 0.93): 2 ranks only.
-// - all_to_all, 2 ranks from pieces of 2 MiB, more ranks from 32 KiB: the Xeon 0.94 at 32 KiB pieces,
-//   0.54 at 128 KiB, 0.60 at 8 MiB; the EPYC 2.3 at 32 KiB, 1.16-1.33 at 128-512 KiB, 0.98-1.01 at
-//   2-8 MiB, 1.16 at 32 MiB: where the EPYC is level. 4 ranks on 2 cores (the Xeon only: not measured
-//   on the EPYC) 0.56-0.87 at every size: it saves half the copies.
+// - all_to_all from pieces of 1 MiB: 2 ranks, the Xeon 0.94 at 32 KiB pieces, 0.54 at 128 KiB, 0.60 at
+//   8 MiB; the EPYC 2.3 at 32 KiB, 1.16-1.33 at 128-512 KiB, 0.93-1.10 at 1-4 MiB, 1.16 at 32 MiB.
+//   4 ranks on 2 cores: the Xeon 0.56-0.87 at every size (it saves half the copies), the EPYC 1.15-2.5
+//   at 32 KiB-1 MiB pieces (2.5 at 32 KiB, 1.15 at 1 MiB) and level at 4 MiB. From 1 MiB the EPYC
+//   loses less than the Xeon gains.
 // - broadcast never: a root waits for its readers' reads, where through the areas it goes on once they
 //   are written, and a root buffer its own core just wrote is read across cores slower by the kernel
 //   than by the readers' own copies (the Xeon: 1.64-2.46 at 4-256 KiB with the bench's copy into the
@@ -521,8 +522,7 @@ bool own_piece_from_input(const CollectiveCall& call) {
 //   saves only the areas' local copies).
 constexpr std::size_t all_reduce_direct_from = std::size_t{1} << 20;
 constexpr std::size_t all_gather_direct_from = std::size_t{128} << 10;
-constexpr std::size_t all_to_all_direct_from = std::size_t{32} << 10;
-constexpr std::size_t all_to_all_direct_from_two = std::size_t{2} << 20;
+constexpr std::size_t all_to_all_direct_from = std::size_t{1} << 20;
 
 // Whether a broadcast goes through its root's box (box_broadcast, below): the box wins over direct reads.
 bool in_box(const CollectiveCall& call, int ranks) {
@@ -540,7 +540,7 @@ bool reads_directly(const shm::Arena& arena, const CollectiveCall& call, int ran
     case Collective::all_gather: return defaults ? ranks == 2 && call.in.bytes() >= all_gather_direct_from : call.in.bytes() >= from;
     case Collective::all_to_all: {
       const std::size_t piece = call.in.count / static_cast<std::size_t>(ranks) * dtype_size(call.in.dtype);
-      return piece >= (defaults ? (ranks == 2 ? all_to_all_direct_from_two : all_to_all_direct_from) : from);
+      return piece >= (defaults ? all_to_all_direct_from : from);
     }
     case Collective::all_reduce: {
       const std::size_t block = call.out.count / static_cast<std::size_t>(ranks) * dtype_size(call.out.dtype);
