@@ -34,6 +34,7 @@
 #include "group/checks.hpp"
 #include "transports/shm/arena.hpp"
 #include "transports/shm/copy.hpp"
+#include "transports/shm/lendable.hpp"
 #include "weft/future.hpp"
 
 namespace weft::detail {
@@ -724,9 +725,19 @@ LentBytes lent_by(const GroupState& g, const CollectiveCall& call) {
     default: return LentBytes{};
   }
 }
-// An all_to_all in place overwrites its input with what it reads while the peers still read it: it
-// lends a copy.
-bool lends_a_copy(const CollectiveCall& call) { return call.collective == Collective::all_to_all && share_bytes(call.in, call.out); }
+// A rank lends a copy of what it would lend (read_directly) where the peers could not read it, or not
+// for long enough: an all_to_all in place overwrites its input with what it reads while the peers still
+// read it; a buffer the kernel cannot read for them (driver-mapped or secret memory: shm/lendable.hpp)
+// would fail their reads. The second costs a system call, made only for a loan.
+bool lends_a_copy(const CollectiveCall& call, LentBytes lent) {
+  return (call.collective == Collective::all_to_all && share_bytes(call.in, call.out)) || !shm::kernel_can_read(lent.data(), lent.size());
+}
+// Copies `lent` into `copy` (scratch, ordinary memory the peers can read) and returns the copy's bytes.
+LentBytes lend_a_copy(LentBytes lent, ScratchBytes& copy) {
+  copy = scratch_bytes(lent.size());
+  if (!lent.empty()) std::memcpy(copy.get(), lent.data(), lent.size());
+  return LentBytes{copy.get(), lent.size()};
+}
 
 // Announces `lent` in this rank's next area (address and length, beside its header).
 void announce(ArenaRun& run, LentBytes lent) {
@@ -778,11 +789,7 @@ bool read_pieces(const GroupState& g, const CollectiveCall& call, const std::byt
 Task<void> read_directly(ArenaRun& run, GroupState& g, const CollectiveCall& call, std::uint32_t published) {
   LentBytes lent = lent_by(g, call);
   ScratchBytes copy;
-  if (published == 0 && lends_a_copy(call)) {
-    copy = scratch_bytes(lent.size());
-    std::memcpy(copy.get(), lent.data(), lent.size());
-    lent = LentBytes{copy.get(), lent.size()};
-  }
+  if (published == 0 && lends_a_copy(call, lent)) lent = lend_a_copy(lent, copy);
   Loan loan(run.arena(), run.seq());  // from the announce on (or from the caller's thread's)
   if (published == 0) {
     announce(run, lent);
@@ -825,8 +832,13 @@ Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCal
   const std::byte* in = call.in.bytes_ptr();
   std::byte* out = call.out.bytes_ptr();
   const algo::Range mine = algo::block(n, g.size, g.rank);
+  // Lent as copies where the peers could not read them (lends_a_copy): the input at step 0, this rank's
+  // reduced block (in a copy the output's size, where the peers read it) at step 1.
+  ScratchBytes input_copy, output_copy;
+  LentBytes lent_input{in, call.in.bytes()};
+  if (!shm::kernel_can_read(lent_input.data(), lent_input.size())) lent_input = lend_a_copy(lent_input, input_copy);
   Loan loan(run.arena(), run.seq());
-  announce(run, LentBytes{in, call.in.bytes()});
+  announce(run, lent_input);
   run.publish(0);
   co_await run.wait(0);
   {
@@ -858,7 +870,13 @@ Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCal
       algo::fold_in_rank_order(out + offset, sources, c, call.out.dtype, call.op);
     }
   }
-  announce(run, LentBytes{out, call.out.bytes()});
+  LentBytes lent_output{out, call.out.bytes()};
+  if (!shm::kernel_can_read(lent_output.data(), lent_output.size())) {
+    output_copy = scratch_bytes(lent_output.size());
+    std::memcpy(output_copy.get() + mine.offset * esize, out + mine.offset * esize, mine.count * esize);
+    lent_output = LentBytes{output_copy.get(), lent_output.size()};
+  }
+  announce(run, lent_output);
   run.publish(1);
   co_await run.wait(1);
   for (int r = 0; r < g.size; ++r) {
@@ -1085,7 +1103,9 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   if (direct) {
     const auto p = static_cast<std::size_t>(g.size);
     const std::size_t reads = call.collective == Collective::broadcast ? call.out.bytes() : call.out.bytes() / p * (p - 1);
-    if (call.collective == Collective::all_reduce || lends_a_copy(call) || reads > arena.area_bytes()) return ArenaNow::not_started;
+    if (call.collective == Collective::all_reduce || reads > arena.area_bytes() || lends_a_copy(call, lent_by(g, call))) {
+      return ArenaNow::not_started;
+    }
   }
   const Chunks chunks = chunks_of(arena, call, g.size);
   if ((!direct && chunks.count() != 1) || !has_script(call.collective)) return ArenaNow::not_started;

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -33,6 +34,7 @@
 #include "transports/framed/wire.hpp"
 #include "transports/shm/arena.hpp"
 #include "transports/shm/copy.hpp"
+#include "transports/shm/lendable.hpp"
 #include "transports/shm/link.hpp"
 #include "transports/shm/ring.hpp"
 #include "transports/shm/segment.hpp"
@@ -653,6 +655,117 @@ TEST_CASE("ranks of one host share a group arena, and its collectives match the 
       }
     }, options);
     REQUIRE(checks_made.load() > before);
+  }
+}
+
+namespace {
+
+// Memory the kernel cannot pin for another process (memfd_secret: process_vm_readv of it fails with
+// EFAULT, as for a driver's VM_IO / VM_PFNMAP mapping such as CUDA's pinned host memory), which its owner
+// reads and writes as any other. Empty where the kernel has no memfd_secret.
+class SecretBytes {
+ public:
+  explicit SecretBytes(std::size_t bytes) : bytes_(bytes) {
+#ifdef SYS_memfd_secret
+    const int fd = static_cast<int>(::syscall(SYS_memfd_secret, 0));
+    if (fd < 0) return;
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+      void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (at != MAP_FAILED) data_ = static_cast<std::byte*>(at);
+    }
+    ::close(fd);
+#endif
+  }
+  ~SecretBytes() {
+    if (data_) ::munmap(data_, bytes_);
+  }
+  SecretBytes(const SecretBytes&) = delete;
+  SecretBytes& operator=(const SecretBytes&) = delete;
+  std::byte* data() const { return data_; }
+  template <class T>
+  T* as() const { return reinterpret_cast<T*>(data_); }
+  explicit operator bool() const { return data_ != nullptr; }
+
+ private:
+  std::size_t bytes_;
+  std::byte* data_ = nullptr;
+};
+
+}  // namespace
+
+TEST_CASE("a buffer the kernel cannot read for the peers is lent as a copy: sends and collectives on it still work", "[shm][lend]") {
+  SecretBytes probe(4096);
+  if (!probe) {
+    WARN("no memfd_secret on this kernel: nothing here to test");
+    return;
+  }
+  std::memset(probe.data(), 1, 4096);
+  REQUIRE_FALSE(shm::kernel_can_read(probe.data(), 4096));
+  REQUIRE_FALSE(shm::kernel_can_read(probe.data() + 4095, 1));
+  std::vector<std::byte> plain(4096);
+  REQUIRE(shm::kernel_can_read(plain.data(), plain.size()));
+  REQUIRE(shm::kernel_can_read(nullptr, 0));
+
+  SECTION("a send by single copy goes inline") {
+    ShmPair pair(64 << 10, 1);  // every payload by reference, where the kernel can read it
+    const std::size_t size = 100003;
+    SecretBytes secret(size);
+    REQUIRE(secret);
+    const auto data = pattern(size, 7);
+    std::memcpy(secret.data(), data.data(), size);
+    std::vector<std::byte> into(size);
+    auto receive = pair.receive(1, 1, into);
+    REQUIRE(!pair.send_from(0, 1, secret.data(), size).get().error);
+    const auto outcome = receive.get();
+    REQUIRE(!outcome.error);
+    REQUIRE(into == data);
+  }
+
+  SECTION("collectives that read their peers' buffers directly lend copies") {
+    Options options;
+    options.transport = "shm";
+    run_ranks(2, [&](Group& g) {
+      check(g.state()->arena && g.state()->arena->direct_from() != 0, "the arena must read the peers' buffers directly here");
+      const int me = g.rank();
+      // all_gather of 256 KiB blocks and all_to_all of 2 MiB pieces: direct by default on 2 ranks.
+      const std::size_t block = (std::size_t{256} << 10) / sizeof(std::int32_t);
+      SecretBytes gather_in(block * sizeof(std::int32_t));
+      check(static_cast<bool>(gather_in), "memfd_secret for the all_gather");
+      std::fill_n(gather_in.as<std::int32_t>(), block, me + 10);
+      std::vector<std::int32_t> gathered(2 * block);
+      g.all_gather(ConstBufferView(gather_in.as<std::int32_t>(), block, DType::i32), BufferView(gathered.data(), gathered.size(), DType::i32)).get();
+      for (int r = 0; r < 2; ++r) {
+        check(std::all_of(gathered.begin() + static_cast<long>(block) * r, gathered.begin() + static_cast<long>(block) * (r + 1),
+                          [r](std::int32_t v) { return v == r + 10; }),
+              fmt::format("all_gather block {}", r));
+      }
+      const std::size_t piece = (std::size_t{2} << 20) / sizeof(std::int32_t);
+      SecretBytes exchange(2 * piece * sizeof(std::int32_t));
+      check(static_cast<bool>(exchange), "memfd_secret for the all_to_all");
+      for (std::size_t i = 0; i < 2 * piece; ++i) exchange.as<std::int32_t>()[i] = me * 1000 + static_cast<std::int32_t>(i / piece);
+      std::vector<std::int32_t> exchanged(2 * piece);
+      g.all_to_all(ConstBufferView(exchange.as<std::int32_t>(), 2 * piece, DType::i32), BufferView(exchanged.data(), exchanged.size(), DType::i32)).get();
+      for (int r = 0; r < 2; ++r) {
+        check(std::all_of(exchanged.begin() + static_cast<long>(piece) * r, exchanged.begin() + static_cast<long>(piece) * (r + 1),
+                          [&](std::int32_t v) { return v == r * 1000 + me; }),
+              fmt::format("all_to_all piece from {}", r));
+      }
+      // The direct all_reduce, where the arena is chosen for it: it lends its input, then its output;
+      // both unreadable, out of place and in place.
+      g.override_algorithms("all_reduce:shm");
+      const std::size_t count = (std::size_t{1} << 20) + 3;  // 4 MiB of floats and an odd 3: blocks of 2 MiB
+      SecretBytes in(count * sizeof(float)), out(count * sizeof(float));
+      check(in && out, "memfd_secret for the all_reduce");
+      for (std::size_t i = 0; i < count; ++i) in.as<float>()[i] = static_cast<float>((me + 1) * static_cast<int>(i % 7));
+      g.all_reduce(ConstBufferView(in.as<float>(), count, DType::f32), BufferView(out.as<float>(), count, DType::f32)).get();
+      bool ok = true;
+      for (std::size_t i = 0; i < count; ++i) ok = ok && out.as<float>()[i] == static_cast<float>(3 * static_cast<int>(i % 7));
+      check(ok, "all_reduce out of place from and into unreadable memory");
+      g.all_reduce(BufferView(in.as<float>(), count, DType::f32)).get();
+      ok = true;
+      for (std::size_t i = 0; i < count; ++i) ok = ok && in.as<float>()[i] == static_cast<float>(3 * static_cast<int>(i % 7));
+      check(ok, "all_reduce in place in unreadable memory");
+    }, options);
   }
 }
 

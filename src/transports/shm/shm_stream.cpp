@@ -1,4 +1,6 @@
 #include "transports/shm/shm_stream.hpp"
+
+#include "transports/shm/lendable.hpp"
 #include "transports/shm/weak_poller.hpp"
 
 #include <sys/eventfd.h>
@@ -192,6 +194,7 @@ void ShmStream::wake_peer() {
 
 void ShmStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
   write_ = Write{true, {first, second, third}, 0, 0};
+  write_.inline_only = !lendable(write_);
   // The bytes go into the ring now (the peer may be spinning on it: a turn of this loop later was a
   // fifth of a small ping-pong, 2.5 -> 2.0 us); the completion comes from the loop, never inline.
   if (!peer_closed_ && !closed_) push_some();
@@ -208,6 +211,7 @@ bool ShmStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third)
   }
   const std::uint64_t referenced_before = referenced_written_;
   write_ = Write{true, {first, second, third}, 0, 0};
+  write_.inline_only = !lendable(write_);
   if (push_some() && referenced_written_ == referenced_before) {
     write_.active = false;
     return true;
@@ -249,7 +253,14 @@ std::size_t ShmStream::take_released() {
 }
 
 bool ShmStream::by_reference(const ConstBytes& piece) const noexcept {
-  return link_.single_copy_from != 0 && piece.size >= link_.single_copy_from;
+  return link_.single_copy_from != 0 && piece.size >= link_.single_copy_from && !(write_.active && write_.inline_only);
+}
+
+bool ShmStream::lendable(const Write& write) const noexcept {
+  for (const ConstBytes& piece : write.pieces) {
+    if (link_.single_copy_from != 0 && piece.size >= link_.single_copy_from && !shm::kernel_can_read(piece.data, piece.size)) return false;
+  }
+  return true;
 }
 
 std::size_t ShmStream::padding_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept {

@@ -148,7 +148,12 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     ConstBytes pieces[3];
     int piece = 0;
     std::size_t offset = 0;
+    // A piece the kernel cannot read for the peer (shm/lendable.hpp): the whole write goes inline.
+    bool inline_only = false;
   } write_;
+  // Whether every piece of `write` that would go by reference can be read by the peer (checked once, as
+  // the write starts: a system call per such piece).
+  bool lendable(const Write& write) const noexcept;
   // Bytes of reference records written, in all; the receiver's ring word counts those it has read.
   std::uint64_t referenced_written_ = 0;
   std::uint64_t referenced_seen_ = 0;  // its last value seen: progress for ms_since_data

@@ -1,0 +1,22 @@
+#pragma once
+// Whether a peer can read a buffer of this process with process_vm_readv: the check a lender makes
+// before it hands out a buffer's address (the arena's direct reads, a ring's reference records).
+//
+// Why it is needed: the link probes prove that a peer can read this process's ordinary memory, not every
+// buffer a caller passes. The kernel pins the pages it copies from, and refuses (EFAULT) memory it cannot
+// pin: a driver's mapping (VM_IO / VM_PFNMAP, as CUDA's pinned and managed host memory can be: Open MPI
+// and UCX users met exactly this, openucx/ucx#6058 and #7194) or memfd_secret memory. The owner still
+// reads and writes such memory as any other, so a collective on it must work; a lender that finds its
+// buffer unreadable lends a copy in ordinary memory instead (group/shm_collectives.cpp), and a ring
+// writes it inline. The check is the kernel's own: this process reads the buffer's first and last byte
+// of itself, one system call (about 2 us on this project's VMs), made only where a buffer is lent.
+#include <cstddef>
+
+namespace weft::shm {
+
+/// True when process_vm_readv can read [data, data + bytes) of this process (its first and last byte:
+/// a buffer that spans several mappings, one of them unreadable in its middle, is not caught, and its
+/// reader fails with EFAULT as before). True for bytes == 0.
+bool kernel_can_read(const void* data, std::size_t bytes) noexcept;
+
+}  // namespace weft::shm
