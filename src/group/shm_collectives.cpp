@@ -496,17 +496,19 @@ bool own_piece_from_input(const CollectiveCall& call) {
 // (process_vm_readv) runs at about 16 GB/s alone on both, but the EPYC's own copies between cores are
 // about twice as fast as the Xeon's (bench/shm-copy-ceiling's 256 KiB: 7.7 us against 13.2; the 2 MiB
 // ring all_reduce: 242 us against about 500), so what the Xeon gains by a copy less the EPYC loses by
-// the slower kernel copy and the system call per read. Where the two disagree the default takes the choice whose loss on the other machine is
-// the smaller; `weft-bench --tune` (or WEFT_ALGO, WEFT_SHM_ARENA_CMA_BYTES) gives a machine its own.
-// - all_gather, 2 ranks only, from blocks of 128 KiB: the Xeon 0.78 at 8 KiB blocks, 0.40 at 128 KiB;
-//   the EPYC 2.6 at 8 KiB blocks and 1.45 at 32 KiB (a system call per read against a 2 us copy),
-//   0.53-0.90 at 128 KiB-2 MiB blocks, 1.37 at 8 MiB and 1.05 at 32 MiB (the Xeon: 0.57 at 8 MiB
-//   blocks, so it stays).
+// the slower kernel copy and the system call per read. Where the two disagree the default takes the
+// choice whose loss on the other machine is the smaller; `weft-bench --tune` (or WEFT_ALGO,
+// WEFT_SHM_ARENA_CMA_BYTES) gives a machine its own. (The EPYC's figures: 200 iterations a size.)
+// - all_gather, 2 ranks only, from blocks of 128 KiB: the Xeon 0.78 at 8 KiB blocks, 0.40 at 128 KiB,
+//   0.57 at 8 MiB; the EPYC 2.6 at 8 KiB blocks and 1.45 at 32 KiB (a system call per read against a
+//   2 us copy; 30 iterations), 1.08-1.16 at 128-512 KiB, 0.96-0.98 at 1-2 MiB, 1.06 at 4 MiB and 1.43
+//   at 8 MiB (against the rings): from 128 KiB the Xeon gains more than the EPYC loses.
 //   Through the areas an all_gather copies a rank's block once for all its readers, so reading
 //   directly saves one copy in p and costs a superstep (4 ranks on the Xeon's 2 cores, 8 KiB-512 KiB
 //   blocks: 1.13-1.81, 2 MiB 0.93): 2 ranks only.
 // - all_to_all from pieces of 1 MiB: 2 ranks, the Xeon 0.94 at 32 KiB pieces, 0.54 at 128 KiB, 0.60 at
-//   8 MiB; the EPYC 2.3 at 32 KiB, 1.16-1.33 at 128-512 KiB, 0.93-1.10 at 1-4 MiB, 1.16 at 32 MiB.
+//   8 MiB; the EPYC 2.3 at 32 KiB, 1.16-1.33 at 128-512 KiB (30 iterations), 0.81 at 1 MiB, 1.04 at
+//   2 MiB, 1.22-1.25 at 4-8 MiB.
 //   4 ranks on 2 cores: the Xeon 0.56-0.87 at every size (it saves half the copies), the EPYC 1.15-2.5
 //   at 32 KiB-1 MiB pieces (2.5 at 32 KiB, 1.15 at 1 MiB) and level at 4 MiB. From 1 MiB the EPYC
 //   loses less than the Xeon gains.
