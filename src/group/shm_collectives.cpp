@@ -834,8 +834,8 @@ Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCal
   const std::byte* in = call.in.bytes_ptr();
   std::byte* out = call.out.bytes_ptr();
   const algo::Range mine = algo::block(n, g.size, g.rank);
-  // Lent as copies where the peers could not read them (lends_a_copy): the input at step 0, this rank's
-  // reduced block (in a copy the output's size, where the peers read it) at step 1.
+  // Lent as copies where the peers could not read them (lends_a_copy): the input at step 0, the output
+  // (of which the peers read this rank's reduced block) at step 1.
   ScratchBytes input_copy, output_copy;
   LentBytes lent_input{in, call.in.bytes()};
   if (!shm::kernel_can_read(lent_input.data(), lent_input.size())) lent_input = lend_a_copy(lent_input, input_copy);
@@ -873,11 +873,7 @@ Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCal
     }
   }
   LentBytes lent_output{out, call.out.bytes()};
-  if (!shm::kernel_can_read(lent_output.data(), lent_output.size())) {
-    output_copy = scratch_bytes(lent_output.size());
-    std::memcpy(output_copy.get() + mine.offset * esize, out + mine.offset * esize, mine.count * esize);
-    lent_output = LentBytes{output_copy.get(), lent_output.size()};
-  }
+  if (!shm::kernel_can_read(lent_output.data(), lent_output.size())) lent_output = lend_a_copy(lent_output, output_copy);
   announce(run, lent_output);
   run.publish(1);
   co_await run.wait(1);
