@@ -740,6 +740,10 @@ LentBytes lend_a_copy(LentBytes lent, ScratchBytes& copy) {
   if (!lent.empty()) std::memcpy(copy.get(), lent.data(), lent.size());
   return LentBytes{copy.get(), lent.size()};
 }
+// `lent` where the kernel can read it for the peers, else a copy of it in `copy`.
+LentBytes readable_loan(LentBytes lent, ScratchBytes& copy) {
+  return shm::kernel_can_read(lent.data(), lent.size()) ? lent : lend_a_copy(lent, copy);
+}
 
 // Announces `lent` in this rank's next area (address and length, beside its header).
 void announce(ArenaRun& run, LentBytes lent) {
@@ -837,10 +841,8 @@ Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCal
   // Lent as copies where the peers could not read them (lends_a_copy): the input at step 0, the output
   // (of which the peers read this rank's reduced block) at step 1.
   ScratchBytes input_copy, output_copy;
-  LentBytes lent_input{in, call.in.bytes()};
-  if (!shm::kernel_can_read(lent_input.data(), lent_input.size())) lent_input = lend_a_copy(lent_input, input_copy);
   Loan loan(run.arena(), run.seq());
-  announce(run, lent_input);
+  announce(run, readable_loan(LentBytes{in, call.in.bytes()}, input_copy));
   run.publish(0);
   co_await run.wait(0);
   {
@@ -872,9 +874,7 @@ Task<void> all_reduce_directly(ArenaRun& run, GroupState& g, const CollectiveCal
       algo::fold_in_rank_order(out + offset, sources, c, call.out.dtype, call.op);
     }
   }
-  LentBytes lent_output{out, call.out.bytes()};
-  if (!shm::kernel_can_read(lent_output.data(), lent_output.size())) lent_output = lend_a_copy(lent_output, output_copy);
-  announce(run, lent_output);
+  announce(run, readable_loan(LentBytes{out, call.out.bytes()}, output_copy));
   run.publish(1);
   co_await run.wait(1);
   for (int r = 0; r < g.size; ++r) {

@@ -252,13 +252,17 @@ std::size_t ShmStream::take_released() {
   return released;
 }
 
+bool ShmStream::reference_sized(std::size_t bytes) const noexcept {
+  return link_.single_copy_from != 0 && bytes >= link_.single_copy_from;
+}
+
 bool ShmStream::by_reference(const ConstBytes& piece) const noexcept {
-  return link_.single_copy_from != 0 && piece.size >= link_.single_copy_from && !(write_.active && write_.inline_only);
+  return reference_sized(piece.size) && !(write_.active && write_.inline_only);
 }
 
 bool ShmStream::lendable(const Write& write) const noexcept {
   for (const ConstBytes& piece : write.pieces) {
-    if (link_.single_copy_from != 0 && piece.size >= link_.single_copy_from && !shm::kernel_can_read(piece.data, piece.size)) return false;
+    if (reference_sized(piece.size) && !shm::kernel_can_read(piece.data, piece.size)) return false;
   }
   return true;
 }

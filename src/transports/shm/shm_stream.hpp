@@ -113,6 +113,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool push_write();  // true when the write in flight is all in the ring
   bool push_some();   // moves what fits now; true when every piece is in the ring
   std::size_t take_released();  // lent writes whose references the receiver has read all of
+  // A piece of this many bytes goes by reference where the peer can read it (single copy on, and large
+  // enough); by_reference also asks the write in flight.
+  bool reference_sized(std::size_t bytes) const noexcept;
   bool by_reference(const ConstBytes& piece) const noexcept;
   // The padding record (its bytes, 0 for none) that places alike the inline record about to start at the
   // ring's tail, holding pieces[piece] from `offset` and the inline pieces after it: when one of them has
