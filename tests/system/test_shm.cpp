@@ -91,6 +91,17 @@ TEST_CASE("a ring carries bytes in order across its wrap, and never more than it
   writer.disarm_wait();
   REQUIRE(!reader.release());
   REQUIRE(writer.put(fill.data(), fill.size()) == 100);
+  // The writer loads the reader's head only when the room it saw last is short of what it asks: an old
+  // room may be less than the ring's, never more, and asking for more than it holds looks again.
+  REQUIRE(reader.take(out.data(), 96) == 96);
+  reader.release();
+  REQUIRE(writer.room(0) == 0);  // the room seen last: none
+  REQUIRE(writer.room(50) == 96);  // short of 50: looked again
+  REQUIRE(reader.take(out.data(), 100) == 100);
+  reader.release();
+  REQUIRE(writer.room(50) == 96);  // enough of it seen: not looked
+  REQUIRE(writer.room(97) == 196);
+  REQUIRE(writer.room() == 196);  // with nothing asked, always looked
 }
 
 TEST_CASE("a copy into shared memory writes exactly its bytes at every size and alignment, either way it goes", "[shm][copy]") {

@@ -129,12 +129,15 @@ class RingWriter {
  public:
   RingWriter() = default;
   explicit RingWriter(RingControl* ring) noexcept
-      : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), tail_(ring->tail.load(std::memory_order_relaxed)) {}
+      : ring_(ring),
+        capacity_(std::size_t{1} << ring->capacity_log2),
+        tail_(ring->tail.load(std::memory_order_relaxed)),
+        head_seen_(ring->head.load(std::memory_order_acquire)) {}
 
   // Copies as much of [data, data + size) as the ring has room for; returns how much. Not yet visible:
   // publish() makes it so.
   std::size_t put(const void* data, std::size_t size) noexcept {
-    const std::size_t free = room();
+    const std::size_t free = room(size);
     const std::size_t n = size < free ? size : free;
     if (n == 0) return 0;
     copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, n);
@@ -170,18 +173,31 @@ class RingWriter {
   // completes the write early, which harms nobody but the liar).
   std::uint64_t referenced_read() const noexcept { return ring_->referenced_read.load(std::memory_order_acquire); }
   bool full() const noexcept { return room() == 0; }
-  // Bytes that may be written now. The peer's word is not trusted: a head behind what was written, or
-  // ahead of it, gives no room (never more than the capacity, whatever the counters say).
-  std::size_t room() const noexcept {
-    const std::uint64_t used = tail_ - ring_->head.load(std::memory_order_acquire);
-    return used <= capacity_ ? capacity_ - static_cast<std::size_t>(used) : 0;
+  // Bytes that may be written now, at least `wanted` when the ring has that much room: the receiver's
+  // `head` is loaded only when the room last seen holds less. That line is the receiver's, written at
+  // every read, so a load of it per message was a transfer between the cores each way (the reader's next
+  // store fetches it back). The room seen only grows, so an old one is never too much. With no `wanted`,
+  // always loaded (a sleep's last look, a write that takes all it can). The peer's word is not trusted: a
+  // head behind what was written, or ahead of it, gives no room (never more than the capacity, whatever
+  // the counters say).
+  std::size_t room(std::size_t wanted = SIZE_MAX) const noexcept {
+    const std::size_t seen = room_after(head_seen_);
+    if (seen >= wanted) return seen;
+    head_seen_ = ring_->head.load(std::memory_order_acquire);
+    return room_after(head_seen_);
   }
   explicit operator bool() const noexcept { return ring_ != nullptr; }
 
  private:
+  std::size_t room_after(std::uint64_t head) const noexcept {
+    const std::uint64_t used = tail_ - head;
+    return used <= capacity_ ? capacity_ - static_cast<std::size_t>(used) : 0;
+  }
+
   RingControl* ring_ = nullptr;
   std::size_t capacity_ = 0;
   std::uint64_t tail_ = 0;  // the sender's own copy: only it writes tail
+  mutable std::uint64_t head_seen_ = 0;  // the receiver's head when last loaded (room())
 };
 
 // The receiver's side of a ring.

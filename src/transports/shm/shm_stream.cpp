@@ -298,7 +298,7 @@ bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noe
   const std::size_t total = first + second;
   // One inline record of every piece (push_some's, written straight): only when the room holds it all,
   // asked once here rather than per piece.
-  return total != 0 && total <= UINT32_MAX && out_.room() >= shm::record_header_bytes + total;
+  return total != 0 && total <= UINT32_MAX && out_.room(shm::record_header_bytes + total) >= shm::record_header_bytes + total;
 }
 
 bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
@@ -306,7 +306,7 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
   const std::size_t total = first.size + second.size + third.size;
   // Placed alike when the room holds the padding too (takes_whole_now asked for the record alone).
   const ConstBytes pieces[3] = {first, second, third};
-  const std::size_t room = out_.room();
+  const std::size_t room = out_.room(2 * shm::record_header_bytes + shm::padding_most + total);
   const std::size_t padding = padding_for(pieces, 0, 0, room);
   if (padding != 0 && room >= padding + shm::record_header_bytes + total) put_padding(padding);
   std::byte header[shm::record_header_bytes];
@@ -332,7 +332,7 @@ bool ShmStream::push_some() {
     if (by_reference(piece)) {
       // A reference record: the receiver copies the piece out of this process; the write is lent (the
       // piece must live) until it has (take_released).
-      if (out_.room() < shm::reference_record_bytes) break;
+      if (out_.room(shm::reference_record_bytes) < shm::reference_record_bytes) break;
       std::byte record[shm::reference_record_bytes];
       shm::encode_record_header(record, {shm::RecordKind::reference, 0});
       le::put_u64(record + shm::record_header_bytes, reinterpret_cast<std::uintptr_t>(piece.data));
@@ -345,17 +345,19 @@ bool ShmStream::push_some() {
     }
     // An inline record: as much of this piece and the inline pieces after it as fits, placed alike
     // (padding_for) where a large piece is in it.
-    std::size_t room = out_.room();
-    if (room <= shm::record_header_bytes) break;
-    if (const std::size_t padding = padding_for(write_.pieces, write_.piece, write_.offset, room)) {
-      put_padding(padding);
-      room -= padding;
-    }
     std::size_t length = 0;
     for (int i = write_.piece; i < 3; ++i) {
       const ConstBytes& next = write_.pieces[i];
       if (i != write_.piece && by_reference(next)) break;
       length += next.size - (i == write_.piece ? write_.offset : 0);
+    }
+    // The room for all of it with its padding, if the ring has it (the reader's head loaded only when
+    // the room last seen is short).
+    std::size_t room = out_.room(2 * shm::record_header_bytes + shm::padding_most + length);
+    if (room <= shm::record_header_bytes) break;
+    if (const std::size_t padding = padding_for(write_.pieces, write_.piece, write_.offset, room)) {
+      put_padding(padding);
+      room -= padding;
     }
     length = std::min({length, room - shm::record_header_bytes, std::size_t{UINT32_MAX}});
     std::byte header[shm::record_header_bytes];
@@ -582,7 +584,7 @@ void ShmStream::write_blocking(const void* data, std::size_t size) {
   // One inline record, put whole or not at all (the goodbye frame: 48 bytes): a reader never sees half.
   if (size == 0 || size > UINT32_MAX) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (out_.room() < shm::record_header_bytes + size) {
+  while (out_.room(shm::record_header_bytes + size) < shm::record_header_bytes + size) {
     if (peer_closed_ || std::chrono::steady_clock::now() >= until) return;
     std::this_thread::yield();
   }
