@@ -165,7 +165,7 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   if (const char* v = env("WEFT_SHM_CMA_BYTES"); v && *v && std::string_view(v) != "off") {
     (void)detail::parse_count("WEFT_SHM_CMA_BYTES", v, 0, 1ll << 47);  // was a warning, then "off"
   }
-  if (const char* v = env("WEFT_SHM_ARENA_CMA_BYTES"); v && *v && std::string_view(v) != "off") {
+  if (const char* v = env("WEFT_SHM_ARENA_CMA_BYTES"); v && *v && std::string_view(v) != "off" && std::string_view(v) != "on") {
     (void)detail::parse_count("WEFT_SHM_ARENA_CMA_BYTES", v, 1, 1ll << 47);
   }
   if (const char* v = env("WEFT_DEVICE_IPC"); v && *v) (void)detail::parse_switch("WEFT_DEVICE_IPC", v);

@@ -1339,6 +1339,7 @@ TEST_CASE("variables read lazily (WEFT_INLINE_SPIN_US and others) are refused at
   expect_error([&] { Options{}.from_environment(environment_with("0", {"WEFT_SHM_ARENA_CMA_BYTES"})); }, Errc::invalid_argument,
                {"WEFT_SHM_ARENA_CMA_BYTES='0'"});
   Options{}.from_environment(environment_with("off", {"WEFT_SHM_ARENA_CMA_BYTES"}));
+  Options{}.from_environment(environment_with("on", {"WEFT_SHM_ARENA_CMA_BYTES"}));
   Options{}.from_environment(environment_with("16384", {"WEFT_SHM_ARENA_CMA_BYTES"}));
 }
 

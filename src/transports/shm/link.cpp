@@ -25,6 +25,7 @@
 #include "core/deadline.hpp"
 #include "core/log.hpp"
 #include "transports/shm/arena.hpp"
+#include "transports/shm/lendable.hpp"
 
 namespace weft::shm {
 namespace {
@@ -105,18 +106,42 @@ std::size_t single_copy_from() {
 }
 
 // The smallest piece the group arena reads straight from a peer's buffer (arena.hpp, "Direct reads"):
-// WEFT_SHM_ARENA_CMA_BYTES, "off" for never, unset for each collective's measured default.
+// WEFT_SHM_ARENA_CMA_BYTES, "off" for never, "on" for each collective's measured default, unset for that
+// default where the kernel copies fast enough here (`probe`: kernel_copy_is_slow below).
 // Options::from_environment refused a malformed value.
-std::uint64_t arena_direct_from() {
-  static const std::uint64_t bytes = [] {
+struct ArenaDirectSetting {
+  std::uint64_t from = Arena::direct_defaults;
+  bool probe = true;
+};
+ArenaDirectSetting arena_direct_setting() {
+  static const ArenaDirectSetting setting = [] {
     const char* v = std::getenv("WEFT_SHM_ARENA_CMA_BYTES");
-    if (!v || !*v) return Arena::direct_defaults;
-    if (std::string_view(v) == "off") return std::uint64_t{0};
+    if (!v || !*v) return ArenaDirectSetting{};
+    if (std::string_view(v) == "off") return ArenaDirectSetting{0, false};
+    if (std::string_view(v) == "on") return ArenaDirectSetting{Arena::direct_defaults, false};
     char* end = nullptr;
     const unsigned long long n = std::strtoull(v, &end, 10);
-    return *end == '\0' ? std::max<std::uint64_t>(1, n) : Arena::direct_defaults;
+    return *end == '\0' ? ArenaDirectSetting{std::max<std::uint64_t>(1, n), false} : ArenaDirectSetting{};
   }();
-  return bytes;
+  return setting;
+}
+
+// Whether this machine's kernel copies so slowly against memcpy that the arena's copies through its
+// areas beat reading the peers' buffers directly (lendable.hpp, KernelCopyCost::slow). Measured once
+// per process, at its first arena's set-up (about a millisecond), and said once.
+bool kernel_copy_is_slow(int rank) {
+  static const bool slow = [rank] {
+    const KernelCopyCost cost = measure_kernel_copy();
+    if (cost.slow()) {
+      log().info("rank {}: the kernel copies 256 KiB in {:.1f} us against memcpy's {:.1f} (x{:.1f}): the group arena copies through "
+                 "its areas (WEFT_SHM_ARENA_CMA_BYTES=on reads directly all the same)",
+                 rank, cost.kernel_us, cost.memcpy_us, cost.kernel_us / cost.memcpy_us);
+    } else {
+      log().debug("rank {}: the kernel copies 256 KiB in {:.1f} us against memcpy's {:.1f}", rank, cost.kernel_us, cost.memcpy_us);
+    }
+    return cost.slow();
+  }();
+  return slow;
 }
 
 // Whether this process can read `size` bytes at `address` in process `pid` and finds `expected` there
@@ -449,7 +474,12 @@ void offer_direct_reads(Arena& arena, const std::vector<std::optional<ShmStream:
   for (std::size_t peer = 0; peer < links.size(); ++peer) {
     if (links[peer]) pids[peer] = links[peer]->peer_pid;
   }
-  arena.offer_direct_reads(arena_direct_from(), std::move(pids));
+  const ArenaDirectSetting setting = arena_direct_setting();
+  bool every_peer = true;
+  for (std::size_t peer = 0; peer < pids.size(); ++peer) every_peer = every_peer && (static_cast<int>(peer) == arena.rank() || pids[peer] > 0);
+  // The probe only where it can change something: every peer readable, the sizes left to the defaults.
+  const bool slow = setting.probe && setting.from != 0 && every_peer && kernel_copy_is_slow(arena.rank());
+  arena.offer_direct_reads(slow ? 0 : setting.from, std::move(pids));
 }
 
 // After the verdict: the group's choice, said once (by rank 0, where it is the same for all).
@@ -462,8 +492,8 @@ void settle_direct_reads(Arena& arena, int rank) {
     log().info("rank 0: the group arena reads pieces of {} bytes or more straight from the peers' buffers (single copy)",
                arena.direct_from());
   } else {
-    log().info("rank 0: the group arena copies through its areas (a rank cannot read every peer's memory, or "
-               "WEFT_SHM_ARENA_CMA_BYTES=off)");
+    log().info("rank 0: the group arena copies through its areas (a rank cannot read every peer's memory, its kernel "
+               "copies slowly, or WEFT_SHM_ARENA_CMA_BYTES=off)");
   }
 }
 
