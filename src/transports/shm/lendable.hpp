@@ -28,9 +28,10 @@ struct KernelCopyCost {
 };
 inline constexpr double kernel_copy_slow_ratio = 3.0;
 
-/// Measures KernelCopyCost on `bytes` (256 KiB, 10 rounds: about 0.2 ms of copies, plus faulting in the buffers).
+/// Measures KernelCopyCost on `bytes` (256 KiB: three bursts of `rounds` rounds, about 0.3 ms of copies spread over 1-2 ms, plus faulting in
+/// the buffers).
 /// The kernel's time is 0 where process_vm_readv fails (then nothing reads directly anyway).
-KernelCopyCost measure_kernel_copy(std::size_t bytes = std::size_t{256} << 10, int rounds = 10) noexcept;
+KernelCopyCost measure_kernel_copy(std::size_t bytes = std::size_t{256} << 10, int rounds = 5) noexcept;
 
 /// True when process_vm_readv can read [data, data + bytes) of this process (its first and last byte:
 /// a buffer that spans several mappings, one of them unreadable in its middle, is not caught, and its

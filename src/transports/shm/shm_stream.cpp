@@ -307,7 +307,8 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
   // Placed alike when the room holds the padding too (takes_whole_now asked for the record alone).
   const ConstBytes pieces[3] = {first, second, third};
   const std::size_t room = out_.room(2 * shm::record_header_bytes + shm::padding_most + total);
-  const std::size_t padding = padding_for(pieces, 0, 0, room);
+  // (No piece of a smaller record can be large enough to be placed: not asked, on every small send.)
+  const std::size_t padding = total >= shm::align_records_from ? padding_for(pieces, 0, 0, room) : 0;
   if (padding != 0 && room >= padding + shm::record_header_bytes + total) put_padding(padding);
   std::byte header[shm::record_header_bytes];
   shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(total)});
