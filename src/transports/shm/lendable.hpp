@@ -21,16 +21,17 @@ struct KernelCopyCost {
   double memcpy_us = 0;
   /// Whether reading a peer's buffer directly loses to copying through shared memory (a copy in, a
   /// copy out): where the kernel's copy takes at least kernel_copy_slow_ratio times memcpy's, two
-  /// copies win even if the one between cores costs memcpy's twice. On the project's Intel Xeon the kernel
-  /// copied 256 KiB in 1.9x memcpy's time and direct reads won 1.65-2.5x; on its AMD EPYC 3.8-4.2x,
-  /// and they lost 1.2-1.6x (bench/RESULTS.md, "The kernel's copy measured at set-up").
+  /// copies win even if the one between cores costs memcpy's twice. On the project's Intel Xeon the
+  /// kernel copied 256 KiB in 1.9x memcpy's time (between two processes) and direct reads won 1.65-2.5x;
+  /// on its AMD EPYC 3.9-5.0x, and they lost 1.2-1.7x (bench/RESULTS.md, "The kernel's copy measured at
+  /// set-up").
   bool slow() const noexcept;
 };
 inline constexpr double kernel_copy_slow_ratio = 3.0;
 
-/// Measures KernelCopyCost on `bytes` (256 KiB: three bursts of `rounds` rounds, about 0.3 ms of copies spread over 1-2 ms, plus faulting in
-/// the buffers).
-/// The kernel's time is 0 where process_vm_readv fails (then nothing reads directly anyway).
+/// Measures KernelCopyCost on `bytes` (256 KiB: three bursts of `rounds` rounds, about 0.3 ms of copies
+/// spread over 1-2 ms, plus faulting in the buffers). The kernel's time is 0 where process_vm_readv
+/// fails (then nothing reads directly anyway).
 KernelCopyCost measure_kernel_copy(std::size_t bytes = std::size_t{256} << 10, int rounds = 5) noexcept;
 
 /// True when process_vm_readv can read [data, data + bytes) of this process (its first and last byte:
