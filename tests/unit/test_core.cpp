@@ -19,10 +19,12 @@
 #include <weft/asio.hpp>
 #include <weft/weft.hpp>
 
+#include "core/bytes.hpp"
 #include "core/sanitizer.hpp"
 #include "core/scratch.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "transports/framed/contexts.hpp"
+#include "transports/framed/wire.hpp"
 #include "support/harness.hpp"
 
 using namespace weft;
@@ -58,6 +60,56 @@ Task<int> failing_after(Loop& loop, std::chrono::milliseconds d) {
 }
 
 }  // namespace
+
+TEST_CASE("wire integers are little-endian bytes, whatever the host's order", "[core][bytes]") {
+  std::byte out[8]{};
+  le::put_u32(out, 0x04030201u);
+  CHECK(std::to_integer<int>(out[0]) == 1);
+  CHECK(std::to_integer<int>(out[3]) == 4);
+  CHECK(le::get_u32(out) == 0x04030201u);
+  le::put_u64(out, 0x0807060504030201ull);
+  for (int i = 0; i < 8; ++i) CHECK(std::to_integer<int>(out[i]) == i + 1);
+  CHECK(le::get_u64(out) == 0x0807060504030201ull);
+  // Unaligned: the frame header's fields sit at any offset of a read-ahead buffer.
+  std::byte buffer[16]{};
+  le::put_u64(buffer + 3, 0xfedcba9876543210ull);
+  CHECK(std::to_integer<int>(buffer[3]) == 0x10);
+  CHECK(std::to_integer<int>(buffer[10]) == 0xfe);
+  CHECK(le::get_u64(buffer + 3) == 0xfedcba9876543210ull);
+
+  // A frame header as docs/PROTOCOL.md lays it out, byte for byte, and back.
+  wire::Header h;
+  h.kind = wire::FrameKind::cancel;
+  h.context = 0x11223344u;
+  h.call = 0x55667788u;
+  h.seq = 0x0102030405060708ull;
+  h.tag = 9;
+  h.bytes = 10;
+  h.count = 0xa0b0c0d0e0f00011ull;
+  wire::HeaderBytes bytes{};
+  wire::encode(h, bytes);
+  CHECK(std::to_integer<int>(bytes[0]) == 'W');
+  CHECK(std::to_integer<int>(bytes[3]) == 'T');
+  CHECK(std::to_integer<int>(bytes[4]) == wire::version);
+  CHECK(std::to_integer<int>(bytes[6]) == 8);
+  CHECK(std::to_integer<int>(bytes[8]) == 0x44);
+  CHECK(std::to_integer<int>(bytes[12]) == 0x88);
+  CHECK(std::to_integer<int>(bytes[16]) == 0x08);
+  CHECK(std::to_integer<int>(bytes[47]) == 0xa0);
+  std::string error;
+  const auto back = wire::decode(bytes, error);
+  REQUIRE(back);
+  CHECK(back->kind == h.kind);
+  CHECK(back->context == h.context);
+  CHECK(back->call == h.call);
+  CHECK(back->seq == h.seq);
+  CHECK(back->tag == h.tag);
+  CHECK(back->bytes == h.bytes);
+  CHECK(back->count == h.count);
+  bytes[0] = std::byte{'X'};
+  CHECK_FALSE(wire::decode(bytes, error));
+  CHECK(error.find("bad magic") != std::string::npos);
+}
 
 TEST_CASE("a Task is lazy and runs when awaited", "[core][task]") {
   Loop loop;
