@@ -498,6 +498,62 @@ TEST_CASE("a receive whose message already arrived takes it at once, and only on
   REQUIRE_FALSE(pair.recv_now(1, 8, into, early.size()).get());  // taken
 }
 
+TEST_CASE("frames taken whole from the ring by their posted receives keep their order with early messages and refusals", "[shm][stream]") {
+  // Small frames meet posted receives straight from the ring (StreamEvents::take_frame); a wrong size,
+  // an early message, a frame larger than the read-ahead buffer, and a second receive of one key are
+  // left to the framing's own steps: every one must come out as if all had taken them.
+  ShmPair pair;
+  const auto a = pattern(8, 11);
+  const auto b = pattern(300, 12);
+  const auto c = pattern(5000, 13);
+  const auto d = pattern(17000, 14);  // beyond the inbox: read, not taken
+  const auto e = pattern(1, 15);
+  std::vector<std::byte> in_a(a.size()), in_wrong(b.size() + 1), in_c(c.size()), in_d(d.size()), in_e(e.size());
+  auto ra = pair.receive(1, 20, in_a);
+  auto rwrong = pair.receive(1, 21, in_wrong);
+  auto rd = pair.receive(1, 23, in_d);
+  auto re = pair.receive(1, 24, in_e);
+  REQUIRE(!pair.send(0, 20, a).get().error);
+  REQUIRE(!pair.send(0, 21, b).get().error);
+  REQUIRE(!pair.send(0, 22, c).get().error);  // nobody waits for it yet: an early message
+  REQUIRE(!pair.send(0, 23, d).get().error);
+  REQUIRE(!pair.send(0, 24, e).get().error);
+  REQUIRE(!ra.get().error);
+  REQUIRE(in_a == a);
+  const auto wrong = rwrong.get();
+  REQUIRE(wrong.error == make_error_code(Errc::size_mismatch));
+  REQUIRE_THAT(wrong.reason, Catch::Contains("sent 300 bytes") && Catch::Contains("expected 301"));
+  REQUIRE(!rd.get().error);
+  REQUIRE(in_d == d);
+  REQUIRE(!re.get().error);
+  REQUIRE(in_e == e);
+  REQUIRE(!pair.receive(1, 22, in_c).get().error);
+  REQUIRE(in_c == c);
+  // Two receives of one key, posted before their frames: the first frame to the first receive.
+  const auto first = pattern(40, 16);
+  const auto second = pattern(40, 17);
+  std::vector<std::byte> in_first(first.size()), in_second(second.size());
+  auto r1 = pair.receive(1, 30, in_first);
+  auto r2 = pair.receive(1, 30, in_second);
+  REQUIRE(!pair.send(0, 30, first).get().error);
+  REQUIRE(!pair.send(0, 30, second).get().error);
+  REQUIRE(!r1.get().error);
+  REQUIRE(!r2.get().error);
+  REQUIRE(in_first == first);
+  REQUIRE(in_second == second);
+  // Many small frames queued in the ring before the receiver looks, every one with its receive posted.
+  std::vector<std::vector<std::byte>> out, in;
+  std::vector<Future<ShmPair::Outcome>> receives;
+  for (int i = 0; i < 200; ++i) {
+    out.push_back(pattern(static_cast<std::size_t>(i % 97), static_cast<unsigned>(100 + i)));
+    in.emplace_back(out.back().size());
+  }
+  for (int i = 0; i < 200; ++i) receives.push_back(pair.receive(1, static_cast<std::uint64_t>(1000 + i), in[static_cast<std::size_t>(i)]));
+  for (int i = 0; i < 200; ++i) REQUIRE(!pair.send(0, static_cast<std::uint64_t>(1000 + i), out[static_cast<std::size_t>(i)]).get().error);
+  for (auto& f : receives) REQUIRE(!f.get().error);
+  REQUIRE(in == out);
+}
+
 TEST_CASE("a peer that goes away fails the receive waiting on it, naming the connection", "[shm][stream]") {
   ShmPair pair;
   std::vector<std::byte> into(16);

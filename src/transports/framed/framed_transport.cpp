@@ -783,6 +783,37 @@ void FramedTransport::on_read(int peer, const std::error_code& ec, std::size_t b
   }
 }
 
+// A whole data frame the stream holds in one piece (StreamEvents::take_frame), taken by the receive
+// posted for it: exactly what on_header, on_data_header, read_payload_into and on_frame do for such a
+// frame, without the copy into the inbox and those steps. Anything else (a control frame, an early
+// message, a mismatch or a wrong size to report, a failed or cancelled operation, sealed frames, a frame
+// larger than the inbox) is left to them: null.
+TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::size_t size) {
+  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  if (!c.alive || c.reading != Reading::header || c.handling || c.header_waiting || c.inbox_begin != c.inbox_end ||
+      c.recv_seal.on() || size < wire::header_size || size > Connection::inbox_size)
+    return nullptr;
+  wire::HeaderBytes header_bytes;
+  std::memcpy(header_bytes.data(), data, wire::header_size);
+  std::string error;
+  const auto header = wire::decode(header_bytes, error);
+  if (!header || header->kind != wire::FrameKind::data || header->bytes != size - wire::header_size) return nullptr;
+  const wire::Header& h = *header;
+  if (const ContextState* ctx = contexts_.find(h.context); ctx && (ctx->failed || (!ctx->cancelled.empty() && ctx->cancellation(h.seq))))
+    return nullptr;
+  const OpSignature theirs{h.call, h.count};
+  TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}}, [&](const TransportOp& posted) {
+    return !mismatched(posted, theirs) && posted.bytes == h.bytes;
+  });
+  if (!op) return nullptr;
+  begin_frame(c, h);
+  if (h.bytes) std::memcpy(op->recv_data, data + wire::header_size, h.bytes);
+  return op;
+}
+
+// Nothing happened on this thread since take_frame found the operation usable.
+void FramedTransport::complete_taken(int /*peer*/, TransportOp& op) { op.complete(); }
+
 std::size_t FramedTransport::take_from_inbox(Connection& c, void* dst, std::size_t bytes) {
   const std::size_t n = std::min(bytes, c.inbox_end - c.inbox_begin);
   if (n > 0 && dst) std::memcpy(dst, c.inbox + c.inbox_begin, n);
@@ -806,9 +837,7 @@ void FramedTransport::on_header(Connection& c) {
     fail_connection(c, fmt::format("protocol error from rank {}: {}", c.peer, error));
     return;
   }
-  c.current = *header;
-  c.read_ahead = header->bytes > Connection::inbox_size ? std::min(Connection::read_ahead_after_big, c.read_ahead_most)
-                                                        : c.read_ahead_most;
+  begin_frame(c, *header);
   if (c.recv_seal.on()) {
     c.recv_seal.begin();
     c.recv_seal.update(c.recv_header.data(), wire::header_size);

@@ -192,6 +192,8 @@ class FramedTransport final : public Transport, private StreamEvents {
   void on_lent(int peer) override;
   void on_released(int peer, std::size_t writes) override;
   void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
+  TransportOp* take_frame(int peer, const std::byte* data, std::size_t size) override;
+  void complete_taken(int peer, TransportOp& op) override;
   // Writes the connection's next frame. `starting`: the send start_send just queued, completed at once
   // when its frame is the only one and the stream takes it whole (Stream::write_now).
   void start_write(Connection& c, TransportOp* starting = nullptr);
@@ -209,6 +211,11 @@ class FramedTransport final : public Transport, private StreamEvents {
   std::size_t take_from_inbox(Connection& c, void* dst, std::size_t bytes);
   // A header was read whole: checked (its CRC with sealed frames), decoded, and handed to one of:
   void on_header(Connection& c);
+  // The frame whose header `h` is now the connection's (on_header, take_frame).
+  static void begin_frame(Connection& c, const wire::Header& h) noexcept {
+    c.current = h;
+    c.read_ahead = h.bytes > Connection::inbox_size ? std::min(Connection::read_ahead_after_big, c.read_ahead_most) : c.read_ahead_most;
+  }
   void on_data_header(Connection& c, const wire::Header& header);
   void on_control_header(Connection& c, const wire::Header& header);
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);

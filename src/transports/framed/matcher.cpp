@@ -64,15 +64,6 @@ void Matcher::give_back(Early&& buffer) {
   spare_buffers_.push_back(std::move(buffer));
 }
 
-TransportOp* Matcher::take_posted(const Key& key) {
-  auto it = mailboxes_.find(key);
-  if (it == mailboxes_.end() || it->second.posted.empty()) return nullptr;
-  TransportOp* op = it->second.posted.front();
-  it->second.posted.pop_front();
-  erase_if_empty(it);
-  return op;
-}
-
 std::optional<Matcher::Early> Matcher::take_early(const Key& key) {
   auto it = mailboxes_.find(key);
   if (it == mailboxes_.end() || it->second.early.empty()) return std::nullopt;

@@ -115,7 +115,19 @@ class Matcher {
   void post(const Key& key, TransportOp& op) { mailbox(key).posted.push_back(&op); }
   void keep_early(const Key& key, Early&& message) { mailbox(key).early.push_back(std::move(message)); }
   // The oldest receive posted for `key`, taken out; null if none.
-  TransportOp* take_posted(const Key& key);
+  TransportOp* take_posted(const Key& key) {
+    return take_posted_accepted(key, [](const TransportOp&) { return true; });
+  }
+  // The same, only when `accept(receive)` says yes to it; null (and nothing changed) otherwise.
+  template <class Accept>
+  TransportOp* take_posted_accepted(const Key& key, Accept accept) {
+    auto it = mailboxes_.find(key);
+    if (it == mailboxes_.end() || it->second.posted.empty() || !accept(*it->second.posted.front())) return nullptr;
+    TransportOp* op = it->second.posted.front();
+    it->second.posted.pop_front();
+    erase_if_empty(it);
+    return op;
+  }
   // The oldest early message for `key`, left in place; null if none.
   const Early* peek_early(const Key& key) const {
     if (mailboxes_.empty()) return nullptr;  // the usual answer for a receive posted before its message

@@ -16,6 +16,8 @@
 
 namespace weft {
 
+class TransportOp;
+
 struct ConstBytes {
   const void* data = nullptr;
   std::size_t size = 0;
@@ -33,6 +35,18 @@ class StreamEvents {
   /// The oldest `writes` lent writes (in the order they were lent) are read: their buffers are free.
   virtual void on_released(int peer, std::size_t writes) = 0;
   virtual void on_read(int peer, const std::error_code& ec, std::size_t bytes) = 0;
+  /// The stream's next bytes are one whole record of `size` bytes at `data`, readable until this returns
+  /// (a hostile peer may still write them: what decides is copied first). A transport between frames,
+  /// with nothing read ahead and its read posted for the next header, may take the record here as one
+  /// whole data frame for a receive already posted for it: it copies the payload into that receive's
+  /// buffer and returns the receive, which the stream completes through complete_taken once it has
+  /// dropped the record. Null: not taken, nothing changed; the stream reads the record as any other
+  /// bytes. Asked only by a stream whose bytes come in records (shm), which spares a small message the
+  /// copy through the read-ahead buffer and the framing's steps (bench/RESULTS.md). Default: null.
+  virtual TransportOp* take_frame(int /*peer*/, const std::byte* /*data*/, std::size_t /*size*/) { return nullptr; }
+  /// Completes a receive take_frame returned (its completion may run the user's code, and end the
+  /// transport and the stream: the stream touches nothing of either after it).
+  virtual void complete_taken(int /*peer*/, TransportOp& /*op*/) {}
 
  protected:
   ~StreamEvents() = default;

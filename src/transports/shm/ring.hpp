@@ -231,6 +231,14 @@ class RingReader {
     copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, size);
     return true;
   }
+  // The `size` available bytes `offset` past the reader's position, where they lie in one piece in the
+  // ring; null when they do not (fewer available, or they wrap past its end). Still the writer's memory:
+  // a hostile one may change them while they are read, so copy what decides anything first.
+  const std::byte* view(std::size_t offset, std::size_t size) const noexcept {
+    if (available() < offset + size) return nullptr;
+    const std::size_t at = static_cast<std::size_t>(head_ + offset) & (capacity_ - 1);
+    return at + size <= capacity_ ? ring_->data + at : nullptr;
+  }
   // Hands the bytes taken back to the sender. True when the sender sleeps waiting for room (signal it).
   bool release() noexcept {
     store_and_fence(ring_->head, head_, std::memory_order_release);

@@ -384,6 +384,31 @@ bool ShmStream::push_some() {
   return write_.piece == 3;
 }
 
+std::size_t ShmStream::take_whole_frames(bool& ended) {
+  std::size_t taken = 0;
+  while (taken < frames_taken_most && read_.active && read_.got == 0 && record_.left == 0 && !read_error_ && !alive_.expired()) {
+    std::byte header[shm::record_header_bytes];
+    if (!in_.peek(header, sizeof header)) break;
+    // Anything but a whole inline record in one piece is pull_read's, which also judges a bad one.
+    shm::RecordHeader h;
+    if (!shm::decode_record_header(header, h) || h.kind != shm::RecordKind::inline_bytes) break;
+    const std::byte* bytes = in_.view(shm::record_header_bytes, h.length);
+    if (!bytes) break;
+    TransportOp* op = events_->take_frame(peer_, bytes, h.length);
+    if (!op) break;
+    in_.take(nullptr, shm::record_header_bytes + h.length);
+    last_received_ = CoarseClock::now();
+    if (in_.release()) wake_peer();
+    ++taken;
+    events_->complete_taken(peer_, *op);
+    if (closed_ || alive_.expired()) {
+      ended = true;
+      break;
+    }
+  }
+  return taken;
+}
+
 bool ShmStream::pull_read() {
   if (read_error_) return false;
   bool ring_moved = false;
@@ -533,6 +558,11 @@ std::size_t ShmStream::progress() {
   // came earlier; a goodbye seen first would fail lent sends the peer had in fact read.
   const bool reading = read_.active;
   bool read_done = false;
+  if (reading) {
+    bool ended = false;
+    found += take_whole_frames(ended);
+    if (ended) return found;
+  }
   const std::size_t before = read_.got;
   if (reading) read_done = pull_read();
   if (const std::size_t released = take_released(); released > 0) {

@@ -123,6 +123,11 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // many of its bytes. put_padding writes it.
   std::size_t padding_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept;
   void put_padding(std::size_t bytes) noexcept;
+  // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
+  // to frames_taken_most, while the read in flight has nothing yet; returns how many. `ended`: a
+  // completion closed this stream or ended the transport, and nothing more may be done here.
+  std::size_t take_whole_frames(bool& ended);
+  static constexpr std::size_t frames_taken_most = 64;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
   void read_referenced(std::size_t limit);  // from the current reference record into the read (read_error_ on failure)
   bool peer_still_there() const noexcept;
