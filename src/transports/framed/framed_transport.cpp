@@ -799,8 +799,7 @@ TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::s
   const auto header = wire::decode(header_bytes, error);
   if (!header || header->kind != wire::FrameKind::data || header->bytes != size - wire::header_size) return nullptr;
   const wire::Header& h = *header;
-  if (const ContextState* ctx = contexts_.find(h.context); ctx && (ctx->failed || (!ctx->cancelled.empty() && ctx->cancellation(h.seq))))
-    return nullptr;
+  if (drops_data(contexts_.find(h.context), h.seq)) return nullptr;
   const OpSignature theirs{h.call, h.count};
   TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}}, [&](const TransportOp& posted) {
     return !mismatched(posted, theirs) && posted.bytes == h.bytes;
@@ -853,7 +852,7 @@ void FramedTransport::on_header(Connection& c) {
 // kept within the early-message bound; dropped for a failed or cancelled operation.
 void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
   const ContextState* ctx = contexts_.find(h.context);
-  if (ctx && (ctx->failed || (!ctx->cancelled.empty() && ctx->cancellation(h.seq)))) {
+  if (drops_data(ctx, h.seq)) {
     read_payload_into(c, nullptr, h.bytes, true);
     return;
   }

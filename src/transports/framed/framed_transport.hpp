@@ -216,6 +216,11 @@ class FramedTransport final : public Transport, private StreamEvents {
     c.current = h;
     c.read_ahead = h.bytes > Connection::inbox_size ? std::min(Connection::read_ahead_after_big, c.read_ahead_most) : c.read_ahead_most;
   }
+  // Whether a data frame of operation `seq` in `ctx` is read only to be dropped: its context failed, or
+  // the operation was cancelled (on_data_header discards it; take_frame leaves it to that).
+  static bool drops_data(const ContextState* ctx, std::uint64_t seq) {
+    return ctx && (ctx->failed || (!ctx->cancelled.empty() && ctx->cancellation(seq)));
+  }
   void on_data_header(Connection& c, const wire::Header& header);
   void on_control_header(Connection& c, const wire::Header& header);
   void read_payload_into(Connection& c, void* dst, std::size_t bytes, bool discard);
