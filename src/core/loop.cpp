@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string_view>
@@ -224,19 +225,30 @@ struct Loop::Impl {
   using Clock = std::chrono::steady_clock;
 
   // Caller-driven progress: a waiting thread may borrow the loop; the progress thread parks meanwhile.
+  //
+  // Who holds the loop is one word, `borrow`, changed only by compare-and-swap: `parked_bit` (the
+  // progress thread is parked and cannot leave while `borrowed_bit` is set), `borrowed_bit` (a thread
+  // holds the loop, or waits for the progress thread to park for it), `refused_bit` (a borrow was
+  // refused while one was held: the refused thread sleeps on its Future, whose start may still wait in
+  // the ready queue, so the holder's hand-back sends the parked thread to drive at once), and above them
+  // a count of hand-backs. A borrow of a parked loop and its hand-back are one atomic operation each:
+  // the mutex they took before, and the clock read of the hand-back, were a tenth of a small message's
+  // instructions over shm from plain code (bench/RESULTS.md). The mutex and condition variable remain
+  // for sleeping and waking only: the parked thread's waits, a borrower that waits for a running
+  // progress thread to park, and the wake-ups below, which are all off the path of back-to-back calls.
+  static constexpr std::uint64_t parked_bit = 1;
+  static constexpr std::uint64_t borrowed_bit = 2;
+  static constexpr std::uint64_t refused_bit = 4;
+  static constexpr std::uint64_t one_hand_back = 8;
+  std::atomic<std::uint64_t> borrow{0};
   std::mutex driver_mutex;
   std::condition_variable driver_cv;
-  bool borrow_wanted = false;         // guarded by driver_mutex
-  // Guarded by driver_mutex: a borrow was refused while one was held (the refused thread sleeps on its
-  // Future, whose start may still wait in the ready queue), so the holder's hand-back sends the parked
-  // thread to drive at once (drive_now) instead of leaving it to linger.
-  bool refused_meanwhile = false;
-  bool drive_now = false;
-  bool parked = false;                // guarded by driver_mutex; mirrored in parked_flag for spinners
-  Clock::time_point handed_back{};    // guarded by driver_mutex: when the last borrower let go
-  Clock::time_point borrowed_at{};    // guarded by driver_mutex: when the current borrower took the loop
-  std::atomic<bool> parked_flag{false};
-  std::atomic<bool> borrow_flag{false};
+  // A drive_until borrow's start (Clock's count), for the parked thread's long-borrow check; the
+  // largest count while no drive_until holds the loop (run_here's borrows are short and write nothing).
+  static constexpr Clock::rep no_borrow_start = std::numeric_limits<Clock::rep>::max();
+  std::atomic<Clock::rep> drive_started{no_borrow_start};
+  std::atomic<bool> drive_now{false};     // a hand-back found refused_bit: the parked thread drives at once
+  std::atomic<bool> long_sleeping{false};  // the parked thread sleeps a long tick: a hand-back wakes it
 
   // A parked progress thread stays parked this long after a borrower hands the loop back, in case a
   // thread borrows it again (back-to-back blocking calls): waking it on every hand-back, only to park it
@@ -252,62 +264,93 @@ struct Loop::Impl {
   // A borrower that hands back with operations in flight wakes the parked thread, which then waits this
   // much longer before it drives them: a thread waiting on several Futures one after the other (`for
   // (auto& f : window) f.get()`, Python's `for w in works: w.wait()`) borrows again within
-  // microseconds, and a parked thread is taken back for the price of a lock, where one that already
-  // runs must first be parked again (about 2-3 us a message over shm, bench/RESULTS.md). What a caller
-  // leaves in flight while it computes starts moving this much later.
+  // microseconds, and a parked thread is taken back for the price of an atomic operation, where one that
+  // already runs must first be parked again (about 2-3 us a message over shm, bench/RESULTS.md). What a
+  // caller leaves in flight while it computes starts moving this much later.
   static constexpr std::chrono::microseconds hand_back_grace{50};
   Clock::time_point grace_until{};  // guarded by driver_mutex
   bool grace_waiting = false;        // guarded by driver_mutex: the parked thread waits for grace_until
 
+  bool borrowed() const noexcept { return (borrow.load(std::memory_order_acquire) & borrowed_bit) != 0; }
+
+  // The progress thread, once a borrower asked for the loop (borrowed_bit): parks until the loop has not
+  // been borrowed for `linger` (counted from the first look that saw the last hand-back, so that a
+  // hand-back needs no clock read), until a hand-back asks it to drive (refused_bit, work in flight
+  // after the grace), or until the loop stops. It leaves only by a compare-and-swap that fails while a
+  // borrower holds the loop.
   void park() {
     std::unique_lock lock(driver_mutex);
-    parked = true;
-    parked_flag.store(true, std::memory_order_release);
-    driver_cv.notify_all();
+    std::uint64_t seen = borrow.fetch_or(parked_bit, std::memory_order_acq_rel) | parked_bit;
+    driver_cv.notify_all();  // a borrower that waits for the park (drive_until)
+    auto seen_at = Clock::now();
     while (!stopping.load()) {
-      if (!borrow_wanted) {
-        const auto now = Clock::now();
+      std::uint64_t now_state = borrow.load(std::memory_order_acquire);
+      const auto now = Clock::now();
+      if ((now_state & ~(one_hand_back - 1)) != (seen & ~(one_hand_back - 1))) seen_at = now;  // handed back since
+      seen = now_state;
+      if (!(now_state & borrowed_bit)) {
         const bool in_flight_now = in_flight.load(std::memory_order_relaxed) > 0;
-        if (std::exchange(drive_now, false) || (in_flight_now && now >= grace_until) || now - handed_back >= linger) break;
+        if (drive_now.exchange(false) || (in_flight_now && now >= grace_until) || now - seen_at >= linger) {
+          if (borrow.compare_exchange_strong(now_state, now_state & ~parked_bit, std::memory_order_acq_rel)) return;
+          drive_now.store(true);  // borrowed meanwhile: it is asked again after that hand-back
+          continue;
+        }
         if (in_flight_now) {  // a borrower just handed back with work in flight: its next wait may come
           grace_waiting = true;
           driver_cv.wait_until(lock, grace_until);
           grace_waiting = false;
           continue;
         }
+        driver_cv.wait_for(lock, linger);
+        continue;
       }
-      const bool long_borrowed = borrow_wanted && Clock::now() - borrowed_at >= long_borrow;
-      if (long_borrowed) {
-        driver_cv.wait_for(lock, long_tick);
+      const Clock::rep started = drive_started.load(std::memory_order_relaxed);
+      if (started != no_borrow_start && now.time_since_epoch().count() - started >= Clock::duration(long_borrow).count()) {
+        // Dekker with hand_back: it changes `borrow`, then looks at long_sleeping.
+        long_sleeping.store(true);
+        if (borrow.load() & borrowed_bit) driver_cv.wait_for(lock, long_tick);
+        long_sleeping.store(false);
       } else {
         driver_cv.wait_for(lock, linger);
       }
     }
-    parked = false;
-    parked_flag.store(false, std::memory_order_release);
+    borrow.fetch_and(~parked_bit, std::memory_order_acq_rel);
+  }
+
+  // Takes the loop for this thread when the progress thread is parked (the borrow of run_here and the
+  // common one of drive_until): one compare-and-swap.
+  bool borrow_parked() noexcept {
+    std::uint64_t state = borrow.load(std::memory_order_relaxed);
+    return (state & (parked_bit | borrowed_bit)) == parked_bit &&
+           borrow.compare_exchange_strong(state, state | borrowed_bit, std::memory_order_acquire, std::memory_order_relaxed);
   }
 
   // A borrower lets go (drive_until, run_here). The parked thread is woken when a thread was refused a
-  // borrow meanwhile (it sleeps on its Future: drive for it now), after a long borrow (it sleeps a long
-  // tick meanwhile, and must look again within `linger`), and, with `grace_in_flight`, when operations
-  // are in flight, to drive them after the grace unless borrowed again; a parked thread already waiting
-  // out a grace (an earlier hand-back of a series woke it) only needs the grace moved: it looks at
-  // grace_until again when its wait ends. Otherwise it lingers and looks again on its own.
+  // borrow meanwhile (it sleeps on its Future: drive for it now), when it sleeps a long tick (a long
+  // borrow: it must look again within `linger`), and, with `grace_in_flight`, when operations are in
+  // flight, to drive them after the grace unless borrowed again; a parked thread already waiting out a
+  // grace (an earlier hand-back of a series woke it) only needs the grace moved: it looks at grace_until
+  // again when its wait ends. Otherwise it lingers and looks again on its own.
   void hand_back(bool grace_in_flight) {
-    bool wake = false;
-    {
-      std::lock_guard lock(driver_mutex);
-      borrow_wanted = false;
-      borrow_flag.store(false, std::memory_order_release);
-      handed_back = Clock::now();
-      if (std::exchange(refused_meanwhile, false)) drive_now = true;
-      if (grace_in_flight && in_flight.load(std::memory_order_relaxed) > 0) {
-        grace_until = handed_back + hand_back_grace;
-        wake = !grace_waiting;
-      }
-      wake = wake || handed_back - borrowed_at >= long_borrow || drive_now;
+    std::uint64_t state = borrow.load(std::memory_order_relaxed);
+    while (!borrow.compare_exchange_weak(state, (state & ~(borrowed_bit | refused_bit)) + one_hand_back)) {
     }
-    if (wake) driver_cv.notify_all();
+    bool wake = long_sleeping.load() || drive_now.load(std::memory_order_relaxed);
+    if (state & refused_bit) {
+      drive_now.store(true);
+      wake = true;
+    }
+    if (grace_in_flight && in_flight.load(std::memory_order_relaxed) > 0) {
+      std::lock_guard lock(driver_mutex);
+      grace_until = Clock::now() + hand_back_grace;
+      wake = wake || !grace_waiting;
+    }
+    if (wake) {
+      // Under the lock: the parked thread decides to sleep under it, so the notify cannot fall between
+      // its look and its wait.
+      { std::lock_guard lock(driver_mutex); }
+      driver_cv.notify_all();
+    }
   }
 
   // What is posted to a loop that owns its thread (Loop::post, from any thread): taken by the next turn
@@ -519,7 +562,7 @@ struct Loop::Impl {
     std::size_t n = 0;
     while (n < poll_at_most && io->poll_one() > 0) {
       ++n;
-      if (done ? (*done)() : borrow_flag.load(std::memory_order_relaxed)) break;
+      if (done ? (*done)() : (borrow.load(std::memory_order_relaxed) & borrowed_bit) != 0) break;
       if (ready_any.load(std::memory_order_acquire)) break;
     }
     return n;
@@ -530,7 +573,7 @@ struct Loop::Impl {
   void run_progress() {
     auto last_work = Clock::now();
     while (!stopping.load(std::memory_order_relaxed)) {
-      if (borrow_flag.load(std::memory_order_acquire)) {
+      if (borrowed()) {
         park();
         last_work = Clock::now();
         continue;
@@ -733,57 +776,53 @@ bool Loop::single_thread() const noexcept { return impl_->progress_thread.joinab
 
 bool Loop::drive_until(const std::function<bool()>& done) {
   Impl& im = *impl_;
-  if (!im.caller_drives || !im.progress_thread.joinable() || in_loop_thread()) return false;
-  {
-    std::lock_guard lock(im.driver_mutex);
-    if (im.borrow_wanted || im.stopping.load()) {
-      im.refused_meanwhile = true;  // the holder wakes the progress thread when it hands back
-      return false;
+  if (!im.caller_drives || !im.progress_thread.joinable() || in_loop_thread() || im.stopping.load()) return false;
+  std::uint64_t state = im.borrow.load(std::memory_order_relaxed);
+  for (;;) {
+    if (state & Impl::borrowed_bit) {
+      // Held by another thread: refused, and the holder wakes the progress thread when it hands back.
+      if (im.borrow.compare_exchange_weak(state, state | Impl::refused_bit, std::memory_order_relaxed)) return false;
+    } else if (im.borrow.compare_exchange_weak(state, state | Impl::borrowed_bit, std::memory_order_acquire, std::memory_order_relaxed)) {
+      break;
     }
-    im.borrow_wanted = true;
-    im.borrowed_at = Impl::Clock::now();
-    im.borrow_flag.store(true, std::memory_order_release);
   }
-  if (!im.parked_flag.load(std::memory_order_acquire)) {
+  auto last_work = Impl::Clock::now();
+  im.drive_started.store(last_work.time_since_epoch().count(), std::memory_order_relaxed);
+  bool driving = (state & Impl::parked_bit) != 0;
+  if (!driving) {
     asio::post(*im.io, [] {});  // wakes the progress thread if it sleeps in run_one
     // It parks within microseconds when it is polling: wait for that without sleeping (a sleeping
     // waiter's wake-up costs tens of microseconds on a VM), for a bounded while, then sleep.
-    const auto until = Impl::Clock::now() + std::chrono::microseconds(200);
-    while (!im.parked_flag.load(std::memory_order_acquire) && Impl::Clock::now() < until) std::this_thread::yield();
-  }
-  bool driving = false;
-  {
+    const auto parked = [&] { return (im.borrow.load(std::memory_order_acquire) & Impl::parked_bit) != 0; };
+    const auto until = last_work + std::chrono::microseconds(200);
+    while (!parked() && Impl::Clock::now() < until) std::this_thread::yield();
     std::unique_lock lock(im.driver_mutex);
-    im.driver_cv.wait(lock, [&] { return im.parked || im.stopping.load(); });
-    driving = im.parked;
+    im.driver_cv.wait(lock, [&] { return parked() || im.stopping.load(); });
+    driving = parked();
+    last_work = Impl::Clock::now();
   }
   if (driving) {
     // Poll within `spin` of the last event, else sleep in the kernel and look again. Everything that
     // completes the awaited operation reaches this thread's kernel wait (a socket, the eventfd of the
     // shared-memory rings and of posts), so the slice only bounds a look at done() that no event asks for.
-    auto last_work = Impl::Clock::now();
     while (!done()) im.turn(last_work, !cores_taken_by_compute(), std::chrono::milliseconds(50), &done);
   }
+  im.drive_started.store(Impl::no_borrow_start, std::memory_order_relaxed);
   im.hand_back(true);
   return driving;
 }
 
 bool Loop::run_here(void (*fn)(void*), void* arg) {
   Impl& im = *impl_;
-  // The flag first, without the lock: a loop whose thread runs (the common case of a loop with
-  // operations in flight) is refused for the price of a load.
-  if (!im.caller_drives || !im.progress_thread.joinable() || !im.parked_flag.load(std::memory_order_acquire)) return false;
+  // Only a parked loop is borrowed here (one that runs is refused, and the caller posts): a load, a
+  // compare-and-swap, and another at the hand-back.
+  if (!im.caller_drives || !im.progress_thread.joinable()) return false;
+  if ((im.borrow.load(std::memory_order_relaxed) & (Impl::parked_bit | Impl::borrowed_bit)) != Impl::parked_bit) return false;
   if (polling_loop == &im || im.io->get_executor().running_in_this_thread()) return false;
-  {
-    // Not waited for: held, it is the parked thread's tick or another borrower (post then).
-    std::unique_lock lock(im.driver_mutex, std::try_to_lock);
-    // Parked under this lock, and it cannot leave its park while borrow_wanted holds (Impl::park).
-    if (!lock.owns_lock() || !im.parked || im.borrow_wanted || im.stopping.load()) return false;
-    im.borrow_wanted = true;
-    // For park's long-borrow check only: the last hand-back is recent (the thread lingers after it), and
-    // fn is short; a clock read here would cost as much as a tenth of the call.
-    im.borrowed_at = im.handed_back;
-    im.borrow_flag.store(true, std::memory_order_release);
+  if (!im.borrow_parked()) return false;
+  if (im.stopping.load(std::memory_order_relaxed)) {
+    im.hand_back(false);
+    return false;
   }
   {
     PollingHere here(&im);

@@ -578,6 +578,73 @@ TEST_CASE("run_here starts work on the calling thread while the progress thread 
   CHECK(later.fired);
 }
 
+TEST_CASE("threads that borrow one loop at once: every wait ends, and one thread at a time runs the loop's work", "[core][loop]") {
+  // The borrow is one word changed by compare-and-swap (loop.cpp, Impl::borrow): a parked progress
+  // thread, borrowers taking it for a wait (drive_until) or a start (run_here), borrowers refused while
+  // another holds it, and a progress thread that leaves its park after the linger and is asked to park
+  // again. Three threads do all of it at once; every Future must complete, and no two threads may ever
+  // run the loop's work together (`inside`; `unguarded` is for ThreadSanitizer).
+  Loop::Options options;
+  options.caller_drives = true;
+  Loop loop(options);
+  struct Exclusive {
+    std::atomic<int> inside{0};
+    std::atomic<bool> overlapped{false};
+    long unguarded = 0;
+    std::atomic<long> entries{0};
+    void enter_and_leave() {
+      if (inside.fetch_add(1) != 0) overlapped = true;
+      ++unguarded;
+      entries.fetch_add(1, std::memory_order_relaxed);
+      inside.fetch_sub(1);
+    }
+  } ex;
+  struct PostedBack {
+    Loop& l;
+    bool await_ready() const noexcept { return false; }
+    void await_suspend(std::coroutine_handle<> h) { l.post([h] { h.resume(); }); }
+    void await_resume() const noexcept {}
+  };
+  auto work = [](Loop& l, Exclusive& e, int value) -> Task<int> {
+    e.enter_and_leave();
+    co_await PostedBack{l};
+    e.enter_and_leave();
+    if (value % 5 == 0) co_await sleep_for(l, 0ms);
+    e.enter_and_leave();
+    co_return value;
+  };
+  constexpr int threads = 3;
+#ifdef WEFT_UNDER_SANITIZER
+  constexpr int rounds = 300;
+#else
+  constexpr int rounds = 2000;
+#endif
+  std::atomic<long> started_here{0};
+  std::atomic<long> total{0};
+  std::vector<std::thread> waiters;
+  for (int t = 0; t < threads; ++t) {
+    waiters.emplace_back([&, t] {
+      for (int round = 0; round < rounds; ++round) {
+        if (round % 250 == 249) std::this_thread::sleep_for(2ms);  // past the linger: the progress thread leaves its park
+        Future<int> f = spawn(loop, work(loop, ex, round));
+        if ((round + t) % 3 == 0) {
+          if (loop.run_here([](void* arg) { static_cast<Exclusive*>(arg)->enter_and_leave(); }, &ex)) started_here.fetch_add(1);
+        }
+        if ((round + t) % 7 == 0) {
+          if (!f.wait_for(60s)) break;  // sleeps without driving; the loop's thread or a borrower finishes it
+        }
+        total.fetch_add(f.get());
+      }
+    });
+  }
+  for (auto& w : waiters) w.join();
+  INFO(started_here.load() << " starts on the calling thread");
+  CHECK_FALSE(ex.overlapped.load());
+  CHECK(total.load() == threads * static_cast<long>(rounds) * (rounds - 1) / 2);
+  CHECK(ex.entries.load() == 3L * threads * rounds + started_here.load());
+  CHECK(ex.unguarded == ex.entries.load());
+}
+
 TEST_CASE("a polling loop whose core is shared starts yielding it", "[core][loop]") {
   // Ranks on simulated hosts (namespaces) or in containers share cores the launcher does not mention: a
   // poller that takes whole time slices then delays the rank it waits for. Here a busy thread per core
