@@ -21,10 +21,12 @@ if [ "$scope" = tsan ]; then
     meson setup "$out" "$src" -Db_sanitize=thread --buildtype=debugoptimized -Dcuda=disabled -Dpeers=disabled \
       -Ddefault_library=static >/dev/null || exit 1
   fi
-  ninja -C "$out" -j2 tests/test_shm tests/test_collectives tests/test_errors tests/test_gpu tests/test_device tests/test_peer >/dev/null || exit 1
+  ninja -C "$out" -j2 tests/test_core tests/test_shm tests/test_collectives tests/test_errors tests/test_gpu tests/test_device tests/test_peer >/dev/null || exit 1
   export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
   rc=0
-  for t in "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" "test_errors [cancel]" \
+  # test_core's loop and Future cases first: the loop's borrow (one word changed by compare-and-swap,
+  # several threads waiting, starting and refused on one loop) and the Futures' Dekker with sleepers.
+  for t in "test_core [loop]" "test_core [future]" "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" "test_errors [cancel]" \
            "test_errors [peer]" "test_errors [timeout]" "test_errors [mismatch]" "test_errors [abort]"; do
     start=$SECONDS
     if log=$(WEFT_TRANSPORT=shm "$out/tests/"$t 2>&1); then
