@@ -49,6 +49,14 @@ Task<int> depth(int n) {
   co_return co_await depth(n - 1) + 1;
 }
 
+// Resumes the awaiting coroutine through the loop's queue, a turn later.
+struct PostedBack {
+  Loop& l;
+  bool await_ready() const noexcept { return false; }
+  void await_suspend(std::coroutine_handle<> h) { l.post([h] { h.resume(); }); }
+  void await_resume() const noexcept {}
+};
+
 Task<int> sleepy(Loop& loop, std::chrono::milliseconds d, int value) {
   co_await sleep_for(loop, d);
   co_return value;
@@ -195,12 +203,6 @@ TEST_CASE("Futures completing while threads go to sleep on them and coroutines s
   // it never drives the loop) and a coroutine on another loop suspends on the others.
   Loop loop;
   Loop away;
-  struct PostedBack {  // resumes through the loop's queue, a turn later
-    Loop& l;
-    bool await_ready() const noexcept { return false; }
-    void await_suspend(std::coroutine_handle<> h) { l.post([h] { h.resume(); }); }
-    void await_resume() const noexcept {}
-  };
   auto quick = [](Loop& l, int value, bool yield) -> Task<int> {
     if (yield) co_await PostedBack{l};
     co_return value;
@@ -599,12 +601,6 @@ TEST_CASE("threads that borrow one loop at once: every wait ends, and one thread
       inside.fetch_sub(1);
     }
   } ex;
-  struct PostedBack {
-    Loop& l;
-    bool await_ready() const noexcept { return false; }
-    void await_suspend(std::coroutine_handle<> h) { l.post([h] { h.resume(); }); }
-    void await_resume() const noexcept {}
-  };
   auto work = [](Loop& l, Exclusive& e, int value) -> Task<int> {
     e.enter_and_leave();
     co_await PostedBack{l};
