@@ -332,18 +332,21 @@ struct Loop::Impl {
   // grace (an earlier hand-back of a series woke it) only needs the grace moved: it looks at grace_until
   // again when its wait ends. Otherwise it lingers and looks again on its own.
   void hand_back(bool grace_in_flight) {
+    bool wake = false;
+    if (grace_in_flight && in_flight.load(std::memory_order_relaxed) > 0) {
+      // Set while the loop is still held: a parked thread that looks between the release and this
+      // would find no grace and leave its park at once.
+      std::lock_guard lock(driver_mutex);
+      grace_until = Clock::now() + hand_back_grace;
+      wake = !grace_waiting;
+    }
     std::uint64_t state = borrow.load(std::memory_order_relaxed);
     while (!borrow.compare_exchange_weak(state, (state & ~(borrowed_bit | refused_bit)) + one_hand_back)) {
     }
-    bool wake = long_sleeping.load() || drive_now.load(std::memory_order_relaxed);
+    wake = wake || long_sleeping.load() || drive_now.load(std::memory_order_relaxed);
     if (state & refused_bit) {
       drive_now.store(true);
       wake = true;
-    }
-    if (grace_in_flight && in_flight.load(std::memory_order_relaxed) > 0) {
-      std::lock_guard lock(driver_mutex);
-      grace_until = Clock::now() + hand_back_grace;
-      wake = wake || !grace_waiting;
     }
     if (wake) {
       // Under the lock: the parked thread decides to sleep under it, so the notify cannot fall between
