@@ -96,7 +96,7 @@ class Loop {
   /// parks the progress thread and runs the loop on the caller's thread until `done()` holds (polling
   /// while operations are in flight, then sleeping in the kernel in short slices). Future::wait uses it,
   /// so that a blocking wait costs no hand-off between threads. The borrower hands the loop back when
-  /// `done()` holds; the progress thread then stays parked up to 0.5 ms in case the loop is borrowed
+  /// `done()` holds; the progress thread then stays parked 0.5-1 ms in case the loop is borrowed
   /// again (back-to-back calls), and when operations are still in flight resumes 50 us later unless
   /// borrowed again meanwhile (a thread waiting on several Futures one after the other). Returns false,
   /// having done nothing, when it cannot borrow the loop (borrowed mode, called on the loop's thread, or
