@@ -97,33 +97,40 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     transport->start_recv(1, MessageKey{1, static_cast<std::uint64_t>(i), 0}, buffers.back().data(), bytes, *ops.back());
   }
 
-  // The hostile writer's script: 0 = write the next n bytes at its tail and publish, 1 = store a tail
-  // of any value, 2 = write the next n bytes as one well-formed inline record (so that the frames
-  // behind the records are reached too), else = let the reader run.
-  std::uint64_t tail = 0;
+  // The hostile writer's script: 0 = write the next n bytes as they are at its position, the first 8 of
+  // them (when it is at a multiple of 8) stored last with release, as a header is; 1 = move its position
+  // anywhere; 2 = write the next n bytes as one well-formed inline record (so that the frames behind the
+  // records are reached too); else = let the reader run.
+  std::uint64_t position = 0;
+  const auto at = [&](std::uint64_t p) { return ring->data + (static_cast<std::size_t>(p) & (capacity - 1)); };
   while (p < end) {
     const std::uint8_t what = *p++ % 4;
     if (what == 2 && p < end) {
       const std::size_t wanted = *p++;
-      const std::size_t n = std::min({wanted, static_cast<std::size_t>(end - p), capacity - shm::record_header_bytes});
-      std::byte header[shm::record_header_bytes];
-      shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(n)});
-      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), header, sizeof header);
-      tail += sizeof header;
-      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), p, n);
+      const std::size_t n = std::min({wanted, static_cast<std::size_t>(end - p), capacity - 2 * shm::record_header_bytes});
+      position = (position + 7) & ~std::uint64_t{7};
+      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(position + shm::record_header_bytes) & (capacity - 1), p, n);
       p += n;
-      tail += n;
-      ring->tail.store(tail, std::memory_order_release);
+      const std::uint64_t next = position + shm::record_bytes(0, n);
+      shm::store_ring_word(at(next), 0, __ATOMIC_RELAXED);
+      shm::store_ring_word(at(position), shm::encode_record_header({shm::RecordKind::inline_bytes, 0, static_cast<std::uint32_t>(n)}),
+                           __ATOMIC_RELEASE);
+      position = next;
     } else if (what == 0 && p < end) {
       const std::size_t wanted = *p++;
-      const std::size_t n = std::min<std::size_t>(wanted, static_cast<std::size_t>(end - p));
-      shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), p, std::min(n, capacity));
+      const std::size_t n = std::min({wanted, static_cast<std::size_t>(end - p), capacity});
+      if (position % 8 == 0 && n >= 8) {
+        std::uint64_t first;
+        std::memcpy(&first, p, 8);
+        shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(position + 8) & (capacity - 1), p + 8, n - 8);
+        shm::store_ring_word(at(position), first, __ATOMIC_RELEASE);
+      } else {
+        shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(position) & (capacity - 1), p, n);
+      }
       p += n;
-      tail += std::min(n, capacity);
-      ring->tail.store(tail, std::memory_order_release);
+      position += n;
     } else if (what == 1) {
-      tail = take_u64(p, end);
-      ring->tail.store(tail, std::memory_order_release);
+      position = take_u64(p, end);
     }
     drain(io, loop);
   }

@@ -57,7 +57,35 @@ std::vector<std::byte> pattern(std::size_t size, unsigned seed) {
 
 }  // namespace
 
-TEST_CASE("a ring carries bytes in order across its wrap, and never more than its room", "[shm][ring]") {
+namespace {
+
+// Writes one inline record of `n` bytes from `data` with a lead of `lead` (the caller asked the room).
+void put_inline(shm::RingWriter& writer, const std::byte* data, std::size_t n, std::size_t lead = 0) {
+  writer.put_header({shm::RecordKind::inline_bytes, static_cast<std::uint8_t>(lead), static_cast<std::uint32_t>(n)});
+  writer.skip(lead);
+  writer.put_fitting(data, n);
+  writer.end_record();
+}
+
+// Reads the inline record at the reader's position into `out` (appended); false when none is there.
+bool take_inline(shm::RingReader& reader, std::vector<std::byte>& out) {
+  const std::uint64_t word = reader.header();
+  if (word == 0) return false;
+  shm::RecordHeader h;
+  REQUIRE(shm::decode_record_header(word, h));
+  REQUIRE(h.kind == shm::RecordKind::inline_bytes);
+  REQUIRE(reader.position() % shm::record_alignment == 0);
+  reader.take(nullptr, shm::record_header_bytes + h.lead);
+  const std::size_t at = out.size();
+  out.resize(at + h.length);
+  reader.take(out.data() + at, h.length);
+  reader.end_record();
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("a ring carries records in order across its wrap, a batch seen whole or not at all, and never more than its room", "[shm][ring]") {
   shm::Segment segment = shm::make_ring(4096);
   auto* control = static_cast<shm::RingControl*>(segment.data());
   shm::RingWriter writer(control);
@@ -67,41 +95,55 @@ TEST_CASE("a ring carries bytes in order across its wrap, and never more than it
   std::size_t sent = 0;
   std::mt19937 rng(2);
   while (got.size() < data.size()) {
-    const std::size_t want = std::min<std::size_t>(data.size() - sent, rng() % 3000);
-    const std::size_t n = writer.put(data.data() + sent, want);
-    REQUIRE(n <= want);
-    sent += n;
+    // A batch of up to 3 records, some with a lead, as large as the room lets them be.
+    const std::uint64_t batch = writer.position();
+    for (int records = static_cast<int>(rng() % 4); records > 0 && sent < data.size(); --records) {
+      const std::size_t lead = rng() % 2 ? rng() % 64 : 0;
+      const std::size_t room = writer.room();
+      REQUIRE(room % shm::record_alignment == 0);
+      REQUIRE(room <= 4096 - shm::record_alignment);
+      if (room < shm::record_bytes(lead, 1)) break;
+      const std::size_t n = std::min({data.size() - sent, room - shm::record_header_bytes - lead, std::size_t{rng() % 3000 + 1}});
+      put_inline(writer, data.data() + sent, n, lead);
+      sent += n;
+      // Nothing of a batch is seen before it is published, when the reader waits at its start.
+      if (reader.position() == batch) REQUIRE(reader.header() == 0);
+    }
     writer.publish();
-    REQUIRE(reader.available() <= 4096);
-    std::vector<std::byte> chunk(rng() % 3000);
-    const std::size_t m = reader.take(chunk.data(), chunk.size());
-    got.insert(got.end(), chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(m));
+    for (int records = static_cast<int>(rng() % 5); records > 0; --records) {
+      if (!take_inline(reader, got)) break;
+    }
     reader.release();
   }
+  REQUIRE(sent == data.size());
   REQUIRE(got == data);
-  // Full: put refuses more; a take frees exactly what it took.
+  REQUIRE(reader.header() == 0);
+  // The room is the ring less the 8 bytes the next header needs, less what the reader holds.
+  REQUIRE(writer.room() == 4088);
   std::vector<std::byte> fill(8192, std::byte{7});
-  REQUIRE(writer.put(fill.data(), fill.size()) == 4096);
+  put_inline(writer, fill.data(), 4080);
   writer.publish();
   REQUIRE(writer.full());
-  std::vector<std::byte> out(100);
+  REQUIRE(writer.room() == 0);
   REQUIRE(!writer.arm_wait());  // full: the writer may sleep, and says so
-  REQUIRE(reader.take(out.data(), out.size()) == 100);
+  std::vector<std::byte> out;
+  REQUIRE(take_inline(reader, out));
+  REQUIRE(out.size() == 4080);
   REQUIRE(reader.release());  // ... so the reader that makes room wakes it
   writer.disarm_wait();
   REQUIRE(!reader.release());
-  REQUIRE(writer.put(fill.data(), fill.size()) == 100);
   // The writer loads the reader's head only when the room it saw last is short of what it asks: an old
   // room may be less than the ring's, never more, and asking for more than it holds looks again.
-  REQUIRE(reader.take(out.data(), 96) == 96);
-  reader.release();
   REQUIRE(writer.room(0) == 0);  // the room seen last: none
-  REQUIRE(writer.room(50) == 96);  // short of 50: looked again
-  REQUIRE(reader.take(out.data(), 100) == 100);
+  REQUIRE(writer.room(8) == 4088);  // short of 8: looked again
+  put_inline(writer, fill.data(), 1000);  // 1008 bytes with its header
+  writer.publish();
+  REQUIRE(writer.room(0) == 3080);
+  REQUIRE(take_inline(reader, out));
   reader.release();
-  REQUIRE(writer.room(50) == 96);  // enough of it seen: not looked
-  REQUIRE(writer.room(97) == 196);
-  REQUIRE(writer.room() == 196);  // with nothing asked, always looked
+  REQUIRE(writer.room(3000) == 3080);  // enough of it seen: not looked
+  REQUIRE(writer.room(3081) == 4088);
+  REQUIRE(writer.room() == 4088);  // with nothing asked, always looked
 }
 
 TEST_CASE("a copy into shared memory writes exactly its bytes at every size and alignment, either way it goes", "[shm][copy]") {
@@ -136,26 +178,40 @@ TEST_CASE("a copy into shared memory writes exactly its bytes at every size and 
   }
 }
 
-TEST_CASE("a ring whose peer writes nonsense counters never copies outside it", "[shm][ring]") {
+TEST_CASE("a ring whose peer writes nonsense never copies outside it", "[shm][ring]") {
   shm::Segment segment = shm::make_ring(4096);
   auto* control = static_cast<shm::RingControl*>(segment.data());
-  std::vector<std::byte> big(1 << 20);
+  std::vector<std::byte> big((1 << 20) + 64, std::byte{0x33});
   {
+    // A header that claims 4 GiB: what the reader copies stops at the ring's size, and no view of it
+    // reaches past the ring's end.
+    shm::RingWriter writer(control);
+    writer.put_header_word(shm::encode_record_header({shm::RecordKind::inline_bytes, 0, UINT32_MAX}));
+    writer.publish();
     shm::RingReader reader(control);
-    control->tail.store(std::uint64_t{1} << 40);  // far ahead of anything written
-    REQUIRE(reader.available() == 4096);
-    REQUIRE(reader.take(big.data(), big.size()) == 4096);  // a ring of garbage, not 1 MiB past its end
-    control->tail.store(0);  // behind what the reader took
-    REQUIRE(reader.available() == 4096);
+    shm::RecordHeader h;
+    REQUIRE(shm::decode_record_header(reader.header(), h));
+    REQUIRE(h.length == UINT32_MAX);
+    REQUIRE(reader.view(shm::record_header_bytes, h.length) == nullptr);
+    REQUIRE(reader.view(shm::record_header_bytes, 4096 - shm::record_header_bytes) != nullptr);
+    REQUIRE(reader.view(shm::record_header_bytes, 4096 - shm::record_header_bytes + 1) == nullptr);
+    reader.take(big.data(), 1 << 20);
+    REQUIRE(std::all_of(big.begin() + 4096, big.end(), [](std::byte b) { return b == std::byte{0x33}; }));
+    // Words that are no header: a wrong marker, an unknown kind, a lead past 63, a lead on a reference.
+    for (std::uint64_t word : {std::uint64_t{0x1234}, shm::encode_record_header({static_cast<shm::RecordKind>(3), 0, 8}),
+                               shm::encode_record_header({shm::RecordKind::inline_bytes, 64, 8}),
+                               shm::encode_record_header({shm::RecordKind::reference, 1, 0})}) {
+      REQUIRE(!shm::decode_record_header(word, h));
+    }
   }
   {
     shm::Segment other = shm::make_ring(4096);
     auto* c = static_cast<shm::RingControl*>(other.data());
     shm::RingWriter writer(c);
     c->head.store(std::uint64_t{1} << 40);  // a reader "ahead" of the writer
-    REQUIRE(writer.put(big.data(), big.size()) == 0);
+    REQUIRE(writer.room() == 0);
     c->head.store(0);
-    REQUIRE(writer.put(big.data(), big.size()) == 4096);
+    REQUIRE(writer.room() == 4088);
   }
 }
 
@@ -167,16 +223,19 @@ TEST_CASE("a ring streams 64 MiB between two threads through 64 KiB", "[shm][rin
     shm::RingWriter writer(control);
     std::size_t sent = 0;
     while (sent < data.size()) {
-      sent += writer.put(data.data() + sent, std::min<std::size_t>(data.size() - sent, 100000));
+      const std::size_t room = writer.room();
+      if (room < shm::record_bytes(0, 1)) continue;
+      const std::size_t n = std::min({data.size() - sent, room - shm::record_header_bytes, std::size_t{100000}});
+      put_inline(writer, data.data() + sent, n);
+      sent += n;
       writer.publish();
     }
   });
   shm::RingReader reader(control);
-  std::vector<std::byte> got(data.size());
-  std::size_t have = 0;
-  while (have < got.size()) {
-    have += reader.take(got.data() + have, got.size() - have);
-    reader.release();
+  std::vector<std::byte> got;
+  got.reserve(data.size());
+  while (got.size() < data.size()) {
+    if (take_inline(reader, got)) reader.release();
   }
   writer_thread.join();
   REQUIRE(std::memcmp(got.data(), data.data(), data.size()) == 0);
@@ -361,14 +420,14 @@ TEST_CASE("two ranks exchange messages of every size over shared memory, both wa
   }
 }
 
-TEST_CASE("a padding record places a large piece as far into its cache line as its source, at every place in the ring", "[shm][ring]") {
+TEST_CASE("a lead places a large piece as far into its cache line as its source, at every place in the ring", "[shm][ring]") {
   alignas(64) static std::byte source[128];
   for (std::uint64_t position = 1000; position < 1000 + 64; ++position) {
     for (std::size_t offset = 0; offset < 64; ++offset) {
-      const std::size_t padding = shm::record_padding(position, source + offset);
-      CAPTURE(position, offset, padding);
-      REQUIRE((padding == 0 || (padding >= shm::record_header_bytes && padding <= shm::record_header_bytes + shm::padding_most)));
-      REQUIRE((position + padding) % 64 == offset);
+      const std::size_t lead = shm::record_lead(position, source + offset);
+      CAPTURE(position, offset, lead);
+      REQUIRE(lead <= shm::lead_most);
+      REQUIRE((position + lead) % 64 == offset);
     }
   }
 }
@@ -386,7 +445,8 @@ TEST_CASE("large messages from every place in a cache line arrive intact, their 
                                            data.begin() + static_cast<std::ptrdiff_t>(offset + size));
       std::vector<std::byte> into(size);
       shm::RingControl* inbound = pair.inbound(1);
-      const std::uint64_t before = inbound->tail.load(std::memory_order_acquire);
+      // Where the record starts: everything before it was read (its reader's position, published).
+      const std::uint64_t before = inbound->head.load(std::memory_order_acquire);
       // Sent from inside `data`, `offset` bytes further into a line each time.
       auto receive = pair.receive(1, seq, into);
       auto send = pair.send_from(0, seq, data.data() + offset, size);
@@ -394,14 +454,19 @@ TEST_CASE("large messages from every place in a cache line arrive intact, their 
       REQUIRE(!receive.get().error);
       REQUIRE(into == message);
       ++seq;
-      const std::uint64_t written = inbound->tail.load(std::memory_order_acquire) - before;
+      const std::uint64_t written = inbound->head.load(std::memory_order_acquire) - before;
       if (size + 1024 < ring) {
-        // One frame in one record: [padding] record header, frame header, payload.
-        const std::uint64_t padding = written - shm::record_header_bytes - wire::header_size - size;
-        const bool padded = size >= shm::align_records_from;
-        REQUIRE(padding == (padded ? shm::record_padding(before + shm::record_header_bytes + wire::header_size, data.data() + offset) : 0));
-        if (padded) {
-          REQUIRE((before + padding + shm::record_header_bytes + wire::header_size) % 64 ==
+        // One frame in one record: record header, lead, frame header, payload; rounded up to 8.
+        const bool placed = size >= shm::align_records_from;
+        const std::size_t lead = placed ? shm::record_lead(before + shm::record_header_bytes + wire::header_size, data.data() + offset) : 0;
+        REQUIRE(written == shm::record_bytes(lead, wire::header_size + size));
+        shm::RecordHeader h;
+        const std::size_t capacity = std::size_t{1} << inbound->capacity_log2;
+        REQUIRE(shm::decode_record_header(shm::load_ring_word(inbound->data + (before & (capacity - 1))), h));
+        REQUIRE(h.lead == lead);
+        REQUIRE(h.length == wire::header_size + size);
+        if (placed) {
+          REQUIRE((before + shm::record_header_bytes + lead + wire::header_size) % 64 ==
                   reinterpret_cast<std::uintptr_t>(data.data() + offset) % 64);
         }
       }
@@ -409,25 +474,24 @@ TEST_CASE("large messages from every place in a cache line arrive intact, their 
   }
 }
 
-TEST_CASE("a padding record longer than 63 bytes from the peer fails the connection", "[shm][stream]") {
-  // Padding records the writer puts are skipped by the reader in every large message of the test above;
-  // this one plays a hostile writer (the ring's real writer does not write again after it).
-  const std::uint32_t length = GENERATE(64u, 1000u, 65535u);
-  CAPTURE(length);
+TEST_CASE("an inline record with a lead past 63 bytes or a length past the ring fails the connection", "[shm][stream]") {
+  // Leads the writer puts are skipped by the reader in every large message of the test above; this one
+  // plays a hostile writer (the ring's real writer does not write again after it).
+  const int which = GENERATE(0, 1, 2);
+  const shm::RecordHeader bad = which == 0   ? shm::RecordHeader{shm::RecordKind::inline_bytes, 64, 100}
+                                : which == 1 ? shm::RecordHeader{shm::RecordKind::inline_bytes, 0, 65536}
+                                             : shm::RecordHeader{shm::RecordKind::inline_bytes, 0, 0};
+  CAPTURE(which);
   ShmPair pair(64 << 10);
   std::vector<std::byte> into(100);
   auto receive = pair.receive(0, 9, into);
-  std::vector<std::byte> record(shm::record_header_bytes + std::min<std::size_t>(length, 1000), std::byte{0x5a});
-  shm::encode_record_header(record.data(), {shm::RecordKind::padding, length});
-  shm::RingControl* ring = pair.inbound(0);
-  const std::size_t capacity = std::size_t{1} << ring->capacity_log2;
-  const std::uint64_t tail = ring->tail.load();
-  shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(tail) & (capacity - 1), record.data(), record.size());
-  ring->tail.store(tail + record.size(), std::memory_order_release);
+  shm::RingWriter hostile(pair.inbound(0));  // at the reader's position: the real writer is quiet
+  hostile.put_header_word(shm::encode_record_header(bad));
+  hostile.publish();
   pair.wake(0);  // its loop may sleep
   const auto outcome = receive.get();
   REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
-  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1") && Catch::Contains("padding record more than 63 bytes"));
+  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1") && Catch::Contains(which == 0 ? "not a record" : "a length of 0 or more than the ring holds"));
 }
 
 TEST_CASE("many messages in flight both ways over shared memory arrive intact", "[shm][stream]") {
@@ -571,16 +635,15 @@ TEST_CASE("a reference record that points nowhere fails the connection, and noth
   ShmPair pair(64 << 10, reference_allowed ? 1 : 0);
   std::vector<std::byte> into(100);
   auto receive = pair.receive(0, 9, into);
-  std::byte record[shm::reference_record_bytes];
-  shm::encode_record_header(record, {shm::RecordKind::reference, 0});
+  std::byte where[16];
   const std::uint64_t address = 16, length = 100;
-  std::memcpy(record + shm::record_header_bytes, &address, 8);
-  std::memcpy(record + shm::record_header_bytes + 8, &length, 8);
-  shm::RingControl* ring = pair.inbound(0);
-  const std::uint64_t tail = ring->tail.load();
-  shm::copy_into_ring(ring->data, std::size_t{1} << ring->capacity_log2, static_cast<std::size_t>(tail) & ((std::size_t{1} << ring->capacity_log2) - 1),
-                      record, sizeof record);
-  ring->tail.store(tail + sizeof record, std::memory_order_release);
+  std::memcpy(where, &address, 8);
+  std::memcpy(where + 8, &length, 8);
+  shm::RingWriter hostile(pair.inbound(0));  // at the reader's position: the real writer is quiet
+  hostile.put_header({shm::RecordKind::reference, 0, 0});
+  hostile.put_fitting(where, sizeof where);
+  hostile.end_record();
+  hostile.publish();
   pair.wake(0);  // its loop may sleep
   const auto outcome = receive.get();
   REQUIRE(outcome.error == make_error_code(Errc::peer_failure));

@@ -1,33 +1,51 @@
 #pragma once
-// One direction of one pair of ranks on a host: a byte ring in shared memory, in a segment the receiver
-// creates (segment.hpp). Every shared word has one writer: `tail` (bytes ever written) the sender's,
-// `head` (bytes ever consumed) and `sleeping` the receiver's; each sits on a cache line of its own, so
-// that the two sides never write the same line. The counters only grow (64 bits do not wrap in any
-// job's life); the capacity is a power of two, so a position is `counter & (capacity - 1)`.
+// One direction of one pair of ranks on a host: a ring of records in shared memory, in a segment the
+// receiver creates (segment.hpp). Every shared word has one writer: the records the sender's, `head`
+// (bytes ever consumed), `sleeping` and `referenced_read` the receiver's, `writer_waiting` the sender's;
+// each word sits on a cache line of its own, so that the two sides never write the same line. The
+// counters only grow (64 bits do not wrap in any job's life); the capacity is a power of two, so a
+// position is `counter & (capacity - 1)`.
 //
-// Visibility: data, then `tail` with release; the reader loads `tail` with acquire, then the data. The
-// same for `head` and the space it frees. Waking, both ways the same (Dekker: of two sides that each
-// store, fence, then load, one sees the other's store, so nobody waits for a wake-up that is never sent):
-//   data:  a receiver about to sleep stores sleeping = 1, then looks at `tail` once more; a sender
-//          stores `tail`, then loads `sleeping`, and signals the receiver's eventfd when it is 1;
+// Arrival is seen on the record's own cache line (ring version 4, 2026-12-03). Records start at
+// multiples of 8 bytes, and a sender writes one batch of records (what one publish() makes visible) as:
+// every byte but the first record's 8-byte header; then zero at the 8 bytes after the batch (where the
+// next batch's header will go); then that first header with release. A reader at a record's start loads
+// its header with acquire: zero is "nothing yet"; anything else was published with its whole batch, the
+// records behind it and the zero after them included. Until version 3 the sender published a `tail`
+// counter on a line of its own: the reader then fetched two lines from the writer's core per message
+// (the counter, then the record), one after the other; now one. (A ping-pong of two threads with each
+// protocol on the AMD EPYC here: 0.45 against 0.32 us a message; bench/RESULTS.md.) The 8 bytes after
+// the last record must be free for that zero: the writer's room is the capacity less 8, less what the
+// reader has not consumed.
+//
+// Visibility: records, then the batch's first header with release; the reader loads a header with
+// acquire, then the record. The same for `head` and the space it frees. Waking, both ways the same
+// (Dekker: of two sides that each store, fence, then load, one sees the other's store, so nobody waits
+// for a wake-up that is never sent):
+//   data:  a receiver about to sleep stores sleeping = 1, then loads the header at its position once
+//          more; a sender stores the batch's header, then loads `sleeping`, and signals the receiver's
+//          eventfd when it is 1;
 //   room:  a sender about to sleep with a write it could not finish stores writer_waiting = 1, then
 //          looks at `head` (and `referenced_read`) once more; a receiver stores `head` (or
 //          `referenced_read`), then loads writer_waiting, and signals the sender's eventfd when it is 1.
 //
-// Records. The bytes in the ring are records, each an 8-byte header (`RecordHeader`) and then:
-//   inline:    `length` bytes of the stream, in the ring;
+// Records. Each is an 8-byte header (`RecordHeader`) and then:
+//   inline:    `lead` bytes that carry nothing (0 to 63), then `length` bytes of the stream. The lead
+//              puts a large piece of the record as far into its cache lines in the ring as its source
+//              sits in its own (record_lead). The ring's lines are in the reader's cache; glibc's memcpy
+//              writes whole lines without fetching them only between buffers placed alike (copy.hpp):
+//              256 KiB took 7.7 us alike and 38.2 us with the source 16 bytes off on the AMD EPYC
+//              machines, the same either way on an Intel Xeon (bench/RESULTS.md, "Ring records placed
+//              alike");
 //   reference: 16 bytes, an address and a length in the sender's memory: the receiver copies them
 //              straight into its read (process_vm_readv, one copy: "single copy", CMA) and counts them
-//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them;
-//   padding:   `length` bytes (0 to 63) that carry nothing: they put the inline record after them where
-//              its large piece sits in the ring as far into its cache lines as its source sits in its own
-//              (record_padding). The ring's lines are in the reader's cache; glibc's memcpy writes whole
-//              lines without fetching them only between buffers placed alike (copy.hpp): 256 KiB took
-//              7.7 us alike and 38.2 us with the source 16 bytes off on the AMD EPYC machines, the same
-//              either way on an Intel Xeon (bench/RESULTS.md, "Ring records placed alike").
-// A sender publishes a header with its whole record (never half a header), so a reader that sees fewer
-// bytes than a header waits. Reference records are sent only to a receiver that said at connect time it
-// can read the sender's memory (docs/PROTOCOL.md, "Link offer"); any other gets inline records only.
+//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them.
+// A record takes record_bytes(lead, length) of the ring: rounded up to 8, so that the next starts at a
+// multiple of 8 (its header one aligned word, never split by the ring's end). Reference records are sent
+// only to a receiver that said at connect time it can read the sender's memory (docs/PROTOCOL.md, "Link
+// offer"); any other gets inline records only. The reader trusts nothing of a record but where it
+// starts: lengths that do not fit the ring fail the connection above (shm_stream.cpp), and no copy here
+// goes outside the ring whatever a header says.
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -63,47 +81,62 @@ inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order ord
 }
 
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
-inline constexpr std::uint32_t ring_version = 3;  // 3: padding records
+inline constexpr std::uint32_t ring_version = 4;  // 4: arrival on the record's line, records at multiples of 8
 
-// A record's first 8 bytes: a marker (catches a reader out of step with its writer at once), the kind,
-// and for an inline or a padding record the length of what follows.
-enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2, padding = 3 };
+// A record's first 8 bytes: a marker (catches a reader out of step with its writer at once, and is never
+// zero, which is "nothing yet"), the kind, the lead (inline records; 0 for the others), and for an inline
+// record the length of the stream's bytes in it.
+enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2 };
 inline constexpr std::uint16_t record_marker = 0x7772;  // "rw"
 inline constexpr std::size_t record_header_bytes = 8;
 inline constexpr std::size_t reference_record_bytes = record_header_bytes + 16;
-// A padding record's bytes after its header: at most this many (a cache line less one).
-inline constexpr std::uint32_t padding_most = 63;
-// An inline record is placed alike (padding before it) when a piece of at least this many bytes is in it:
-// below, the lines fetched cost less than the padding's header read and written.
+// Records start at multiples of this.
+inline constexpr std::size_t record_alignment = 8;
+// An inline record's lead: at most this many bytes (a cache line less one).
+inline constexpr std::uint32_t lead_most = 63;
+// An inline record is placed alike (a lead before its bytes) when a piece of at least this many bytes is
+// in it: below, the lines fetched cost less than the lead's bytes.
 inline constexpr std::size_t align_records_from = 4096;
 
-// The bytes of a padding record (0: none; else its header and 0-63 bytes, 8 to 71 in all) that put a
-// byte which would land at ring position `position` as far into its cache line as `source` is into
-// its own. `position` counts the padding's place too: the byte lands at position + the result.
-inline std::size_t record_padding(std::uint64_t position, const void* source) noexcept {
-  const auto off = static_cast<std::size_t>((reinterpret_cast<std::uintptr_t>(source) - position) & 63);
-  if (off == 0) return 0;
-  return off >= record_header_bytes ? off : off + 64;
+// The ring bytes a record takes: its header, lead and bytes, rounded up to record_alignment.
+constexpr std::size_t record_bytes(std::size_t lead, std::size_t length) noexcept {
+  return (record_header_bytes + lead + length + record_alignment - 1) & ~(record_alignment - 1);
+}
+
+// The lead (0 to 63) that puts a byte which would land at ring position `position` (with no lead) as
+// far into its cache line as `source` is into its own: the byte lands at position + the result.
+inline std::size_t record_lead(std::uint64_t position, const void* source) noexcept {
+  return static_cast<std::size_t>((reinterpret_cast<std::uintptr_t>(source) - position) & 63);
 }
 
 struct RecordHeader {
   RecordKind kind{};
-  std::uint32_t length = 0;  // inline: the bytes that follow
+  std::uint8_t lead = 0;     // inline: bytes before the stream's
+  std::uint32_t length = 0;  // inline: the stream's bytes that follow the lead
 };
-inline void encode_record_header(std::byte* out, RecordHeader h) noexcept {
+inline std::uint64_t encode_record_header(RecordHeader h) noexcept {
+  std::byte out[record_header_bytes];
   const std::uint16_t marker = record_marker;
   std::memcpy(out, &marker, 2);
   out[2] = static_cast<std::byte>(h.kind);
-  out[3] = std::byte{0};
+  out[3] = static_cast<std::byte>(h.lead);
   std::memcpy(out + 4, &h.length, 4);
+  std::uint64_t word;
+  std::memcpy(&word, out, sizeof word);
+  return word;
 }
-// False when the bytes are no record header (a broken or hostile writer).
-inline bool decode_record_header(const std::byte* in, RecordHeader& h) noexcept {
+// False when the word is no record header (a broken or hostile writer).
+inline bool decode_record_header(std::uint64_t word, RecordHeader& h) noexcept {
+  std::byte in[record_header_bytes];
+  std::memcpy(in, &word, sizeof word);
   std::uint16_t marker = 0;
   std::memcpy(&marker, in, 2);
   const auto kind = static_cast<std::uint8_t>(in[2]);
-  if (marker != record_marker || in[3] != std::byte{0} || kind < 1 || kind > 3) return false;
+  const auto lead = static_cast<std::uint8_t>(in[3]);
+  if (marker != record_marker || kind < 1 || kind > 2) return false;
+  if (lead > (kind == 1 ? lead_most : 0)) return false;
   h.kind = static_cast<RecordKind>(kind);
+  h.lead = lead;
   std::memcpy(&h.length, in + 4, 4);
   return true;
 }
@@ -113,48 +146,69 @@ struct alignas(64) RingControl {
   std::uint64_t magic = 0;
   std::uint32_t version = 0;
   std::uint32_t capacity_log2 = 0;
-  alignas(64) std::atomic<std::uint64_t> tail{0};      // sender
   alignas(64) std::atomic<std::uint32_t> writer_waiting{0};  // sender: 1 while it sleeps on a full ring
   alignas(64) std::atomic<std::uint64_t> head{0};      // receiver
   alignas(64) std::atomic<std::uint32_t> sleeping{1};  // receiver: 1 while its loop may sleep (starts 1)
   alignas(64) std::atomic<std::uint64_t> referenced_read{0};  // receiver: bytes of reference records read
-  alignas(64) std::byte data[1];                       // capacity bytes from here
+  alignas(64) std::byte data[1];                       // capacity bytes from here (zero in a new segment)
 };
 
 // Bytes a segment holding a ring of `capacity` bytes needs.
 constexpr std::size_t ring_segment_bytes(std::size_t capacity) noexcept { return offsetof(RingControl, data) + capacity; }
 
-// The sender's side of a ring.
+// The 8-byte word at a ring position (a multiple of 8): a header, or zero. The builtins rather than
+// std::atomic_ref: the ring's bytes are not objects of one type (TSan sees these accesses all the same).
+inline std::uint64_t load_ring_word(const std::byte* at) noexcept {
+  return __atomic_load_n(reinterpret_cast<const std::uint64_t*>(at), __ATOMIC_ACQUIRE);
+}
+inline void store_ring_word(std::byte* at, std::uint64_t word, int order) noexcept {
+  __atomic_store_n(reinterpret_cast<std::uint64_t*>(at), word, order);
+}
+
+// The sender's side of a ring. A batch is what put_header, put_fitting and skip wrote since the last
+// publish(): records, each begun by put_header and its bytes wholly written before the next begins.
 class RingWriter {
  public:
   RingWriter() = default;
+  // Writes from the reader's position: the ring must hold nothing unread (a new ring, or a test that
+  // plays the writer of a ring whose real writer is quiet).
   explicit RingWriter(RingControl* ring) noexcept
       : ring_(ring),
         capacity_(std::size_t{1} << ring->capacity_log2),
-        tail_(ring->tail.load(std::memory_order_relaxed)),
-        head_seen_(ring->head.load(std::memory_order_acquire)) {}
+        head_seen_(ring->head.load(std::memory_order_acquire)),
+        tail_(head_seen_),
+        batch_start_(tail_) {}
 
-  // Copies as much of [data, data + size) as the ring has room for; returns how much. Not yet visible:
-  // publish() makes it so.
-  std::size_t put(const void* data, std::size_t size) noexcept {
-    const std::size_t free = room(size);
-    const std::size_t n = size < free ? size : free;
-    if (n == 0) return 0;
-    copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, n);
-    tail_ += n;
-    return n;
+  // Begins a record at the writer's position (a multiple of 8): its header. The caller asked room() for
+  // the whole record. The batch's first header is kept until publish() (the reader's sign of arrival).
+  void put_header(RecordHeader h) noexcept { put_header_word(encode_record_header(h)); }
+  void put_header_word(std::uint64_t word) noexcept {
+    if (tail_ == batch_start_) {
+      first_header_ = word;
+    } else {
+      store_ring_word(ring_->data + (static_cast<std::size_t>(tail_) & (capacity_ - 1)), word, __ATOMIC_RELAXED);
+    }
+    tail_ += record_header_bytes;
   }
-  // As put(), for bytes the caller knows fit (it asked room() for all of them): no look at the peer's
-  // `head` per piece.
+  // The record's bytes, which the caller knows fit (it asked room() for all of them).
   void put_fitting(const void* data, std::size_t size) noexcept {
     copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, size);
     tail_ += size;
   }
+  // Bytes of the record that carry nothing (a lead): passed over, not written.
+  void skip(std::size_t size) noexcept { tail_ += size; }
+  // Ends the record: the next starts at the next multiple of 8.
+  void end_record() noexcept { tail_ = (tail_ + record_alignment - 1) & ~std::uint64_t{record_alignment - 1}; }
   // Where the next byte put goes: bytes ever written (its place in the ring is this mod the capacity).
   std::uint64_t position() const noexcept { return tail_; }
-  // Makes what put() copied visible; true when the receiver may be asleep (signal it).
+  // Makes the batch visible (the ring's comment: zero after it, then its first header); true when the
+  // receiver may be asleep (signal it).
   bool publish() noexcept {
-    store_and_fence(ring_->tail, tail_, std::memory_order_release);
+    if (tail_ == batch_start_) return false;
+    store_ring_word(ring_->data + (static_cast<std::size_t>(tail_) & (capacity_ - 1)), 0, __ATOMIC_RELAXED);
+    store_ring_word(ring_->data + (static_cast<std::size_t>(batch_start_) & (capacity_ - 1)), first_header_, __ATOMIC_RELEASE);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    batch_start_ = tail_;
     return ring_->sleeping.load(std::memory_order_relaxed) != 0;
   }
   // The sender's sleep announcement while a write waits for room: true when room came meanwhile.
@@ -172,14 +226,15 @@ class RingWriter {
   // Bytes of reference records the receiver has read (its word: a value beyond what was issued only
   // completes the write early, which harms nobody but the liar).
   std::uint64_t referenced_read() const noexcept { return ring_->referenced_read.load(std::memory_order_acquire); }
-  bool full() const noexcept { return room() == 0; }
-  // Bytes that may be written now, at least `wanted` when the ring has that much room: the receiver's
-  // `head` is loaded only when the room last seen holds less. That line is the receiver's, written at
-  // every read, so a load of it per message was a transfer between the cores each way (the reader's next
-  // store fetches it back). The room seen only grows, so an old one is never too much. With no `wanted`,
-  // always loaded (a sleep's last look, a write that takes all it can). The peer's word is not trusted: a
-  // head behind what was written, or ahead of it, gives no room (never more than the capacity, whatever
-  // the counters say).
+  // No room for the smallest record.
+  bool full() const noexcept { return room() < record_bytes(0, 1); }
+  // Bytes that may be written now (a multiple of 8), at least `wanted` when the ring has that much room:
+  // the receiver's `head` is loaded only when the room last seen holds less. That line is the
+  // receiver's, written at every read, so a load of it per message was a transfer between the cores each
+  // way (the reader's next store fetches it back). The room seen only grows, so an old one is never too
+  // much. With no `wanted`, always loaded (a sleep's last look, a write that takes all it can). The
+  // peer's word is not trusted: a head behind what was written, or ahead of it, gives no room (never more
+  // than the capacity less the 8 bytes the next header needs, whatever the counters say).
   std::size_t room(std::size_t wanted = SIZE_MAX) const noexcept {
     const std::size_t seen = room_after(head_seen_);
     if (seen >= wanted) return seen;
@@ -191,54 +246,48 @@ class RingWriter {
  private:
   std::size_t room_after(std::uint64_t head) const noexcept {
     const std::uint64_t used = tail_ - head;
-    return used <= capacity_ ? capacity_ - static_cast<std::size_t>(used) : 0;
+    const std::size_t most = capacity_ - record_alignment;
+    return used <= most ? (most - static_cast<std::size_t>(used)) & ~(record_alignment - 1) : 0;
   }
 
   RingControl* ring_ = nullptr;
   std::size_t capacity_ = 0;
-  std::uint64_t tail_ = 0;  // the sender's own copy: only it writes tail
   mutable std::uint64_t head_seen_ = 0;  // the receiver's head when last loaded (room())
+  std::uint64_t tail_ = 0;         // bytes ever written, the unpublished batch included
+  std::uint64_t batch_start_ = 0;  // where the unpublished batch starts (its first header goes last)
+  std::uint64_t first_header_ = 0;
 };
 
-// The receiver's side of a ring.
+// The receiver's side of a ring. It reads records at its position: header() says whether one is there;
+// the bytes of a record it returned are all there, and take, skip and view stay inside the ring whatever
+// the record says.
 class RingReader {
  public:
   RingReader() = default;
   explicit RingReader(RingControl* ring) noexcept
       : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), head_(ring->head.load(std::memory_order_relaxed)) {}
 
-  // Bytes written and not read yet.
-  // Bytes written and not read yet, never more than the capacity: a hostile or broken writer's tail
-  // (behind the reader, or too far ahead) yields at most a ring of garbage, which the framing above
-  // refuses, never a read outside the ring.
-  std::size_t available() const noexcept {
-    const std::uint64_t have = ring_->tail.load(std::memory_order_acquire) - head_;
-    return have <= capacity_ ? static_cast<std::size_t>(have) : capacity_;
+  // The header word at the reader's position, which must be a record's start: 0 when nothing is there yet.
+  std::uint64_t header() const noexcept { return load_ring_word(ring_->data + (static_cast<std::size_t>(head_) & (capacity_ - 1))); }
+  // Copies `size` bytes (at most the capacity) from the reader's position to `dst` (null: drops them),
+  // and passes them. The space is handed back to the sender by release().
+  void take(void* dst, std::size_t size) noexcept {
+    if (dst) copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, size < capacity_ ? size : capacity_);
+    head_ += size;
   }
-  // Copies up to `size` available bytes to `dst` (null: drops them); returns how many. The space is
-  // handed back to the sender by release().
-  std::size_t take(void* dst, std::size_t size) noexcept {
-    const std::size_t have = available();
-    const std::size_t n = size < have ? size : have;
-    if (n == 0) return 0;
-    if (dst) copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, n);
-    head_ += n;
-    return n;
+  // Copies `size` bytes (at most the capacity) `offset` past the reader's position, without taking them.
+  void peek(std::size_t offset, void* dst, std::size_t size) const noexcept {
+    copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_ + offset) & (capacity_ - 1), dst, size < capacity_ ? size : capacity_);
   }
-  // Copies `size` bytes at the reader's position without taking them; false when fewer are there.
-  bool peek(void* dst, std::size_t size) const noexcept {
-    if (available() < size) return false;
-    copy_from_ring(ring_->data, capacity_, static_cast<std::size_t>(head_) & (capacity_ - 1), dst, size);
-    return true;
-  }
-  // The `size` available bytes `offset` past the reader's position, where they lie in one piece in the
-  // ring; null when they do not (fewer available, or they wrap past its end). Still the writer's memory:
-  // a hostile one may change them while they are read, so copy what decides anything first.
+  // The `size` bytes `offset` past the reader's position where they lie in one piece in the ring; null
+  // when they do not (they wrap past its end). Still the writer's memory: a hostile one may change them
+  // while they are read, so copy what decides anything first.
   const std::byte* view(std::size_t offset, std::size_t size) const noexcept {
-    if (available() < offset + size) return nullptr;
     const std::size_t at = static_cast<std::size_t>(head_ + offset) & (capacity_ - 1);
-    return at + size <= capacity_ ? ring_->data + at : nullptr;
+    return size <= capacity_ - at ? ring_->data + at : nullptr;
   }
+  // Ends the record read: the reader's position moves to the next multiple of 8, the next record's start.
+  void end_record() noexcept { head_ = (head_ + record_alignment - 1) & ~std::uint64_t{record_alignment - 1}; }
   // Hands the bytes taken back to the sender. True when the sender sleeps waiting for room (signal it).
   bool release() noexcept {
     store_and_fence(ring_->head, head_, std::memory_order_release);
@@ -251,11 +300,12 @@ class RingReader {
     return ring_->writer_waiting.load(std::memory_order_relaxed) != 0;
   }
   std::size_t capacity() const noexcept { return capacity_; }
+  std::uint64_t position() const noexcept { return head_; }
 
-  // The receiver's sleep announcement (RingControl's comment): arm() returns true when data came.
+  // The receiver's sleep announcement (RingControl's comment): arm() returns true when a record came.
   bool arm() noexcept {
     store_and_fence(ring_->sleeping, std::uint32_t{1}, std::memory_order_relaxed);
-    return available() > 0;
+    return header() != 0;
   }
   void disarm() noexcept { ring_->sleeping.store(0, std::memory_order_relaxed); }
   explicit operator bool() const noexcept { return ring_ != nullptr; }

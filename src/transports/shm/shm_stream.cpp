@@ -39,8 +39,7 @@ class RingErrorCategory final : public std::error_category {
   std::string message(int value) const override {
     switch (static_cast<RingError>(value)) {
       case RingError::not_a_record: return "protocol error: the peer wrote bytes into the ring that are not a record";
-      case RingError::bad_length:
-        return "protocol error: a record in the ring has a length of 0 or more than the ring, or a padding record more than 63 bytes";
+      case RingError::bad_length: return "protocol error: a record in the ring has a length of 0 or more than the ring holds";
       case RingError::unreadable_reference:
         return "protocol error: a single-copy reference from a peer whose memory this rank cannot read (it said so at connect time)";
       case RingError::empty_reference: return "protocol error: a single-copy reference with a length of 0";
@@ -267,29 +266,20 @@ bool ShmStream::lendable(const Write& write) const noexcept {
   return true;
 }
 
-std::size_t ShmStream::padding_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept {
+std::size_t ShmStream::lead_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept {
   std::size_t before = 0;  // the record's bytes ahead of the piece looked at
   for (int i = piece; i < 3; ++i) {
     if (i != piece && by_reference(pieces[i])) break;
     const std::size_t from = i == piece ? offset : 0;
     const std::size_t left = pieces[i].size - from;
     if (left >= shm::align_records_from) {
-      const std::size_t padding = shm::record_padding(out_.position() + shm::record_header_bytes + before,
-                                                      static_cast<const std::byte*>(pieces[i].data) + from);
-      return room >= padding + shm::record_header_bytes + before + shm::align_records_from ? padding : 0;
+      const std::size_t lead = shm::record_lead(out_.position() + shm::record_header_bytes + before,
+                                                static_cast<const std::byte*>(pieces[i].data) + from);
+      return room >= shm::record_bytes(lead, before + shm::align_records_from) ? lead : 0;
     }
     before += left;
   }
   return 0;
-}
-
-void ShmStream::put_padding(std::size_t bytes) noexcept {
-  static constexpr std::byte zeros[shm::padding_most] = {};
-  std::byte header[shm::record_header_bytes];
-  const std::size_t after = bytes - shm::record_header_bytes;
-  shm::encode_record_header(header, {shm::RecordKind::padding, static_cast<std::uint32_t>(after)});
-  out_.put_fitting(header, sizeof header);
-  out_.put_fitting(zeros, after);
 }
 
 bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noexcept {
@@ -298,24 +288,27 @@ bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noe
   const std::size_t total = first + second;
   // One inline record of every piece (push_some's, written straight): only when the room holds it all,
   // asked once here rather than per piece.
-  return total != 0 && total <= UINT32_MAX && out_.room(shm::record_header_bytes + total) >= shm::record_header_bytes + total;
+  return total != 0 && total <= UINT32_MAX && out_.room(shm::record_bytes(0, total)) >= shm::record_bytes(0, total);
 }
 
 bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
   if (by_reference(third) || !takes_whole_now(first.size, second.size + third.size)) return false;
   const std::size_t total = first.size + second.size + third.size;
-  // Placed alike when the room holds the padding too (takes_whole_now asked for the record alone).
-  const ConstBytes pieces[3] = {first, second, third};
-  const std::size_t room = out_.room(2 * shm::record_header_bytes + shm::padding_most + total);
+  // Placed alike when the room holds the lead too (takes_whole_now asked for the record alone).
+  std::size_t lead = 0;
   // (No piece of a smaller record can be large enough to be placed: not asked, on every small send.)
-  const std::size_t padding = total >= shm::align_records_from ? padding_for(pieces, 0, 0, room) : 0;
-  if (padding != 0 && room >= padding + shm::record_header_bytes + total) put_padding(padding);
-  std::byte header[shm::record_header_bytes];
-  shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(total)});
-  out_.put_fitting(header, sizeof header);
+  if (total >= shm::align_records_from) {
+    const ConstBytes pieces[3] = {first, second, third};
+    const std::size_t room = out_.room(shm::record_bytes(shm::lead_most, total));
+    lead = lead_for(pieces, 0, 0, room);
+    if (room < shm::record_bytes(lead, total)) lead = 0;
+  }
+  out_.put_header({shm::RecordKind::inline_bytes, static_cast<std::uint8_t>(lead), static_cast<std::uint32_t>(total)});
+  out_.skip(lead);
   for (const ConstBytes& piece : {first, second, third}) {
     if (piece.size) out_.put_fitting(piece.data, piece.size);
   }
+  out_.end_record();
   last_sent_ = CoarseClock::now();
   if (out_.publish()) wake_peer();
   return true;
@@ -334,40 +327,38 @@ bool ShmStream::push_some() {
       // A reference record: the receiver copies the piece out of this process; the write is lent (the
       // piece must live) until it has (take_released).
       if (out_.room(shm::reference_record_bytes) < shm::reference_record_bytes) break;
-      std::byte record[shm::reference_record_bytes];
-      shm::encode_record_header(record, {shm::RecordKind::reference, 0});
-      le::put_u64(record + shm::record_header_bytes, reinterpret_cast<std::uintptr_t>(piece.data));
-      le::put_u64(record + shm::record_header_bytes + 8, piece.size);
-      out_.put(record, sizeof record);
+      std::byte where[16];
+      le::put_u64(where, reinterpret_cast<std::uintptr_t>(piece.data));
+      le::put_u64(where + 8, piece.size);
+      out_.put_header({shm::RecordKind::reference, 0, 0});
+      out_.put_fitting(where, sizeof where);
       referenced_written_ += piece.size;
       write_.offset = piece.size;
       moved = true;
       continue;
     }
     // An inline record: as much of this piece and the inline pieces after it as fits, placed alike
-    // (padding_for) where a large piece is in it.
+    // (lead_for) where a large piece is in it.
     std::size_t length = 0;
     for (int i = write_.piece; i < 3; ++i) {
       const ConstBytes& next = write_.pieces[i];
       if (i != write_.piece && by_reference(next)) break;
       length += next.size - (i == write_.piece ? write_.offset : 0);
     }
-    // The room for all of it with its padding, if the ring has it (the reader's head loaded only when
-    // the room last seen is short).
-    std::size_t room = out_.room(2 * shm::record_header_bytes + shm::padding_most + length);
-    if (room <= shm::record_header_bytes) break;
-    if (const std::size_t padding = padding_for(write_.pieces, write_.piece, write_.offset, room)) {
-      put_padding(padding);
-      room -= padding;
-    }
-    length = std::min({length, room - shm::record_header_bytes, std::size_t{UINT32_MAX}});
-    std::byte header[shm::record_header_bytes];
-    shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(length)});
-    out_.put(header, sizeof header);
+    // The room for all of it with its lead, if the ring has it (the reader's head loaded only when the
+    // room last seen is short).
+    const std::size_t room = out_.room(shm::record_bytes(shm::lead_most, length));
+    if (room < shm::record_bytes(0, 1)) break;
+    std::size_t lead = lead_for(write_.pieces, write_.piece, write_.offset, room);
+    if (room < shm::record_bytes(lead, 1)) lead = 0;
+    // (room and every record a multiple of 8: a record of room - header - lead bytes fills it exactly.)
+    length = std::min({length, room - shm::record_header_bytes - lead, std::size_t{UINT32_MAX}});
+    out_.put_header({shm::RecordKind::inline_bytes, static_cast<std::uint8_t>(lead), static_cast<std::uint32_t>(length)});
+    out_.skip(lead);
     while (length > 0) {
       const ConstBytes& current = write_.pieces[write_.piece];
       const std::size_t n = std::min(length, current.size - write_.offset);
-      out_.put(static_cast<const std::byte*>(current.data) + write_.offset, n);
+      out_.put_fitting(static_cast<const std::byte*>(current.data) + write_.offset, n);
       write_.offset += n;
       length -= n;
       if (write_.offset == current.size) {
@@ -375,6 +366,7 @@ bool ShmStream::push_some() {
         write_.offset = 0;
       }
     }
+    out_.end_record();
     moved = true;
   }
   if (moved) {
@@ -387,16 +379,17 @@ bool ShmStream::push_some() {
 std::size_t ShmStream::take_whole_frames(bool& ended) {
   std::size_t taken = 0;
   while (taken < frames_taken_most && read_.active && read_.got == 0 && record_.left == 0 && !read_error_ && !alive_.expired()) {
-    std::byte header[shm::record_header_bytes];
-    if (!in_.peek(header, sizeof header)) break;
+    const std::uint64_t word = in_.header();
+    if (word == 0) break;
     // Anything but a whole inline record in one piece is pull_read's, which also judges a bad one.
     shm::RecordHeader h;
-    if (!shm::decode_record_header(header, h) || h.kind != shm::RecordKind::inline_bytes) break;
-    const std::byte* bytes = in_.view(shm::record_header_bytes, h.length);
+    if (!shm::decode_record_header(word, h) || h.kind != shm::RecordKind::inline_bytes || !fits(h)) break;
+    const std::byte* bytes = in_.view(shm::record_header_bytes + h.lead, h.length);
     if (!bytes) break;
     TransportOp* op = events_->take_frame(peer_, bytes, h.length);
     if (!op) break;
-    in_.take(nullptr, shm::record_header_bytes + h.length);
+    in_.take(nullptr, shm::record_header_bytes + h.lead + h.length);
+    in_.end_record();
     last_received_ = CoarseClock::now();
     if (in_.release()) wake_peer();
     ++taken;
@@ -409,35 +402,30 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
   return taken;
 }
 
+bool ShmStream::fits(const shm::RecordHeader& h) const noexcept {
+  // The most a writer can put: the ring less the 8 bytes its next header needs.
+  return h.length != 0 && shm::record_bytes(h.lead, h.length) <= in_.capacity() - shm::record_alignment;
+}
+
 bool ShmStream::pull_read() {
   if (read_error_) return false;
   bool ring_moved = false;
   while (read_.got < read_.cap) {
     if (record_.left == 0) {
-      std::byte header[shm::reference_record_bytes];
-      if (!in_.peek(header, shm::record_header_bytes)) break;
+      const std::uint64_t word = in_.header();
+      if (word == 0) break;
       shm::RecordHeader h;
-      if (!shm::decode_record_header(header, h)) {
+      if (!shm::decode_record_header(word, h)) {
         read_error_ = make_error(RingError::not_a_record);
         break;
       }
       if (h.kind == shm::RecordKind::inline_bytes) {
-        if (h.length == 0 || h.length > in_.capacity() - shm::record_header_bytes) {
+        if (!fits(h)) {
           read_error_ = make_error(RingError::bad_length);
           break;
         }
-        in_.take(nullptr, shm::record_header_bytes);
+        in_.take(nullptr, shm::record_header_bytes + h.lead);
         record_ = Record{shm::RecordKind::inline_bytes, h.length, 0};
-      } else if (h.kind == shm::RecordKind::padding) {
-        // Nothing of the stream: skipped whole (its writer publishes it with the record after it).
-        if (h.length > shm::padding_most) {
-          read_error_ = make_error(RingError::bad_length);
-          break;
-        }
-        if (in_.available() < shm::record_header_bytes + h.length) break;
-        in_.take(nullptr, shm::record_header_bytes + h.length);
-        ring_moved = true;
-        continue;
       } else {
         // Only from a peer this rank said it can read (the link's probe); never trusted further than
         // that: a bad address fails the read (process_vm_readv checks it), it cannot touch this process.
@@ -445,22 +433,25 @@ bool ShmStream::pull_read() {
           read_error_ = make_error(RingError::unreadable_reference);
           break;
         }
-        if (!in_.peek(header, shm::reference_record_bytes)) break;
-        const std::uint64_t length = le::get_u64(header + shm::record_header_bytes + 8);
+        std::byte where[16];
+        in_.peek(shm::record_header_bytes, where, sizeof where);
+        const std::uint64_t length = le::get_u64(where + 8);
         if (length == 0) {
           read_error_ = make_error(RingError::empty_reference);
           break;
         }
         in_.take(nullptr, shm::reference_record_bytes);
-        record_ = Record{shm::RecordKind::reference, length, le::get_u64(header + shm::record_header_bytes)};
+        record_ = Record{shm::RecordKind::reference, length, le::get_u64(where)};
       }
       ring_moved = true;
     }
     if (record_.kind == shm::RecordKind::inline_bytes) {
-      const std::size_t n = in_.take(read_.dst + read_.got, std::min<std::uint64_t>(record_.left, read_.cap - read_.got));
-      if (n == 0) break;
+      // All of the record is there (its header was): as much as the read holds.
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(record_.left, read_.cap - read_.got));
+      in_.take(read_.dst + read_.got, n);
       read_.got += n;
       record_.left -= n;
+      if (record_.left == 0) in_.end_record();
       ring_moved = true;
       continue;
     }
@@ -615,14 +606,13 @@ void ShmStream::write_blocking(const void* data, std::size_t size) {
   // One inline record, put whole or not at all (the goodbye frame: 48 bytes): a reader never sees half.
   if (size == 0 || size > UINT32_MAX) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (out_.room(shm::record_header_bytes + size) < shm::record_header_bytes + size) {
+  while (out_.room(shm::record_bytes(0, size)) < shm::record_bytes(0, size)) {
     if (peer_closed_ || std::chrono::steady_clock::now() >= until) return;
     std::this_thread::yield();
   }
-  std::byte header[shm::record_header_bytes];
-  shm::encode_record_header(header, {shm::RecordKind::inline_bytes, static_cast<std::uint32_t>(size)});
-  out_.put(header, sizeof header);
-  out_.put(data, size);
+  out_.put_header({shm::RecordKind::inline_bytes, 0, static_cast<std::uint32_t>(size)});
+  out_.put_fitting(data, size);
+  out_.end_record();
   if (out_.publish()) wake_peer();
 }
 

@@ -117,12 +117,13 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // enough); by_reference also asks the write in flight.
   bool reference_sized(std::size_t bytes) const noexcept;
   bool by_reference(const ConstBytes& piece) const noexcept;
-  // The padding record (its bytes, 0 for none) that places alike the inline record about to start at the
-  // ring's tail, holding pieces[piece] from `offset` and the inline pieces after it: when one of them has
-  // at least shm::align_records_from bytes and `room` holds the padding, the record's header and that
-  // many of its bytes. put_padding writes it.
-  std::size_t padding_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept;
-  void put_padding(std::size_t bytes) noexcept;
+  // The lead (0 to 63) that places alike the inline record about to start at the ring's tail, holding
+  // pieces[piece] from `offset` and the inline pieces after it: when one of them has at least
+  // shm::align_records_from bytes and `room` holds the record's header, the lead and that many of its
+  // bytes; else 0.
+  std::size_t lead_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept;
+  // An inline record's lead and length fit this rank's ring (a hostile or broken writer's may not).
+  bool fits(const shm::RecordHeader& h) const noexcept;
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
   // to frames_taken_most, while the read in flight has nothing yet; returns how many. `ended`: a
   // completion closed this stream or ended the transport, and nothing more may be done here.
