@@ -13,10 +13,10 @@
 // its header with acquire: zero is "nothing yet"; anything else was published with its whole batch, the
 // records behind it and the zero after them included. Until version 3 the sender published a `tail`
 // counter on a line of its own: the reader then fetched two lines from the writer's core per message
-// (the counter, then the record), one after the other; now one. (A ping-pong of two threads with each
-// protocol on the AMD EPYC here: 0.45 against 0.32 us a message; bench/RESULTS.md.) The 8 bytes after
-// the last record must be free for that zero: the writer's room is the capacity less 8, less what the
-// reader has not consumed.
+// (the counter, then the record), one after the other; now one (bench/ceiling/ring_arrival_ceiling.cpp:
+// 0.42 against 0.30 us a message at 48-byte payloads on the AMD EPYC here; bench/RESULTS.md, "Arrival on
+// the record's line"). The 8 bytes after the last record must be free for that zero: the writer's room
+// is the capacity less 8, less what the reader has not consumed.
 //
 // Visibility: records, then the batch's first header with release; the reader loads a header with
 // acquire, then the record. The same for `head` and the space it frees. Waking, both ways the same
