@@ -4,11 +4,15 @@
 //   tail:   the record, then a `tail` counter on a line of its own (release, full fence, load `sleeping`);
 //           the reader loads `tail`, then the record (ring versions up to 3);
 //   header: the record but its header, zero after it, then the header (release, full fence, load
-//           `sleeping`); the reader loads the header at its position (ring version 4).
+//           `sleeping`); the reader loads the header at its position (ring version 4);
+//   prefetch: header, and the writer then asks for the line after the zero's (prefetchw);
+//   lines:  header, but the zero after a batch is written only where it falls inside a line (not at a
+//           line's start); the reader zeroes the first word of every line it has consumed before it
+//           stores `head`, so a line's first word is zero until the writer's next lap puts a header there.
 // Both readers then store `head` and fence as ring.hpp's release() does; both spin with a pause between
 // looks (a spinning loop looks once per turn, not back to back).
 //   ring-arrival-ceiling [PAYLOAD_BYTES [ROUND_TRIPS [CPU_A CPU_B]]]
-// Prints each protocol's half round trip in us, the two taking turns over 5 runs.
+// Prints each protocol's half round trip in us, the four taking turns over 5 runs.
 #include <pthread.h>
 #include <sched.h>
 
@@ -36,7 +40,8 @@ struct alignas(64) Ring {
   alignas(64) unsigned char data[capacity + 65536 + 64];
 };
 
-enum class Protocol { tail, header };
+enum class Protocol { tail, header, prefetch, lines };
+constexpr const char* names[] = {"tail", "header", "prefetch", "lines"};
 
 void pin(int cpu) {
   if (cpu < 0) return;
@@ -63,8 +68,11 @@ struct Side {
       std::memcpy(out->data + (at & (capacity - 1)), &header, 8);
       out->tail.store(tail, std::memory_order_release);
     } else {
-      __atomic_store_n(word_at(out, tail), 0, __ATOMIC_RELAXED);
+      if (p != Protocol::lines || (tail & 63) != 0) __atomic_store_n(word_at(out, tail), 0, __ATOMIC_RELAXED);
       __atomic_store_n(word_at(out, at), header, __ATOMIC_RELEASE);
+#if defined(__x86_64__)
+      if (p == Protocol::prefetch) asm volatile("prefetchw %0" : : "m"(out->data[((tail | 63) + 1) & (capacity - 1)]));
+#endif
     }
     std::atomic_thread_fence(std::memory_order_seq_cst);
     (void)out->sleeping.load(std::memory_order_relaxed);
@@ -79,7 +87,11 @@ struct Side {
     }
     const std::size_t n = header >> 32;
     std::memcpy(payload, in->data + ((head + 8) & (capacity - 1)), n);
+    const std::uint64_t from = head;
     head += rounded(n);
+    if (p == Protocol::lines) {
+      for (std::uint64_t line = (from + 63) & ~std::uint64_t{63}; line < head; line += 64) __atomic_store_n(word_at(in, line), 0, __ATOMIC_RELAXED);
+    }
     in->head.store(head, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     (void)in->writer_waiting.load(std::memory_order_relaxed);
@@ -122,13 +134,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: ring-arrival-ceiling [PAYLOAD_BYTES (1-65536) [ROUND_TRIPS [CPU_A CPU_B]]]\n");
     return 2;
   }
-  std::vector<double> tail, header;
+  std::vector<double> times[4];
   for (int run = 0; run < 5; ++run) {
-    tail.push_back(half_round_trip_us(Protocol::tail, n, trips, cpu_a, cpu_b));
-    header.push_back(half_round_trip_us(Protocol::header, n, trips, cpu_a, cpu_b));
+    for (int p = 0; p < 4; ++p) times[p].push_back(half_round_trip_us(static_cast<Protocol>(p), n, trips, cpu_a, cpu_b));
   }
-  std::sort(tail.begin(), tail.end());
-  std::sort(header.begin(), header.end());
-  std::printf("%zu B payload, half round trip (us), median [min, max] of 5: tail %.3f [%.3f, %.3f], header %.3f [%.3f, %.3f]\n", n,
-              tail[2], tail[0], tail[4], header[2], header[0], header[4]);
+  std::printf("%zu B payload, half round trip (us), median [min, max] of 5:", n);
+  for (int p = 0; p < 4; ++p) {
+    std::sort(times[p].begin(), times[p].end());
+    std::printf(" %s %.3f [%.3f, %.3f]", names[p], times[p][2], times[p][0], times[p][4]);
+  }
+  std::printf("\n");
 }
