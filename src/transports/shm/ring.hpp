@@ -259,7 +259,7 @@ class RingWriter {
 };
 
 // The receiver's side of a ring. It reads records at its position: header() says whether one is there;
-// the bytes of a record it returned are all there, and take, skip and view stay inside the ring whatever
+// the bytes of a record it returned are all there, and take, peek and view stay inside the ring whatever
 // the record says.
 class RingReader {
  public:
