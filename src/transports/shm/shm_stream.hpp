@@ -117,7 +117,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // enough); by_reference also asks the write in flight.
   bool reference_sized(std::size_t bytes) const noexcept;
   bool by_reference(const ConstBytes& piece) const noexcept;
-  // The lead (0 to 63) that places alike the inline record about to start at the ring's tail, holding
+  // The lead (0 to 63) that places alike the inline record about to start at the writer's position, holding
   // pieces[piece] from `offset` and the inline pieces after it: when one of them has at least
   // shm::align_records_from bytes and `room` holds the record's header, the lead and that many of its
   // bytes; else 0.
