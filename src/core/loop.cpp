@@ -378,8 +378,10 @@ struct Loop::Impl {
     ready_any.store(true, std::memory_order_seq_cst);
     if (asleep.load(std::memory_order_seq_cst)) asio::post(*io, [] {});
   }
-  std::size_t run_ready() {
-    if (!ready_any.load(std::memory_order_acquire)) return 0;
+  // The look is inlined at every call (a turn, each run_here): nearly always nothing was posted, and the
+  // whole function's entry cost 20 instructions for that answer, three times per message.
+  std::size_t run_ready() { return ready_any.load(std::memory_order_acquire) ? run_ready_now() : 0; }
+  [[gnu::noinline]] std::size_t run_ready_now() {
     {
       std::lock_guard lock(ready_mutex);
       running.swap(ready);

@@ -10,12 +10,10 @@ namespace weft::detail {
   throw Error(Errc::invalid_argument, g.where(op, static_cast<std::int64_t>(g.next_seq.load()), peer), detail);
 }
 
-void check_usable(GroupState& g, const char* op) {
-  if (g.failed.load()) {
-    std::lock_guard lock(g.failure_mutex);
-    throw Error(Errc::group_failed, g.where(op, static_cast<std::int64_t>(g.next_seq.load())),
-                fmt::format("an earlier operation failed: {}", g.failure));
-  }
+void refuse_unusable(GroupState& g, const char* op) {
+  std::lock_guard lock(g.failure_mutex);
+  throw Error(Errc::group_failed, g.where(op, static_cast<std::int64_t>(g.next_seq.load())),
+              fmt::format("an earlier operation failed: {}", g.failure));
 }
 
 // Host or device memory (a device view is checked, and staged, by the device path: device_staging.cpp).
@@ -25,8 +23,8 @@ void check_device_kind(const GroupState& g, const char* op, Device device) {
 
 // max_buffer_bytes (weft/buffer.hpp) bounds every count here.
 
-void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
-                  DType dtype, Device device) {
+void refuse_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
+                   DType dtype, Device device) {
   check_device_kind(g, op, device);
   if (!is_valid(dtype)) {
     invalid(g, op, fmt::format("{}'s dtype {} is not a weft DType", name, static_cast<unsigned>(dtype)));
@@ -36,6 +34,7 @@ void check_buffer(const GroupState& g, const char* op, const char* name, const v
                                "bytes per buffer)", name, count, to_string(dtype), dtype_size(dtype)));
   }
   if (count > 0 && data == nullptr) invalid(g, op, fmt::format("{} is null with {} elements", name, count));
+  invalid(g, op, fmt::format("{} was refused by the inline check and accepted by its report (a weft bug)", name));
 }
 
 // count x the group's size, for collectives whose buffer holds a block per rank; refused past what a
@@ -63,8 +62,8 @@ void check_op(const GroupState& g, const char* op, DType type, ReduceOp reduce) 
   }
 }
 
-void check_rank(const GroupState& g, const char* op, const char* what, int r) {
-  if (r < 0 || r >= g.size) invalid(g, op, fmt::format("{} {} is not a rank of this group of {}", what, r, g.size), r);
+void refuse_rank(const GroupState& g, const char* op, const char* what, int r) {
+  invalid(g, op, fmt::format("{} {} is not a rank of this group of {}", what, r, g.size), r);
 }
 
 // The operation's sequence number; a view made by with_timeout() records its deadline for it.

@@ -32,13 +32,16 @@ class P2pOp final : public FutureState<void> {
                             std::chrono::milliseconds timeout) {
     Starting starting{&g, sending, data, bytes, peer, tag, timeout, {}};
     Loop& loop = *g->loop;
-    if (loop.in_loop_thread()) {
-      start_here(&starting);
-      return std::move(starting.result);
-    }
+    // The borrow first: run_here refuses a loop that runs or is held (as it is whenever this thread
+    // runs it) with one load, where the thread check is a walk of Asio's call stack, a call of plain
+    // code's every send and receive.
     if (loop.run_here(&P2pOp::start_here, &starting)) {
       // Started on this thread, the loop borrowed for it (caller-driven progress): no post, and a send
       // the stream took whole is done before its Future is waited on.
+      return std::move(starting.result);
+    }
+    if (loop.in_loop_thread()) {
+      start_here(&starting);
       return std::move(starting.result);
     }
     // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a

@@ -24,6 +24,7 @@
 #include "core/scratch.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "transports/framed/contexts.hpp"
+#include "transports/framed/matcher.hpp"
 #include "transports/framed/wire.hpp"
 #include "support/harness.hpp"
 
@@ -1093,4 +1094,90 @@ TEST_CASE("scratch buffers from 4 MiB are kept and reused, within their bound; s
   }
   for (auto& th : threads) th.join();
   CHECK(wrong == 0);
+}
+
+// The matcher keeps a receive posted while no mailbox exists beside its table (the lone receive): every
+// use of the table must see it as if it were there, in the order it was posted.
+TEST_CASE("the matcher's lone receive is matched, withdrawn, swept and ordered as one in its table", "[core][matcher]") {
+  using weft::Matcher;
+  using weft::MessageKey;
+  using weft::TransportOp;
+  const Matcher::Key a{1, MessageKey{7, 3, 0}};
+  const Matcher::Key b{1, MessageKey{7, 4, 0}};
+  const auto accept_all = [](const TransportOp&) { return true; };
+
+  SECTION("matched by its key only, and refused whole when the accept check says no") {
+    Matcher m;
+    TransportOp first;
+    m.post(a, first);
+    CHECK(m.any_posted());
+    CHECK(m.take_posted(b) == nullptr);
+    CHECK(m.take_posted_accepted(a, [](const TransportOp&) { return false; }) == nullptr);
+    CHECK(m.take_posted(a) == &first);
+    CHECK_FALSE(m.any_posted());
+    CHECK(m.take_posted(a) == nullptr);
+  }
+  SECTION("two receives of one key meet their messages oldest first, through a spill into the table") {
+    Matcher m;
+    TransportOp first, second, other;
+    m.post(a, first);
+    m.post(b, other);
+    m.post(a, second);
+    CHECK(m.take_posted(a) == &first);
+    CHECK(m.take_posted(a) == &second);
+    CHECK(m.take_posted_accepted(b, accept_all) == &other);
+    CHECK_FALSE(m.any_posted());
+    CHECK(m.mailboxes().empty());
+  }
+  SECTION("withdrawn, and a withdrawn receive is not matched") {
+    Matcher m;
+    TransportOp first, second;
+    m.post(a, first);
+    first.peer = a.peer;
+    first.key = a.key;
+    CHECK(m.withdraw(first));
+    CHECK_FALSE(m.withdraw(first));
+    CHECK(m.take_posted(a) == nullptr);
+    m.post(a, second);  // the slot is free again
+    CHECK(m.take_posted(a) == &second);
+  }
+  SECTION("an early message of another key moves it into the table, where both stay matchable") {
+    Matcher m;
+    TransportOp first;
+    m.post(a, first);
+    auto message = m.take_buffer(8);
+    m.keep_early(b, std::move(message));
+    CHECK(m.mailboxes().size() == 2);
+    CHECK(m.peek_early(b) != nullptr);
+    CHECK(m.take_posted(a) == &first);
+    auto early = m.take_early(b);
+    REQUIRE(early.has_value());
+    CHECK(early->bytes == 8);
+    m.give_back(std::move(*early));
+    CHECK(m.mailboxes().empty());
+  }
+  SECTION("seen by the sweeps: peers with a receive posted, failures and shutdown") {
+    Matcher m;
+    TransportOp first;
+    m.post(a, first);
+    std::vector<int> peers;
+    m.peers_posted(7, 3, peers);
+    CHECK(peers == std::vector<int>{1});
+    peers.clear();
+    m.peers_posted(7, 4, peers);
+    CHECK(peers.empty());
+    std::vector<TransportOp*> swept;
+    m.take_posted_if([](const Matcher::Key& k) { return k.key.context == 8; }, swept);
+    CHECK(swept.empty());
+    m.take_posted_if([](const Matcher::Key& k) { return k.key.context == 7; }, swept);
+    CHECK(swept == std::vector<TransportOp*>{&first});
+    CHECK_FALSE(m.any_posted());
+    TransportOp second;
+    m.post(b, second);
+    REQUIRE(m.mailboxes().size() == 1);
+    CHECK(m.mailboxes().begin()->second.posted.begin()[0] == &second);
+    m.clear();
+    CHECK_FALSE(m.any_posted());
+    CHECK(m.take_posted(b) == nullptr);
+  }
 }

@@ -65,6 +65,7 @@ void Matcher::give_back(Early&& buffer) {
 }
 
 std::optional<Matcher::Early> Matcher::take_early(const Key& key) {
+  if (mailboxes_.empty()) return std::nullopt;  // the usual answer for a receive posted before its message
   auto it = mailboxes_.find(key);
   if (it == mailboxes_.end() || it->second.early.empty()) return std::nullopt;
   Early message = std::move(it->second.early.front());
@@ -74,6 +75,10 @@ std::optional<Matcher::Early> Matcher::take_early(const Key& key) {
 }
 
 bool Matcher::withdraw(TransportOp& op) {
+  if (lone_.op == &op) {
+    lone_.op = nullptr;
+    return true;
+  }
   auto it = mailboxes_.find(Key{op.peer, op.key});
   if (it == mailboxes_.end()) return false;
   auto& posted = it->second.posted;
@@ -89,10 +94,11 @@ void Matcher::forget_context(std::uint32_t context) {
 }
 
 bool Matcher::any_posted() const noexcept {
-  return std::any_of(mailboxes_.begin(), mailboxes_.end(), [](const auto& entry) { return !entry.second.posted.empty(); });
+  return lone_.op || std::any_of(mailboxes_.begin(), mailboxes_.end(), [](const auto& entry) { return !entry.second.posted.empty(); });
 }
 
 void Matcher::peers_posted(std::uint32_t context, std::uint64_t seq, std::vector<int>& out) const {
+  if (lone_.op && lone_.key.key.context == context && lone_.key.key.seq == seq) out.push_back(lone_.key.peer);
   for (const auto& [key, mailbox] : mailboxes_) {
     if (key.key.context == context && key.key.seq == seq && !mailbox.posted.empty()) out.push_back(key.peer);
   }

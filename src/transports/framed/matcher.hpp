@@ -112,8 +112,18 @@ class Matcher {
   void give_back(Early&& buffer);
 
   // ---- matching
-  void post(const Key& key, TransportOp& op) { mailbox(key).posted.push_back(&op); }
-  void keep_early(const Key& key, Early&& message) { mailbox(key).early.push_back(std::move(message)); }
+  void post(const Key& key, TransportOp& op) {
+    if (!lone_.op && mailboxes_.empty()) {
+      lone_ = Lone{key, &op};
+      return;
+    }
+    spill();
+    mailbox(key).posted.push_back(&op);
+  }
+  void keep_early(const Key& key, Early&& message) {
+    spill();
+    mailbox(key).early.push_back(std::move(message));
+  }
   // The oldest receive posted for `key`, taken out; null if none.
   TransportOp* take_posted(const Key& key) {
     return take_posted_accepted(key, [](const TransportOp&) { return true; });
@@ -121,6 +131,10 @@ class Matcher {
   // The same, only when `accept(receive)` says yes to it; null (and nothing changed) otherwise.
   template <class Accept>
   TransportOp* take_posted_accepted(const Key& key, Accept accept) {
+    if (lone_.op) {  // then no mailbox exists
+      if (!(lone_.key == key) || !accept(*lone_.op)) return nullptr;
+      return std::exchange(lone_.op, nullptr);
+    }
     auto it = mailboxes_.find(key);
     if (it == mailboxes_.end() || it->second.posted.empty() || !accept(*it->second.posted.front())) return nullptr;
     TransportOp* op = it->second.posted.front();
@@ -144,6 +158,7 @@ class Matcher {
   // receivable, or, with `drop_early`, are dropped as well.
   template <class Pred>
   void take_posted_if(Pred pred, std::vector<TransportOp*>& out, bool drop_early = false) {
+    spill();
     for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
       if (!pred(it->first)) {
         ++it;
@@ -171,8 +186,14 @@ class Matcher {
   bool any_posted() const noexcept;
   // The peers with a receive posted for operation (context, seq).
   void peers_posted(std::uint32_t context, std::uint64_t seq, std::vector<int>& out) const;
-  const std::unordered_map<Key, Mailbox, KeyHash>& mailboxes() const noexcept { return mailboxes_; }
-  void clear() noexcept { mailboxes_.clear(); }
+  const std::unordered_map<Key, Mailbox, KeyHash>& mailboxes() {
+    spill();
+    return mailboxes_;
+  }
+  void clear() noexcept {
+    mailboxes_.clear();
+    lone_.op = nullptr;
+  }
 
  private:
   using Mailboxes = std::unordered_map<Key, Mailbox, KeyHash>;
@@ -188,6 +209,11 @@ class Matcher {
     spare_nodes_.pop_back();
     node.key() = key;
     return mailboxes_.insert(std::move(node)).position->second;
+  }
+  // The lone receive into the table, before anything else uses the table (the table then holds every
+  // posted receive, and their order per key is kept: the lone one was posted first).
+  void spill() {
+    if (lone_.op) mailbox(lone_.key).posted.push_back(std::exchange(lone_.op, nullptr));
   }
   void erase_if_empty(Mailboxes::iterator it) {
     if (!it->second.posted.empty() || !it->second.early.empty()) return;
@@ -207,6 +233,16 @@ class Matcher {
   std::vector<std::unique_ptr<std::byte[]>> spare_small_;  // small messages' buffers (matcher.cpp)
   Mailboxes mailboxes_;
   std::vector<Mailboxes::node_type> spare_nodes_;  // emptied mailboxes, for the next keys
+  // The one receive posted while no mailbox exists (a blocking receive, a ping-pong, a collective's round
+  // of one peer: the usual state), kept beside the table while it is alone: posting and matching it is a
+  // key compare, where the table's find, node insert and extract, and the key's hash for each, were
+  // about 9 % of an 8-byte shm ping-pong's instructions (bench/RESULTS.md). Whenever `op` is set, the
+  // table is empty; anything that adds to the table first moves it in (spill).
+  struct Lone {
+    Key key{};
+    TransportOp* op = nullptr;
+  };
+  Lone lone_;
 };
 
 }  // namespace weft
