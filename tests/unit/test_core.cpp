@@ -1156,6 +1156,24 @@ TEST_CASE("the matcher's lone receive is matched, withdrawn, swept and ordered a
     m.give_back(std::move(*early));
     CHECK(m.mailboxes().empty());
   }
+  SECTION("a window of receives of one key between other keys' mailboxes coming and going, oldest first") {
+    Matcher m;
+    std::vector<TransportOp> window(64);
+    for (auto& op : window) m.post(a, op);
+    for (std::size_t i = 0; i < window.size(); ++i) {
+      // Other keys' mailboxes made and erased between the matches (inserts that rehash the table).
+      for (std::uint64_t k = 0; k < 40; ++k) m.keep_early(Matcher::Key{2, MessageKey{9, 100 * i + k, 0}}, m.take_buffer(4));
+      CHECK(m.peek_early(a) == nullptr);
+      CHECK(m.take_posted(a) == &window[i]);
+      for (std::uint64_t k = 0; k < 40; ++k) {
+        auto early = m.take_early(Matcher::Key{2, MessageKey{9, 100 * i + k, 0}});
+        REQUIRE(early.has_value());
+        m.give_back(std::move(*early));
+      }
+    }
+    CHECK(m.take_posted(a) == nullptr);
+    CHECK(m.mailboxes().empty());
+  }
   SECTION("seen by the sweeps: peers with a receive posted, failures and shutdown") {
     Matcher m;
     TransportOp first;

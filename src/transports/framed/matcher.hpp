@@ -135,7 +135,7 @@ class Matcher {
       if (!(lone_.key == key) || !accept(*lone_.op)) return nullptr;
       return std::exchange(lone_.op, nullptr);
     }
-    auto it = mailboxes_.find(key);
+    auto it = find(key);
     if (it == mailboxes_.end() || it->second.posted.empty() || !accept(*it->second.posted.front())) return nullptr;
     TransportOp* op = it->second.posted.front();
     it->second.posted.pop_front();
@@ -143,9 +143,9 @@ class Matcher {
     return op;
   }
   // The oldest early message for `key`, left in place; null if none.
-  const Early* peek_early(const Key& key) const {
+  const Early* peek_early(const Key& key) {
     if (mailboxes_.empty()) return nullptr;  // the usual answer for a receive posted before its message
-    const auto it = mailboxes_.find(key);
+    const auto it = find(key);
     return it == mailboxes_.end() || it->second.early.empty() ? nullptr : &it->second.early.front();
   }
   // The oldest early message for `key`, taken out; none if none.
@@ -159,6 +159,7 @@ class Matcher {
   template <class Pred>
   void take_posted_if(Pred pred, std::vector<TransportOp*>& out, bool drop_early = false) {
     spill();
+    last_valid_ = false;
     for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
       if (!pred(it->first)) {
         ++it;
@@ -192,6 +193,7 @@ class Matcher {
   }
   void clear() noexcept {
     mailboxes_.clear();
+    last_valid_ = false;
     lone_.op = nullptr;
   }
 
@@ -203,12 +205,29 @@ class Matcher {
   // kept, not 16: a reader behind a broadcast's root holds a mailbox per message it has not reached.
   static constexpr std::size_t spare_mailboxes = 1024;
   Mailbox& mailbox(const Key& key) {
-    if (auto it = mailboxes_.find(key); it != mailboxes_.end()) return it->second;
-    if (spare_nodes_.empty()) return mailboxes_.try_emplace(key).first->second;
-    Mailboxes::node_type node = std::move(spare_nodes_.back());
-    spare_nodes_.pop_back();
-    node.key() = key;
-    return mailboxes_.insert(std::move(node)).position->second;
+    if (auto it = find(key); it != mailboxes_.end()) return it->second;
+    if (spare_nodes_.empty()) {
+      last_ = mailboxes_.try_emplace(key).first;
+    } else {
+      Mailboxes::node_type node = std::move(spare_nodes_.back());
+      spare_nodes_.pop_back();
+      node.key() = key;
+      last_ = mailboxes_.insert(std::move(node)).position;
+    }
+    last_valid_ = true;  // (an insert may rehash: the cached iterator is the one it returned)
+    return last_->second;
+  }
+  // The mailbox of `key`, the last one found or made when it is that key's: a receive asks for its key
+  // up to three times (recv_now, start_recv, the match), and a window of receives of one key asks for
+  // the same every time, where each find hashes the key and divides by the bucket count.
+  Mailboxes::iterator find(const Key& key) {
+    if (last_valid_ && last_->first == key) return last_;
+    const auto it = mailboxes_.find(key);
+    if (it != mailboxes_.end()) {
+      last_ = it;
+      last_valid_ = true;
+    }
+    return it;
   }
   // The lone receive into the table, before anything else uses the table (the table then holds every
   // posted receive, and their order per key is kept: the lone one was posted first).
@@ -217,6 +236,7 @@ class Matcher {
   }
   void erase_if_empty(Mailboxes::iterator it) {
     if (!it->second.posted.empty() || !it->second.early.empty()) return;
+    last_valid_ = false;
     if (spare_nodes_.size() < spare_mailboxes) {
       spare_nodes_.push_back(mailboxes_.extract(it));
     } else {
@@ -243,6 +263,9 @@ class Matcher {
     TransportOp* op = nullptr;
   };
   Lone lone_;
+  // The mailbox found or made last (find): valid until a mailbox leaves the table or another is made.
+  Mailboxes::iterator last_{};
+  bool last_valid_ = false;
 };
 
 }  // namespace weft
