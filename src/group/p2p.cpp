@@ -48,7 +48,10 @@ class P2pOp final : public FutureState<void> {
     // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
     auto op = make(std::move(g), sending, data, bytes, peer, tag, timeout);
     op->self_ = op;
-    op->g_->loop->post([raw = op.get()] { raw->begin(std::move(raw->self_)); });
+    op->g_->loop->post([raw = op.get()] {
+      const std::shared_ptr<P2pOp> self = std::move(raw->self_);
+      raw->begin(self);
+    });
     return Future<void>(std::move(op));
   }
 
@@ -104,10 +107,11 @@ class P2pOp final : public FutureState<void> {
     });
   }
 
-  // Loop thread. `self_` keeps the operation alive until the transport completes it, and `self` until
-  // this returns: a transport that completes it inside start_send/start_recv drops self_, and the Future
-  // may be gone by then (TSan saw the check of finished_ below read freed memory when self_ was all).
-  void begin(std::shared_ptr<P2pOp> self) {
+  // Loop thread. `self_` keeps the operation alive until the transport completes it, and the caller's
+  // `self` until this returns: a transport that completes it inside start_send/start_recv drops self_,
+  // and the Future may be gone by then (TSan saw the check of finished_ below read freed memory when
+  // self_ was all). A reference: the caller holds it anyway, and a copy is two more atomic operations.
+  void begin(const std::shared_ptr<P2pOp>& self) {
     GroupState& g = *g_;
     g.loop->operation_started();
     self_ = self;
