@@ -1190,10 +1190,16 @@ TEST_CASE("the matcher's lone receive is matched, withdrawn, swept and ordered a
     m.take_posted_if([](const Matcher::Key& k) { return k.key.context == 7; }, swept);
     CHECK(swept == std::vector<TransportOp*>{&first});
     CHECK_FALSE(m.any_posted());
-    TransportOp second;
+    TransportOp second, third;
     m.post(b, second);
+    CHECK(m.mailboxes().empty());  // the lone receive is not in the table
+    m.take_posted_if([](const Matcher::Key&) { return true; }, swept);
+    CHECK(swept == std::vector<TransportOp*>{&first, &second});
+    m.post(b, second);
+    m.post(b, third);  // spills: both in the table, in order
     REQUIRE(m.mailboxes().size() == 1);
     CHECK(m.mailboxes().begin()->second.posted.begin()[0] == &second);
+    CHECK(m.mailboxes().begin()->second.posted.begin()[1] == &third);
     m.clear();
     CHECK_FALSE(m.any_posted());
     CHECK(m.take_posted(b) == nullptr);

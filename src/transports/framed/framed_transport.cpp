@@ -1366,8 +1366,8 @@ void FramedTransport::shutdown() {
   }
   std::size_t stranded = 0;
   std::size_t stranded_bytes = 0;
+  matcher_.take_posted_if([](const Matcher::Key&) { return true; }, ops);
   for (const auto& [key, box] : matcher_.mailboxes()) {
-    ops.insert(ops.end(), box.posted.begin(), box.posted.end());
     for (const auto& message : box.early) {
       ++stranded;
       stranded_bytes += message.bytes;
