@@ -230,8 +230,9 @@ class Matcher {
     }
     return it;
   }
-  // The lone receive into the table, before anything else uses the table (the table then holds every
-  // posted receive, and their order per key is kept: the lone one was posted first).
+  // The lone receive into the table, before anything is added to it (post, keep_early): the table then
+  // holds every posted receive, and their order per key is kept (the lone one was posted first). The
+  // sweeps take it where it is (take_posted_if).
   void spill() {
     if (lone_.op) mailbox(lone_.key).posted.push_back(std::exchange(lone_.op, nullptr));
   }
