@@ -61,9 +61,11 @@ class FutureStateBase {
   /// spare.
   void wait() {
     if (ready()) return;
-    if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait");
     // Drive the loop on this thread while waiting, if it can be borrowed: no hand-off on completion.
+    // drive_until refuses the loop's own thread, which is told so only then: the thread check walks
+    // Asio's call stack, once per wait is enough.
     if (loop_ && loop_->drive_until([this] { return ready(); })) return;
+    if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait");
     const auto spin = wait_spin();
     if (spin.count() > 0) {
       const auto until = std::chrono::steady_clock::now() + spin;
@@ -92,9 +94,20 @@ class FutureStateBase {
     return done_cv_.wait_for(lock, timeout, [&] { return done_now(); });
   }
 
-  /// Registers the coroutine to resume on completion. Returns false when already complete. At most one.
+  /// Registers the coroutine to resume on completion. Returns false when already complete. At most one
+  /// of suspend() and notify().
   bool suspend(std::coroutine_handle<> waiter) noexcept {
     waiter_ = waiter;  // read by finish() only if the exchange below is what it finds
+    std::uint8_t expected = pending;
+    return state_.compare_exchange_strong(expected, awaited, std::memory_order_acq_rel, std::memory_order_acquire);
+  }
+  /// Registers `on_done(context)` to run on completion, on the thread that completes it, instead of a
+  /// coroutine: for weft's combinators, whose children then need no coroutine frame each. Returns false
+  /// when already complete (nothing is called then). At most one of suspend() and notify().
+  using DoneCallback = void (*)(void* context) noexcept;
+  bool notify(DoneCallback on_done, void* context) noexcept {
+    on_done_ = on_done;  // read by finish() only if the exchange below is what it finds
+    on_done_context_ = context;
     std::uint8_t expected = pending;
     return state_.compare_exchange_strong(expected, awaited, std::memory_order_acq_rel, std::memory_order_acquire);
   }
@@ -127,7 +140,13 @@ class FutureStateBase {
       std::lock_guard lock(mutex_);
       done_cv_.notify_all();
     }
-    if (previous == awaited) waiter_.resume();
+    if (previous == awaited) {
+      if (on_done_) {
+        on_done_(on_done_context_);
+      } else {
+        waiter_.resume();
+      }
+    }
   }
 
  protected:
@@ -175,6 +194,8 @@ class FutureStateBase {
   std::mutex mutex_;                // with done_cv_, only for sleepers
   std::condition_variable done_cv_;
   std::coroutine_handle<> waiter_;  // written by suspend() before its exchange, read by finish() after its
+  DoneCallback on_done_ = nullptr;  // the same, by notify()
+  void* on_done_context_ = nullptr;
   std::exception_ptr error_;        // written before finish(), read after ready()
   CancelHook cancel_hook_ = nullptr;
   std::stop_source stop_{std::nostopstate};  // made by source(), once

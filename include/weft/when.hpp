@@ -173,15 +173,57 @@ struct Gathered {
   std::vector<std::optional<NonVoid<T>>> slots;
   std::size_t first = 0;
 };
+// One child of gather: watch_child without a coroutine frame (FutureStateBase::notify). A window of 64
+// receives awaited with when_all made and resumed 64 frames, about 330 instructions a receive.
+template <class T>
+struct GatheredChild {
+  FutureState<T>* state;
+  std::optional<NonVoid<T>>* slot;
+  Latch* latch;
+  long index;
+  bool first_wins;
+
+  // The child completed (on the thread that completed it): its value or error, then the latch, which
+  // may resume the parent and free this (nothing here is touched after arrive()).
+  static void done(void* context) noexcept {
+    auto* child = static_cast<GatheredChild*>(context);
+    Latch* latch = child->latch;
+    child->settle();
+    latch->arrive();
+  }
+  void settle() noexcept {
+    try {
+      if (!state) throw_empty_future("co_await");  // an empty Future is this child's error, as co_await's
+      if constexpr (std::is_void_v<T>) {
+        state->take();
+        slot->emplace();
+      } else {
+        slot->emplace(state->take());
+      }
+      long none = -1;
+      if (first_wins && latch->winner.compare_exchange_strong(none, index)) latch->cancel_others();
+    } catch (...) {
+      long none = -1;
+      if (!first_wins) {
+        latch->record_error(std::current_exception());
+      } else if (latch->winner.compare_exchange_strong(none, index)) {
+        latch->record_error(std::current_exception());
+      }
+    }
+  }
+};
+
 template <class T>
 Task<Gathered<T>> gather(std::vector<Future<T>>& futures, bool first_wins) {
   Gathered<T> out{std::vector<std::optional<NonVoid<T>>>(futures.size())};
   auto& slots = out.slots;
   const std::stop_token token = co_await this_stop_token();
   Children children(cancel_targets(futures), token);
+  std::vector<GatheredChild<T>> watched(futures.size());
   for (std::size_t i = 0; i < futures.size(); ++i) {
-    watch_child(futures[i], children.latch, [&slots, i](NonVoid<T>&& v) { slots[i].emplace(std::move(v)); },
-                static_cast<long>(i), first_wins).handle.resume();
+    FutureState<T>* state = futures[i].state().get();
+    watched[i] = GatheredChild<T>{state, &slots[i], children.latch.get(), static_cast<long>(i), first_wins};
+    if (!state || !state->notify(&GatheredChild<T>::done, &watched[i])) GatheredChild<T>::done(&watched[i]);  // complete
   }
   co_await children.all_done();
   children.finish();

@@ -348,6 +348,47 @@ TEST_CASE("when_all: a failing child cancels its siblings and the failure is ret
   CHECK(std::chrono::steady_clock::now() - start < 5s);  // the 30 s siblings were cancelled
 }
 
+TEST_CASE("when_all's children: complete already, empty, and finishing on other loops' threads", "[core][when]") {
+  Loop loop;
+  Loop away_a;
+  Loop away_b;
+  // 300 children, most finishing on two other loops' threads while the parent registers the rest (each
+  // child is a callback on its state, not a coroutine: the callback must settle its slot before the
+  // latch lets the parent read the slots, and the parent must not free the children before the last).
+  auto many = [](Loop& a, Loop& b) -> Task<std::vector<int>> {
+    std::vector<Future<int>> fs;
+    for (int i = 0; i < 300; ++i) {
+      if (i % 3 == 0) {
+        fs.push_back(make_ready_future(i));
+      } else {
+        fs.push_back(spawn(i % 3 == 1 ? a : b, sleepy(i % 3 == 1 ? a : b, std::chrono::milliseconds(i % 4), i)));
+      }
+    }
+    co_return co_await when_all(std::move(fs));
+  };
+  const std::vector<int> got = sync_wait(loop, many(away_a, away_b));
+  REQUIRE(got.size() == 300);
+  for (int i = 0; i < 300; ++i) CHECK(got[static_cast<std::size_t>(i)] == i);
+
+  // An empty Future is its child's failure, as co_await-ing it is; the others still finish first.
+  auto with_empty = [](Loop& a) -> Task<std::vector<int>> {
+    std::vector<Future<int>> fs;
+    fs.push_back(spawn(a, sleepy(a, 5ms, 1)));
+    fs.push_back(Future<int>{});
+    fs.push_back(make_ready_future(3));
+    co_return co_await when_all(std::move(fs));
+  };
+  CHECK_THROWS_WITH(sync_wait(loop, with_empty(away_a)), Catch::Contains("co_await") && Catch::Contains("this Future is empty"));
+
+  // Every child already complete: the parent does not suspend at all.
+  auto ready = []() -> Task<std::vector<std::monostate>> {
+    std::vector<Future<void>> fs;
+    for (int i = 0; i < 5; ++i) fs.push_back(make_ready_future());
+    co_return co_await when_all(std::move(fs));
+  };
+  CHECK(sync_wait(loop, ready()).size() == 5);
+}
+
 TEST_CASE("when_any returns the first to finish and cancels the rest", "[core][when]") {
   Loop loop;
   auto any = [](Loop& l) -> Task<WhenAnyResult<int>> {
