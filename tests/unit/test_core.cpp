@@ -1245,4 +1245,40 @@ TEST_CASE("the matcher's lone receive is matched, withdrawn, swept and ordered a
     CHECK_FALSE(m.any_posted());
     CHECK(m.take_posted(b) == nullptr);
   }
+  SECTION("early messages stay found after others were dropped by a sweep, a closed context and a clear") {
+    // The matcher counts its early messages so that a receive's looks skip the table when there are
+    // none: a count left too low would lose a message here.
+    Matcher m;
+    const Matcher::Key other{1, MessageKey{8, 1, 0}};
+    TransportOp posted;
+    m.keep_early(a, m.take_buffer(4));
+    m.keep_early(a, m.take_buffer(5));
+    m.keep_early(other, m.take_buffer(6));
+    std::vector<TransportOp*> swept;
+    // A failure's sweep that drops the early messages of context 7 (a's two), with a receive posted for b.
+    m.post(b, posted);
+    m.take_posted_if([](const Matcher::Key& k) { return k.key.context == 7; }, swept, true);
+    CHECK(swept == std::vector<TransportOp*>{&posted});
+    CHECK(m.peek_early(a) == nullptr);
+    REQUIRE(m.peek_early(other) != nullptr);
+    CHECK(m.peek_early(other)->bytes == 6);
+    m.forget_context(8);  // its context closed: dropped
+    CHECK(m.peek_early(other) == nullptr);
+    CHECK_FALSE(m.take_early(other).has_value());
+    m.keep_early(b, m.take_buffer(7));
+    REQUIRE(m.peek_early(b) != nullptr);
+    auto early = m.take_early(b);
+    REQUIRE(early.has_value());
+    CHECK(early->bytes == 7);
+    m.give_back(std::move(*early));
+    m.keep_early(a, m.take_buffer(1));
+    m.clear();
+    CHECK(m.peek_early(a) == nullptr);
+    m.keep_early(a, m.take_buffer(2));  // after a clear, counted from nothing again
+    REQUIRE(m.peek_early(a) != nullptr);
+    CHECK(m.peek_early(a)->bytes == 2);
+    CHECK(m.take_early(a).has_value());
+    CHECK_FALSE(m.take_early(a).has_value());
+    CHECK(m.peek_early(a) == nullptr);
+  }
 }

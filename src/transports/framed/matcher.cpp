@@ -1,6 +1,7 @@
 #include "transports/framed/matcher.hpp"
 
 #include <algorithm>
+#include <iterator>
 
 namespace weft {
 namespace {
@@ -63,11 +64,12 @@ void Matcher::give_back(Early&& buffer) {
 }
 
 std::optional<Matcher::Early> Matcher::take_early(const Key& key) {
-  if (mailboxes_.empty()) return std::nullopt;  // the usual answer for a receive posted before its message
+  if (early_count_ == 0) return std::nullopt;  // the usual answer for a receive posted before its message
   auto it = find(key);
   if (it == mailboxes_.end() || it->second.early.empty()) return std::nullopt;
   Early message = std::move(it->second.early.front());
   it->second.early.pop_front();
+  --early_count_;
   erase_if_empty(it);
   return message;
 }
@@ -89,7 +91,11 @@ bool Matcher::withdraw(TransportOp& op) {
 
 void Matcher::forget_context(std::uint32_t context) {
   last_valid_ = false;
-  std::erase_if(mailboxes_, [&](const auto& entry) { return entry.first.key.context == context && entry.second.posted.empty(); });
+  std::erase_if(mailboxes_, [&](const auto& entry) {
+    if (entry.first.key.context != context || !entry.second.posted.empty()) return false;
+    early_count_ -= static_cast<std::size_t>(std::distance(entry.second.early.begin(), entry.second.early.end()));
+    return true;
+  });
 }
 
 bool Matcher::any_posted() const noexcept {

@@ -123,6 +123,7 @@ class Matcher {
   void keep_early(const Key& key, Early&& message) {
     spill();
     mailbox(key).early.push_back(std::move(message));
+    ++early_count_;
   }
   // The oldest receive posted for `key`, taken out; null if none.
   TransportOp* take_posted(const Key& key) {
@@ -144,7 +145,7 @@ class Matcher {
   }
   // The oldest early message for `key`, left in place; null if none.
   const Early* peek_early(const Key& key) {
-    if (mailboxes_.empty()) return nullptr;  // the usual answer for a receive posted before its message
+    if (early_count_ == 0) return nullptr;  // the usual answer for a receive posted before its message
     const auto it = find(key);
     return it == mailboxes_.end() || it->second.early.empty() ? nullptr : &it->second.early.front();
   }
@@ -170,7 +171,10 @@ class Matcher {
       out.insert(out.end(), it->second.posted.begin(), it->second.posted.end());
       it->second.posted.clear();
       if (drop_early) {
-        for (auto& message : it->second.early) give_back(std::move(message));
+        for (auto& message : it->second.early) {
+          give_back(std::move(message));
+          --early_count_;
+        }
         it->second.early.clear();
       }
       it = it->second.early.empty() ? mailboxes_.erase(it) : std::next(it);
@@ -196,6 +200,7 @@ class Matcher {
     mailboxes_.clear();
     last_valid_ = false;
     lone_.op = nullptr;
+    early_count_ = 0;
   }
 
  private:
@@ -254,6 +259,10 @@ class Matcher {
   std::size_t spare_bytes_ = 0;
   std::vector<std::unique_ptr<std::byte[]>> spare_small_;  // small messages' buffers (matcher.cpp)
   Mailboxes mailboxes_;
+  // Early messages in the table. A receive asks twice whether its message came early (recv_now's look,
+  // then start_recv's); with none anywhere, the usual state while a window of receives is posted, neither
+  // look finds, hashes or compares a key.
+  std::size_t early_count_ = 0;
   std::vector<Mailboxes::node_type> spare_nodes_;  // emptied mailboxes, for the next keys
   // The one receive posted while no mailbox exists (a blocking receive, a ping-pong, a collective's round
   // of one peer: the usual state), kept beside the table while it is alone: posting and matching it is a
