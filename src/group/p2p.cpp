@@ -28,7 +28,8 @@ using namespace detail;
 // group stays usable. `data` is only read by a send.
 class P2pOp final : public FutureState<void> {
  public:
-  static Future<void> start(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
+  // `g` by reference: a send the stream takes at once needs no copy of it (two atomic operations).
+  static Future<void> start(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
                             std::chrono::milliseconds timeout) {
     Starting starting{&g, sending, data, bytes, peer, tag, timeout, {}};
     Loop& loop = *g->loop;
@@ -46,7 +47,7 @@ class P2pOp final : public FutureState<void> {
     }
     // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
     // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
-    auto op = make(std::move(g), sending, data, bytes, peer, tag, timeout);
+    auto op = make(g, sending, data, bytes, peer, tag, timeout);
     op->self_ = op;
     op->g_->loop->post([raw = op.get()] {
       const std::shared_ptr<P2pOp> self = std::move(raw->self_);
@@ -62,7 +63,7 @@ class P2pOp final : public FutureState<void> {
  private:
   // A start on the loop's thread (its own, or borrowed by Loop::run_here): the call and its Future.
   struct Starting {
-    std::shared_ptr<GroupState>* g;
+    const std::shared_ptr<GroupState>* g;
     bool sending;
     void* data;
     std::size_t bytes;
@@ -72,9 +73,9 @@ class P2pOp final : public FutureState<void> {
     Future<void> result;
   };
 
-  static std::shared_ptr<P2pOp> make(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer,
+  static std::shared_ptr<P2pOp> make(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, int peer,
                                      std::uint32_t tag, std::chrono::milliseconds timeout) {
-    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, std::move(g), sending, data, bytes, peer, tag, timeout);
+    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, g, sending, data, bytes, peer, tag, timeout);
     op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&P2pOp::on_cancel);
@@ -94,7 +95,7 @@ class P2pOp final : public FutureState<void> {
       s.result = make_ready_future();
       return;
     }
-    auto op = make(std::move(*s.g), s.sending, s.data, s.bytes, s.peer, s.tag, s.timeout);
+    auto op = make(*s.g, s.sending, s.data, s.bytes, s.peer, s.tag, s.timeout);
     op->begin(op);
     s.result = Future<void>(std::move(op));
   }
@@ -208,7 +209,7 @@ class P2pOp final : public FutureState<void> {
 // operation through the awaited Future.
 Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
                     std::chrono::milliseconds timeout) {
-  co_await P2pOp::start(std::move(g), sending, data, bytes, peer, tag, timeout);
+  co_await P2pOp::start(g, sending, data, bytes, peer, tag, timeout);
 }
 
 }  // namespace
