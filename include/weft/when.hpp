@@ -59,6 +59,17 @@ struct Latch {
   void arrive() {
     if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) parent.resume();
   }
+  // Child `index` finished well: with `any` (when_any), the first to do so wins and cancels the rest.
+  void succeeded(long index, bool any) {
+    long none = -1;
+    if (any && winner.compare_exchange_strong(none, index)) cancel_others();
+  }
+  // Child `index` failed: for when_all its error counts (the first one is rethrown); for when_any only
+  // when it is the first to finish.
+  void failed(long index, bool any, std::exception_ptr e) {
+    long none = -1;
+    if (!any || winner.compare_exchange_strong(none, index)) record_error(std::move(e));
+  }
   struct Awaiter {
     Latch* latch;
     bool await_ready() const noexcept { return false; }
@@ -81,15 +92,9 @@ Detached watch_child(Future<T>& future, std::shared_ptr<Latch> latch, OnValue on
     } else {
       on_value(co_await std::move(future));
     }
-    long none = -1;
-    if (any && latch->winner.compare_exchange_strong(none, index)) latch->cancel_others();
+    latch->succeeded(index, any);
   } catch (...) {
-    long none = -1;
-    if (!any) {
-      latch->record_error(std::current_exception());
-    } else if (latch->winner.compare_exchange_strong(none, index)) {
-      latch->record_error(std::current_exception());
-    }
+    latch->failed(index, any, std::current_exception());
   }
   latch->arrive();
 }
@@ -200,15 +205,9 @@ struct GatheredChild {
       } else {
         slot->emplace(state->take());
       }
-      long none = -1;
-      if (first_wins && latch->winner.compare_exchange_strong(none, index)) latch->cancel_others();
+      latch->succeeded(index, first_wins);
     } catch (...) {
-      long none = -1;
-      if (!first_wins) {
-        latch->record_error(std::current_exception());
-      } else if (latch->winner.compare_exchange_strong(none, index)) {
-        latch->record_error(std::current_exception());
-      }
+      latch->failed(index, first_wins, std::current_exception());
     }
   }
 };
