@@ -1,7 +1,6 @@
 #include "transports/framed/matcher.hpp"
 
 #include <algorithm>
-#include <iterator>
 
 namespace weft {
 namespace {
@@ -93,7 +92,7 @@ void Matcher::forget_context(std::uint32_t context) {
   last_valid_ = false;
   std::erase_if(mailboxes_, [&](const auto& entry) {
     if (entry.first.key.context != context || !entry.second.posted.empty()) return false;
-    early_count_ -= static_cast<std::size_t>(std::distance(entry.second.early.begin(), entry.second.early.end()));
+    early_count_ -= entry.second.early.size();
     return true;
   });
 }

@@ -23,6 +23,7 @@ template <class T>
 class Fifo {
  public:
   bool empty() const noexcept { return head_ == items_.size(); }
+  std::size_t size() const noexcept { return items_.size() - head_; }
   T& front() noexcept { return items_[head_]; }
   const T& front() const noexcept { return items_[head_]; }
   void push_back(T item) { items_.push_back(std::move(item)); }
@@ -171,10 +172,8 @@ class Matcher {
       out.insert(out.end(), it->second.posted.begin(), it->second.posted.end());
       it->second.posted.clear();
       if (drop_early) {
-        for (auto& message : it->second.early) {
-          give_back(std::move(message));
-          --early_count_;
-        }
+        for (auto& message : it->second.early) give_back(std::move(message));
+        early_count_ -= it->second.early.size();
         it->second.early.clear();
       }
       it = it->second.early.empty() ? mailboxes_.erase(it) : std::next(it);
