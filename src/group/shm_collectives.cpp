@@ -176,20 +176,16 @@ class ArenaRun final : public shm::Arena::Waiter {
   void write_slot(const CollectiveCall& call) {
     shm::AreaHeader& mine = arena_.slot_header(g_.rank);
     if (!cancelled_) arena_.write_box(call.out.data, call.out.bytes());
-    mine.seq = seq_;
-    mine.count = signature_.count;
-    mine.call = signature_.call;
-    mine.step = 0;
-    mine.flags = cancelled_ ? shm::area_cancelled : 0;
+    mine.name(seq_, signature_, 0, cancelled_);
     arena_.stamp_slot();
     published_ = 1;
   }
   /// Whether the root's stamped slot names another operation than this one (cancelled or not).
   bool slot_disagrees() const {
     const shm::AreaHeader& theirs = arena_.slot_header(root_);
-    return theirs.seq != seq_ || OpSignature{theirs.call, theirs.count} != signature_ || theirs.step != 0;
+    return !theirs.same_operation(seq_, signature_, 0);
   }
-  bool slot_cancelled() const { return (arena_.slot_header(root_).flags & shm::area_cancelled) != 0; }
+  bool slot_cancelled() const { return arena_.slot_header(root_).cancelled(); }
   /// Ends this rank's part of the box broadcast (and remembers it, for a later mismatch report).
   void finish_box() {
     arena_.finish_box();
@@ -293,11 +289,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   /// in its header.
   void publish(std::uint32_t step) {
     shm::AreaHeader& mine = arena_.next_header();
-    mine.seq = seq_;
-    mine.count = signature_.count;
-    mine.call = signature_.call;
-    mine.step = step;
-    mine.flags = cancelled_ ? shm::area_cancelled : 0;
+    mine.name(seq_, signature_, step, cancelled_);
     arena_.publish();
     published_ = step + 1;
   }
@@ -323,10 +315,7 @@ class ArenaRun final : public shm::Arena::Waiter {
     for (int r = 0; r < g_.size; ++r) {
       if (r == g_.rank) continue;
       const shm::AreaHeader& theirs = arena_.header(r);
-      if (theirs.seq != seq_ || OpSignature{theirs.call, theirs.count} != signature_ || theirs.step != step ||
-          theirs.flags != 0) {
-        return r;
-      }
+      if (!theirs.names(seq_, signature_, step)) return r;
     }
     return -1;
   }
@@ -336,7 +325,7 @@ class ArenaRun final : public shm::Arena::Waiter {
   int cancelled_by() const {
     for (int r = 0; r < g_.size; ++r) {
       const shm::AreaHeader& theirs = arena_.header(r);
-      if (r != g_.rank && theirs.seq == seq_ && (theirs.flags & shm::area_cancelled) != 0) return r;
+      if (r != g_.rank && theirs.seq == seq_ && theirs.cancelled()) return r;
     }
     return -1;
   }
@@ -403,7 +392,7 @@ class ArenaRun final : public shm::Arena::Waiter {
     const bool at_last_box = theirs.seq != seq_ && theirs.seq == g_.last_box_seq;
     const std::string reason =
         fmt::format("rank {} called {} while rank {} called {} (seen in the group's shared-memory arena)", r,
-                    signature::describe(OpSignature{theirs.call, theirs.count}, theirs.seq), g_.rank,
+                    signature::describe(theirs.signature(), theirs.seq), g_.rank,
                     at_last_box ? signature::describe(g_.last_box_signature, g_.last_box_seq) : signature::describe(signature_, seq_));
     g_.transport->abort_context(g_.context, Errc::mismatch, reason);
     throw_error(Errc::mismatch, g_.where(op_, static_cast<std::int64_t>(seq_), r), reason);

@@ -666,17 +666,20 @@ TEST_CASE("arena supersteps: three threads step together 20000 times, each readi
       shm::Arena& a = *arenas[static_cast<std::size_t>(r)];
       for (std::uint64_t step = 1; step <= 20000; ++step) {
         // Enough bytes that a torn read (a writer one step ahead on the same area) would show; every
-        // third step small contents, on the header's line.
-        const int words = step % 3 == 0 ? 3 : 512;
+        // third step small contents, filling the header's line. The large ones start at every skew
+        // (the writer's "source" is only an address here), which the readers take from the header.
+        const int words = step % 3 == 0 ? 4 : 512;
         const std::size_t bytes = static_cast<std::size_t>(words) * 8;
-        auto* mine = reinterpret_cast<std::uint64_t*>(a.next_area(bytes));
+        const auto like = reinterpret_cast<const void*>(static_cast<std::uintptr_t>((step * 8 + static_cast<std::uint64_t>(r)) % 64));
+        auto* mine = reinterpret_cast<std::uint64_t*>(a.next_area(bytes, like));
         for (int i = 0; i < words; ++i) mine[i] = step * 1000 + static_cast<std::uint64_t>(r);
-        a.next_header().seq = step;
+        const OpSignature signature{static_cast<std::uint32_t>(step), step << 20};
+        a.next_header().name(step, signature, 1, false);
         a.publish();
         while (!a.reached()) std::this_thread::yield();
         for (int q = 0; q < p; ++q) {
           const auto* theirs = reinterpret_cast<const std::uint64_t*>(a.area(q, bytes));
-          if (a.header(q).seq != step) ++wrong;
+          if (!a.header(q).names(step, signature, 1)) ++wrong;
           for (int i = 0; i < words; i += (words > 3 ? 97 : 1)) wrong += theirs[i] != step * 1000 + static_cast<std::uint64_t>(q);
         }
       }
@@ -684,6 +687,39 @@ TEST_CASE("arena supersteps: three threads step together 20000 times, each readi
   }
   for (auto& t : threads) t.join();
   REQUIRE(wrong.load() == 0);
+}
+
+TEST_CASE("an area's header keeps the operation, its skew and its cancelled mark in 32 bytes", "[shm][arena]") {
+  shm::AreaHeader h;
+  const OpSignature signature{0x12345678u, (std::uint64_t{1} << 55) + 3};
+  h.name(9, signature, 2, false);
+  REQUIRE(h.seq == 9);
+  REQUIRE(h.signature() == signature);
+  REQUIRE(h.names(9, signature, 2));
+  REQUIRE_FALSE(h.names(10, signature, 2));
+  REQUIRE_FALSE(h.names(9, signature, 3));
+  REQUIRE_FALSE(h.names(9, OpSignature{signature.call, signature.count + 1}, 2));
+  REQUIRE_FALSE(h.names(9, OpSignature{signature.call + 1, signature.count}, 2));
+  // The skew rides beside the count without changing what the header names; at most 63.
+  for (std::uint32_t skew : {0u, 1u, 17u, 63u, 64u + 5u}) {
+    h.set_skew(skew);
+    REQUIRE(h.skew() == (skew & 63));
+    REQUIRE(h.names(9, signature, 2));
+    REQUIRE(h.count() == signature.count);
+  }
+  // Cancelled: the same operation, named as not holding anything.
+  h.name(9, signature, 2, true);
+  h.set_skew(40);
+  REQUIRE(h.cancelled());
+  REQUIRE(h.same_operation(9, signature, 2));
+  REQUIRE_FALSE(h.names(9, signature, 2));
+  REQUIRE(h.skew() == 40);
+  // A count past 2^56 elements is kept modulo 2^56 alike on every rank: it still names the operation.
+  const OpSignature huge{1, (std::uint64_t{1} << 60) + 7};
+  h.name(1, huge, 0, false);
+  REQUIRE(h.names(1, huge, 0));
+  REQUIRE_FALSE(h.cancelled());
+  REQUIRE(h.skew() == 0);
 }
 
 TEST_CASE("an arena from a peer is checked before it is used", "[shm][arena]") {

@@ -100,7 +100,7 @@ void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
 
 
 void Arena::publish() noexcept {
-  header_at(rank_, count_ & 1).skew = next_skew_;  // with the header, before the count that shows it
+  header_at(rank_, count_ & 1).set_skew(next_skew_);  // with the header, before the count that shows it
   next_skew_ = 0;
   ++count_;
   store_and_fence(header_at(rank_, (count_ - 1) & 1).published, count_, std::memory_order_release);

@@ -76,14 +76,16 @@
 
 #include "transports/shm/segment.hpp"
 #include "weft/loop.hpp"
+#include "weft/transport.hpp"
 
 namespace weft::shm {
 
 inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arna"
 // 7: reads_from and revoked (direct reads); 8: the direct all_reduce (its areas hold loans where 7's
 // held contents: a rank of each would read the other's bytes as addresses); 9: the sizes from which
-// all_gather and all_to_all read directly by default moved (ranks of 8 and 9 would disagree on them)
-inline constexpr std::uint32_t arena_version = 9;
+// all_gather and all_to_all read directly by default moved (ranks of 8 and 9 would disagree on them);
+// 10: the 32-byte area header (the cancelled mark and the skew in the count's top byte)
+inline constexpr std::uint32_t arena_version = 10;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -109,20 +111,50 @@ struct alignas(64) RankControl {
 
 // What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
 // first cache line (areas start on a page); contents of at most `Arena::bytes_beside_header` bytes
-// follow it on that line, larger ones start on the next.
+// follow it on that line, larger ones start on the next. 32 bytes, so that 32 bytes of contents fit
+// beside it (a 2-rank all_reduce of 32 B, an all_to_all of 16 B a rank): the cancelled mark and the
+// skew share the top byte of the signature's count, which no count reaches (2^56 elements).
 struct AreaHeader {
   std::atomic<std::uint64_t> published{0};  // the rank's count when it published this area (release)
   std::uint64_t seq = 0;
-  std::uint64_t count = 0;  // the signature's element count
-  std::uint32_t call = 0;   // the signature's call word
-  std::uint32_t step = 0;   // the operation's superstep
-  std::uint32_t flags = 0;  // area_cancelled: the operation was cancelled, the area holds nothing
-  // Where contents of more than bytes_beside_header bytes start: 64 + skew from the area's start (a
-  // reader takes skew & 63, so a peer's garbage moves them at most within the room every area keeps).
-  std::uint32_t skew = 0;
+  // The signature's element count (its low 56 bits), the skew (6 bits) and the cancelled mark (the top bit).
+  std::uint64_t count_and_marks = 0;
+  std::uint32_t call = 0;  // the signature's call word
+  std::uint32_t step = 0;  // the operation's superstep
+
+  static constexpr int marks_shift = 56;
+  static constexpr std::uint64_t count_mask = (std::uint64_t{1} << marks_shift) - 1;
+  static constexpr std::uint64_t cancelled_mark = std::uint64_t{1} << 63;
+  static constexpr std::uint64_t skew_marks = std::uint64_t{63} << marks_shift;
+
+  /// Names the operation (its seq, signature and step, and whether it was cancelled here: the area
+  /// holds nothing then). The skew stays 0 until Arena::publish sets it.
+  void name(std::uint64_t op_seq, const OpSignature& signature, std::uint32_t op_step, bool cancelled) noexcept {
+    seq = op_seq;
+    count_and_marks = (signature.count & count_mask) | (cancelled ? cancelled_mark : 0);
+    call = signature.call;
+    step = op_step;
+  }
+  std::uint64_t count() const noexcept { return count_and_marks & count_mask; }
+  bool cancelled() const noexcept { return (count_and_marks & cancelled_mark) != 0; }
+  /// Where contents of more than bytes_beside_header bytes start: 64 + skew from the area's start (at
+  /// most 63, so a peer's garbage moves them at most within the room every area keeps).
+  std::uint32_t skew() const noexcept { return static_cast<std::uint32_t>((count_and_marks & skew_marks) >> marks_shift); }
+  void set_skew(std::uint32_t skew) noexcept {
+    count_and_marks = (count_and_marks & ~skew_marks) | (std::uint64_t{skew & 63} << marks_shift);
+  }
+  /// Whether it names operation `op_seq` with `signature` at step `op_step` (cancelled there or not).
+  bool same_operation(std::uint64_t op_seq, const OpSignature& signature, std::uint32_t op_step) const noexcept {
+    return seq == op_seq && count() == (signature.count & count_mask) && call == signature.call && step == op_step;
+  }
+  /// The same, and not cancelled.
+  bool names(std::uint64_t op_seq, const OpSignature& signature, std::uint32_t op_step) const noexcept {
+    return same_operation(op_seq, signature, op_step) && !cancelled();
+  }
+  /// The signature it names (the count as far as the header keeps it), for reports.
+  OpSignature signature() const noexcept { return OpSignature{call, count()}; }
 };
-static_assert(sizeof(AreaHeader) == 40, "small contents start 8-aligned beside the header, on its line");
-inline constexpr std::uint32_t area_cancelled = 1;
+static_assert(sizeof(AreaHeader) == 32, "32 bytes of contents start beside the header, on its line");
 
 class Arena : public std::enable_shared_from_this<Arena> {
  public:
@@ -160,7 +192,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   /// Rank r's area of the superstep last published, holding `bytes` (read after the wait), and its header.
   const std::byte* area(int r, std::size_t bytes) const noexcept {
     const std::uint64_t parity = (count_ - 1) & 1;
-    return area_at(r, parity, bytes, header_at(r, parity).skew);
+    return area_at(r, parity, bytes, header_at(r, parity).skew());
   }
   const AreaHeader& header(int r) const noexcept { return header_at(r, (count_ - 1) & 1); }
   /// Makes this rank's area visible (count + 1) and wakes the ranks that sleep.
