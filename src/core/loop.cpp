@@ -71,14 +71,21 @@ std::chrono::microseconds default_spin() {
   return Loop::Options{}.spin;
 }
 
-// Caller-driven progress is on unless WEFT_DRIVE=0, and off by default under WEFT_TRANSPORT=uring: a
-// loop on one thread lets the ring take a single issuer with deferred task work, which measured faster
-// than caller-driven progress over a plain ring at every size, waited on or awaited (bench/RESULTS.md,
-// "io_uring features"). WEFT_DRIVE=1 turns it on regardless.
+std::atomic<bool (*)()> uring_wants_one_thread{nullptr};  // detail::set_uring_wants_one_thread
+
+// Caller-driven progress is on unless WEFT_DRIVE=0, and off by default under WEFT_TRANSPORT=uring where
+// the kernel wakes the loop at once for deferred task work: a loop on one thread lets the ring take a
+// single issuer with deferred task work, which measured faster than caller-driven progress over a plain
+// ring at every size, waited on or awaited (bench/RESULTS.md, "io_uring features"). Where the kernel
+// does not (Linux 6.18 here), the ring is plain and caller-driven progress is the faster of the two
+// (bench/RESULTS.md, "io_uring on a kernel that signals deferred work late"). WEFT_DRIVE=1 turns it on
+// regardless.
 bool default_caller_drives() {
   if (const char* v = std::getenv("WEFT_DRIVE"); v && *v) return detail::env_switch("WEFT_DRIVE", true);
   const char* transport = std::getenv("WEFT_TRANSPORT");
-  return !(transport && std::string_view(transport) == "uring");
+  if (!(transport && std::string_view(transport) == "uring")) return true;
+  const auto answer = uring_wants_one_thread.load(std::memory_order_acquire);
+  return !(answer && answer());
 }
 
 // The cores this rank may use: its CPU affinity shared among the ranks the launcher put on this host.
@@ -662,6 +669,8 @@ Loop::Linger& Loop::Linger::operator=(Linger&& other) noexcept {
 }
 
 namespace detail {
+
+void set_uring_wants_one_thread(bool (*answer)()) noexcept { uring_wants_one_thread.store(answer, std::memory_order_release); }
 void loop_user_added(const Loop& loop) noexcept {
   std::lock_guard lock(loops_mutex);
   ++loop_users()[&loop];

@@ -41,4 +41,12 @@ void while_busy(Loop& loop, std::function<bool()> busy, std::chrono::steady_cloc
                 std::shared_ptr<Loop::Linger> linger, std::function<void(bool loop_running)> done);
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept;
 
+/// Whether a loop made under WEFT_TRANSPORT=uring (without WEFT_DRIVE) keeps to its progress thread:
+/// only a loop on one thread lets the io_uring ring take a single issuer with deferred task work, which
+/// is worth it only where the kernel wakes the loop at once when such work is queued. The io_uring room
+/// registers the answer (UringRing::defers_promptly); without it (no io_uring in the build: the ranks
+/// fall back to tcp) a loop takes caller-driven progress as under any other transport. Set before
+/// main (a static initializer); read when a Loop is made.
+void set_uring_wants_one_thread(bool (*answer)()) noexcept;
+
 }  // namespace weft::detail

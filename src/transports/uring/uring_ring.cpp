@@ -1,6 +1,7 @@
 #include "transports/uring/uring_ring.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -18,6 +19,7 @@
 
 #include "core/env.hpp"
 #include "core/log.hpp"
+#include "core/loop_users.hpp"
 #include "weft/error.hpp"
 
 namespace weft {
@@ -38,6 +40,63 @@ bool UringRing::available(std::string& why) {
   return true;
 }
 
+bool UringRing::defers_promptly() {
+  static const bool prompt = [] {
+    io_uring ring{};
+    if (io_uring_queue_init(4, &ring, IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG) < 0) {
+      return false;  // before 6.1, or refused: create() makes a plain ring anyway
+    }
+    bool signalled = false;
+    const int event_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    int pair[2] = {-1, -1};
+    char byte = 0;
+    if (event_fd >= 0 && io_uring_register_eventfd(&ring, event_fd) == 0 &&
+        ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0) {
+      if (io_uring_sqe* sqe = io_uring_get_sqe(&ring)) {
+        io_uring_prep_recv(sqe, pair[0], &byte, 1, 0);
+        if (io_uring_submit(&ring) == 1 && ::write(pair[1], "x", 1) == 1) {
+          pollfd ready{event_fd, POLLIN, 0};
+          signalled = ::poll(&ready, 1, 0) == 1;
+        }
+      }
+    }
+    // The receive's completion is run and seen before the ring goes (it writes into `byte`).
+    io_uring_get_events(&ring);
+    io_uring_cqe* cqe = nullptr;
+    while (io_uring_peek_cqe(&ring, &cqe) == 0) io_uring_cqe_seen(&ring, cqe);
+    io_uring_queue_exit(&ring);
+    for (const int fd : {pair[0], pair[1], event_fd}) {
+      if (fd >= 0) ::close(fd);
+    }
+    return signalled;
+  }();
+  return prompt;
+}
+
+namespace {
+// WEFT_URING_DEFER: the single-issuer ring with deferred task work where the loop runs on one thread
+// and the kernel wakes it at once for that work (1, the default), never (0), or even where the kernel
+// wakes the loop late (`always`: for the tests, which keep that path covered on such kernels, where
+// each message then waits about 14 ms).
+enum class Defer { never, where_prompt, always };
+Defer defer_choice() {
+  const char* v = std::getenv("WEFT_URING_DEFER");
+  if (!v || !*v) return Defer::where_prompt;
+  const std::string_view text(v);
+  if (text == "always") return Defer::always;
+  if (text == "0" || text == "1") return text == "1" ? Defer::where_prompt : Defer::never;
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"},
+              fmt::format("WEFT_URING_DEFER='{}' is not valid (valid: 0, 1, always)", text));
+}
+
+// A loop made under WEFT_TRANSPORT=uring stays on its progress thread only where the ring will defer.
+bool wants_one_thread() {
+  const Defer choice = defer_choice();
+  return choice == Defer::always || (choice == Defer::where_prompt && UringRing::defers_promptly());
+}
+const bool answer_registered = (detail::set_uring_wants_one_thread(&wants_one_thread), true);
+}  // namespace
+
 std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
     why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
@@ -45,11 +104,15 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   }
   std::shared_ptr<UringRing> ring(new UringRing(loop));
   // A single-issuer ring with deferred task work needs every submission from one thread: only a loop
-  // that runs on one thread gives that. WEFT_URING_DEFER=0 turns it off; a kernel without it (before
-  // 6.1) refuses the flags and gets a plain ring.
+  // that runs on one thread gives that, and a kernel that wakes the loop for that work at once
+  // (defers_promptly). WEFT_URING_DEFER=0 turns it off, `always` on even where the kernel wakes the
+  // loop late; a kernel without it (before 6.1) refuses the flags and gets a plain ring.
   unsigned flags = 0;
-  if (loop.single_thread() && detail::env_switch("WEFT_URING_DEFER", true)) {
-    flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
+  if (const Defer choice = defer_choice(); choice != Defer::never) {
+    ring->late_deferred_wakes_ = !defers_promptly();
+    if (loop.single_thread() && (!ring->late_deferred_wakes_ || choice == Defer::always)) {
+      flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
+    }
   }
   int rc = io_uring_queue_init(256, &ring->ring_, flags);
   if (rc == -EINVAL && flags != 0) {
@@ -157,7 +220,9 @@ int UringRing::fixed_index(const void* data, std::size_t size) const noexcept {
 
 std::string UringRing::settings() const {
   return fmt::format("deferred task work {}, multishot receive {}, registered staging {}, zero-copy sends {}",
-                     defer_ ? "on" : "off", provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
+                     defer_ ? (late_deferred_wakes_ ? "on (though this kernel wakes the loop late for it)" : "on")
+                     : late_deferred_wakes_ ? "off (this kernel wakes the loop late for it)" : "off",
+                     provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
                      zero_copy_bytes_ == 0 ? std::string("off")
                      : zero_copy_set_      ? fmt::format("from {} bytes", zero_copy_bytes_)
                                            : fmt::format("from {} bytes (not towards loopback peers)", zero_copy_bytes_));

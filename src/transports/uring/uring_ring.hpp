@@ -35,6 +35,12 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   static std::shared_ptr<UringRing> create(Loop& loop, std::string& why);
   /// Whether create() could make a ring here (a small ring is set up and torn down); `why` if not.
   static bool available(std::string& why);
+  /// Whether this kernel wakes a loop that sleeps on a single-issuer ring's eventfd as soon as deferred
+  /// task work is queued (a receive's data arrived), so that the ring may defer its task work. Linux 6.1
+  /// to 6.x signal the eventfd right there; 6.18 signals it about 14 ms later, so every message waited
+  /// that long (16 ms per 8-byte all_reduce). Probed once per process: a small ring of that kind, a
+  /// receive posted on a socket pair, a byte written, the eventfd looked at as the write returns.
+  static bool defers_promptly();
   ~UringRing();
   UringRing(const UringRing&) = delete;
   UringRing& operator=(const UringRing&) = delete;
@@ -100,6 +106,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   // (reap and the busy-poll do), and only that thread may submit. The ring starts disabled and the
   // first flush, on the loop's thread, enables it and so makes that thread its issuer.
   bool defer_ = false;
+  bool late_deferred_wakes_ = false;  // deferred task work was wanted, and this kernel wakes the loop late for it
   bool enabled_ = false;
   std::thread::id issuer_{};
   std::uint64_t poller_ = 0;
