@@ -312,12 +312,12 @@ case $case_name in
     # WEFT_TRANSPORT=uring where the kernel wakes the loop for that work at once, WEFT_DRIVE=0 asks for it
     # anyway; WEFT_DRIVE=1 brings caller-driven progress and a plain ring back). A kernel that wakes the
     # loop late for deferred work (Linux 6.18) gets a plain ring whatever the loop, and the log says why.
-    late='off \(this kernel wakes the loop late for it\)'
+    late='off \(this kernel does not wake the loop at once for it\)'
     for spec in "WEFT_DRIVE=0 WEFT_URING_MULTISHOT=1|deferred task work (on|$late), multishot receive on, registered staging on" \
                 "WEFT_DRIVE=1 WEFT_URING_MULTISHOT=1|deferred task work (off|$late), multishot receive on, registered staging on" \
                 "WEFT_DRIVE=0|deferred task work (on|$late), multishot receive off, registered staging on" \
                 "WEFT_DRIVE=1|deferred task work (off|$late), multishot receive off, registered staging on" \
-                "WEFT_DRIVE=0 WEFT_URING_DEFER=always|deferred task work on( \(though this kernel wakes the loop late for it\))?, multishot receive off, registered staging on" \
+                "WEFT_DRIVE=0 WEFT_URING_DEFER=always|deferred task work on( \(though this kernel does not wake the loop at once for it\))?, multishot receive off, registered staging on" \
                 "WEFT_URING_DEFER=0 WEFT_URING_REGISTERED=0|deferred task work off, multishot receive off, registered staging off"; do
       settings=${spec%%|*}; expect=${spec#*|}
       out=$(env WEFT_TRANSPORT=uring WEFT_LOG_LEVEL=info $settings "$run" -n 3 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 4M -f 8 -w 1 -n 3 --check 2>&1) \

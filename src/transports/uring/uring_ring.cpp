@@ -220,8 +220,8 @@ int UringRing::fixed_index(const void* data, std::size_t size) const noexcept {
 
 std::string UringRing::settings() const {
   return fmt::format("deferred task work {}, multishot receive {}, registered staging {}, zero-copy sends {}",
-                     defer_ ? (late_deferred_wakes_ ? "on (though this kernel wakes the loop late for it)" : "on")
-                     : late_deferred_wakes_ ? "off (this kernel wakes the loop late for it)" : "off",
+                     defer_ ? (late_deferred_wakes_ ? "on (though this kernel does not wake the loop at once for it)" : "on")
+                     : late_deferred_wakes_ ? "off (this kernel does not wake the loop at once for it)" : "off",
                      provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
                      zero_copy_bytes_ == 0 ? std::string("off")
                      : zero_copy_set_      ? fmt::format("from {} bytes", zero_copy_bytes_)

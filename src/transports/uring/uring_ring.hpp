@@ -106,7 +106,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   // (reap and the busy-poll do), and only that thread may submit. The ring starts disabled and the
   // first flush, on the loop's thread, enables it and so makes that thread its issuer.
   bool defer_ = false;
-  bool late_deferred_wakes_ = false;  // deferred task work was wanted, and this kernel wakes the loop late for it
+  bool late_deferred_wakes_ = false;  // deferred task work was wanted, and this kernel does not wake the loop at once for it (defers_promptly)
   bool enabled_ = false;
   std::thread::id issuer_{};
   std::uint64_t poller_ = 0;
