@@ -236,6 +236,35 @@ TEST_CASE("several operations are in flight on one group at once", "[collectives
   });
 }
 
+TEST_CASE("collectives waited on from threads that end one after the other", "[collectives][inflight]") {
+  // A thread that waits drives the loop (caller-driven progress): the receives it posts while it waits
+  // belong to it as far as the kernel is concerned (an io_uring request's task work runs in the thread
+  // that submitted it, and the thread's end cancels it). The next message must still arrive, through
+  // the progress thread or the next waiter, and no rank may read the end of a thread as a failure.
+  run_ranks(3, [](Group& g) {
+    const int p = g.size();
+    for (int round = 0; round < 12; ++round) {
+      std::vector<float> sums(round % 2 ? 3 : 700, static_cast<float>(g.rank() + round));
+      std::exception_ptr failure;
+      std::thread([&] {
+        try {
+          g.all_reduce(sums).get();
+        } catch (...) {
+          failure = std::current_exception();
+        }
+      }).join();
+      if (failure) std::rethrow_exception(failure);
+      const float expected = static_cast<float>(p * (p - 1) / 2 + p * round);
+      check(sums.back() == expected, fmt::format("round {}: all_reduce gave {}, expected {}", round, sums.back(), expected));
+      // The waiter is gone; the rank rests while its peers may still be sending to it.
+      std::this_thread::sleep_for(std::chrono::milliseconds(round % 3 == 0 ? 30 : 1));
+    }
+    std::vector<float> last(5, 1.0F);
+    g.all_reduce(last).get();
+    check(last[0] == static_cast<float>(p), "the all_reduce after the last waiter thread ended gave the wrong sum");
+  });
+}
+
 TEST_CASE("point-to-point: to itself in either order, by tag, from a coroutine and from plain code", "[collectives][inflight]") {
   // A send completes when its bytes are out (to itself: delivered or kept), a receive when they arrived;
   // neither waits for a loop turn it does not need (the operation is its Future's state, p2p.cpp).

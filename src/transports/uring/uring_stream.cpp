@@ -23,6 +23,16 @@ namespace weft {
 
 // ---------------------------------------------------------------- a stream
 
+namespace {
+// The kernel ties an io_uring request to the thread that submitted it, and cancels what is still in
+// flight when that thread ends. Under caller-driven progress any thread that waits on an operation
+// submits (a user's short-lived thread that waited on one collective, then returned), so a receive
+// posted for the next message came back ECANCELED and the connection was read as lost. A request this
+// stream did not cancel (it cancels only when it closes, and the multishot receive when a read goes
+// direct) is submitted again, from the thread that runs the loop now.
+bool submitter_ended(int result, bool closed) noexcept { return result == -ECANCELED && !closed; }
+}  // namespace
+
 UringStream::UringStream(asio::ip::tcp::socket socket, std::shared_ptr<UringRing> ring, StreamEvents* events, int peer,
                          std::weak_ptr<bool> alive)
     : ring_(std::move(ring)), events_(events), peer_(peer), alive_(std::move(alive)) {
@@ -94,6 +104,10 @@ void UringStream::Writer::complete(int result, std::uint32_t flags) {
   }
   // A zero-copy send that reports F_MORE still holds the pages: its notification comes later.
   if (flags & IORING_CQE_F_MORE) ++notifications_due;
+  if (submitter_ended(result, stream->closed_)) {
+    submit();
+    return;
+  }
   if (stream->closed_ || result < 0) {
     failure = stream->closed_ ? std::error_code(asio::error::operation_aborted) : std::error_code(-result, std::system_category());
     sent_all = true;
@@ -223,14 +237,14 @@ void UringStream::Multishot::complete(int result, std::uint32_t flags) {
   // Its last completion: the receive stopped (cancelled, out of buffers, end of stream, an error).
   auto self = std::move(keep);
   armed = false;
-  const bool was_cancelling = std::exchange(cancelling, false);
+  cancelling = false;
   if (result == 0) {
     s.receive_end_ = asio::error::eof;
   } else if (result == -ENOBUFS) {
     s.out_of_buffers_ = true;  // this read is received directly; the next one tries the buffers again
   } else if (result == -EINVAL && !seen_data) {
     s.ring_->multishot_unsupported();
-  } else if (result < 0 && !(result == -ECANCELED && was_cancelling) && !s.closed_) {
+  } else if (result < 0 && result != -ECANCELED && !s.closed_) {  // cancelled: by close, by serve(), or submitter_ended
     s.receive_end_ = std::error_code(-result, std::system_category());
   }
   s.serve(true);
@@ -256,6 +270,10 @@ void UringStream::Reader::submit() {
 }
 
 void UringStream::Reader::complete(int result, std::uint32_t) {
+  if (submitter_ended(result, stream->closed_)) {
+    submit();
+    return;
+  }
   auto self = std::move(keep);
   receiving = false;
   if (stream->closed_) {
