@@ -77,9 +77,8 @@ std::atomic<bool (*)()> uring_wants_one_thread{nullptr};  // detail::set_uring_w
 // the kernel wakes the loop at once for deferred task work: a loop on one thread lets the ring take a
 // single issuer with deferred task work, which measured faster than caller-driven progress over a plain
 // ring at every size, waited on or awaited (bench/RESULTS.md, "io_uring features"). Where the kernel
-// does not (Linux 6.18 here), the ring is plain and caller-driven progress is the faster of the two
-// (bench/RESULTS.md, "io_uring on a kernel that signals deferred work late"). WEFT_DRIVE=1 turns it on
-// regardless.
+// does not (Linux 6.18 here), the ring takes cooperative task work and caller-driven progress is the
+// faster of the two (bench/RESULTS.md, "Cooperative task work"). WEFT_DRIVE=1 turns it on regardless.
 bool default_caller_drives() {
   if (const char* v = std::getenv("WEFT_DRIVE"); v && *v) return detail::env_switch("WEFT_DRIVE", true);
   const char* transport = std::getenv("WEFT_TRANSPORT");

@@ -310,15 +310,18 @@ case $case_name in
     # The ring takes the settings the environment asks for (said in the log), and the collectives are
     # right with each: deferred task work comes with a loop on one thread (the default under
     # WEFT_TRANSPORT=uring where the kernel wakes the loop for that work at once, WEFT_DRIVE=0 asks for it
-    # anyway; WEFT_DRIVE=1 brings caller-driven progress and a plain ring back). A kernel that wakes the
-    # loop late for deferred work (Linux 6.18) gets a plain ring whatever the loop, and the log says why.
+    # anyway; WEFT_DRIVE=1 brings caller-driven progress back). A kernel that wakes the loop late for
+    # deferred work (Linux 6.18) does not defer whatever the loop, and the log says why. A ring that does
+    # not defer takes cooperative task work unless WEFT_URING_COOP=0 asks for a plain one.
     late='off \(this kernel does not wake the loop at once for it\)'
-    for spec in "WEFT_DRIVE=0 WEFT_URING_MULTISHOT=1|deferred task work (on|$late), multishot receive on, registered staging on" \
-                "WEFT_DRIVE=1 WEFT_URING_MULTISHOT=1|deferred task work (off|$late), multishot receive on, registered staging on" \
-                "WEFT_DRIVE=0|deferred task work (on|$late), multishot receive off, registered staging on" \
-                "WEFT_DRIVE=1|deferred task work (off|$late), multishot receive off, registered staging on" \
-                "WEFT_DRIVE=0 WEFT_URING_DEFER=always|deferred task work on( \(though this kernel does not wake the loop at once for it\))?, multishot receive off, registered staging on" \
-                "WEFT_URING_DEFER=0 WEFT_URING_REGISTERED=0|deferred task work off, multishot receive off, registered staging off"; do
+    single="deferred task work (on, cooperative task work off|$late, cooperative task work on)"
+    for spec in "WEFT_DRIVE=0 WEFT_URING_MULTISHOT=1|$single, multishot receive on, registered staging on" \
+                "WEFT_DRIVE=1 WEFT_URING_MULTISHOT=1|deferred task work (off|$late), cooperative task work on, multishot receive on, registered staging on" \
+                "WEFT_DRIVE=0|$single, multishot receive off, registered staging on" \
+                "WEFT_DRIVE=1|deferred task work (off|$late), cooperative task work on, multishot receive off, registered staging on" \
+                "WEFT_DRIVE=1 WEFT_URING_COOP=0|deferred task work (off|$late), cooperative task work off, multishot receive off, registered staging on" \
+                "WEFT_DRIVE=0 WEFT_URING_DEFER=always|deferred task work on( \(though this kernel does not wake the loop at once for it\))?, cooperative task work off, multishot receive off, registered staging on" \
+                "WEFT_URING_DEFER=0 WEFT_URING_REGISTERED=0|deferred task work off, cooperative task work on, multishot receive off, registered staging off"; do
       settings=${spec%%|*}; expect=${spec#*|}
       out=$(env WEFT_TRANSPORT=uring WEFT_LOG_LEVEL=info $settings "$run" -n 3 --timeout 120 -- "$bench" -c all_reduce -b 8 -e 4M -f 8 -w 1 -n 3 --check 2>&1) \
         || { echo "$out"; echo "FAIL: the run with '$settings' failed"; exit 1; }
@@ -340,6 +343,8 @@ case $case_name in
     echo "$out" | grep -q "WEFT_URING_MULTISHOT='yes' is not a switch (valid: 0, 1)" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_MULTISHOT"; exit 1; }
     out=$(WEFT_TRANSPORT=uring WEFT_URING_DEFER=sometimes "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_DEFER was accepted"; exit 1; }
     echo "$out" | grep -q "WEFT_URING_DEFER='sometimes' is not valid (valid: 0, 1, always)" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_DEFER"; exit 1; }
+    out=$(WEFT_TRANSPORT=uring WEFT_URING_COOP=on "$run" -n 1 --timeout 60 -- "$bench" -b 8 -e 8 2>&1) && { echo "$out"; echo "FAIL: a bad WEFT_URING_COOP was accepted"; exit 1; }
+    echo "$out" | grep -q "WEFT_URING_COOP='on' is not a switch (valid: 0, 1)" || { echo "$out"; echo "FAIL: the error does not name WEFT_URING_COOP"; exit 1; }
     ;;
   bench-json)
     # --json records what ran and where (the transport that really ran, not a fixed "tcp"); --overlap

@@ -97,6 +97,23 @@ bool wants_one_thread() {
 const bool answer_registered = (detail::set_uring_wants_one_thread(&wants_one_thread), true);
 }  // namespace
 
+// The ring's poller holds it weakly: the ring removes the poller as it goes.
+struct UringRing::RingPoller final : Loop::Poller {
+  explicit RingPoller(const std::shared_ptr<UringRing>& ring) : ring(ring) {}
+  std::size_t poll() override {
+    const auto self = ring.lock();
+    return self ? self->reap_if_waiting() : 0;
+  }
+  // Completions that came before the loop sleeps have signalled the eventfd already (the loop wakes at
+  // once); saying so here saves that sleep's round trip.
+  bool arm() override {
+    const auto self = ring.lock();
+    return self && self->completions_waiting();
+  }
+  void disarm() override {}
+  std::weak_ptr<UringRing> ring;
+};
+
 std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
     why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
@@ -114,8 +131,16 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
       flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG | IORING_SETUP_R_DISABLED;
     }
   }
+  // Otherwise cooperative task work (WEFT_URING_COOP, on by default): the kernel flags the ring instead
+  // of interrupting the submitting thread, and the loop's poller runs the work when it sees the flag. A
+  // plain ring interrupts a running submitter (an IPI): an 8-byte all_reduce took 40 us that way against
+  // 16 us, and 11 us awaited against 33 (bench/RESULTS.md, "Cooperative task work"). A sleeping
+  // submitter is still woken at once; one that computes in user space holds its requests' completions
+  // until it next enters the kernel, a timer tick at most (docs/DESIGN.md).
+  const bool coop_wanted = flags == 0 && detail::env_switch("WEFT_URING_COOP", true);
+  if (coop_wanted) flags = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
   int rc = io_uring_queue_init(256, &ring->ring_, flags);
-  if (rc == -EINVAL && flags != 0) {
+  if (rc == -EINVAL && flags != 0) {  // before 6.1 (deferred) or 5.19 (cooperative): a plain ring
     flags = 0;
     rc = io_uring_queue_init(256, &ring->ring_, flags);
   }
@@ -124,7 +149,8 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
     return nullptr;
   }
   ring->ring_ready_ = true;
-  ring->defer_ = flags != 0;
+  ring->coop_ = (flags & IORING_SETUP_COOP_TASKRUN) != 0;
+  ring->defer_ = (flags & IORING_SETUP_DEFER_TASKRUN) != 0;
   ring->enabled_ = !ring->defer_;
   if (io_uring_probe* probe = io_uring_get_probe_ring(&ring->ring_)) {
     if (io_uring_opcode_supported(probe, IORING_OP_SENDMSG_ZC)) {
@@ -159,6 +185,11 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
     [[maybe_unused]] const auto n = ::read(self->event_fd_, &count, sizeof count);
     self->reap();
   });
+  // While the loop polls, completions are looked for in the ring's memory on every turn: a CQE, or the
+  // kernel's flag that task work waits. The eventfd alone made each one wait for the loop's
+  // next ask of the kernel (an epoll_wait, then a read of the eventfd), and kept the loop asking every
+  // 10 us; the eventfd stays for the loop's sleeps.
+  ring->poller_ = loop.add_poller(std::make_shared<RingPoller>(ring));
   // Multishot receives are off unless asked for: in weft they measured no faster than direct receives
   // for small frames, and slower with caller-driven progress, where the long-lived receive stays tied
   // to the thread that armed it (bench/RESULTS.md, "io_uring features").
@@ -219,10 +250,10 @@ int UringRing::fixed_index(const void* data, std::size_t size) const noexcept {
 }
 
 std::string UringRing::settings() const {
-  return fmt::format("deferred task work {}, multishot receive {}, registered staging {}, zero-copy sends {}",
+  return fmt::format("deferred task work {}, cooperative task work {}, multishot receive {}, registered staging {}, zero-copy sends {}",
                      defer_ ? (late_deferred_wakes_ ? "on (though this kernel does not wake the loop at once for it)" : "on")
                      : late_deferred_wakes_ ? "off (this kernel does not wake the loop at once for it)" : "off",
-                     provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
+                     coop_ ? "on" : "off", provided_buffers() ? "on" : "off", staging_ ? "on" : "off",
                      zero_copy_bytes_ == 0 ? std::string("off")
                      : zero_copy_set_      ? fmt::format("from {} bytes", zero_copy_bytes_)
                                            : fmt::format("from {} bytes (not towards loopback peers)", zero_copy_bytes_));
@@ -242,7 +273,7 @@ void UringRing::multishot_unsupported() {
 }
 
 UringRing::~UringRing() {
-  loop_.count_kernel_sources(-1);
+  if (poller_) loop_.remove_poller(poller_);
   if (watch_) loop_.unwatch(watch_);
   if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
   if (event_fd_ >= 0) ::close(event_fd_);
@@ -297,12 +328,15 @@ void UringRing::flush() {
   if (const int rc = io_uring_submit(&ring_); rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
 }
 
-// With deferred task work, completions wait in the kernel until the issuer asks for them; the kernel
-// flags the ring when some are waiting, so that asking costs a system call only then.
+// With deferred or cooperative task work, completions wait in the kernel until the thread they belong
+// to enters it (deferred: the issuer, asking for them; cooperative: the submitting thread, at any system
+// call); the kernel flags the ring when some wait, so that asking costs a system call only then.
+bool UringRing::task_work_flagged() const noexcept {
+  return (coop_ || (defer_ && enabled_ && issuer_thread())) && (IO_URING_READ_ONCE(*ring_.sq.kflags) & IORING_SQ_TASKRUN);
+}
+
 void UringRing::run_deferred_work() {
-  if (defer_ && enabled_ && issuer_thread() && (IO_URING_READ_ONCE(*ring_.sq.kflags) & IORING_SQ_TASKRUN)) {
-    io_uring_get_events(&ring_);
-  }
+  if (task_work_flagged()) io_uring_get_events(&ring_);
 }
 
 bool UringRing::see(io_uring_cqe* cqe) {
@@ -317,8 +351,37 @@ bool UringRing::see(io_uring_cqe* cqe) {
   return true;
 }
 
+// Before the loop sleeps: cooperative task work flagged for this thread makes its wait return at once
+// (the kernel sees the pending work), and flagged work of another thread posts its CQE, and so signals
+// the eventfd, when that thread runs it; deferred work is run only by the issuer's own ask.
+bool UringRing::completions_waiting() const noexcept {
+  return io_uring_cq_ready(&ring_) > 0 || (defer_ && task_work_flagged());
+}
+
+std::size_t UringRing::reap_if_waiting() {
+  if (io_uring_cq_ready(&ring_) == 0) {
+    if (!task_work_flagged()) return 0;
+    // Cooperative task work runs in the thread that submitted it: flagged work of a thread that has
+    // gone to compute (it runs its work at its next system call, or tick) stays flagged however often
+    // this thread asks. After two asks that brought nothing, ask every 64th turn only.
+    if (fruitless_asks_ >= 2 && ++skipped_asks_ % 64 != 0) return 0;
+    io_uring_get_events(&ring_);
+    if (io_uring_cq_ready(&ring_) == 0) {
+      ++fruitless_asks_;
+      return 0;
+    }
+  }
+  fruitless_asks_ = 0;
+  reap_ready();
+  return 1;
+}
+
 void UringRing::reap() {
   run_deferred_work();
+  reap_ready();
+}
+
+void UringRing::reap_ready() {
   io_uring_cqe* cqe = nullptr;
   while (io_uring_peek_cqe(&ring_, &cqe) == 0) see(cqe);
   // Completions may prepare new requests (and see more): take the batch first.

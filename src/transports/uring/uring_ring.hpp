@@ -1,7 +1,8 @@
 #pragma once
 // The io_uring ring of the uring backend (liburing): the context that the streams' operations run on. One
 // ring per transport; its completions reach the weft loop through an eventfd the loop watches
-// (Loop::watch_readable), so no thread of its own. Submissions are batched: queued SQEs go to the kernel
+// (Loop::watch_readable) when it sleeps and through a memory-only poller (Loop::add_poller) while it
+// polls, so no thread of its own. Submissions are batched: queued SQEs go to the kernel
 // in one io_uring_enter per loop turn. Where the loop runs on one thread only, the ring is set up for a
 // single issuer with deferred task work, and the loop's busy-poll runs that work (docs/DESIGN.md).
 #include <liburing.h>
@@ -55,6 +56,12 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   void flush();
   /// Runs the completions that arrived.
   void reap();
+  /// The loop's memory-only look (its poller, each polling turn): whether completions wait, in the CQ
+  /// or (deferred task work) flagged by the kernel, read from the ring's shared memory without a system
+  /// call; `reap_if_waiting` runs them, asking the kernel for flagged task work first (1 when it ran
+  /// some, else 0).
+  bool completions_waiting() const noexcept;
+  std::size_t reap_if_waiting();
   /// Returns once the kernel is done with `a` and `b` (either may be null): they are cancelled and their
   /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
   /// any others seen meanwhile, run at the next reap, from the loop's queue.
@@ -92,11 +99,15 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   }
 
  private:
-  // Its completions are reported through an eventfd: the loop asks the kernel often while it lives.
-  explicit UringRing(Loop& loop) : loop_(loop) { loop_.count_kernel_sources(1); }
+  explicit UringRing(Loop& loop) : loop_(loop) {}
+  struct RingPoller;
   void set_up_buffers();
   void set_up_staging();
   void run_deferred_work();
+  bool task_work_flagged() const noexcept;
+  void reap_ready();  // runs the CQEs there are
+  unsigned fruitless_asks_ = 0;  // reap_if_waiting: asks for flagged task work in a row that brought no CQE
+  unsigned skipped_asks_ = 0;
   io_uring_sqe* next_sqe();  // an SQE, with this turn's flush posted
   bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }
   Loop& loop_;
@@ -108,8 +119,9 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   bool defer_ = false;
   bool late_deferred_wakes_ = false;  // deferred task work was wanted, and this kernel does not wake the loop at once for it (defers_promptly)
   bool enabled_ = false;
+  bool coop_ = false;  // IORING_SETUP_COOP_TASKRUN: the kernel flags task work instead of interrupting the submitter
   std::thread::id issuer_{};
-  std::uint64_t poller_ = 0;
+  std::uint64_t poller_ = 0;  // Loop::add_poller: completions seen in memory while the loop polls
   io_uring_buf_ring* buffer_ring_ = nullptr;
   std::unique_ptr<std::byte[]> buffers_;
   bool multishot_off_ = false;
