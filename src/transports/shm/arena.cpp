@@ -12,7 +12,7 @@
 #include <string>
 
 #include "transports/shm/ring.hpp"
-#include "transports/shm/weak_poller.hpp"
+#include "core/weak_poller.hpp"
 
 namespace weft::shm {
 namespace {
@@ -95,7 +95,7 @@ void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
   // A loop with a thread of its own arms before every sleep, so it starts awake; a borrowed io_context
   // never polls nor arms (Loop::Poller), so it stays armed and is woken on every step.
   control(rank_).sleeping.store(loop.owns_thread() ? 0 : 1, std::memory_order_release);
-  poller_ = loop.add_poller(std::make_shared<WeakPoller<Arena>>(weak_from_this()));
+  poller_ = loop.add_poller(std::make_shared<detail::WeakPoller<Arena>>(weak_from_this()));
 }
 
 

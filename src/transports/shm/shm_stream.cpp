@@ -1,7 +1,7 @@
 #include "transports/shm/shm_stream.hpp"
 
 #include "transports/shm/lendable.hpp"
-#include "transports/shm/weak_poller.hpp"
+#include "core/weak_poller.hpp"
 
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -82,7 +82,7 @@ std::shared_ptr<ShmHub> ShmHub::create(Loop& loop) {
     // The eventfd wakes every memory source of this rank (the streams and the group arena).
     self->loop().poll_memory();
   });
-  hub->poller_ = loop.add_poller(std::make_shared<shm::WeakPoller<ShmHub>>(hub));
+  hub->poller_ = loop.add_poller(std::make_shared<detail::WeakPoller<ShmHub>>(hub));
   return hub;
 }
 

@@ -20,6 +20,7 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/loop_users.hpp"
+#include "core/weak_poller.hpp"
 #include "weft/error.hpp"
 
 namespace weft {
@@ -97,23 +98,6 @@ bool wants_one_thread() {
 const bool answer_registered = (detail::set_uring_wants_one_thread(&wants_one_thread), true);
 }  // namespace
 
-// The ring's poller holds it weakly: the ring removes the poller as it goes.
-struct UringRing::RingPoller final : Loop::Poller {
-  explicit RingPoller(const std::shared_ptr<UringRing>& ring) : ring(ring) {}
-  std::size_t poll() override {
-    const auto self = ring.lock();
-    return self ? self->reap_if_waiting() : 0;
-  }
-  // Completions that came before the loop sleeps have signalled the eventfd already (the loop wakes at
-  // once); saying so here saves that sleep's round trip.
-  bool arm() override {
-    const auto self = ring.lock();
-    return self && self->completions_waiting();
-  }
-  void disarm() override {}
-  std::weak_ptr<UringRing> ring;
-};
-
 std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
     why = "WEFT_URING_SETUP_FAIL=1 (forced, for tests)";
@@ -189,7 +173,7 @@ std::shared_ptr<UringRing> UringRing::create(Loop& loop, std::string& why) {
   // kernel's flag that task work waits. The eventfd alone made each one wait for the loop's
   // next ask of the kernel (an epoll_wait, then a read of the eventfd), and kept the loop asking every
   // 10 us; the eventfd stays for the loop's sleeps.
-  ring->poller_ = loop.add_poller(std::make_shared<RingPoller>(ring));
+  ring->poller_ = loop.add_poller(std::make_shared<detail::WeakPoller<UringRing>>(ring));
   // Multishot receives are off unless asked for: in weft they measured no faster than direct receives
   // for small frames, and slower with caller-driven progress, where the long-lived receive stays tied
   // to the thread that armed it (bench/RESULTS.md, "io_uring features").
@@ -354,11 +338,11 @@ bool UringRing::see(io_uring_cqe* cqe) {
 // Before the loop sleeps: cooperative task work flagged for this thread makes its wait return at once
 // (the kernel sees the pending work), and flagged work of another thread posts its CQE, and so signals
 // the eventfd, when that thread runs it; deferred work is run only by the issuer's own ask.
-bool UringRing::completions_waiting() const noexcept {
+bool UringRing::arm() const noexcept {
   return io_uring_cq_ready(&ring_) > 0 || (defer_ && task_work_flagged());
 }
 
-std::size_t UringRing::reap_if_waiting() {
+std::size_t UringRing::poll() {
   if (io_uring_cq_ready(&ring_) == 0) {
     if (!task_work_flagged()) return 0;
     // Cooperative task work runs in the thread that submitted it: flagged work of a thread that has

@@ -57,12 +57,13 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   void flush();
   /// Runs the completions that arrived.
   void reap();
-  /// The loop's memory-only look (its poller, each polling turn): whether completions wait, in the CQ
-  /// or (deferred task work) flagged by the kernel, read from the ring's shared memory without a system
-  /// call; `reap_if_waiting` runs them, asking the kernel for flagged task work first (1 when it ran
-  /// some, else 0).
-  bool completions_waiting() const noexcept;
-  std::size_t reap_if_waiting();
+  /// The ring as one of the loop's memory pollers (Loop::Poller, through detail::WeakPoller). poll(),
+  /// each polling turn: runs the completions in the CQ, asking the kernel first for task work it flagged
+  /// (read from the ring's shared memory: no system call when there is none); 1 when it ran some, else
+  /// 0. arm(), before the loop sleeps: whether completions wait that the eventfd would not wake it for.
+  std::size_t poll();
+  bool arm() const noexcept;
+  void disarm() noexcept {}
   /// Returns once the kernel is done with `a` and `b` (either may be null): they are cancelled and their
   /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
   /// any others seen meanwhile, run at the next reap, from the loop's queue.
@@ -101,13 +102,12 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
 
  private:
   explicit UringRing(Loop& loop) : loop_(loop) {}
-  struct RingPoller;
   void set_up_buffers();
   void set_up_staging();
   void run_deferred_work();
   bool task_work_flagged() const noexcept;
   void reap_ready();  // runs the CQEs there are
-  unsigned fruitless_asks_ = 0;  // reap_if_waiting: asks for flagged task work in a row that brought no CQE
+  unsigned fruitless_asks_ = 0;  // poll(): asks for flagged task work in a row that brought no CQE
   unsigned skipped_asks_ = 0;
   io_uring_sqe* next_sqe();  // an SQE, with this turn's flush posted
   bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }

@@ -1,12 +1,12 @@
 #pragma once
-// The loop holds a memory source (a ShmHub, a group Arena) through this adapter, by a weak reference, so
-// that the source goes with its owner (the transport, the group), not with the loop.
+// The loop holds a memory source (a ShmHub, a group Arena, an io_uring ring) through this adapter, by a
+// weak reference, so that the source goes with its owner (the transport, the group), not with the loop.
 #include <cstddef>
 #include <memory>
 
 #include "weft/loop.hpp"
 
-namespace weft::shm {
+namespace weft::detail {
 
 template <class Source>
 struct WeakPoller final : Loop::Poller {
@@ -25,4 +25,4 @@ struct WeakPoller final : Loop::Poller {
   }
 };
 
-}  // namespace weft::shm
+}  // namespace weft::detail
