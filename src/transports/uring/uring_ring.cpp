@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -265,8 +266,8 @@ UringRing::~UringRing() {
   if (staging_) ::munmap(staging_, staging_slots * staging_bytes);
 }
 
-io_uring_sqe* UringRing::prepare(UringRequest* request) {
-  io_uring_sqe* sqe = next_sqe();
+io_uring_sqe* UringRing::prepare(UringRequest* request, Flush when) {
+  io_uring_sqe* sqe = next_sqe(when);
   io_uring_sqe_set_data(sqe, request);
   request->in_kernel = true;
   return sqe;
@@ -278,11 +279,17 @@ void UringRing::cancel(UringRequest* request) {
   io_uring_sqe_set_data(sqe, nullptr);  // its own completion is ignored; the request's last one follows
 }
 
-io_uring_sqe* UringRing::next_sqe() {
+io_uring_sqe* UringRing::next_sqe(Flush when) {
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
   if (!sqe) {  // the submission queue is full: hand it over now
     flush();
     sqe = io_uring_get_sqe(&ring_);
+  }
+  if (when == Flush::when_polled && loop_.owns_thread()) {
+    // The loop's next look (poll(), or arm() before it sleeps) submits it, in the same system call as
+    // whatever the thread sends meanwhile.
+    polled_flush_due_ = true;
+    return sqe;
   }
   if (!flush_posted_) {
     // Everything prepared during this turn of the loop goes in one io_uring_enter, after the handlers
@@ -297,6 +304,7 @@ io_uring_sqe* UringRing::next_sqe() {
 
 void UringRing::flush() {
   flush_posted_ = false;
+  polled_flush_due_ = false;
   if (!enabled_) {
     // The first submission, on the loop's thread: that thread becomes the ring's one issuer.
     if (const long rc = ::syscall(__NR_io_uring_register, ring_.ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0); rc < 0) {
@@ -338,11 +346,28 @@ bool UringRing::see(io_uring_cqe* cqe) {
 // Before the loop sleeps: cooperative task work flagged for this thread makes its wait return at once
 // (the kernel sees the pending work), and flagged work of another thread posts its CQE, and so signals
 // the eventfd, when that thread runs it; deferred work is run only by the issuer's own ask.
-bool UringRing::arm() const noexcept {
+//
+// The eventfd speaks only while the loop sleeps (disarm() silences it): signalled while the loop polls, it
+// cost the loop's next kernel poll a read of it and Asio's re-arming epoll_ctl, 0.3 of each per 8-byte
+// all_reduce (bench/RESULTS.md). The kernel posts a CQE (or flags deferred work) before it looks at
+// the switch, with a full barrier between (the CQ waitqueue's wq_has_sleeper; the work list's cmpxchg),
+// and arm() turns the switch on before it looks at the CQ: one of the two sees the other.
+bool UringRing::arm() {
+  if (polled_flush_due_) flush();
+  if (eventfd_silenced_) {
+    io_uring_cq_eventfd_toggle(&ring_, true);
+    eventfd_silenced_ = false;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
   return io_uring_cq_ready(&ring_) > 0 || (defer_ && task_work_flagged());
 }
 
+void UringRing::disarm() noexcept {
+  if (!eventfd_silenced_ && io_uring_cq_eventfd_toggle(&ring_, false) == 0) eventfd_silenced_ = true;
+}
+
 std::size_t UringRing::poll() {
+  if (polled_flush_due_) flush();
   if (io_uring_cq_ready(&ring_) == 0) {
     if (!task_work_flagged()) return 0;
     // Cooperative task work runs in the thread that submitted it: flagged work of a thread that has

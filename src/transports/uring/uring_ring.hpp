@@ -47,8 +47,14 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   UringRing(const UringRing&) = delete;
   UringRing& operator=(const UringRing&) = delete;
 
-  /// An SQE to fill, with user_data set to `request`; it goes to the kernel at the end of this loop turn.
-  io_uring_sqe* prepare(UringRequest* request);
+  /// When a prepared SQE goes to the kernel. at_turn_end: at the end of this loop turn (a send). when_polled:
+  /// at the loop's next look at the ring (its next polling turn, or before it sleeps), together with
+  /// what is prepared until then: a receive posted again after a message, which would otherwise take a
+  /// system call of its own just before the next collective's send takes another (bench/RESULTS.md). A
+  /// loop that does not own its thread looks only when the eventfd fires: there, at the turn's end too.
+  enum class Flush { at_turn_end, when_polled };
+  /// An SQE to fill, with user_data set to `request`; it goes to the kernel as `when` says.
+  io_uring_sqe* prepare(UringRequest* request, Flush when = Flush::at_turn_end);
   /// Asks the kernel to cancel `request` (at the end of this loop turn); the request's own completion
   /// follows.
   void cancel(UringRequest* request);
@@ -62,8 +68,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// (read from the ring's shared memory: no system call when there is none); 1 when it ran some, else
   /// 0. arm(), before the loop sleeps: whether completions wait that the eventfd would not wake it for.
   std::size_t poll();
-  bool arm() const noexcept;
-  void disarm() noexcept {}
+  bool arm();
+  void disarm() noexcept;
   /// Returns once the kernel is done with `a` and `b` (either may be null): they are cancelled and their
   /// completions awaited (at most a second), so that their buffers may be freed. Their completions, and
   /// any others seen meanwhile, run at the next reap, from the loop's queue.
@@ -109,7 +115,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   void reap_ready();  // runs the CQEs there are
   unsigned fruitless_asks_ = 0;  // poll(): asks for flagged task work in a row that brought no CQE
   unsigned skipped_asks_ = 0;
-  io_uring_sqe* next_sqe();  // an SQE, with this turn's flush posted
+  io_uring_sqe* next_sqe(Flush when = Flush::at_turn_end);  // an SQE, with its flush posted or due
   bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }
   Loop& loop_;
   io_uring ring_{};
@@ -131,6 +137,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   int event_fd_ = -1;
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
+  bool polled_flush_due_ = false;
+  bool eventfd_silenced_ = false;  // IORING_CQ_EVENTFD_DISABLED set by disarm(), while the loop polls  // SQEs prepared with Flush::when_polled wait for poll() or arm()
   std::size_t zero_copy_bytes_ = 0;
   bool zero_copy_set_ = false;  // by WEFT_URING_ZC_BYTES
   struct Seen {

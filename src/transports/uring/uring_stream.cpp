@@ -253,7 +253,7 @@ void UringStream::Multishot::complete(int result, std::uint32_t flags) {
 // A closed stream still answers through the ring (a no-op), so that the event comes from the loop's
 // queue as a completion would, never inline.
 void UringStream::Reader::submit() {
-  io_uring_sqe* sqe = stream->ring_->prepare(this);
+  io_uring_sqe* sqe = stream->ring_->prepare(this, UringRing::Flush::when_polled);
   if (stream->closed_) {
     io_uring_prep_nop(sqe);
   } else {
