@@ -3,7 +3,7 @@
 // ring per transport; its completions reach the weft loop through an eventfd the loop watches
 // (Loop::watch_readable) when it sleeps and through a memory-only poller (Loop::add_poller) while it
 // polls, so no thread of its own. Submissions are batched: queued SQEs go to the kernel
-// in one io_uring_enter per loop turn. Where the loop runs on one thread only (and the kernel wakes it
+// in one io_uring_enter per loop turn, and receives wait for the loop's next look at the ring. Where the loop runs on one thread only (and the kernel wakes it
 // at once for deferred work), the ring is set up for a single issuer with deferred task work; otherwise
 // for cooperative task work; either way the loop's busy-poll runs that work (docs/DESIGN.md).
 #include <liburing.h>
