@@ -895,6 +895,36 @@ TEST_CASE("random sequences of collectives, algorithms, dtypes, ops, counts and 
   }
 }
 
+TEST_CASE("a collective completes on the loop while its caller computes", "[collectives][drive]") {
+  // Rank 0's thread drives the loop for 2 ms (so over uring it submits the all_reduce's send and receive
+  // itself), then computes without a system call while rank 1 rests 30 ms. The loop's own thread, asleep
+  // in the kernel by then, must be woken when the message lands: over uring the caller's task work posts
+  // the CQE at its next tick and the ring's eventfd wakes the loop. What this catches is a loop never
+  // woken; a late wake it does not: the group's watchdog timer (every 50-250 ms while operations are in
+  // flight) ends such a sleep too (an eventfd left silent, tried: 50-144 ms instead of 30).
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    for (int round = 0; round < 6; ++round) {
+      std::vector<float> sums(round % 2 ? 3000 : 5, static_cast<float>(g.rank() + round));
+      if (g.rank() == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        g.all_reduce(sums).get();
+      } else {
+        Future<void> f = g.all_reduce(sums);
+        const auto start = std::chrono::steady_clock::now();
+        g.loop().drive_until([&] { return f.ready() || std::chrono::steady_clock::now() - start > std::chrono::milliseconds(2); });
+        const auto computed_until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        while (!f.ready() && std::chrono::steady_clock::now() < computed_until) {
+        }
+        check(f.ready(), fmt::format("round {}: the all_reduce was not done 1 s after its caller began to compute", round));
+        f.get();
+      }
+      check(sums.back() == static_cast<float>(1 + 2 * round), fmt::format("round {}: all_reduce gave {}", round, sums.back()));
+    }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("with progress on the loop's own thread only, collectives behave the same", "[collectives][drive]") {
   harness_caller_drives = false;
   struct Reset {
