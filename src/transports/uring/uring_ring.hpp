@@ -2,10 +2,11 @@
 // The io_uring ring of the uring backend (liburing): the context that the streams' operations run on. One
 // ring per transport; its completions reach the weft loop through an eventfd the loop watches
 // (Loop::watch_readable) when it sleeps and through a memory-only poller (Loop::add_poller) while it
-// polls, so no thread of its own. Submissions are batched: queued SQEs go to the kernel
-// in one io_uring_enter per loop turn, and receives wait for the loop's next look at the ring. Where the loop runs on one thread only (and the kernel wakes it
-// at once for deferred work), the ring is set up for a single issuer with deferred task work; otherwise
-// for cooperative task work; either way the loop's busy-poll runs that work (docs/DESIGN.md).
+// polls, so no thread of its own. Submissions are batched: queued SQEs go to the kernel in one
+// io_uring_enter per loop turn, and receives wait for the loop's next look at the ring. Where the loop
+// runs on one thread only (and the kernel wakes it at once for deferred work), the ring is set up for a
+// single issuer with deferred task work; otherwise for cooperative task work; either way the loop's
+// busy-poll runs that work (docs/DESIGN.md).
 #include <liburing.h>
 
 #include <cstddef>
@@ -66,7 +67,9 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   /// The ring as one of the loop's memory pollers (Loop::Poller, through detail::WeakPoller). poll(),
   /// each polling turn: runs the completions in the CQ, asking the kernel first for task work it flagged
   /// (read from the ring's shared memory: no system call when there is none); 1 when it ran some, else
-  /// 0. arm(), before the loop sleeps: whether completions wait that the eventfd would not wake it for.
+  /// 0. arm(), before the loop sleeps: submits what waits for the loop's look, lets the eventfd speak
+  /// again, and says whether completions wait that the eventfd would not wake it for. disarm(), after
+  /// the sleep: silences the eventfd while the loop polls.
   std::size_t poll();
   bool arm();
   void disarm() noexcept;
@@ -137,8 +140,8 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   int event_fd_ = -1;
   std::uint64_t watch_ = 0;
   bool flush_posted_ = false;
-  bool polled_flush_due_ = false;
-  bool eventfd_silenced_ = false;  // IORING_CQ_EVENTFD_DISABLED set by disarm(), while the loop polls  // SQEs prepared with Flush::when_polled wait for poll() or arm()
+  bool polled_flush_due_ = false;  // SQEs prepared with Flush::when_polled wait for poll() or arm()
+  bool eventfd_silenced_ = false;  // IORING_CQ_EVENTFD_DISABLED set by disarm(), while the loop polls
   std::size_t zero_copy_bytes_ = 0;
   bool zero_copy_set_ = false;  // by WEFT_URING_ZC_BYTES
   struct Seen {
