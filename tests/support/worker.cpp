@@ -12,6 +12,11 @@
 //                             its CLOCK_MONOTONIC time; rank 1, blocked in recv().get() meanwhile, takes
 //                             the difference (the first message after idling, issue 15). Prints the
 //                             median, p90 and min in us.
+//   worker wake-stress N      N round trips between ranks 0 and 1, each side pausing a random 0-400 us
+//                             outside weft before it answers, so that the loops keep going from polling
+//                             to sleep as messages come (a wake lost there stalls until the group's
+//                             watchdog looks: 50-250 ms). Rank 0 prints the round trips' median, p99 and
+//                             max in us and how many took over 2 and over 20 ms.
 //   worker kill-windows VICTIM [stop]
 //                             all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
 //                             one call every rank completes (the windows made and opened), then VICTIM
@@ -272,6 +277,42 @@ int main(int argc, char** argv) {
       std::sort(us.begin(), us.end());
       std::printf("idle-latency: %d rounds, median %.1f us, p90 %.1f us, min %.1f us\n", rounds, us[us.size() / 2],
                   us[us.size() * 9 / 10], us.front());
+    }
+    return 0;
+  }
+  if (mode == "wake-stress") {
+    const int rounds = argc > 2 ? std::atoi(argv[2]) : 20000;
+    std::mt19937 random(static_cast<unsigned>(group.rank()) + 1);
+    std::uniform_int_distribution<int> pause_us(0, 400);
+    std::vector<double> us;
+    std::int64_t word = 0;
+    const weft::BufferView into(&word, 1, weft::DType::i64);
+    const weft::ConstBufferView from(&word, 1, weft::DType::i64);
+    group.barrier().get();
+    if (group.rank() < 2) {
+      const int peer = 1 - group.rank();
+      for (int i = 0; i < rounds; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        if (group.rank() == 0) {
+          group.send(from, peer).get();
+          group.recv(into, peer).get();
+          us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
+        } else {
+          group.recv(into, peer).get();
+        }
+        // Outside weft: the loop's thread runs on (polls, then sleeps) while this one waits.
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us(random)));
+        if (group.rank() == 1) group.send(from, peer).get();
+      }
+    }
+    group.barrier().get();
+    if (group.rank() == 0 && !us.empty()) {
+      std::sort(us.begin(), us.end());
+      const auto slow = std::count_if(us.begin(), us.end(), [](double v) { return v > 20000.0; });
+      const auto over_2ms = std::count_if(us.begin(), us.end(), [](double v) { return v > 2000.0; });
+      std::printf("wake-stress: %d round trips, median %.1f us, p99 %.1f us, max %.1f us, %zd over 2 ms, %zd over 20 ms\n",
+                  rounds, us[us.size() / 2], us[us.size() * 99 / 100], us.back(), static_cast<std::ptrdiff_t>(over_2ms),
+                  static_cast<std::ptrdiff_t>(slow));
     }
     return 0;
   }
