@@ -17,6 +17,11 @@
 //                             to sleep as messages come (a wake lost there stalls until the group's
 //                             watchdog looks: 50-250 ms). Rank 0 prints the round trips' median, p99 and
 //                             max in us and how many took over 2 and over 20 ms.
+//   worker thread-hop N       N 8-byte all_reduces, each waited on from a new thread that then ends (as
+//                             std::async per call does), then N from this one thread; rank 0 prints the
+//                             median and max of each in us, and of the new threads' ends (from the call's
+//                             return to the join). Under io_uring a request belongs to the thread that
+//                             submitted it (uring_ring.cpp, "a submitter that ends").
 //   worker kill-windows VICTIM [stop]
 //                             all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
 //                             one call every rank completes (the windows made and opened), then VICTIM
@@ -313,6 +318,43 @@ int main(int argc, char** argv) {
       std::printf("wake-stress: %d round trips, median %.1f us, p99 %.1f us, max %.1f us, %zd over 2 ms, %zd over 20 ms\n",
                   rounds, us[us.size() / 2], us[us.size() * 99 / 100], us.back(), static_cast<std::ptrdiff_t>(over_2ms),
                   static_cast<std::ptrdiff_t>(slow));
+    }
+    return 0;
+  }
+  if (mode == "thread-hop") {
+    const int rounds = argc > 2 ? std::atoi(argv[2]) : 200;
+    std::vector<float> v(2, 1.0F);
+    using Clock = std::chrono::steady_clock;
+    auto us_since = [](Clock::time_point since) { return std::chrono::duration<double, std::micro>(Clock::now() - since).count(); };
+    auto median_max = [](std::vector<double>& us) {
+      std::sort(us.begin(), us.end());
+      return std::pair<double, double>{us[us.size() / 2], us.back()};
+    };
+    std::vector<double> hop, ending, stay;
+    group.barrier().get();
+    for (int i = 0; i < rounds; ++i) {
+      const auto start = Clock::now();
+      Clock::time_point returned;
+      std::thread([&] {
+        group.all_reduce(v).get();
+        returned = Clock::now();
+      }).join();
+      ending.push_back(us_since(returned));  // from the call's return to the thread's end (join)
+      hop.push_back(us_since(start));
+    }
+    group.barrier().get();
+    for (int i = 0; i < rounds; ++i) {
+      const auto start = Clock::now();
+      group.all_reduce(v).get();
+      stay.push_back(us_since(start));
+    }
+    if (group.rank() == 0) {
+      const auto [hop_median, hop_max] = median_max(hop);
+      const auto [ending_median, ending_max] = median_max(ending);
+      const auto [stay_median, stay_max] = median_max(stay);
+      std::printf("thread-hop: %d calls, a new thread each: median %.1f us, max %.1f us (the thread's end: median %.1f, max %.1f); "
+                  "one thread: median %.1f us, max %.1f us\n",
+                  rounds, hop_median, hop_max, ending_median, ending_max, stay_median, stay_max);
     }
     return 0;
   }
