@@ -75,6 +75,8 @@ class Loop {
 
   asio::io_context& context() noexcept;
   bool owns_thread() const noexcept;
+  /// True when the calling thread is this loop's own progress thread (not a thread that borrows it).
+  bool on_progress_thread() const noexcept;
   /// True when the calling thread is the one running this loop right now.
   bool in_loop_thread() const noexcept;
   /// The Loop whose thread is the calling thread right now (its progress thread, a thread driving it

@@ -774,6 +774,9 @@ Loop::~Loop() {
 
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
+bool Loop::on_progress_thread() const noexcept {
+  return impl_->progress_thread.joinable() && impl_->progress_thread.get_id() == std::this_thread::get_id();
+}
 bool Loop::in_loop_thread() const noexcept {
   return impl_->io->get_executor().running_in_this_thread() || polling_loop == impl_.get();
 }

@@ -1,6 +1,7 @@
 #include "transports/uring/uring_ring.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -27,6 +29,13 @@
 namespace weft {
 
 // ---------------------------------------------------------------- the ring
+
+namespace {
+// Names this thread for note_submitter(): a std::thread::id is reused by the next thread as soon as
+// one ends, and a thread that ends is what note_submitter must not miss.
+std::atomic<std::uint64_t> next_thread_serial{1};
+thread_local const std::uint64_t this_thread_serial = next_thread_serial.fetch_add(1, std::memory_order_relaxed);
+}  // namespace
 
 bool UringRing::available(std::string& why) {
   if (const char* v = std::getenv("WEFT_URING_SETUP_FAIL"); v && std::string_view(v) == "1") {
@@ -317,7 +326,92 @@ void UringRing::flush() {
     log().error("io_uring: a submission from a thread other than the ring's issuer was dropped");
     return;
   }
-  if (const int rc = io_uring_submit(&ring_); rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
+  const int rc = io_uring_submit(&ring_);
+  if (rc < 0) log().error("io_uring_submit: {}", std::strerror(-rc));
+  if (rc > 0 && this_thread_serial != last_submitter_) note_submitter();
+}
+
+// ---------------------------------------------------------------- a submitter that ends
+
+namespace {
+// The kernel ties a request to the thread that submitted it: its task work (the receive itself, once
+// data came) runs in that thread. Under caller-driven progress any thread that waits on an operation
+// submits, among others the receive the stream posts for the next message; a user's thread that waited
+// on one collective and then ended (std::async per call, a thread per request) left that receive with a
+// task that no longer exists. The kernel completes such a request only when its data comes, through a
+// kernel worker a tick later, with ECANCELED (the stream then submits it again: uring_stream.cpp,
+// `submitter_ended`); each call from a new thread waited for that: an 8-byte all_reduce from a new
+// thread each time took 0.75-6 ms (median), up to 27 ms, over uring, 43-58 us over tcp (bench/RESULTS.md,
+// "io_uring under waiters that end"). So a
+// borrower that submitted is noted per thread, and its end has the loop cancel the ring's requests
+// while the thread still runs: the cancellations' task work runs in it at its next system call, every
+// request comes back ECANCELED at once, and the loop's thread submits it again.
+class EndingSubmitter {
+ public:
+  void add(const std::shared_ptr<UringRing>& ring) {
+    if (ending_) return;  // the hand-over's own submission
+    for (const std::weak_ptr<UringRing>& noted : rings_) {
+      if (!noted.owner_before(ring) && !ring.owner_before(noted)) return;
+    }
+    std::erase_if(rings_, [](const std::weak_ptr<UringRing>& noted) { return noted.expired(); });
+    rings_.push_back(ring);
+    pid_ = ::getpid();
+  }
+  ~EndingSubmitter() {
+    ending_ = true;
+    // A child of fork() that calls exit() shares the parent's rings, not its loops' threads.
+    if (::getpid() != pid_) return;
+    for (const std::weak_ptr<UringRing>& noted : rings_) {
+      if (std::shared_ptr<UringRing> ring = noted.lock()) UringRing::hand_over_from_ending_thread(std::move(ring));
+    }
+  }
+
+ private:
+  std::vector<std::weak_ptr<UringRing>> rings_;
+  pid_t pid_ = 0;
+  bool ending_ = false;
+};
+thread_local EndingSubmitter ending_submitter;
+}  // namespace
+
+void UringRing::note_submitter() {
+  last_submitter_ = this_thread_serial;
+  // The progress thread ends with the loop; a loop without one (a borrowed io_context) is run by the
+  // user's own threads, which are not waiters passing through.
+  if (loop_.owns_thread() && !loop_.on_progress_thread()) ending_submitter.add(shared_from_this());
+}
+
+void UringRing::resubmit_everything() {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY | IORING_ASYNC_CANCEL_ALL);  // EINVAL before 5.19: nothing happens
+  io_uring_sqe_set_data(sqe, nullptr);  // its own completion (how many) is ignored
+  flush();
+}
+
+void UringRing::hand_over_from_ending_thread(std::shared_ptr<UringRing> ring) {
+  struct Handover {
+    std::shared_ptr<UringRing> ring;
+    std::atomic<bool> done{false};
+    static void run(void* arg) {
+      auto& handover = *static_cast<Handover*>(arg);
+      const std::shared_ptr<UringRing> ring = std::move(handover.ring);  // released on the loop's thread
+      ring->resubmit_everything();
+      handover.done.store(true, std::memory_order_release);
+    }
+  };
+  auto handover = std::make_shared<Handover>();
+  handover->ring = std::move(ring);
+  Loop& loop = handover->ring->loop_;
+  // At once when the loop is free (this thread handed it back moments ago), else through its queue.
+  if (!loop.run_here(&Handover::run, handover.get())) loop.post([handover] { Handover::run(handover.get()); });
+  // The cancellations' task work runs in this thread, at any system call it makes: wait in short sleeps
+  // until the loop has asked for them, then make one more. Bounded: a loop that has stopped never runs
+  // the post, and this thread's requests then end as the kernel ends them.
+  const auto until = std::chrono::steady_clock::now() + hand_over_limit;
+  while (!handover->done.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  ::sched_yield();
 }
 
 // With deferred or cooperative task work, completions wait in the kernel until the thread they belong

@@ -9,6 +9,7 @@
 // busy-poll runs that work (docs/DESIGN.md).
 #include <liburing.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -62,6 +63,16 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   Loop& loop() noexcept { return loop_; }
   /// Submits what was prepared (one io_uring_enter).
   void flush();
+  /// Loop thread: asks the kernel to cancel every request of the ring, whoever submitted it; each
+  /// request's ECANCELED then submits it again from the loop's thread (uring_stream.cpp,
+  /// `submitter_ended`). What a thread that submitted and now ends has the loop do (below, flush()).
+  void resubmit_everything();
+  /// On a thread that submitted to `ring` while it borrowed the loop, as that thread ends (a
+  /// thread_local's destructor, uring_ring.cpp): has the loop's thread resubmit what the ring has in
+  /// flight while this thread still runs the cancellations' task work, and waits for that (at most
+  /// `hand_over_limit`).
+  static void hand_over_from_ending_thread(std::shared_ptr<UringRing> ring);
+  static constexpr std::chrono::milliseconds hand_over_limit{50};
   /// Runs the completions that arrived.
   void reap();
   /// The ring as one of the loop's memory pollers (Loop::Poller, through detail::WeakPoller). poll(),
@@ -142,6 +153,10 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   bool flush_posted_ = false;
   bool polled_flush_due_ = false;  // SQEs prepared with Flush::when_polled wait for poll() or arm()
   bool eventfd_silenced_ = false;  // IORING_CQ_EVENTFD_DISABLED set by disarm(), while the loop polls
+  // The thread that submitted last: a borrower of the loop (caller-driven progress) is noted so that
+  // its end hands its requests over (note_submitter, uring_ring.cpp).
+  std::uint64_t last_submitter_ = 0;  // a serial number per thread (uring_ring.cpp)
+  void note_submitter();
   std::size_t zero_copy_bytes_ = 0;
   bool zero_copy_set_ = false;  // by WEFT_URING_ZC_BYTES
   struct Seen {
