@@ -18,9 +18,10 @@
 //                             watchdog looks: 50-250 ms). Rank 0 prints the round trips' median, p99 and
 //                             max in us and how many took over 2 and over 20 ms.
 //   worker thread-hop N       N 8-byte all_reduces, each waited on from a new thread that then ends (as
-//                             std::async per call does), then N from this one thread; rank 0 prints the
-//                             median and max of each in us, and of the new threads' ends (from the call's
-//                             return to the join). Under io_uring a request belongs to the thread that
+//                             std::async per call does), then N from this one thread, then N from two
+//                             threads that take turns (the idle one asleep); rank 0 prints the median and
+//                             max of each in us, and of the new threads' ends (from the call's return to
+//                             the join). Under io_uring a request belongs to the thread that
 //                             submitted it (uring_ring.cpp, "a submitter that ends").
 //   worker kill-windows VICTIM [stop]
 //                             all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
@@ -39,6 +40,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -348,13 +350,32 @@ int main(int argc, char** argv) {
       group.all_reduce(v).get();
       stay.push_back(us_since(start));
     }
+    // Two threads that live on and take turns, the other asleep in a futex meanwhile (a pool's workers):
+    // the receive one of them submitted completes while it sleeps.
+    std::vector<double> turns;
+    std::atomic<int> next{0};
+    group.barrier().get();
+    auto worker = [&](int me) {
+      for (int i = me; i < rounds; i += 2) {
+        for (int now = next.load(); now != i; now = next.load()) next.wait(now);
+        const auto start = Clock::now();
+        group.all_reduce(v).get();
+        turns.push_back(us_since(start));
+        next.store(i + 1);
+        next.notify_all();
+      }
+    };
+    std::thread first(worker, 0), second(worker, 1);
+    first.join();
+    second.join();
     if (group.rank() == 0) {
       const auto [hop_median, hop_max] = median_max(hop);
       const auto [ending_median, ending_max] = median_max(ending);
       const auto [stay_median, stay_max] = median_max(stay);
+      const auto [turns_median, turns_max] = median_max(turns);
       std::printf("thread-hop: %d calls, a new thread each: median %.1f us, max %.1f us (the thread's end: median %.1f, max %.1f); "
-                  "one thread: median %.1f us, max %.1f us\n",
-                  rounds, hop_median, hop_max, ending_median, ending_max, stay_median, stay_max);
+                  "one thread: median %.1f us, max %.1f us; two threads taking turns: median %.1f us, max %.1f us\n",
+                  rounds, hop_median, hop_max, ending_median, ending_max, stay_median, stay_max, turns_median, turns_max);
     }
     return 0;
   }
