@@ -2,6 +2,7 @@
 // hook; the 16-bit float conversions and the reduction kernels.
 #include <sched.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <asio.hpp>
@@ -27,6 +28,10 @@
 #include "transports/framed/matcher.hpp"
 #include "transports/framed/wire.hpp"
 #include "support/harness.hpp"
+#include "weft_config.h"
+#if WEFT_HAVE_URING
+#include "transports/uring/uring_ring.hpp"
+#endif
 
 using namespace weft;
 using namespace std::chrono_literals;
@@ -1282,3 +1287,59 @@ TEST_CASE("the matcher's lone receive is matched, withdrawn, swept and ordered a
     CHECK(m.peek_early(a) == nullptr);
   }
 }
+
+#if WEFT_HAVE_URING
+TEST_CASE("io_uring: a receive that a waiter thread submitted comes back when that thread ends, without its data",
+          "[core][uring]") {
+  // Under caller-driven progress the thread that waits submits, and the kernel ties a request to the
+  // thread that submitted it. Left alone, the kernel ends a request of a thread that has ended only once
+  // its data comes (a tick later, through a kernel worker), so the next call's message waited for that.
+  // The ring has the loop cancel its requests while such a thread still runs (uring_ring.cpp, "a
+  // submitter that ends"): the receive comes back at once, with no data ever sent, for the loop's
+  // thread to submit again. Without that it would not come back at all here.
+  weft::Loop loop;
+  auto on_loop = [&loop](auto&& fn) {  // runs fn as the loop's thread (this one borrows it) and waits
+    bool done = false;
+    loop.post([&] {
+      fn();
+      done = true;
+    });
+    REQUIRE(loop.drive_until([&] { return done; }));
+  };
+  std::shared_ptr<weft::UringRing> ring;
+  std::string why;
+  on_loop([&] { ring = weft::UringRing::create(loop, why); });
+  if (!ring) {
+    WARN("io_uring is not available here (" << why << "): nothing to check");
+    return;
+  }
+  int pair[2] = {-1, -1};
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+  struct Receive final : weft::UringRequest {
+    std::atomic<int> result{1};
+    std::atomic<int> completions{0};
+    void complete(int r, std::uint32_t) override {
+      result.store(r);
+      completions.fetch_add(1);
+    }
+  };
+  Receive receive;
+  char byte = 0;
+  std::thread waiter([&] {
+    on_loop([&] {
+      io_uring_sqe* sqe = ring->prepare(&receive);
+      io_uring_prep_recv(sqe, pair[0], &byte, 1, 0);
+      ring->flush();
+    });
+  });
+  waiter.join();
+  // Nothing is ever written to the socket: the receive can only come back cancelled.
+  const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(10);  // a bound against a hang, not a timing
+  REQUIRE(loop.drive_until([&] { return receive.completions.load() > 0 || std::chrono::steady_clock::now() > limit; }));
+  CHECK(receive.completions.load() == 1);
+  CHECK(receive.result.load() == -ECANCELED);
+  on_loop([&] { ring.reset(); });
+  ::close(pair[0]);
+  ::close(pair[1]);
+}
+#endif
