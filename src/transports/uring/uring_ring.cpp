@@ -1,8 +1,8 @@
 #include "transports/uring/uring_ring.hpp"
 
 #include <fcntl.h>
-#include <sched.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -341,11 +341,11 @@ namespace {
 // task that no longer exists. The kernel completes such a request only when its data comes, through a
 // kernel worker a tick later, with ECANCELED (the stream then submits it again: uring_stream.cpp,
 // `submitter_ended`); each call from a new thread waited for that: an 8-byte all_reduce from a new
-// thread each time took 0.75-6 ms (median), up to 27 ms, over uring, 43-58 us over tcp (bench/RESULTS.md,
-// "io_uring under waiters that end"). So a
-// borrower that submitted is noted per thread, and its end has the loop cancel the ring's requests
-// while the thread still runs: the cancellations' task work runs in it at its next system call, every
-// request comes back ECANCELED at once, and the loop's thread submits it again.
+// thread each time took 0.75-6 ms (median), up to 27 ms, over uring, 43-58 us over tcp
+// (bench/RESULTS.md, "io_uring under waiters that end"). So a borrower that submitted is noted per
+// thread, and its end has the loop cancel the ring's requests while the thread still runs: the
+// cancellations' task work runs in it at its next system call, every request comes back ECANCELED at
+// once, and the loop's thread submits it again.
 class EndingSubmitter {
  public:
   void add(const std::shared_ptr<UringRing>& ring) {

@@ -65,7 +65,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   void flush();
   /// Loop thread: asks the kernel to cancel every request of the ring, whoever submitted it; each
   /// request's ECANCELED then submits it again from the loop's thread (uring_stream.cpp,
-  /// `submitter_ended`). What a thread that submitted and now ends has the loop do (below, flush()).
+  /// `submitter_ended`). What a borrower's end has the loop do (hand_over_from_ending_thread).
   void resubmit_everything();
   /// On a thread that submitted to `ring` while it borrowed the loop, as that thread ends (a
   /// thread_local's destructor, uring_ring.cpp): has the loop's thread resubmit what the ring has in
