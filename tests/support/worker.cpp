@@ -350,8 +350,8 @@ int main(int argc, char** argv) {
       group.all_reduce(v).get();
       stay.push_back(us_since(start));
     }
-    // Two threads that live on and take turns, the other asleep in a futex meanwhile (a pool's workers):
-    // the receive one of them submitted completes while it sleeps.
+    // Two threads that live on and take turns, the idle one asleep in a futex meanwhile (a pool's
+    // workers); a call's time starts once its thread is awake.
     std::vector<double> turns;
     std::atomic<int> next{0};
     group.barrier().get();
