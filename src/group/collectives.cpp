@@ -301,6 +301,19 @@ Task<void> scatter_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstB
                   {out.count, root});
 }
 
+// The pairwise exchange as whole messages (start_as_messages): every send first, then the receives in the
+// exchange's order. The executor posts the exchanges of the pairwise plan at once too (none sends what
+// another receives); MessagePlan awaits each receive before its next step, so the sends go first here.
+std::shared_ptr<const algo::Plan> all_to_all_message_plan(GroupState& g, std::size_t block) {
+  return g.plan_for({Collective::all_to_all, algo::Kind::pairwise, block}, [&] {
+    const algo::Plan exchanges = algo::pairwise_all_to_all(g.size, g.rank, block);
+    algo::Plan plan;
+    for (const algo::Step& s : exchanges) plan.push_back(algo::Step{algo::StepKind::send, s.send_to, -1, s.send, {}});
+    for (const algo::Step& s : exchanges) plan.push_back(algo::Step{algo::StepKind::recv, -1, s.recv_from, {}, s.recv});
+    return plan;
+  });
+}
+
 Task<void> all_to_all_task(std::shared_ptr<GroupState> g, std::uint64_t seq, ConstBufferView in, BufferView out,
                            const algo::Algorithm& algorithm) {
   using algo::Kind;
@@ -498,8 +511,8 @@ class MessagePlanOp final : public FutureState<void> {
   std::weak_ptr<MessagePlanOp> weak_;
 };
 
-// `call` as a plan of whole messages (broadcast, the barrier, all_reduce, reduce_scatter and the ring
-// all_gather: their tasks are that plan, with copies before and after and avg's division), or an invalid
+// `call` as a plan of whole messages (broadcast, the barrier, all_reduce, reduce_scatter, the ring
+// all_gather and the pairwise all_to_all: their tasks are that plan, with copies before and after and avg's division), or an invalid
 // Future when it is not one (another collective, another algorithm, a message past one segment, a
 // deterministic reduction).
 Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64_t seq, const detail::CollectiveCall& call,
@@ -562,6 +575,20 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       buffers = algo::PlanBuffers{call.out.bytes_ptr(), call.out.bytes_ptr(), call.out.dtype, ReduceOp::sum};
       shape = {call.out.count, call.root};
       break;
+    case Collective::all_to_all: {
+      // all_to_all_task's pairwise path out of place (in place it sends from a copy): this rank's own
+      // block copied, then one message to and from each peer.
+      if (algorithm.kind != algo::Kind::pairwise || g->size == 1 || share_bytes(call.in, call.out)) return {};
+      const std::size_t block = call.in.count / static_cast<std::size_t>(g->size);
+      const std::size_t block_bytes = block * dtype_size(call.in.dtype);
+      plan = all_to_all_message_plan(*g, block);
+      buffers = algo::PlanBuffers{call.in.bytes_ptr(), call.out.bytes_ptr(), call.in.dtype, ReduceOp::sum};
+      shape = {call.in.count};
+      around.copy_to = call.out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes;
+      around.copy_from = call.in.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes;
+      around.copy_bytes = block_bytes;
+      break;
+    }
     case Collective::barrier:
       plan = barrier_plan(*g, algorithm);
       buffers = algo::PlanBuffers{nullptr, nullptr, DType::u8, ReduceOp::sum};
