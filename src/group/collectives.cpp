@@ -576,17 +576,33 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       shape = {call.out.count, call.root};
       break;
     case Collective::all_to_all: {
-      // all_to_all_task's pairwise path out of place (in place it sends from a copy): this rank's own
-      // block copied, then one message to and from each peer.
-      if (algorithm.kind != algo::Kind::pairwise || g->size == 1 || share_bytes(call.in, call.out)) return {};
+      // all_to_all_task's pairwise path: this rank's own block copied, and one message to and from each
+      // peer. In place (or sharing bytes at all) the sends read a copy of the input, a work buffer the
+      // operation owns, and the own block comes out of it once the receives landed.
+      if (algorithm.kind != algo::Kind::pairwise || g->size == 1) return {};
       const std::size_t block = call.in.count / static_cast<std::size_t>(g->size);
+      const std::size_t own = static_cast<std::size_t>(g->rank) * block * dtype_size(call.in.dtype);
       const std::size_t block_bytes = block * dtype_size(call.in.dtype);
       plan = all_to_all_message_plan(*g, block);
-      buffers = algo::PlanBuffers{call.in.bytes_ptr(), call.out.bytes_ptr(), call.in.dtype, ReduceOp::sum};
+      const std::byte* source = call.in.bytes_ptr();
+      if (share_bytes(call.in, call.out)) {
+        // Each step moves a block: past one segment it cannot fit (spares the allocation).
+        if (block_bytes > g->options.segment_bytes) return {};
+        around.work = scratch_bytes(call.in.bytes());
+        around.copy_to = around.work.get();
+        around.copy_from = call.in.bytes_ptr();
+        around.copy_bytes = call.in.bytes();
+        around.copy_out_to = call.out.bytes_ptr() + own;
+        around.copy_out_from = around.work.get() + own;
+        around.copy_out_bytes = block_bytes;
+        source = around.work.get();
+      } else {
+        around.copy_to = call.out.bytes_ptr() + own;
+        around.copy_from = call.in.bytes_ptr() + own;
+        around.copy_bytes = block_bytes;
+      }
+      buffers = algo::PlanBuffers{source, call.out.bytes_ptr(), call.in.dtype, ReduceOp::sum};
       shape = {call.in.count};
-      around.copy_to = call.out.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes;
-      around.copy_from = call.in.bytes_ptr() + static_cast<std::size_t>(g->rank) * block_bytes;
-      around.copy_bytes = block_bytes;
       break;
     }
     case Collective::barrier:

@@ -179,8 +179,8 @@ TEST_CASE("every collective matches the reference on 4 ranks", "[collectives][p4
 TEST_CASE("every collective matches the reference on 5 ranks", "[collectives][p5]") { matrix(5); }
 TEST_CASE("every collective matches the reference on 8 ranks", "[collectives][p8]") { matrix(8); }
 
-// In place and out of place are separate paths for some collectives (all_to_all out of place runs as a
-// plan of whole messages, in place as a task sending from a copy): ranks on either path must meet.
+// In place and out of place take separate paths for some collectives (a copy of the input to send from,
+// a block copied out after; the task where a block passes one segment): ranks on either path must meet.
 TEST_CASE("ranks that call in place and ranks that call out of place meet in one collective", "[collectives][inflight]") {
   const long before = checks_made.load();
   for (int ranks : {2, 3, 4}) {
