@@ -512,9 +512,9 @@ class MessagePlanOp final : public FutureState<void> {
 };
 
 // `call` as a plan of whole messages (broadcast, the barrier, all_reduce, reduce_scatter, the ring
-// all_gather and the pairwise all_to_all: their tasks are that plan, with copies before and after and avg's division), or an invalid
-// Future when it is not one (another collective, another algorithm, a message past one segment, a
-// deterministic reduction).
+// all_gather and the pairwise all_to_all: their tasks are that plan, with copies before and after and
+// avg's division), or an invalid Future when it is not one (another collective, another algorithm, a
+// message past one segment, a deterministic reduction).
 Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64_t seq, const detail::CollectiveCall& call,
                                const algo::Algorithm& algorithm) {
   if (call.staged || algorithm.kind == algo::Kind::shm) return {};
@@ -581,8 +581,8 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       // operation owns, and the own block comes out of it once the receives landed.
       if (algorithm.kind != algo::Kind::pairwise || g->size == 1) return {};
       const std::size_t block = call.in.count / static_cast<std::size_t>(g->size);
-      const std::size_t own = static_cast<std::size_t>(g->rank) * block * dtype_size(call.in.dtype);
       const std::size_t block_bytes = block * dtype_size(call.in.dtype);
+      const std::size_t own = static_cast<std::size_t>(g->rank) * block_bytes;  // this rank's block, in bytes
       plan = all_to_all_message_plan(*g, block);
       const std::byte* source = call.in.bytes_ptr();
       if (share_bytes(call.in, call.out)) {

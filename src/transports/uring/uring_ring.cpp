@@ -473,9 +473,9 @@ std::size_t UringRing::poll() {
       ++fruitless_asks_;
       // The work is another thread's, and the kernel has woken that thread if it slept (a waiter that
       // went back to its pool, the progress thread parked under a borrower): give it this core. Spun
-      // through instead, the work waited for this thread's spin to end: two threads taking turns
-      // at waiting took 41-64 us per 8-byte all_reduce against 11 (bench/RESULTS.md, "Flagged work of
-      // another thread").
+      // through instead, the work waited for this thread's spin to end: two threads taking turns at
+      // waiting took 21-66 us per 8-byte all_reduce, 17-20 with the yield (bench/RESULTS.md, "Flagged
+      // work of another thread").
       ::sched_yield();
       return 0;
     }
