@@ -582,12 +582,14 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
       if (algorithm.kind != algo::Kind::pairwise || g->size == 1) return {};
       const std::size_t block = call.in.count / static_cast<std::size_t>(g->size);
       const std::size_t block_bytes = block * dtype_size(call.in.dtype);
+      // A message per block each way: past one segment, or past MessagePlan's count, it cannot fit (spares
+      // the allocation below, and a plan that would only take a slot of the group's plan cache).
+      const auto messages = 2 * static_cast<std::size_t>(g->size - 1);
+      if (block_bytes > g->options.segment_bytes || messages > algo::MessagePlan::most_messages) return {};
       const std::size_t own = static_cast<std::size_t>(g->rank) * block_bytes;  // this rank's block, in bytes
       plan = all_to_all_message_plan(*g, block);
       const std::byte* source = call.in.bytes_ptr();
       if (share_bytes(call.in, call.out)) {
-        // Each step moves a block: past one segment it cannot fit (spares the allocation).
-        if (block_bytes > g->options.segment_bytes) return {};
         around.work = scratch_bytes(call.in.bytes());
         around.copy_to = around.work.get();
         around.copy_from = call.in.bytes_ptr();
