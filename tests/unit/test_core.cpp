@@ -1325,14 +1325,33 @@ TEST_CASE("io_uring: a receive that a waiter thread submitted comes back when th
   };
   Receive receive;
   char byte = 0;
+  // The waiter must submit on its own thread, the loop borrowed: a post that it then drives (on_loop)
+  // may be run by the progress thread, which wakes for the post and can take it before the waiter's
+  // borrow (under TSan every time, under load about one run in three); its request would then be the
+  // progress thread's, and would never come back. run_here runs the submission here or refuses; a
+  // borrow that does nothing parks the progress thread for the next try.
+  struct Submit {
+    weft::UringRing* ring;
+    Receive* receive;
+    int fd;
+    char* byte;
+    static void run(void* arg) {
+      auto& s = *static_cast<Submit*>(arg);
+      io_uring_sqe* sqe = s.ring->prepare(s.receive);
+      io_uring_prep_recv(sqe, s.fd, s.byte, 1, 0);
+      s.ring->flush();
+    }
+  };
+  Submit submit{ring.get(), &receive, pair[0], &byte};
+  bool submitted = false;
   std::thread waiter([&] {
-    on_loop([&] {
-      io_uring_sqe* sqe = ring->prepare(&receive);
-      io_uring_prep_recv(sqe, pair[0], &byte, 1, 0);
-      ring->flush();
-    });
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);  // against a hang, not a timing
+    while (!(submitted = loop.run_here(&Submit::run, &submit)) && std::chrono::steady_clock::now() < until) {
+      loop.drive_until([] { return true; });
+    }
   });
   waiter.join();
+  REQUIRE(submitted);
   // Nothing is ever written to the socket: the receive can only come back cancelled.
   const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(10);  // a bound against a hang, not a timing
   REQUIRE(loop.drive_until([&] { return receive.completions.load() > 0 || std::chrono::steady_clock::now() > limit; }));
