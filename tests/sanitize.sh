@@ -95,6 +95,31 @@ if [ "$scope" = tsan ]; then
       fi
     done
   done
+  # io_uring (where built): under caller-driven progress any waiting thread submits, and a thread that
+  # ends hands its requests to the loop (uring_ring.cpp, "a submitter that ends"); thread-hop waits
+  # from a new thread per call, then from two threads taking turns.
+  if grep -q "WEFT_HAVE_URING 1" "$out/weft_config.h"; then
+    ninja -C "$out" -j2 tools/weft-run tests/weft-test-worker >/dev/null || exit 1
+    for t in "test_core [uring]" "test_collectives [p2]" "test_collectives [inflight]" "test_errors [cancel]" "test_errors [peer]"; do
+      start=$SECONDS
+      if log=$(WEFT_TRANSPORT=uring "$out/tests/"$t 2>&1); then
+        echo "ok: $t over uring ($((SECONDS - start)) s)"
+      else
+        report "$log"
+        echo "FAIL: $t over uring"
+        rc=1
+      fi
+    done
+    start=$SECONDS
+    if log=$(WEFT_TRANSPORT=uring "$out/tools/weft-run" -n 2 --timeout 900 -- "$out/tests/weft-test-worker" thread-hop 300 2>&1) &&
+       ! grep -q ThreadSanitizer <<< "$log"; then
+      echo "ok: weft-test-worker thread-hop over uring ($((SECONDS - start)) s)"
+    else
+      report "$log"
+      echo "FAIL: weft-test-worker thread-hop over uring"
+      rc=1
+    fi
+  fi
   exit $rc
 fi
 # CI's share compiles at -O0: four times faster to build here (Asio's coroutine-heavy files take 80 s

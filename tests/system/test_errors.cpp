@@ -536,6 +536,23 @@ TEST_CASE("a mismatch of any kind reaches every rank of 3: that operation fails,
   SECTION("collective") {
     expect_mismatch([&](Group& g) { return g.rank() == 2 ? g.all_gather(f, g8) : g.all_reduce(mine(g)); }, {"#1"}, false, 3);
   }
+  SECTION("all_to_all's count, and all_to_all against all_reduce (a plan of whole messages: sends before receives)") {
+    // Pairwise all_to_all runs as a MessagePlan: every rank's sends leave before its first receive is
+    // posted, so each rank meets the mismatch in a frame that came early.
+    std::vector<std::vector<float>> in(3), out(3);
+    for (std::size_t r = 0; r < 3; ++r) {
+      in[r].assign(r == 0 ? 6 : 3, 1.0f);
+      out[r].assign(r == 0 ? 6 : 3, 0.0f);
+    }
+    expect_mismatch([&](Group& g) {
+      const auto r = static_cast<std::size_t>(g.rank());
+      return g.all_to_all(in[r], out[r]);
+    }, {"all_to_all #1"}, false, 3);
+    expect_mismatch([&](Group& g) {
+      const auto r = static_cast<std::size_t>(g.rank());
+      return g.rank() == 1 ? g.all_reduce(mine(g)) : g.all_to_all(in[r], out[r]);
+    }, {"#1"}, false, 3);
+  }
 }
 
 TEST_CASE("a mismatch that sends no frame is found within seconds, long before the deadline", "[errors][mismatch]") {
