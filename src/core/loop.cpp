@@ -284,11 +284,24 @@ struct Loop::Impl {
   // hand-back needs no clock read), until a hand-back asks it to drive (refused_bit, work in flight
   // after the grace), or until the loop stops. It leaves only by a compare-and-swap that fails while a
   // borrower holds the loop.
+  //
+  // Its looks are spaced by `tick`, which starts at `linger` and doubles, up to busy_tick_most, with
+  // every look that finds a borrower at work; a look that finds work waiting for this thread (posted,
+  // or in flight, with nobody borrowing) brings it back to `linger`, and posted work is started at once.
+  // Back-to-back blocking calls keep the loop borrowed nearly all the time, and a look every 500 us
+  // woke a thread 2,000 times a second on a core that a rank was using (bench/RESULTS.md, "The parked
+  // thread's looks": 4 ranks on 2 cores over tcp, 8 B-8 KiB all_reduce and all_to_all took 0.84-0.92
+  // of the time; 2 ranks 0.92-0.97, uring 0.84-0.88). The price: work posted just after a run of
+  // blocking calls (a collective started from plain code, then computation) starts at the parked
+  // thread's next look, up to busy_tick_most later (median 1.6 ms against 0.9); from then on the looks
+  // stay short.
+  static constexpr std::chrono::microseconds busy_tick_most{4000};
   void park() {
     std::unique_lock lock(driver_mutex);
     std::uint64_t seen = borrow.fetch_or(parked_bit, std::memory_order_acq_rel) | parked_bit;
     driver_cv.notify_all();  // a borrower that waits for the park (drive_until)
     auto seen_at = Clock::now();
+    std::chrono::microseconds tick = linger;
     while (!stopping.load()) {
       std::uint64_t now_state = borrow.load(std::memory_order_acquire);
       const auto now = Clock::now();
@@ -296,7 +309,11 @@ struct Loop::Impl {
       seen = now_state;
       if (!(now_state & borrowed_bit)) {
         const bool in_flight_now = in_flight.load(std::memory_order_relaxed) > 0;
-        if (drive_now.exchange(false) || (in_flight_now && now >= grace_until) || now - seen_at >= linger) {
+        const bool posted = ready_any.load(std::memory_order_acquire);
+        if (posted || in_flight_now) tick = linger;
+        // Posted work that no borrower took: a blocking caller borrows microseconds after it posts, so
+        // work still waiting at a look is a start left for this thread (plain code that computes now).
+        if (drive_now.exchange(false) || posted || (in_flight_now && now >= grace_until) || now - seen_at >= linger) {
           if (borrow.compare_exchange_strong(now_state, now_state & ~parked_bit, std::memory_order_acq_rel)) return;
           drive_now.store(true);  // borrowed meanwhile: it is asked again after that hand-back
           continue;
@@ -307,7 +324,7 @@ struct Loop::Impl {
           grace_waiting = false;
           continue;
         }
-        driver_cv.wait_for(lock, linger);
+        driver_cv.wait_for(lock, tick);
         continue;
       }
       const Clock::rep started = drive_started.load(std::memory_order_relaxed);
@@ -317,7 +334,8 @@ struct Loop::Impl {
         if (borrow.load() & borrowed_bit) driver_cv.wait_for(lock, long_tick);
         long_sleeping.store(false);
       } else {
-        driver_cv.wait_for(lock, linger);
+        driver_cv.wait_for(lock, tick);
+        tick = std::min(tick * 2, busy_tick_most);
       }
     }
     borrow.fetch_and(~parked_bit, std::memory_order_acq_rel);

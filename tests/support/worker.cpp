@@ -23,6 +23,15 @@
 //                             max of each in us, and of the new threads' ends (from the call's return to
 //                             the join). Under io_uring a request belongs to the thread that
 //                             submitted it (uring_ring.cpp, "a submitter that ends").
+//   worker start-after-calls N
+//                             N rounds: 200 8-byte all_reduces waited on at once (back-to-back blocking
+//                             calls: the progress thread stays parked), then one started and left alone,
+//                             its Future polled with ready() every 20 us from a thread that neither
+//                             borrows the loop nor computes, so that the progress thread must start and
+//                             drive it; then N more rounds of one call left alone, without the 200
+//                             before (a program that always starts, then computes). Rank 0 prints the
+//                             median, p90 and max of each in us, from the start to ready (docs/DESIGN.md,
+//                             "The parked thread's looks").
 //   worker kill-windows VICTIM [stop]
 //                             all_reduce on device windows (WEFT_DEVICE_IPC=1, every rank on this host):
 //                             one call every rank completes (the windows made and opened), then VICTIM
@@ -376,6 +385,36 @@ int main(int argc, char** argv) {
       std::printf("thread-hop: %d calls, a new thread each: median %.1f us, max %.1f us (the thread's end: median %.1f, max %.1f); "
                   "one thread: median %.1f us, max %.1f us; two threads taking turns: median %.1f us, max %.1f us\n",
                   rounds, hop_median, hop_max, ending_median, ending_max, stay_median, stay_max, turns_median, turns_max);
+    }
+    return 0;
+  }
+  if (mode == "start-after-calls") {
+    const int rounds = argc > 2 ? std::atoi(argv[2]) : 50;
+    std::vector<float> v(2, 1.0F);
+    using Clock = std::chrono::steady_clock;
+    auto left_alone = [&] {  // one call started and left alone: the time from its start to ready()
+      const auto start = Clock::now();
+      weft::Future<void> left = group.all_reduce(v);
+      while (!left.ready()) std::this_thread::sleep_for(20us);
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      left.get();
+      return us;
+    };
+    std::vector<double> after_calls, alone;
+    for (int i = 0; i < rounds; ++i) {
+      group.barrier().get();
+      for (int k = 0; k < 200; ++k) group.all_reduce(v).get();
+      after_calls.push_back(left_alone());
+    }
+    group.barrier().get();
+    for (int i = 0; i < rounds; ++i) alone.push_back(left_alone());
+    group.barrier().get();
+    if (group.rank() == 0 && rounds > 0) {
+      for (auto* us : {&after_calls, &alone}) std::sort(us->begin(), us->end());
+      auto at = [](const std::vector<double>& us, int percent) { return us[us.size() * static_cast<std::size_t>(percent) / 100]; };
+      std::printf("start-after-calls: %d rounds, start to ready after 200 blocking calls: median %.1f us, p90 %.1f us, max %.1f us; "
+                  "one after another: median %.1f us, p90 %.1f us, max %.1f us\n",
+                  rounds, at(after_calls, 50), at(after_calls, 90), after_calls.back(), at(alone, 50), at(alone, 90), alone.back());
     }
     return 0;
   }
