@@ -24,19 +24,27 @@ if [ "$scope" = tsan ]; then
   ninja -C "$out" -j2 tests/test_core tests/test_shm tests/test_collectives tests/test_errors tests/test_gpu tests/test_device tests/test_peer >/dev/null || exit 1
   export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
   rc=0
+  # run_over TRANSPORT CASE...: each CASE ("test_x [tag]") with WEFT_TRANSPORT=TRANSPORT; a failure is
+  # reported and counted in rc.
+  run_over() {
+    local transport=$1 t start
+    shift
+    for t in "$@"; do
+      start=$SECONDS
+      # $t unquoted on purpose: the test's binary, then its tag.
+      if log=$(WEFT_TRANSPORT=$transport "$out/tests/"$t 2>&1); then
+        echo "ok: $t over $transport ($((SECONDS - start)) s)"
+      else
+        report "$log"
+        echo "FAIL: $t over $transport"
+        rc=1
+      fi
+    done
+  }
   # test_core's loop and Future cases first: the loop's borrow (one word changed by compare-and-swap,
   # several threads waiting, starting and refused on one loop) and the Futures' Dekker with sleepers.
-  for t in "test_core [loop]" "test_core [future]" "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" "test_errors [cancel]" \
-           "test_errors [peer]" "test_errors [timeout]" "test_errors [mismatch]" "test_errors [abort]"; do
-    start=$SECONDS
-    if log=$(WEFT_TRANSPORT=shm "$out/tests/"$t 2>&1); then
-      echo "ok: $t over shm ($((SECONDS - start)) s)"
-    else
-      report "$log"
-      echo "FAIL: $t over shm"
-      rc=1
-    fi
-  done
+  run_over shm "test_core [loop]" "test_core [future]" "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" \
+    "test_errors [cancel]" "test_errors [peer]" "test_errors [timeout]" "test_errors [mismatch]" "test_errors [abort]"
   # The device layer and device buffers on the simulated device (its workers are threads too), with
   # random delays so that the streams, gates and the loop interleave.
   # The multi-device all_reduce's barrier (kernels/peer): a thread per (device, block); a release or an
@@ -100,16 +108,7 @@ if [ "$scope" = tsan ]; then
   # from a new thread per call, then from two threads taking turns.
   if grep -q "WEFT_HAVE_URING 1" "$out/weft_config.h"; then
     ninja -C "$out" -j2 tools/weft-run tests/weft-test-worker >/dev/null || exit 1
-    for t in "test_core [uring]" "test_collectives [p2]" "test_collectives [inflight]" "test_errors [cancel]" "test_errors [peer]"; do
-      start=$SECONDS
-      if log=$(WEFT_TRANSPORT=uring "$out/tests/"$t 2>&1); then
-        echo "ok: $t over uring ($((SECONDS - start)) s)"
-      else
-        report "$log"
-        echo "FAIL: $t over uring"
-        rc=1
-      fi
-    done
+    run_over uring "test_core [uring]" "test_collectives [p2]" "test_collectives [inflight]" "test_errors [cancel]" "test_errors [peer]"
     start=$SECONDS
     if log=$(WEFT_TRANSPORT=uring "$out/tools/weft-run" -n 2 --timeout 900 -- "$out/tests/weft-test-worker" thread-hop 300 2>&1) &&
        ! grep -q ThreadSanitizer <<< "$log"; then
