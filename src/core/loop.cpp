@@ -309,10 +309,12 @@ struct Loop::Impl {
       seen = now_state;
       if (!(now_state & borrowed_bit)) {
         const bool in_flight_now = in_flight.load(std::memory_order_relaxed) > 0;
-        const bool posted = ready_any.load(std::memory_order_acquire);
+        // Posted work that no borrower took while nothing is in flight: a blocking caller borrows
+        // microseconds after it posts, so a start still waiting at a look was left for this thread
+        // (plain code that computes now). With work in flight the grace below decides, as before: a
+        // thread waiting on a window of Futures one after the other takes the loop back within it.
+        const bool posted = !in_flight_now && ready_any.load(std::memory_order_acquire);
         if (posted || in_flight_now) tick = linger;
-        // Posted work that no borrower took: a blocking caller borrows microseconds after it posts, so
-        // work still waiting at a look is a start left for this thread (plain code that computes now).
         if (drive_now.exchange(false) || posted || (in_flight_now && now >= grace_until) || now - seen_at >= linger) {
           if (borrow.compare_exchange_strong(now_state, now_state & ~parked_bit, std::memory_order_acq_rel)) return;
           drive_now.store(true);  // borrowed meanwhile: it is asked again after that hand-back
