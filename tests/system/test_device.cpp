@@ -32,6 +32,13 @@ namespace {
 
 Device device_of(const Group& g) { return gpu::device(g.rank() % gpu::device_count()); }
 
+/// WEFT_TEST_TRACE=1: each step named on stderr as it starts (where a case crashes or hangs on a real
+/// device, whose machine is gone by the time the log is read).
+void trace(const std::string& step) {
+  static const bool on = std::getenv("WEFT_TEST_TRACE") != nullptr;
+  if (on) fmt::print(stderr, "trace: {}\n", step);
+}
+
 using Operation = std::function<Future<void>(Group&, ConstBufferView in, BufferView out)>;
 
 /// One operation with its buffers: `in` is the input's bytes; the output starts as `out_init`; with
@@ -108,8 +115,10 @@ std::vector<std::byte> on_device(Group& g, gpu::Stream& stream, const Case& c, b
 }
 
 void check_same(Group& g, gpu::Stream& stream, const Case& c) {
+  trace(fmt::format("rank {}: {} on host buffers", g.rank(), c.what));
   const auto expected = on_host(g, c);
   for (bool ordered : {false, true}) {
+    trace(fmt::format("rank {}: {} on device buffers ({})", g.rank(), c.what, ordered ? "stream-ordered" : "waited step by step"));
     const auto got = on_device(g, stream, c, ordered);
     std::string diff;
     if (got != expected) {
@@ -513,6 +522,7 @@ TEST_CASE("a group whose ranks drive several devices all_reduces over every devi
             const std::string what = fmt::format("layout {} rank {}: {} {} x {}{}{}", fmt::join(layout, "+"), g.rank(), to_string(c.op),
                                                  to_string(c.dtype), n, in_place ? ", in place" : "",
                                                  c.epilogue.is_identity() ? "" : ", then " + c.epilogue.describe());
+            trace(what);
             // Buffers are freed between two barriers: freeing waits for the whole device, which a rank
             // of the same device must not hold with a gate of an operation that needs this rank.
             g.barrier().get();
@@ -555,6 +565,7 @@ TEST_CASE("a group whose ranks drive several devices all_reduces over every devi
           gpu::Stream(g.loop(), devices[k]).copy(data.back().view<std::int64_t>(), ConstBufferView(init.data(), n, DType::i64)).get();
           views.push_back(data.back().view<std::int64_t>());
         }
+        trace(fmt::format("layout {} rank {}: 50 calls back to back", fmt::join(layout, "+"), g.rank()));
         std::vector<Future<void>> calls;
         for (int round = 0; round < 50; ++round) calls.push_back(multi.all_reduce(views, round % 2 ? ReduceOp::sum : ReduceOp::max));
         for (auto& f : calls) f.get();
