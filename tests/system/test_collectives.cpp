@@ -507,6 +507,7 @@ TEST_CASE("a group builds each plan once per shape and never hands out another s
 }
 
 TEST_CASE("split forms sub-groups whose collectives stay apart", "[collectives][split]") {
+  const long before = checks_made.load();
   run_ranks(5, [](Group& g) {
     const int color = g.rank() % 2;
     Group sub = g.split(color, -g.rank()).get();  // key reverses the order
@@ -527,6 +528,7 @@ TEST_CASE("split forms sub-groups whose collectives stay apart", "[collectives][
     g.all_reduce(x).get();
     check(x[0] == 5.0f, "parent group after split");
   });
+  REQUIRE(checks_made.load() >= before + 5 * 5);
 }
 
 TEST_CASE("split and shrink keep the parent's algorithm selection", "[collectives][split]") {
@@ -534,6 +536,7 @@ TEST_CASE("split and shrink keep the parent's algorithm selection", "[collective
   // while shrink() kept the parent's: both now derive the child the same way (child_of).
   Options base;
   base.algorithms = "all_reduce:ring;all_gather:bruck";
+  const long before = checks_made.load();
   run_ranks(4, [](Group& g) {
     g.override_algorithms("broadcast:scatter_all_gather");
     const auto same_choices = [&](const Group& child, const char* how) {
@@ -551,6 +554,7 @@ TEST_CASE("split and shrink keep the parent's algorithm selection", "[collective
     Group shrunk = g.shrink().get();
     same_choices(shrunk, "shrink");
   }, base);
+  REQUIRE(checks_made.load() >= before + 4 * 7);
 }
 
 TEST_CASE("a message over 4 GiB arrives whole", "[collectives][large]") {
