@@ -11,7 +11,14 @@
 ///   WEFT_SIM_FAIL=<n> (the n-th operation of the process fails, and its device with it, as a sticky CUDA
 ///   error does), WEFT_SIM_P2P=0 (devices cannot access each other; a device can always access itself),
 ///   WEFT_SIM_COPY_GBPS=<rate> (a copy takes at least bytes / rate, sleeping what the memcpy left: a copy
-///   engine's pace without its core, for benchmarks of overlap).
+///   engine's pace without its core, for benchmarks of overlap), WEFT_SIM_QUEUES=<n> (each device's
+///   streams share n hardware queues that dispatch in order whatever stream an item came from, as
+///   CUDA_DEVICE_MAX_CONNECTIONS: an item waiting behind a gate holds every stream of its queue).
+///
+/// Streams are pooled per device (a stream whose work all ran is taken again), so that a program that
+/// makes a stream per copy keeps reusing the device's hardware queues instead of landing a new stream on
+/// the queue of a gated one; more than 32 streams of one device alive at once (or CUDA streams made
+/// outside weft) can still share a queue.
 ///
 /// A device is a weft::Device{Device::Kind::cuda, index} (buffer.hpp); a BufferView whose `device` says so
 /// holds device memory. Errors (every function below): weft::Error with Errc::invalid_argument for a bad

@@ -241,7 +241,44 @@ class CudaStream final : public StreamImpl {
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int devices)
-      : devices_(devices), failures_(static_cast<std::size_t>(devices)), notifier_(notifier_from_environment()) {}
+      : devices_(devices), failures_(static_cast<std::size_t>(devices)), idle_streams_(static_cast<std::size_t>(devices)),
+        notifier_(notifier_from_environment()) {}
+
+  // Streams are pooled per device. A device spreads streams over its hardware queues round robin in
+  // the order they are made, whatever else lives, and a queue dispatches in order whatever stream an
+  // item came from ("Hardware queues" below): a program that makes a stream per copy (ranks of one
+  // process copying their inputs while another rank's gate spins) soon puts a new stream on the queue
+  // of a gated one, behind the item waiting for that gate, and nothing there moves again (the sim's
+  // WEFT_SIM_QUEUES played it: the multi-device group's test hung with 32 queues, as on the H200 on
+  // 2026-12-04). Reused, a stream keeps its queue, so as long as no more than 32 streams of a device are
+  // alive at once each has a queue of its own. Only a stream whose work all ran is taken again (one
+  // still busy would order the new owner's work behind the old).
+  cudaStream_t take_stream(int device) {
+    std::lock_guard lock(mutex_);
+    auto& idle = idle_streams_.at(static_cast<std::size_t>(device));
+    for (auto it = idle.begin(); it != idle.end(); ++it) {
+      const cudaError_t e = cudaStreamQuery(*it);
+      if (e == cudaSuccess) {
+        const cudaStream_t stream = *it;
+        idle.erase(it);
+        return stream;
+      }
+      if (e != cudaErrorNotReady) cudaGetLastError();  // a failed device's: not ours to report here
+    }
+    return nullptr;
+  }
+  void give_back_stream(int device, cudaStream_t stream) {
+    {
+      std::lock_guard lock(mutex_);
+      auto& idle = idle_streams_.at(static_cast<std::size_t>(device));
+      if (failures_.at(static_cast<std::size_t>(device)).empty() && idle.size() < max_idle_streams) {
+        idle.push_back(stream);
+        return;
+      }
+    }
+    cudaStreamDestroy(stream);  // queued work still runs; the call does not wait for it
+  }
+  static constexpr std::size_t max_idle_streams = 64;  // per device
 
   Notifier notifier() const noexcept { return notifier_; }
 
@@ -421,6 +458,7 @@ class CudaBackend final : public Backend {
   std::mutex mutex_;
   std::vector<std::string> failures_;  // guarded
   std::vector<std::uint32_t*> free_words_;  // guarded: gate words not in use (pages are never freed)
+  std::vector<std::vector<cudaStream_t>> idle_streams_;  // guarded: per device, streams given back (take_stream)
   const Notifier notifier_;
   FreesAfterSpins frees_;
 };
@@ -428,7 +466,10 @@ class CudaBackend final : public Backend {
 CudaStream::CudaStream(CudaBackend& backend, Loop& loop, int device)
     : StreamImpl(loop, device), backend_(backend), notifier_(backend.notifier()) {
   cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  if (e == cudaSuccess) {
+    stream_ = backend.take_stream(device);
+    if (!stream_) e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  }
   if (e != cudaSuccess) {
     backend_.note(device, e);
     throw Error(Errc::device_failure, {.op = "Stream"}, fmt::format("{}: cudaStreamCreate: {}", device_name(device), words(e)));
@@ -444,7 +485,7 @@ CudaStream::~CudaStream() {
   work_cv_.notify_all();
   // The completion thread never holds the stream: the last reference goes on a loop or user thread.
   if (completer_.joinable()) completer_.join();
-  cudaStreamDestroy(stream_);  // queued work still runs; the call does not wait for it
+  backend_.give_back_stream(device(), stream_);
 }
 
 template <class Launch>

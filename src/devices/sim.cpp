@@ -90,6 +90,9 @@ class SimQueue;
 /// on `self` must wait for first (empty unless set).
 std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> implicit_waits(SimBackend& backend, int device, const SimQueue* self);
 void implicit_barrier(SimBackend& backend, int device);
+/// A stream went: its hardware queue may serve the next stream made (WEFT_SIM_QUEUES; as weft's CUDA
+/// streams, which are pooled: CudaBackend::take_stream).
+void stream_gone(SimBackend& backend, const std::shared_ptr<SimQueue>& queue);
 /// Held by a spinning item's function: the spin ends when the function goes (ran, or skipped by a
 /// failed stream).
 std::shared_ptr<void> spin_guard(SimBackend& backend) {
@@ -97,13 +100,67 @@ std::shared_ptr<void> spin_guard(SimBackend& backend) {
   return std::shared_ptr<void>(nullptr, [&backend](void*) { frees_of(backend).end_spin(); });
 }
 
+/// WEFT_SIM_QUEUES=N: a device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), which the sim plays
+/// only when asked. A device spreads its streams over its queues in the order they were made, and a
+/// queue dispatches its items in the order they were queued, whatever stream they came from: an item
+/// whose stream has not finished its previous one (the copy after a gate that spins) holds every item
+/// queued behind it on that queue, of any stream. Kernels and copies leave the queue once dispatched (a
+/// gate spins without holding it); waits for another stream's fence and host functions hold it until
+/// they are done, as a semaphore acquire in the queue does. This is what made eight ranks on one H100
+/// hang with 8 queues (docs/DESIGN.md, "Hardware queues").
+std::string running_on(const void* queue);  // what a SimQueue's worker runs (or ran last)
+
+class Lane {
+ public:
+  /// Queued under the queue's own lock order: `seq` is that queue's next.
+  void enter(const void* queue, std::uint64_t seq, const std::string& what) {
+    std::lock_guard lock(mutex_);
+    order_.push_back(Ticket{queue, seq, what});
+  }
+  /// The worker of `queue` waits until its item `seq` is the first of the lane. One held long names
+  /// what holds it (as a free that waits long does).
+  void wait_turn(const void* queue, std::uint64_t seq, int device) {
+    std::unique_lock lock(mutex_);
+    const auto turn = [&] { return !order_.empty() && order_.front().queue == queue && order_.front().seq == seq; };
+    if (!turn_cv_.wait_for(lock, std::chrono::seconds(10), turn)) {
+      std::string mine = "?";
+      for (const Ticket& t : order_) {
+        if (t.queue == queue && t.seq == seq) mine = t.what;
+      }
+      weft::log().warn("sim: '{}' has waited 10 s on a hardware queue of {} behind '{}' of another stream, whose stream still runs '{}' "
+                       "({} items queued there)",
+                       mine, device_name(device), order_.empty() ? std::string("?") : order_.front().what,
+                       order_.empty() ? std::string("?") : running_on(order_.front().queue), order_.size());
+      turn_cv_.wait(lock, turn);
+    }
+  }
+  /// The first item leaves: dispatched (kernels, copies) or done (waits, host functions).
+  void leave() {
+    {
+      std::lock_guard lock(mutex_);
+      order_.pop_front();
+    }
+    turn_cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable turn_cv_;
+  struct Ticket {
+    const void* queue;
+    std::uint64_t seq;
+    std::string what;
+  };
+  std::deque<Ticket> order_;  // guarded: items in the order queued
+};
+
 /// A stream's queue and worker. The worker thread holds the queue (not the stream), so that a stream
 /// can go at any time and from any thread, its queued work still runs, and no thread ever joins another
 /// (a wait item holds the queue it waits on: two streams that waited on each other and went on two
 /// workers would otherwise each join the other).
 class SimQueue : public std::enable_shared_from_this<SimQueue> {
  public:
-  SimQueue(SimBackend& backend, int device) : backend_(backend), device_(device) {}
+  SimQueue(SimBackend& backend, int device, std::shared_ptr<Lane> lane) : backend_(backend), device_(device), lane_(std::move(lane)) {}
 
   void start() {
     std::thread([self = shared_from_this()] { self->run_worker(); }).detach();
@@ -114,18 +171,20 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
     work_cv_.notify_all();
   }
 
-  std::uint64_t push(std::string what, std::function<std::string()> run) {
+  /// `holds_lane`: the item holds its hardware queue until done (Lane), not only until dispatched.
+  std::uint64_t push(std::string what, std::function<std::string()> run, bool holds_lane = false) {
     for (auto& [waited, seq] : implicit_waits(backend_, device_, this)) {
       push_raw(fmt::format("implicit wait for fence {} of another stream", seq),
-               [waited = std::move(waited), seq = seq] { return waited->block_until(seq); });
+               [waited = std::move(waited), seq = seq] { return waited->block_until(seq); }, true);
     }
-    return push_raw(std::move(what), std::move(run));
+    return push_raw(std::move(what), std::move(run), holds_lane);
   }
-  std::uint64_t push_raw(std::string what, std::function<std::string()> run) {
+  std::uint64_t push_raw(std::string what, std::function<std::string()> run, bool holds_lane) {
     std::shared_lock runtime(runtime_lock(backend_));
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = ++queued_;
-    queue_.push_back(Item{seq, std::move(what), std::move(run)});
+    if (lane_) lane_->enter(this, seq, what);
+    queue_.push_back(Item{seq, std::move(what), std::move(run), holds_lane});
     work_cv_.notify_one();
     return seq;
   }
@@ -166,18 +225,30 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
     }
   }
   int device() const noexcept { return device_; }
+  const std::shared_ptr<Lane>& lane() const noexcept { return lane_; }
+  /// Everything queued so far ran.
+  bool idle() {
+    std::lock_guard lock(mutex_);
+    return book_.done() >= queued_;
+  }
+  std::string running() {
+    std::lock_guard lock(mutex_);
+    return running_;
+  }
 
  private:
   struct Item {
     std::uint64_t seq = 0;
     std::string what;
     std::function<std::string()> run;  // "" or the failure's words
+    bool holds_lane = false;
   };
 
   void run_worker();
 
   SimBackend& backend_;
   const int device_;
+  const std::shared_ptr<Lane> lane_;  // WEFT_SIM_QUEUES: the hardware queue it shares; null without
 
   std::mutex mutex_;
   std::condition_variable work_cv_;     // the worker: work queued, or stopping
@@ -191,11 +262,14 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
 
 class SimStream final : public StreamImpl {
  public:
-  SimStream(SimBackend& backend, Loop& loop, int device)
-      : StreamImpl(loop, device), backend_(backend), queue_(std::make_shared<SimQueue>(backend, device)) {
+  SimStream(SimBackend& backend, Loop& loop, int device, std::shared_ptr<Lane> lane)
+      : StreamImpl(loop, device), backend_(backend), queue_(std::make_shared<SimQueue>(backend, device, std::move(lane))) {
     queue_->start();
   }
-  ~SimStream() override { queue_->stop(); }
+  ~SimStream() override {
+    queue_->stop();
+    stream_gone(backend_, queue_);
+  }
 
   std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int src_device, int dst_device) override {
     const std::uint64_t seq = push_copy(dst, src, bytes, kind);
@@ -259,15 +333,16 @@ class SimStream final : public StreamImpl {
   }
   std::uint64_t host(std::function<void()> fn, bool spins) override {
     std::shared_ptr<void> spin = spins ? spin_guard(backend_) : nullptr;
+    // A host function holds its hardware queue while it runs; a spinning one stands for a kernel.
     return queue_->push("host function", [fn = std::move(fn), spin = std::move(spin)] {
       fn();
       return std::string();
-    });
+    }, /*holds_lane=*/!spins);
   }
   std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
     std::shared_ptr<SimQueue> waited = static_cast<SimStream&>(*other).queue_;
     return queue_->push(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq),
-                        [waited, seq] { return waited->block_until(seq); });
+                        [waited, seq] { return waited->block_until(seq); }, /*holds_lane=*/true);
   }
   std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) override {
     return queue_->push("wait for the host's gate", [gate, spin = spin_guard(backend_)] {
@@ -294,6 +369,7 @@ class SimBackend final : public Backend {
         fail_at_(env_long("WEFT_SIM_FAIL", 0)),
         peer_access_(env_long("WEFT_SIM_P2P", 1) != 0),
         d2d_sync_(env_long("WEFT_SIM_D2D_SYNC", 0) != 0),
+        hardware_queues_(env_long("WEFT_SIM_QUEUES", 0)),
         failures_(static_cast<std::size_t>(std::max(devices_, 0))) {
     (void)copy_mbps();  // read (and a bad value refused) here, not first on a stream's worker
   }
@@ -529,7 +605,25 @@ class SimBackend final : public Backend {
   }
 
   std::shared_ptr<StreamImpl> make_stream(Loop& loop, int device) override {
-    auto stream = std::make_shared<SimStream>(*this, loop, device);
+    std::shared_ptr<Lane> lane;
+    if (hardware_queues_ > 0) {
+      std::lock_guard lock(mutex_);
+      auto& lanes = lanes_[device];
+      if (lanes.empty()) {
+        for (long k = 0; k < hardware_queues_; ++k) lanes.push_back(std::make_shared<Lane>());
+      }
+      // A stream that went, idle, lends its queue, as a pooled CUDA stream keeps its own; otherwise
+      // round robin in the order made, as CUDA spreads new streams.
+      auto& gone = gone_[device];
+      const auto idle = std::find_if(gone.begin(), gone.end(), [](const auto& q) { return q->idle(); });
+      if (idle != gone.end()) {
+        lane = (*idle)->lane();
+        gone.erase(idle);
+      } else {
+        lane = lanes[streams_made_[device]++ % lanes.size()];
+      }
+    }
+    auto stream = std::make_shared<SimStream>(*this, loop, device, std::move(lane));
     std::lock_guard lock(mutex_);
     std::erase_if(queues_, [](const auto& q) { return q.second.expired(); });
     queues_.emplace_back(device, stream->queue());
@@ -620,6 +714,7 @@ class SimBackend final : public Backend {
   const long fail_at_;
   const bool peer_access_;
   const bool d2d_sync_;    // WEFT_SIM_D2D_SYNC=1 (implicit_waits)
+  const long hardware_queues_;  // WEFT_SIM_QUEUES: 0, a stream's items wait for their stream alone (Lane)
   std::mutex barrier_mutex_;
   std::map<int, std::vector<std::pair<std::weak_ptr<SimQueue>, std::uint64_t>>> barriers_;  // guarded
 
@@ -632,6 +727,18 @@ class SimBackend final : public Backend {
   std::size_t quarantined_ = 0;                  // guarded
   std::vector<std::string> failures_;            // guarded: per device, "" while it works
   std::vector<std::pair<int, std::weak_ptr<SimQueue>>> queues_;  // guarded: the queues of live workers
+  std::map<int, std::vector<std::shared_ptr<Lane>>> lanes_;         // guarded: each device's hardware queues
+  std::map<int, std::size_t> streams_made_;                         // guarded: per device
+  std::map<int, std::vector<std::shared_ptr<SimQueue>>> gone_;      // guarded: queues of streams that went
+
+ public:
+  void stream_gone(const std::shared_ptr<SimQueue>& queue) {
+    if (!queue->lane()) return;
+    std::lock_guard lock(mutex_);
+    auto& gone = gone_[queue->device()];
+    if (gone.size() < max_pooled_streams) gone.push_back(queue);
+  }
+  static constexpr std::size_t max_pooled_streams = 64;  // per device, as CudaBackend's pool
 };
 
 void* worker_address(SimBackend& backend, const void* p) { return backend.worker_view(p); }
@@ -641,7 +748,10 @@ std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> implicit_waits(
 }
 void implicit_barrier(SimBackend& backend, int device) { backend.set_barrier(device); }
 FreesAfterSpins& frees_of(SimBackend& backend) { return backend.frees(); }
+void stream_gone(SimBackend& backend, const std::shared_ptr<SimQueue>& queue) { backend.stream_gone(queue); }
 bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes) { return backend.is_pinned(p, bytes); }
+
+std::string running_on(const void* queue) { return static_cast<SimQueue*>(const_cast<void*>(queue))->running(); }
 
 void SimQueue::run_worker() {
   for (;;) {
@@ -653,6 +763,10 @@ void SimQueue::run_worker() {
       item = std::move(queue_.front());
       queue_.pop_front();
       running_ = item.what;
+    }
+    if (lane_) {
+      lane_->wait_turn(this, item.seq, device_);
+      if (!item.holds_lane) lane_->leave();  // dispatched: the queue goes on to the next item
     }
     backend_.delay();
     bool failed = false;
@@ -669,6 +783,7 @@ void SimQueue::run_worker() {
       ready = book_.ran(item.seq, failure.empty() ? failure
                                                   : fmt::format("{} failed in {}: {}", device_name(device_), item.what, failure));
     }
+    if (lane_ && item.holds_lane) lane_->leave();
     reached_cv_.notify_all();
     for (auto& [fn, words] : ready) fn(words);
   }
