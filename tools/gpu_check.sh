@@ -92,18 +92,19 @@ unset WEFT_GPU WEFT_DEVICE_SET WEFT_TEST_TRACE
 
 # The multi-device groups (ranks driving several devices each): they hung on the H200 until copies
 # within a device became a kernel (docs/DESIGN.md, "Copies within a device").
-export WEFT_GPU=cuda
+# Each step named as it starts (WEFT_TEST_TRACE=1): where a case hangs or crashes.
+export WEFT_GPU=cuda WEFT_TEST_TRACE=1
 cases 90 test_device_multi "$build/tests/test_device" '[multi]'
-unset WEFT_GPU
+unset WEFT_GPU WEFT_TEST_TRACE
 
 if [ -x "$build/tests/test_epilogue_cuh" ]; then
   WEFT_GPU=cuda limit 60 "$build/tests/test_epilogue_cuh" > "$out/test_epilogue_cuh.txt" 2>&1
   step "test_epilogue_cuh (cuda: a user's nvcc epilogue)" $?
 fi
 # Every operation on device buffers, ranks as threads sharing the device(s), stream-ordered and not.
-export WEFT_GPU=cuda
+export WEFT_GPU=cuda WEFT_TEST_TRACE=1
 cases 60 test_device "$build/tests/test_device" '~[device-failure]~[multi]'
-unset WEFT_GPU
+unset WEFT_GPU WEFT_TEST_TRACE
 # Python device arrays on the real device (where the module was built: needs python3-numpy, pybind11).
 if [ -f "$build/python/weft/__init__.py" ]; then
   WEFT_GPU=cuda PYTHONPATH="$build/python" limit 60 /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests -k 'device or dlpack' \
