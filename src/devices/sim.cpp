@@ -108,31 +108,35 @@ std::shared_ptr<void> spin_guard(SimBackend& backend) {
 /// gate spins without holding it); waits for another stream's fence and host functions hold it until
 /// they are done, as a semaphore acquire in the queue does. This is what made eight ranks on one H100
 /// hang with 8 queues (docs/DESIGN.md, "Hardware queues").
-std::string running_on(const void* queue);  // what a SimQueue's worker runs (or ran last)
+std::string running_on(const std::shared_ptr<SimQueue>& queue);  // what its worker runs (or ran last)
 
 class Lane {
  public:
-  /// Queued under the queue's own lock order: `seq` is that queue's next.
-  void enter(const void* queue, std::uint64_t seq, const std::string& what) {
+  /// Called under the queue's own lock, so `seq` (that queue's next) enters in the queue's order.
+  void enter(const std::shared_ptr<SimQueue>& queue, std::uint64_t seq, const std::string& what) {
     std::lock_guard lock(mutex_);
-    order_.push_back(Ticket{queue, seq, what});
+    order_.push_back(Ticket{queue.get(), queue, seq, what});
   }
   /// The worker of `queue` waits until its item `seq` is the first of the lane. One held long names
   /// what holds it (as a free that waits long does).
-  void wait_turn(const void* queue, std::uint64_t seq, int device) {
+  void wait_turn(const SimQueue* queue, std::uint64_t seq, int device) {
     std::unique_lock lock(mutex_);
     const auto turn = [&] { return !order_.empty() && order_.front().queue == queue && order_.front().seq == seq; };
-    if (!turn_cv_.wait_for(lock, std::chrono::seconds(10), turn)) {
-      std::string mine = "?";
-      for (const Ticket& t : order_) {
-        if (t.queue == queue && t.seq == seq) mine = t.what;
-      }
-      weft::log().warn("sim: '{}' has waited 10 s on a hardware queue of {} behind '{}' of another stream, whose stream still runs '{}' "
-                       "({} items queued there)",
-                       mine, device_name(device), order_.empty() ? std::string("?") : order_.front().what,
-                       order_.empty() ? std::string("?") : running_on(order_.front().queue), order_.size());
-      turn_cv_.wait(lock, turn);
+    if (turn_cv_.wait_for(lock, std::chrono::seconds(10), turn)) return;
+    std::string mine = "?";
+    for (const Ticket& t : order_) {
+      if (t.queue == queue && t.seq == seq) mine = t.what;
     }
+    const std::string ahead = order_.front().what;  // not empty: this item is in it
+    const std::weak_ptr<SimQueue> ahead_queue = order_.front().owner;
+    const std::size_t queued = order_.size();
+    lock.unlock();  // a queue's lock is taken before a lane's (enter), never after
+    const std::shared_ptr<SimQueue> held = ahead_queue.lock();
+    weft::log().warn("sim: '{}' has waited 10 s on a hardware queue of {} behind '{}' of another stream, whose stream still runs '{}' "
+                     "({} items queued there)",
+                     mine, device_name(device), ahead, held ? running_on(held) : std::string("?"), queued);
+    lock.lock();
+    turn_cv_.wait(lock, turn);
   }
   /// The first item leaves: dispatched (kernels, copies) or done (waits, host functions).
   void leave() {
@@ -147,7 +151,8 @@ class Lane {
   std::mutex mutex_;
   std::condition_variable turn_cv_;
   struct Ticket {
-    const void* queue;
+    const SimQueue* queue;
+    std::weak_ptr<SimQueue> owner;
     std::uint64_t seq;
     std::string what;
   };
@@ -183,7 +188,7 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
     std::shared_lock runtime(runtime_lock(backend_));
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = ++queued_;
-    if (lane_) lane_->enter(this, seq, what);
+    if (lane_) lane_->enter(shared_from_this(), seq, what);
     queue_.push_back(Item{seq, std::move(what), std::move(run), holds_lane});
     work_cv_.notify_one();
     return seq;
@@ -751,7 +756,7 @@ FreesAfterSpins& frees_of(SimBackend& backend) { return backend.frees(); }
 void stream_gone(SimBackend& backend, const std::shared_ptr<SimQueue>& queue) { backend.stream_gone(queue); }
 bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes) { return backend.is_pinned(p, bytes); }
 
-std::string running_on(const void* queue) { return static_cast<SimQueue*>(const_cast<void*>(queue))->running(); }
+std::string running_on(const std::shared_ptr<SimQueue>& queue) { return queue->running(); }
 
 void SimQueue::run_worker() {
   for (;;) {
