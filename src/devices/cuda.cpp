@@ -28,6 +28,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -228,9 +229,10 @@ class CudaStream final : public StreamImpl {
   cudaStream_t stream_ = nullptr;
   std::thread completer_;
   std::shared_ptr<HostSignal> signal_ = std::make_shared<HostSignal>();
-  std::uint64_t signals_queued_ = 0;  // guarded by mutex_: host functions queued (hostfunc)
+  std::mutex launch_mutex_;            // held across an item's CUDA calls (enqueue): their order
+  std::uint64_t signals_queued_ = 0;  // guarded by launch_mutex_: host functions queued (hostfunc)
 
-  std::mutex mutex_;
+  std::mutex mutex_;  // never held across a CUDA call that can block (enqueue)
   std::condition_variable work_cv_;
   std::deque<Pending> pending_;  // guarded: events not yet reached, in order
   std::uint64_t queued_ = 0;     // guarded
@@ -490,13 +492,22 @@ CudaStream::~CudaStream() {
 
 template <class Launch>
 std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared_ptr<void> keep, bool spins) {
-  std::lock_guard lock(mutex_);
-  const std::uint64_t seq = ++queued_;
-  if (book_.failed()) return seq;  // reached at once, with the stream's failure
+  // The book (mutex_) is not held across the CUDA calls, only launch_mutex_, which keeps this stream's
+  // items in the order of their numbers: a launch or an event record can block in the driver until the
+  // device frees room in its queue, which may need a gate that the loop opens only after it polled
+  // this stream (poll and the completions take mutex_). Held across, that was a deadlock on the H200
+  // (2026-12-04: one rank, 3 entries on one GPU, 36 multi-device all_reduces queued back to back; the
+  // caller in cudaEventRecord under mutex_, the loop in CudaStream::poll waiting for it).
+  std::lock_guard launching(launch_mutex_);
+  {
+    std::lock_guard lock(mutex_);
+    if (book_.failed()) return ++queued_;  // reached at once, with the stream's failure
+  }
   std::string why = backend_.failure(device());
   const bool counted = spins && why.empty();
   if (counted) backend_.frees().begin_spin();
   cudaEvent_t event = nullptr;
+  std::uint64_t signal = 0;
   if (why.empty()) {
     cudaError_t e = cudaSetDevice(device());
     if (e == cudaSuccess) e = launch();
@@ -506,6 +517,7 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared
       auto* held = new std::shared_ptr<HostSignal>(signal_);
       e = cudaLaunchHostFunc(stream_, &HostSignal::on_reached, held);
       if (e != cudaSuccess) delete held;
+      if (e == cudaSuccess) signal = ++signals_queued_;
     }
     if (e != cudaSuccess) {
       backend_.note(device(), e);
@@ -513,13 +525,14 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared
       why = words(e);
     }
   }
+  std::lock_guard lock(mutex_);
+  const std::uint64_t seq = ++queued_;
   if (!why.empty()) {
     if (counted) backend_.frees().end_spin();  // no event will say it ended (and a failed device runs nothing more)
     book_.fail(seq, fmt::format("{} failed in {}: {}", device_name(device()), what, why));
     return seq;
   }
-  pending_.push_back(Pending{seq, SharedEvent(event, cudaEventDestroy), std::move(keep),
-                             notifier_ == Notifier::hostfunc ? ++signals_queued_ : 0, counted});
+  pending_.push_back(Pending{seq, SharedEvent(event, cudaEventDestroy), std::move(keep), signal, counted});
   work_cv_.notify_one();
   return seq;
 }
@@ -645,11 +658,32 @@ void ask_for_hardware_queues() {
   }
 }
 
+// How the runtime loads kernels. Since CUDA 12 it loads each kernel on its first launch (lazy loading),
+// and a load may wait for every kernel running on the context, as NVIDIA's lazy-loading notes warn: a
+// kernel that spins until another is launched then never ends, since that launch waits for it. weft's
+// peer kernels and gates spin by design, and its epilogue, copy and reduction kernels are many template
+// instances, each loaded when first used: on the H200 (2026-12-04) a multi-device group's first
+// all_reduce with a cast epilogue hung in `cudaLaunchKernel` of the epilogue, behind its own device
+// set's spinning kernels (every thread's stack: bench/RESULTS.md). So weft asks for every kernel at the
+// context's start (EAGER) where the user did not choose, and warns where LAZY was chosen.
+void ask_for_eager_loading() {
+  const char* set = std::getenv("CUDA_MODULE_LOADING");
+  if (!set) {
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    return;
+  }
+  if (std::string_view(set) == "LAZY") {
+    log().warn("CUDA_MODULE_LOADING=LAZY: a kernel of weft's loaded while another spins (a gate, a device set's peer kernels) can "
+               "wait for it forever; weft asks for EAGER where the variable is not set");
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(std::string& why_not) {
-  // Too late where CUDA was started before weft (by a framework): its setting holds then.
+  // Too late where CUDA was started before weft (by a framework): its settings hold then.
   ask_for_hardware_queues();
+  ask_for_eager_loading();
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {

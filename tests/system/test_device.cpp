@@ -565,17 +565,21 @@ TEST_CASE("a group whose ranks drive several devices all_reduces over every devi
           gpu::Stream(g.loop(), devices[k]).copy(data.back().view<std::int64_t>(), ConstBufferView(init.data(), n, DType::i64)).get();
           views.push_back(data.back().view<std::int64_t>());
         }
-        trace(fmt::format("layout {} rank {}: 50 calls back to back", fmt::join(layout, "+"), g.rank()));
+        // WEFT_TEST_BACK_TO_BACK: fewer calls (a diagnosis on a GPU: the H200 hung in this part with 50
+        // calls of 2 ranks on one device, bench/RESULTS.md, 2026-12-04).
+        const char* asked = std::getenv("WEFT_TEST_BACK_TO_BACK");
+        const int calls_made = asked ? std::max(2, std::atoi(asked)) / 2 * 2 : 50;  // even: max then sum
+        trace(fmt::format("layout {} rank {}: {} calls back to back", fmt::join(layout, "+"), g.rank(), calls_made));
         std::vector<Future<void>> calls;
-        for (int round = 0; round < 50; ++round) calls.push_back(multi.all_reduce(views, round % 2 ? ReduceOp::sum : ReduceOp::max));
+        for (int round = 0; round < calls_made; ++round) calls.push_back(multi.all_reduce(views, round % 2 ? ReduceOp::sum : ReduceOp::max));
         for (auto& f : calls) f.get();
         std::uint64_t want = static_cast<std::uint64_t>(total - 1);
-        for (int round = 1; round < 50; round += 2) want *= static_cast<std::uint64_t>(total);
+        for (int round = 1; round < calls_made; round += 2) want *= static_cast<std::uint64_t>(total);
         for (std::size_t k = 0; k < devices.size(); ++k) {
           std::vector<std::int64_t> got(n);
           gpu::Stream(g.loop(), devices[k]).copy(BufferView(got.data(), n, DType::i64), views[k]).get();
           const auto wrong = std::count_if(got.begin(), got.end(), [&](std::int64_t v) { return static_cast<std::uint64_t>(v) != want; });
-          check(wrong == 0, fmt::format("50 calls back to back, entry {}: {} of {} elements are not {} (got {})", k, wrong, n,
+          check(wrong == 0, fmt::format("{} calls back to back, entry {}: {} of {} elements are not {} (got {})", calls_made, k, wrong, n,
                                         static_cast<std::int64_t>(want), got[0]));
         }
         g.barrier().get();
