@@ -25,6 +25,10 @@
 
 namespace weft::gpu::detail {
 
+/// How many streams that went a backend keeps per device for the next ones made (a stream taken again
+/// keeps its hardware queue: docs/DESIGN.md, "Hardware queues").
+inline constexpr std::size_t max_pooled_streams = 64;
+
 enum class CopyKind : std::uint8_t { host_to_host, host_to_device, device_to_host, device_to_device };
 std::string_view to_string(CopyKind kind) noexcept;
 

@@ -273,14 +273,13 @@ class CudaBackend final : public Backend {
     {
       std::lock_guard lock(mutex_);
       auto& idle = idle_streams_.at(static_cast<std::size_t>(device));
-      if (failures_.at(static_cast<std::size_t>(device)).empty() && idle.size() < max_idle_streams) {
+      if (failures_.at(static_cast<std::size_t>(device)).empty() && idle.size() < max_pooled_streams) {
         idle.push_back(stream);
         return;
       }
     }
     cudaStreamDestroy(stream);  // queued work still runs; the call does not wait for it
   }
-  static constexpr std::size_t max_idle_streams = 64;  // per device
 
   Notifier notifier() const noexcept { return notifier_; }
 

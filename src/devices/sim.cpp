@@ -743,7 +743,6 @@ class SimBackend final : public Backend {
     auto& gone = gone_[queue->device()];
     if (gone.size() < max_pooled_streams) gone.push_back(queue);
   }
-  static constexpr std::size_t max_pooled_streams = 64;  // per device, as CudaBackend's pool
 };
 
 void* worker_address(SimBackend& backend, const void* p) { return backend.worker_view(p); }
