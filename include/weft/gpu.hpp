@@ -274,6 +274,13 @@ class Gate {
 ///
 /// Lifetime: the views given to copy/reduce must stay valid until the returned Future completes (or a
 /// later fence of the stream is reached). Dropping the Stream lets queued work finish.
+///
+/// Blocking: a call that queues waits while the stream has WEFT_GPU_STREAM_DEPTH items (64 by default;
+/// 0: no bound) queued and not run (the loop's own thread goes on meanwhile), as a CUDA launch waits for
+/// room in a full device queue, but outside the driver: a full queue there blocks every CUDA
+/// call of the process, among them the other rank's that would drain it. Never on a thread that runs a
+/// loop (a task, a handler): there the call queues at once. So a thread must not queue more than that
+/// behind a Gate that it opens itself only afterwards (a warning after 10 s says so).
 class Stream {
  public:
   /// Errors: invalid_argument (not a device, index out of range).

@@ -29,6 +29,10 @@ namespace weft::gpu::detail {
 /// keeps its hardware queue: docs/DESIGN.md, "Hardware queues").
 inline constexpr std::size_t max_pooled_streams = 64;
 
+/// How many items a stream may have queued and not run before the next queueing waits
+/// (StreamImpl::make_room): WEFT_GPU_STREAM_DEPTH, 64 where unset, 0 for no bound. Read once.
+std::uint64_t stream_depth();
+
 enum class CopyKind : std::uint8_t { host_to_host, host_to_device, device_to_host, device_to_device };
 std::string_view to_string(CopyKind kind) noexcept;
 
@@ -169,6 +173,16 @@ class StreamImpl {
   virtual void notify(std::uint64_t seq, Notify fn) = 0;
 
   virtual void* native() noexcept { return nullptr; }
+
+  /// Each backend calls it first when it queues an item, before any lock of its own: waits while the
+  /// stream has `stream_depth()` items queued and not run, so that weft never fills a device's queue
+  /// (docs/DESIGN.md, "A stream's depth"). A CUDA launch into a full queue blocks inside the driver
+  /// holding a lock of the whole process, and another thread's call that would let the queue drain
+  /// (a second rank of the process joining the collective its kernels wait for) then waits for that
+  /// lock: the H200's deadlock of 2026-12-04. Here the caller waits outside every CUDA call and lock, on
+  /// a condition variable (the loop's own thread does the loop's work meanwhile). Never waits on a thread that runs a loop (what drains the stream may
+  /// be that loop's work), nor when the stream failed.
+  void make_room();
 
   /// The pinned memory that copies from and to pageable host memory are staged through (device.cpp),
   /// made on the first such copy.

@@ -255,19 +255,29 @@ class CudaBackend final : public Backend {
   // 2026-12-04). Reused, a stream keeps its queue, so as long as no more than 32 streams of a device are
   // alive at once each has a queue of its own. Only a stream whose work all ran is taken again (one
   // still busy would order the new owner's work behind the old).
+  // The idle streams are taken out of the pool while they are asked (cudaStreamQuery), so that no
+  // CUDA call runs under the backend's lock (its other users: gate words, failures, frees' callers).
   cudaStream_t take_stream(int device) {
-    std::lock_guard lock(mutex_);
-    auto& idle = idle_streams_.at(static_cast<std::size_t>(device));
-    for (auto it = idle.begin(); it != idle.end(); ++it) {
-      const cudaError_t e = cudaStreamQuery(*it);
+    std::vector<cudaStream_t> asked;
+    {
+      std::lock_guard lock(mutex_);
+      asked.swap(idle_streams_.at(static_cast<std::size_t>(device)));
+    }
+    cudaStream_t taken = nullptr;
+    std::vector<cudaStream_t> still_busy;
+    for (const cudaStream_t stream : asked) {
+      const cudaError_t e = taken ? cudaErrorNotReady : cudaStreamQuery(stream);
       if (e == cudaSuccess) {
-        const cudaStream_t stream = *it;
-        idle.erase(it);
-        return stream;
+        taken = stream;
+        continue;
       }
       if (e != cudaErrorNotReady) cudaGetLastError();  // a failed device's: not ours to report here
+      still_busy.push_back(stream);
     }
-    return nullptr;
+    std::lock_guard lock(mutex_);
+    auto& idle = idle_streams_.at(static_cast<std::size_t>(device));
+    idle.insert(idle.begin(), still_busy.begin(), still_busy.end());  // the oldest first, as before
+    return taken;
   }
   void give_back_stream(int device, cudaStream_t stream) {
     {
@@ -497,6 +507,7 @@ std::uint64_t CudaStream::enqueue(std::string what, Launch&& launch, std::shared
   // this stream (poll and the completions take mutex_). Held across, that was a deadlock on the H200
   // (2026-12-04: one rank, 3 entries on one GPU, 36 multi-device all_reduces queued back to back; the
   // caller in cudaEventRecord under mutex_, the loop in CudaStream::poll waiting for it).
+  make_room();  // never lets the device's queue fill: a full one blocks the caller inside the driver's lock
   std::lock_guard launching(launch_mutex_);
   {
     std::lock_guard lock(mutex_);

@@ -2,6 +2,8 @@
 // the backend's choice, and completions turned into Futures that resume on the stream's loop.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <thread>
 #include <cstdlib>
@@ -62,6 +64,57 @@ Backend& backend() {
 }
 
 std::string device_name(int device) { return fmt::format("device {} ({})", device, backend().name()); }
+
+std::uint64_t stream_depth() {
+  static const std::uint64_t depth = [] {
+    const char* v = std::getenv("WEFT_GPU_STREAM_DEPTH");
+    if (!v || !*v) return std::uint64_t{64};
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(v, &end, 10);
+    if (*end != '\0' || v[0] == '-') {
+      throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("WEFT_GPU_STREAM_DEPTH={} is not a count of items (0: no bound)", v));
+    }
+    return static_cast<std::uint64_t>(n);
+  }();
+  return depth;
+}
+
+void StreamImpl::make_room() {
+  const std::uint64_t depth = stream_depth();
+  if (depth == 0) return;
+  const std::uint64_t queued = last();
+  if (queued < depth) return;
+  // With the next item, `depth` items at most not run: the one `depth` back from it must have run.
+  const std::uint64_t must_have_run = queued + 1 - depth;
+  std::string failure;
+  if (poll(must_have_run, failure)) return;
+  if (Loop::current() != nullptr) return;  // a loop's thread: what would drain the stream may be its work
+
+  // A condition variable, not a borrow of the loop (Future::wait's way): a queueing call may come with
+  // locks of its caller held (a pageable copy holds its stream's slot), and handlers run by a borrower
+  // may queue on the same stream. The loop's own thread does the loop's work meanwhile.
+  struct Room {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool made = false;  // guarded
+  };
+  auto room = std::make_shared<Room>();
+  notify(must_have_run, [room](const std::string&) {
+    {
+      std::lock_guard lock(room->mutex);
+      room->made = true;
+    }
+    room->cv.notify_all();
+  });
+  std::unique_lock lock(room->mutex);
+  // Long waits are legitimate (a big collective ahead in the stream); one that lasts names itself, as
+  // the sim's full queue and its frees do, since a gate that this thread opens only later never opens.
+  if (room->cv.wait_for(lock, std::chrono::seconds(10), [&] { return room->made; })) return;
+  log().warn("gpu: queueing on a stream of {} has waited 10 s for its item {} to run ({} items queued and not run, "
+             "WEFT_GPU_STREAM_DEPTH); a gate that this thread opens only later would never let it go",
+             device_name(device()), must_have_run, depth);
+  room->cv.wait(lock, [&] { return room->made; });
+}
 
 std::uint64_t StreamImpl::peer_all_reduce(const PeerLaunch&) {
   throw Error(Errc::invalid_argument, {.op = "peer all_reduce"}, fmt::format("the {} backend runs no peer kernels", backend().name()));

@@ -82,6 +82,13 @@ bool host_pinned(SimBackend& backend, const void* p, std::size_t bytes);
 /// The runtime's lock as the sim plays it: every queueing holds it shared, a free holds it alone while it
 /// waits for the device (as cudaFree holds the CUDA runtime: other threads' calls wait behind it).
 std::shared_mutex& runtime_lock(SimBackend& backend);
+/// WEFT_SIM_QUEUE_DEPTH=D (with WEFT_SIM_QUEUES): a hardware queue holds D items at most, and a
+/// queueing into a full one waits for room holding `driver_lock`, which every queueing takes: as a CUDA
+/// launch or event record into a full queue blocks inside the driver under a lock of the whole process,
+/// so that every other thread's CUDA call waits too (the H200, 2026-12-04: docs/DESIGN.md, "A stream's
+/// depth"). 0: queues without bound, and no such lock.
+long queue_depth(SimBackend& backend);
+std::mutex& driver_lock(SimBackend& backend);
 FreesAfterSpins& frees_of(SimBackend& backend);
 class SimQueue;
 /// WEFT_SIM_D2D_SYNC=1, an experiment (bench/RESULTS.md, 2026-11-28): a copy between two addresses of
@@ -138,6 +145,20 @@ class Lane {
     lock.lock();
     turn_cv_.wait(lock, turn);
   }
+  /// WEFT_SIM_QUEUE_DEPTH: waits while the queue holds `depth` items (a full queue). The caller holds the
+  /// driver's lock meanwhile, so one held long says what every other thread's queueing waits for.
+  void wait_for_room(std::size_t depth, int device, const std::string& what) {
+    std::unique_lock lock(mutex_);
+    const auto room = [&] { return order_.size() < depth; };
+    if (turn_cv_.wait_for(lock, std::chrono::seconds(10), room)) return;
+    const std::string first = order_.front().what;
+    lock.unlock();
+    weft::log().warn("sim: queueing '{}' has waited 10 s for room in a full hardware queue of {} ({} items, the first '{}'), "
+                     "holding the driver's lock as CUDA does: every other queueing of the process waits too",
+                     what, device_name(device), depth, first);
+    lock.lock();
+    turn_cv_.wait(lock, room);
+  }
   /// The first item leaves: dispatched (kernels, copies) or done (waits, host functions).
   void leave() {
     {
@@ -186,6 +207,11 @@ class SimQueue : public std::enable_shared_from_this<SimQueue> {
   }
   std::uint64_t push_raw(std::string what, std::function<std::string()> run, bool holds_lane) {
     std::shared_lock runtime(runtime_lock(backend_));
+    std::unique_lock<std::mutex> driver;
+    if (const long depth = queue_depth(backend_); depth > 0 && lane_) {
+      driver = std::unique_lock(driver_lock(backend_));
+      lane_->wait_for_room(static_cast<std::size_t>(depth), device_, what);
+    }
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = ++queued_;
     if (lane_) lane_->enter(shared_from_this(), seq, what);
@@ -277,6 +303,7 @@ class SimStream final : public StreamImpl {
   }
 
   std::uint64_t copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, int src_device, int dst_device) override {
+    make_room();
     const std::uint64_t seq = push_copy(dst, src, bytes, kind);
     if (kind == CopyKind::device_to_device && src_device == dst_device) implicit_barrier(backend_, device());
     // As cudaMemcpyAsync: a copy from the device into pageable memory returns only once it ran.
@@ -299,6 +326,7 @@ class SimStream final : public StreamImpl {
     });
   }
   std::uint64_t reduce(void* inout, const void* src, std::size_t count, DType dtype, ReduceOp op) override {
+    make_room();
     const kernels::ReduceFn fn = kernels::find_reduce(dtype, op);
     return queue_->push(fmt::format("reduce {} {} of {} elements", to_string(op), to_string(dtype), count), [=, this] {
       if (count > 0) {
@@ -309,12 +337,14 @@ class SimStream final : public StreamImpl {
     });
   }
   std::uint64_t divide(void* data, std::size_t count, DType dtype, int divisor) override {
+    make_room();
     return queue_->push(fmt::format("divide {} elements of {} by {}", count, to_string(dtype), divisor), [=, this] {
       if (count > 0) kernels::divide_in_place(worker_address(backend_, data), count, dtype, divisor);
       return std::string();
     });
   }
   std::uint64_t epilogue(const void* in, DType in_type, void* out, std::size_t count, const Epilogue& epilogue) override {
+    make_room();
     return queue_->push(fmt::format("epilogue {} on {} elements of {}", epilogue.describe(), count, to_string(in_type)),
                         [=, this] {
                           if (count == 0) return std::string();
@@ -337,6 +367,7 @@ class SimStream final : public StreamImpl {
                         });
   }
   std::uint64_t host(std::function<void()> fn, bool spins) override {
+    make_room();
     std::shared_ptr<void> spin = spins ? spin_guard(backend_) : nullptr;
     // A host function holds its hardware queue while it runs; a spinning one stands for a kernel.
     return queue_->push("host function", [fn = std::move(fn), spin = std::move(spin)] {
@@ -345,11 +376,13 @@ class SimStream final : public StreamImpl {
     }, /*holds_lane=*/!spins);
   }
   std::uint64_t wait(const std::shared_ptr<StreamImpl>& other, std::uint64_t seq) override {
+    make_room();
     std::shared_ptr<SimQueue> waited = static_cast<SimStream&>(*other).queue_;
     return queue_->push(fmt::format("wait for {}'s fence {}", device_name(other->device()), seq),
                         [waited, seq] { return waited->block_until(seq); }, /*holds_lane=*/true);
   }
   std::uint64_t wait_gate(const std::shared_ptr<GateState>& gate) override {
+    make_room();
     return queue_->push("wait for the host's gate", [gate, spin = spin_guard(backend_)] {
       gate->block_until_open();
       return std::string();
@@ -375,6 +408,7 @@ class SimBackend final : public Backend {
         peer_access_(env_long("WEFT_SIM_P2P", 1) != 0),
         d2d_sync_(env_long("WEFT_SIM_D2D_SYNC", 0) != 0),
         hardware_queues_(env_long("WEFT_SIM_QUEUES", 0)),
+        queue_depth_(env_long("WEFT_SIM_QUEUE_DEPTH", 0)),
         failures_(static_cast<std::size_t>(std::max(devices_, 0))) {
     (void)copy_mbps();  // read (and a bad value refused) here, not first on a stream's worker
   }
@@ -660,6 +694,8 @@ class SimBackend final : public Backend {
   }
 
   std::shared_mutex& runtime() noexcept { return runtime_; }
+  long queue_depth() const noexcept { return queue_depth_; }
+  std::mutex& driver() noexcept { return driver_; }
   FreesAfterSpins& frees() noexcept { return frees_; }
   // WEFT_SIM_D2D_SYNC's implicit synchronization: a copy within a device first marks every queue of that
   // device (set_barrier), and a queue's next item waits for the others to pass their marks (waits_of).
@@ -684,6 +720,7 @@ class SimBackend final : public Backend {
 
  private:
   std::shared_mutex runtime_;  // as the CUDA runtime's lock that frees hold (runtime_lock)
+  std::mutex driver_;          // WEFT_SIM_QUEUE_DEPTH: the driver's lock that a queueing holds (driver_lock)
   FreesAfterSpins frees_;
   struct Block {
     std::size_t bytes;
@@ -720,6 +757,7 @@ class SimBackend final : public Backend {
   const bool peer_access_;
   const bool d2d_sync_;    // WEFT_SIM_D2D_SYNC=1 (implicit_waits)
   const long hardware_queues_;  // WEFT_SIM_QUEUES: 0, a stream's items wait for their stream alone (Lane)
+  const long queue_depth_;      // WEFT_SIM_QUEUE_DEPTH: 0, no bound (queue_depth)
   std::mutex barrier_mutex_;
   std::map<int, std::vector<std::pair<std::weak_ptr<SimQueue>, std::uint64_t>>> barriers_;  // guarded
 
@@ -747,6 +785,8 @@ class SimBackend final : public Backend {
 
 void* worker_address(SimBackend& backend, const void* p) { return backend.worker_view(p); }
 std::shared_mutex& runtime_lock(SimBackend& backend) { return backend.runtime(); }
+long queue_depth(SimBackend& backend) { return backend.queue_depth(); }
+std::mutex& driver_lock(SimBackend& backend) { return backend.driver(); }
 std::vector<std::pair<std::shared_ptr<SimQueue>, std::uint64_t>> implicit_waits(SimBackend& backend, int device, const SimQueue* self) {
   return backend.waits_of(device, self);
 }

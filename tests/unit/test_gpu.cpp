@@ -28,6 +28,7 @@
 #include <weft/gpu.hpp>
 #include <weft/weft.hpp>
 
+#include "devices/backend.hpp"
 #include "devices/host_copy.hpp"
 #include "devices/peer_window.hpp"
 #include "kernels/cpu/reduce.hpp"
@@ -164,6 +165,58 @@ TEST_CASE("streams: work after a gate waits until the host opens it; a dropped g
     s.wait(dropped);
   }
   s.synchronize().get();
+}
+
+TEST_CASE("streams: a thread that queues past a stream's depth waits for room; a loop's own thread does not", "[gpu][depth]") {
+  // A full device queue blocks a CUDA launch inside the driver's lock, and another rank's call that would
+  // drain the queue then waits for that lock (the H200, 2026-12-04): weft bounds what a stream has queued
+  // and not run, the caller waiting outside CUDA (StreamImpl::make_room).
+  need_backend();
+  const std::uint64_t depth = gpu::detail::stream_depth();
+  if (depth == 0) {
+    WARN("WEFT_GPU_STREAM_DEPTH=0: no bound to test");
+    return;
+  }
+  Loop loop;
+  gpu::Stream s(loop, gpu::device(0));
+  gpu::Gate gate;
+  s.wait(gate);  // item 1: everything after it waits
+  const int wanted = static_cast<int>(depth) + 36;
+  std::atomic<int> queued{0};
+  std::atomic<int> ran{0};
+  std::thread caller([&] {
+    for (int i = 0; i < wanted; ++i) {
+      (void)s.enqueue_host([&] { ++ran; });
+      ++queued;
+    }
+  });
+  // The gate and depth - 1 host functions fill the stream; the next call waits, however long.
+  const auto until = std::chrono::steady_clock::now() + 30s;
+  while (queued.load() < static_cast<int>(depth) - 1 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(200ms);
+  CHECK(queued.load() == static_cast<int>(depth) - 1);
+  CHECK(ran.load() == 0);
+  gate.open();
+  caller.join();
+  s.synchronize().get();
+  CHECK(ran.load() == wanted);
+
+  // A task on the loop's thread is never held: what would drain the stream may be that loop's work.
+  gpu::Gate closed;
+  s.wait(closed);
+  std::promise<int> posted;
+  loop.post([&] {
+    int n = 0;
+    for (; n < 2 * static_cast<int>(depth); ++n) (void)s.enqueue_host([&] { ++ran; });
+    posted.set_value(n);
+  });
+  auto done = posted.get_future();
+  REQUIRE(done.wait_for(30s) == std::future_status::ready);
+  CHECK(done.get() == 2 * static_cast<int>(depth));
+  CHECK(ran.load() == wanted);  // still behind the gate
+  closed.open();
+  s.synchronize().get();
+  CHECK(ran.load() == wanted + 2 * static_cast<int>(depth));
 }
 
 TEST_CASE("streams: a fence wait waits for the fence, not for work queued after it", "[gpu]") {
