@@ -95,6 +95,9 @@ unset WEFT_GPU WEFT_DEVICE_SET WEFT_TEST_TRACE
 # Each step named as it starts (WEFT_TEST_TRACE=1): where a case hangs or crashes.
 export WEFT_GPU=cuda WEFT_TEST_TRACE=1
 cases 90 test_device_multi "$build/tests/test_device" '[multi]'
+# 200 calls back to back, four times what the case does: the stream's depth (WEFT_GPU_STREAM_DEPTH) keeps
+# two ranks on one GPU out of the driver's lock (the H200 hung at 36-50 before it, 2026-12-04).
+WEFT_TEST_BACK_TO_BACK=200 cases 180 test_device_multi_200 "$build/tests/test_device" 'a group whose ranks drive several devices*'
 unset WEFT_GPU WEFT_TEST_TRACE
 
 if [ -x "$build/tests/test_epilogue_cuh" ]; then
