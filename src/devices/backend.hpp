@@ -30,8 +30,10 @@ namespace weft::gpu::detail {
 inline constexpr std::size_t max_pooled_streams = 64;
 
 /// How many items a stream may have queued and not run before the next queueing waits
-/// (StreamImpl::make_room): WEFT_GPU_STREAM_DEPTH, 64 where unset, 0 for no bound. Read once.
+/// (StreamImpl::make_room): WEFT_GPU_STREAM_DEPTH, 64 where unset, 0 for no bound, at least
+/// `min_stream_depth` otherwise (a smaller value is refused). Read once.
 std::uint64_t stream_depth();
+inline constexpr std::uint64_t min_stream_depth = 16;
 
 enum class CopyKind : std::uint8_t { host_to_host, host_to_device, device_to_host, device_to_device };
 std::string_view to_string(CopyKind kind) noexcept;

@@ -42,6 +42,7 @@ std::string_view to_string(CopyKind kind) noexcept {
 namespace {
 
 Backend* choose_backend() {
+  (void)stream_depth();  // a bad WEFT_GPU_STREAM_DEPTH is refused at the first device call, not at a later queueing
   const char* v = std::getenv("WEFT_GPU");
   const std::string mode = v && *v ? v : "auto";
   if (mode != "auto" && mode != "cuda" && mode != "sim") {
@@ -73,6 +74,14 @@ std::uint64_t stream_depth() {
     const unsigned long long n = std::strtoull(v, &end, 10);
     if (*end != '\0' || v[0] == '-') {
       throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("WEFT_GPU_STREAM_DEPTH={} is not a count of items (0: no bound)", v));
+    }
+    // One call of weft's queues several items on one stream behind a gate of its own (a multi-device
+    // group's with 8 entries about a dozen), which opens only once the call returned: a depth below
+    // that would wait for itself (depth 1 hung the device suite on the sim).
+    if (n > 0 && n < min_stream_depth) {
+      throw Error(Errc::invalid_argument, {.op = "gpu"},
+                  fmt::format("WEFT_GPU_STREAM_DEPTH={} is below {}: one weft call queues up to about a dozen items on a stream "
+                              "behind its own gate, and would wait for itself (0: no bound)", v, min_stream_depth));
     }
     return static_cast<std::uint64_t>(n);
   }();

@@ -219,6 +219,47 @@ TEST_CASE("streams: a thread that queues past a stream's depth waits for room; a
   CHECK(ran.load() == wanted + 2 * static_cast<int>(depth));
 }
 
+TEST_CASE("depth: the child that reads a bad WEFT_GPU_STREAM_DEPTH", "[.depth-child]") {
+  const char* words = std::getenv("WEFT_TEST_DEPTH_WORDS");
+  REQUIRE(words != nullptr);
+  try {
+    (void)gpu::device_count();
+    FAIL("WEFT_GPU_STREAM_DEPTH=" << std::getenv("WEFT_GPU_STREAM_DEPTH") << " was taken");
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.errc() == Errc::invalid_argument);
+    CHECK(std::string(e.what()).find(words) != std::string::npos);
+  }
+}
+
+TEST_CASE("depth: a WEFT_GPU_STREAM_DEPTH that is no count, or below 16, is refused at the first device call", "[gpu][depth]") {
+  // Read once per process: each value in a child (this program again, its hidden case).
+  for (const auto& [value, words] : std::vector<std::pair<std::string, std::string>>{
+           {"3", "WEFT_GPU_STREAM_DEPTH=3 is below 16"}, {"1", "is below 16"}, {"lots", "is not a count of items"}, {"-64", "is not a count"}}) {
+    std::vector<std::string> owned{"WEFT_GPU_STREAM_DEPTH=" + value, "WEFT_TEST_DEPTH_WORDS=" + words};
+    std::vector<char*> envp;
+    for (char** e = environ; *e; ++e) {
+      if (std::string_view(*e).starts_with("WEFT_GPU_STREAM_DEPTH=")) continue;
+      envp.push_back(*e);
+    }
+    for (auto& o : owned) envp.push_back(o.data());
+    envp.push_back(nullptr);
+    char name[] = "test_gpu";
+    char tag[] = "[.depth-child]";
+    char* argv[] = {name, tag, nullptr};
+    const pid_t child = fork();
+    if (child == 0) {
+      ::execve("/proc/self/exe", argv, envp.data());
+      _exit(127);
+    }
+    int status = 0;
+    REQUIRE(waitpid(child, &status, 0) == child);
+    INFO("WEFT_GPU_STREAM_DEPTH=" << value);
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }
+}
+
 TEST_CASE("streams: a fence wait waits for the fence, not for work queued after it", "[gpu]") {
   // The caller's stream of a stream-ordered collective: its earlier work (the fence), then a gate that
   // opens once the collective is done. The collective's copy in waits for the fence; if it also waited
