@@ -182,8 +182,9 @@ class StreamImpl {
   /// holding a lock of the whole process, and another thread's call that would let the queue drain
   /// (a second rank of the process joining the collective its kernels wait for) then waits for that
   /// lock: the H200's deadlock of 2026-12-04. Here the caller waits outside every CUDA call and lock, on
-  /// a condition variable (the loop's own thread does the loop's work meanwhile). Never waits on a thread that runs a loop (what drains the stream may
-  /// be that loop's work), nor when the stream failed.
+  /// a condition variable (the loop's own thread does the loop's work meanwhile). Never waits on a
+  /// thread that runs a loop (what drains the stream may be that loop's work), nor when the stream
+  /// failed.
   void make_room();
 
   /// The pinned memory that copies from and to pageable host memory are staged through (device.cpp),
