@@ -51,6 +51,33 @@ std::vector<std::byte> random_bytes(std::size_t n, unsigned seed) {
 ConstBufferView bytes_of(const std::vector<std::byte>& v) { return ConstBufferView(v.data(), v.size(), DType::u8); }
 BufferView bytes_of(std::vector<std::byte>& v) { return BufferView(v.data(), v.size(), DType::u8); }
 
+/// Runs this program again with only the hidden case `tag`, its environment ours with `set` ("NAME=value")
+/// in place of those names; returns its exit status (-1: it did not exit).
+int run_child(const char* tag, std::vector<std::string> set) {
+  // Everything the child needs is made before fork: between fork and exec only exec may run.
+  std::vector<char*> envp;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    const bool replaced = std::any_of(set.begin(), set.end(), [&](const std::string& s) {
+      return entry.substr(0, entry.find('=') + 1) == std::string_view(s).substr(0, s.find('=') + 1);
+    });
+    if (!replaced) envp.push_back(*e);
+  }
+  for (auto& s : set) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string name = "test_gpu";
+  std::string filter = tag;
+  char* argv[] = {name.data(), filter.data(), nullptr};
+  const pid_t child = fork();
+  if (child == 0) {
+    ::execve("/proc/self/exe", argv, envp.data());
+    _exit(127);
+  }
+  int status = 0;
+  if (waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
 template <class Fn>
 void expect_error(Errc code, const std::string& words, Fn&& fn) {
   try {
@@ -236,27 +263,8 @@ TEST_CASE("depth: a WEFT_GPU_STREAM_DEPTH that is no count, or below 16, is refu
   // Read once per process: each value in a child (this program again, its hidden case).
   for (const auto& [value, words] : std::vector<std::pair<std::string, std::string>>{
            {"3", "WEFT_GPU_STREAM_DEPTH=3 is below 16"}, {"1", "is below 16"}, {"lots", "is not a count of items"}, {"-64", "is not a count"}}) {
-    std::vector<std::string> owned{"WEFT_GPU_STREAM_DEPTH=" + value, "WEFT_TEST_DEPTH_WORDS=" + words};
-    std::vector<char*> envp;
-    for (char** e = environ; *e; ++e) {
-      if (std::string_view(*e).starts_with("WEFT_GPU_STREAM_DEPTH=")) continue;
-      envp.push_back(*e);
-    }
-    for (auto& o : owned) envp.push_back(o.data());
-    envp.push_back(nullptr);
-    char name[] = "test_gpu";
-    char tag[] = "[.depth-child]";
-    char* argv[] = {name, tag, nullptr};
-    const pid_t child = fork();
-    if (child == 0) {
-      ::execve("/proc/self/exe", argv, envp.data());
-      _exit(127);
-    }
-    int status = 0;
-    REQUIRE(waitpid(child, &status, 0) == child);
     INFO("WEFT_GPU_STREAM_DEPTH=" << value);
-    REQUIRE(WIFEXITED(status));
-    CHECK(WEXITSTATUS(status) == 0);
+    CHECK(run_child("[.depth-child]", {"WEFT_GPU_STREAM_DEPTH=" + value, "WEFT_TEST_DEPTH_WORDS=" + words}) == 0);
   }
 }
 
@@ -1208,24 +1216,7 @@ TEST_CASE("ipc: another process opens device memory, reads it and writes it", "[
   const gpu::IpcHandle handle = gpu::export_memory(buffer);
   CHECK(handle.bytes == buffer.bytes());
   // The importer: this program again, running the hidden child test with the handle in its environment.
-  // (Everything the child needs is made before fork: between fork and exec only exec may run.)
-  std::string ours = "WEFT_TEST_IPC_HANDLE=" + to_hex(&handle, sizeof handle);
-  std::vector<char*> envp;
-  for (char** e = environ; *e; ++e) envp.push_back(*e);
-  envp.push_back(ours.data());
-  envp.push_back(nullptr);
-  char name[] = "test_gpu";
-  char tag[] = "[.ipc-child]";
-  char* argv[] = {name, tag, nullptr};
-  const pid_t child = fork();
-  if (child == 0) {
-    ::execve("/proc/self/exe", argv, envp.data());
-    _exit(127);
-  }
-  int status = 0;
-  REQUIRE(waitpid(child, &status, 0) == child);
-  REQUIRE(WIFEXITED(status));
-  REQUIRE(WEXITSTATUS(status) == 0);
+  REQUIRE(run_child("[.ipc-child]", {"WEFT_TEST_IPC_HANDLE=" + to_hex(&handle, sizeof handle)}) == 0);
   std::vector<std::int32_t> got(n);
   s.copy(BufferView(got.data(), n, DType::i32), buffer.view<std::int32_t>()).get();
   std::size_t wrong = 0;
