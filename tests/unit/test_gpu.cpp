@@ -248,7 +248,10 @@ TEST_CASE("streams: a thread that queues past a stream's depth waits for room; a
 
 TEST_CASE("depth: the child that reads a bad WEFT_GPU_STREAM_DEPTH", "[.depth-child]") {
   const char* words = std::getenv("WEFT_TEST_DEPTH_WORDS");
-  REQUIRE(words != nullptr);
+  if (!words) {
+    SUCCEED("run by the depth test, with the words it expects");  // a filter such as ~[fail] selects hidden tests too
+    return;
+  }
   try {
     (void)gpu::device_count();
     FAIL("WEFT_GPU_STREAM_DEPTH=" << std::getenv("WEFT_GPU_STREAM_DEPTH") << " was taken");
