@@ -280,7 +280,8 @@ class Gate {
 /// room in a full device queue, but outside the driver: a full queue there blocks every CUDA
 /// call of the process, among them the other rank's that would drain it. Never on a thread that runs a
 /// loop (a task, a handler): there the call queues at once. So a thread must not queue more than that
-/// behind a Gate that it opens itself only afterwards (a warning after 10 s says so).
+/// behind a Gate that it opens itself only afterwards: a warning after 10 s says so, and past WEFT_TIMEOUT
+/// (30 minutes by default) the call fails with Errc::timeout, having queued nothing.
 class Stream {
  public:
   /// Errors: invalid_argument (not a device, index out of range).

@@ -1,15 +1,21 @@
 #include "core/env.hpp"
 
 #include <cstdlib>
+#include <string>
 #include <string_view>
 
 #include <fmt/format.h>
 
 #include "weft/error.hpp"
+#include "weft/options.hpp"
 
 namespace weft::detail {
 
 namespace {
+[[noreturn]] void bad(const std::string& detail) {
+  throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"}, detail);
+}
+
 [[noreturn]] void refuse(const char* name, std::string_view text, std::string_view expected) {
   throw Error(Errc::invalid_argument, ErrorContext{.op = "configuration"}, fmt::format("{}='{}' is not {}", name, text, expected));
 }
@@ -77,6 +83,35 @@ long long env_count_or(const char* name, long long fallback, long long min, long
   } catch (...) {
     return fallback;
   }
+}
+
+// A duration: a number with a unit (ms, s, m, h; none: seconds), e.g. "500ms", "30s", "2m", "45".
+std::chrono::milliseconds parse_duration(const char* name, const char* text) {
+  const std::string_view t(text);
+  std::size_t digits = 0;
+  while (digits < t.size() && t[digits] >= '0' && t[digits] <= '9') ++digits;
+  const std::string_view unit = t.substr(digits);
+  long long scale = 0;
+  if (unit.empty() || unit == "s") scale = 1000;
+  else if (unit == "ms") scale = 1;
+  else if (unit == "m") scale = 60'000;
+  else if (unit == "h") scale = 3'600'000;
+  if (digits == 0 || digits > 12 || scale == 0) {
+    bad(fmt::format("{}='{}' is not a duration (a whole number with ms, s, m or h; no unit: seconds; 0: none)", name, text));
+  }
+  const long long value = std::stoll(std::string(t.substr(0, digits)));
+  // Deadlines are kept in nanoseconds on a steady clock: a longer duration would wrap and fail every
+  // operation at once. Nobody means more than a year.
+  if (value > max_duration.count() / scale) {
+    bad(fmt::format("{}='{}' is longer than a year (8760h), the longest duration weft takes; 0 means none", name, text));
+  }
+  return std::chrono::milliseconds(value * scale);
+}
+
+std::chrono::milliseconds env_duration(const char* name, std::chrono::milliseconds fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  return parse_duration(name, v);
 }
 
 }  // namespace weft::detail

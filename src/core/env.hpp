@@ -32,4 +32,10 @@ long long parse_count(const char* name, const char* text, long long min, long lo
 /// Loop's construction refused before anyway.
 long long env_count_or(const char* name, long long fallback, long long min, long long max) noexcept;
 
+/// A duration: a whole number with ms, s, m or h (no unit: seconds), up to max_duration (a year);
+/// 0 means none. Throws on anything else, naming the variable.
+std::chrono::milliseconds parse_duration(const char* name, const char* text);
+/// The same from the environment; unset or empty: `fallback`.
+std::chrono::milliseconds env_duration(const char* name, std::chrono::milliseconds fallback);
+
 }  // namespace weft::detail

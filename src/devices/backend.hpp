@@ -7,6 +7,7 @@
 // back through `notify`, called once from the backend's own thread; the public layer turns them into a
 // Loop::post, so both backends complete through the same path into the loop.
 #include <cstddef>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -34,6 +35,9 @@ inline constexpr std::size_t max_pooled_streams = 64;
 /// `min_stream_depth` otherwise (a smaller value is refused). Read once.
 std::uint64_t stream_depth();
 inline constexpr std::uint64_t min_stream_depth = 16;
+/// How long a queueing waits for room before it fails with Errc::timeout: WEFT_TIMEOUT, the
+/// operations' deadline (30 minutes where unset; 0: no bound). Read once.
+std::chrono::milliseconds room_deadline();
 
 enum class CopyKind : std::uint8_t { host_to_host, host_to_device, device_to_host, device_to_device };
 std::string_view to_string(CopyKind kind) noexcept;
@@ -184,7 +188,7 @@ class StreamImpl {
   /// lock: the H200's deadlock of 2026-12-04. Here the caller waits outside every CUDA call and lock, on
   /// a condition variable (the loop's own thread does the loop's work meanwhile). Never waits on a
   /// thread that runs a loop (what drains the stream may be that loop's work), nor when the stream
-  /// failed.
+  /// failed. Errors: timeout, when nothing made room within room_deadline() (nothing was queued).
   void make_room();
 
   /// The pinned memory that copies from and to pageable host memory are staged through (device.cpp),

@@ -17,6 +17,7 @@
 
 #include "weft/when.hpp"
 
+#include "core/env.hpp"
 #include "core/log.hpp"
 #include "kernels/cpu/reduce.hpp"
 #include "devices/backend.hpp"
@@ -42,7 +43,9 @@ std::string_view to_string(CopyKind kind) noexcept {
 namespace {
 
 Backend* choose_backend() {
-  (void)stream_depth();  // a bad WEFT_GPU_STREAM_DEPTH is refused at the first device call, not at a later queueing
+  // Bad values are refused at the first device call, not at a later queueing.
+  (void)stream_depth();
+  (void)room_deadline();
   const char* v = std::getenv("WEFT_GPU");
   const std::string mode = v && *v ? v : "auto";
   if (mode != "auto" && mode != "cuda" && mode != "sim") {
@@ -88,6 +91,11 @@ std::uint64_t stream_depth() {
   return depth;
 }
 
+std::chrono::milliseconds room_deadline() {
+  static const std::chrono::milliseconds deadline = weft::detail::env_duration("WEFT_TIMEOUT", std::chrono::minutes(30));
+  return deadline;
+}
+
 void StreamImpl::make_room() {
   const std::uint64_t depth = stream_depth();
   if (depth == 0) return;
@@ -118,11 +126,25 @@ void StreamImpl::make_room() {
   std::unique_lock lock(room->mutex);
   // Long waits are legitimate (a big collective ahead in the stream); one that lasts names itself, as
   // the sim's full queue and its frees do, since a gate that this thread opens only later never opens.
-  if (room->cv.wait_for(lock, std::chrono::seconds(10), [&] { return room->made; })) return;
-  log().warn("gpu: queueing on a stream of {} has waited 10 s for its item {} to run ({} items queued and not run, "
-             "WEFT_GPU_STREAM_DEPTH); a gate that this thread opens only later would never let it go",
-             device_name(device()), must_have_run, depth);
-  room->cv.wait(lock, [&] { return room->made; });
+  // None waits past the operations' deadline (WEFT_TIMEOUT): nothing hangs, a self-inflicted wait
+  // included.
+  const auto made = [&] { return room->made; };
+  const auto warn_after = std::chrono::milliseconds(std::chrono::seconds(10));
+  const std::chrono::milliseconds deadline = room_deadline();
+  const bool bounded = deadline.count() > 0;
+  if (room->cv.wait_for(lock, bounded ? std::min(warn_after, deadline) : warn_after, made)) return;
+  if (!bounded || deadline > warn_after) {
+    log().warn("gpu: queueing on a stream of {} has waited 10 s for its item {} to run ({} items queued and not run, "
+               "WEFT_GPU_STREAM_DEPTH); a gate that this thread opens only later would never let it go",
+               device_name(device()), must_have_run, depth);
+    if (!bounded) return room->cv.wait(lock, made);
+    if (room->cv.wait_for(lock, deadline - warn_after, made)) return;
+  }
+  throw Error(Errc::timeout, {.op = "gpu::Stream"},
+              fmt::format("queueing on a stream of {} waited {} ms (WEFT_TIMEOUT) for its item {} to run: {} items queued and not run "
+                          "(WEFT_GPU_STREAM_DEPTH) and none moved; a gate that the calling thread opens only later never lets "
+                          "them go. Nothing was queued by this call",
+                          device_name(device()), deadline.count(), must_have_run, depth));
 }
 
 std::uint64_t StreamImpl::peer_all_reduce(const PeerLaunch&) {

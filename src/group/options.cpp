@@ -27,29 +27,6 @@ long long parse_int(const char* name, const char* text, long long lo, long long 
   return value;
 }
 
-// A duration: a number with a unit (ms, s, m, h; none: seconds), e.g. "500ms", "30s", "2m", "45".
-std::chrono::milliseconds parse_duration(const char* name, const char* text) {
-  const std::string_view t(text);
-  std::size_t digits = 0;
-  while (digits < t.size() && t[digits] >= '0' && t[digits] <= '9') ++digits;
-  const std::string_view unit = t.substr(digits);
-  long long scale = 0;
-  if (unit.empty() || unit == "s") scale = 1000;
-  else if (unit == "ms") scale = 1;
-  else if (unit == "m") scale = 60'000;
-  else if (unit == "h") scale = 3'600'000;
-  if (digits == 0 || digits > 12 || scale == 0) {
-    bad(fmt::format("{}='{}' is not a duration (a whole number with ms, s, m or h; no unit: seconds; 0: none)", name, text));
-  }
-  const long long value = std::stoll(std::string(t.substr(0, digits)));
-  // Deadlines are kept in nanoseconds on a steady clock: a longer duration would wrap and fail every
-  // operation at once. Nobody means more than a year.
-  if (value > max_duration.count() / scale) {
-    bad(fmt::format("{}='{}' is longer than a year (8760h), the longest duration weft takes; 0 means none", name, text));
-  }
-  return std::chrono::milliseconds(value * scale);
-}
-
 // The secret in `path`, without a final newline. An unreadable or empty file is an error naming it.
 std::string read_secret_file(const char* path) {
   std::ifstream in(path, std::ios::binary);
@@ -169,8 +146,8 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
     (void)detail::parse_count("WEFT_SHM_ARENA_CMA_BYTES", v, 1, 1ll << 47);
   }
   if (const char* v = env("WEFT_DEVICE_IPC"); v && *v) (void)detail::parse_switch("WEFT_DEVICE_IPC", v);
-  if (const char* v = env("WEFT_TIMEOUT")) timeout = parse_duration("WEFT_TIMEOUT", v);
-  if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = parse_duration("WEFT_HEARTBEAT", v);
+  if (const char* v = env("WEFT_TIMEOUT")) timeout = detail::parse_duration("WEFT_TIMEOUT", v);
+  if (const char* v = env("WEFT_HEARTBEAT")) heartbeat = detail::parse_duration("WEFT_HEARTBEAT", v);
   if (const char* v = env("WEFT_MAX_EARLY_BYTES")) {
     max_early_bytes = static_cast<std::size_t>(parse_int("WEFT_MAX_EARLY_BYTES", v, 0, 1ll << 50));
   }

@@ -271,6 +271,41 @@ TEST_CASE("depth: a WEFT_GPU_STREAM_DEPTH that is no count, or below 16, is refu
   }
 }
 
+TEST_CASE("depth: the child whose queueing waits past WEFT_TIMEOUT", "[.depth-timeout-child]") {
+  if (!std::getenv("WEFT_TEST_DEPTH_TIMEOUT")) {
+    SUCCEED("run by the depth test, with WEFT_TIMEOUT=1s");  // a filter such as ~[fail] selects hidden tests too
+    return;
+  }
+  need_backend();
+  const int depth = static_cast<int>(gpu::detail::stream_depth());
+  Loop loop;
+  gpu::Stream s(loop, gpu::device(0));
+  gpu::Gate gate;
+  s.wait(gate);
+  std::atomic<int> ran{0};
+  for (int i = 0; i < depth - 1; ++i) (void)s.enqueue_host([&] { ++ran; });
+  const auto started = std::chrono::steady_clock::now();
+  try {
+    (void)s.enqueue_host([&] { ++ran; });
+    FAIL("a queueing past the depth behind a closed gate came back");
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.errc() == Errc::timeout);
+    CHECK(std::string(e.what()).find("WEFT_TIMEOUT") != std::string::npos);
+    CHECK(std::string(e.what()).find("WEFT_GPU_STREAM_DEPTH") != std::string::npos);
+    CHECK(std::string(e.what()).find("device 0") != std::string::npos);
+  }
+  CHECK(std::chrono::steady_clock::now() - started >= 900ms);
+  gate.open();
+  s.synchronize().get();
+  CHECK(ran.load() == depth - 1);  // the refused call queued nothing
+}
+
+TEST_CASE("depth: a queueing that waits for room past WEFT_TIMEOUT fails with timeout, queueing nothing", "[gpu][depth]") {
+  need_backend();
+  CHECK(run_child("[.depth-timeout-child]", {"WEFT_TIMEOUT=1s", "WEFT_TEST_DEPTH_TIMEOUT=1"}) == 0);
+}
+
 TEST_CASE("streams: a fence wait waits for the fence, not for work queued after it", "[gpu]") {
   // The caller's stream of a stream-ordered collective: its earlier work (the fence), then a gate that
   // opens once the collective is done. The collective's copy in waits for the fence; if it also waited
