@@ -71,20 +71,14 @@ std::string device_name(int device) { return fmt::format("device {} ({})", devic
 
 std::uint64_t stream_depth() {
   static const std::uint64_t depth = [] {
-    const char* v = std::getenv("WEFT_GPU_STREAM_DEPTH");
-    if (!v || !*v) return std::uint64_t{64};
-    char* end = nullptr;
-    const unsigned long long n = std::strtoull(v, &end, 10);
-    if (*end != '\0' || v[0] == '-') {
-      throw Error(Errc::invalid_argument, {.op = "gpu"}, fmt::format("WEFT_GPU_STREAM_DEPTH={} is not a count of items (0: no bound)", v));
-    }
+    const long long n = weft::detail::env_count("WEFT_GPU_STREAM_DEPTH", 64, 0, std::int64_t{1} << 40);
     // One call of weft's queues several items on one stream behind a gate of its own (a multi-device
     // group's with 8 entries about a dozen), which opens only once the call returned: a depth below
     // that would wait for itself (depth 1 hung the device suite on the sim).
-    if (n > 0 && n < min_stream_depth) {
-      throw Error(Errc::invalid_argument, {.op = "gpu"},
+    if (n > 0 && static_cast<std::uint64_t>(n) < min_stream_depth) {
+      throw Error(Errc::invalid_argument, {.op = "configuration"},
                   fmt::format("WEFT_GPU_STREAM_DEPTH={} is below {}: one weft call queues up to about a dozen items on a stream "
-                              "behind its own gate, and would wait for itself (0: no bound)", v, min_stream_depth));
+                              "behind its own gate, and would wait for itself (0: no bound)", n, min_stream_depth));
     }
     return static_cast<std::uint64_t>(n);
   }();

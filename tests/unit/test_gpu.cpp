@@ -265,7 +265,7 @@ TEST_CASE("depth: the child that reads a bad WEFT_GPU_STREAM_DEPTH", "[.depth-ch
 TEST_CASE("depth: a WEFT_GPU_STREAM_DEPTH that is no count, or below 16, is refused at the first device call", "[gpu][depth]") {
   // Read once per process: each value in a child (this program again, its hidden case).
   for (const auto& [value, words] : std::vector<std::pair<std::string, std::string>>{
-           {"3", "WEFT_GPU_STREAM_DEPTH=3 is below 16"}, {"1", "is below 16"}, {"lots", "is not a count of items"}, {"-64", "is not a count"}}) {
+           {"3", "WEFT_GPU_STREAM_DEPTH=3 is below 16"}, {"1", "is below 16"}, {"lots", "WEFT_GPU_STREAM_DEPTH='lots' is not a whole number"}, {"-64", "is not a whole number"}}) {
     INFO("WEFT_GPU_STREAM_DEPTH=" << value);
     CHECK(run_child("[.depth-child]", {"WEFT_GPU_STREAM_DEPTH=" + value, "WEFT_TEST_DEPTH_WORDS=" + words}) == 0);
   }
