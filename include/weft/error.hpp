@@ -32,7 +32,7 @@ struct ErrorContext {
   int rank = -1;            ///< rank (in the group) that reports the error
   int peer = -1;            ///< the peer involved, if any
   std::string op;           ///< "all_reduce", "recv", "bootstrap", ...
-  std::int64_t seq = -1;    ///< the operation's sequence number on its group
+  std::int64_t seq = -1;    ///< the operation's sequence number on its group; for send and recv, its number among this rank's sends to (receives from) `peer`
   std::int64_t tag = -1;    ///< the message tag, for point-to-point operations
 };
 

@@ -87,9 +87,12 @@ class Group {
 
   // ---- point to point ----
   /// Sends `data` to `dst`. Completes when `data` may be reused.
+  /// Errors name the call as "send #n (peer dst) [tag t]": n counts this rank's sends to `dst` from 1
+  /// (a refused call takes no number), not the group's collectives.
   Future<void> send(ConstBufferView data, int dst, std::uint32_t tag = 0);
   /// Receives exactly data.bytes() bytes from `src` with `tag`. A message of another size fails the
-  /// receive with Errc::size_mismatch.
+  /// receive with Errc::size_mismatch. Errors name it "recv #n (peer src) [tag t]", n counting this
+  /// rank's receives from `src`: with one tag, the n-th receive takes the sender's send #n.
   Future<void> recv(BufferView data, int src, std::uint32_t tag = 0);
 
   // ---- collectives ----

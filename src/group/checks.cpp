@@ -16,6 +16,14 @@ void refuse_unusable(GroupState& g, const char* op) {
               fmt::format("an earlier operation failed: {}", g.failure));
 }
 
+void refuse_p2p(const GroupState& g, const Error& e, int peer, std::uint32_t tag, bool sending) {
+  ErrorContext c = e.context();
+  c.peer = peer;
+  c.tag = tag;
+  c.seq = peer >= 0 && peer < g.size ? static_cast<std::int64_t>(g.next_p2p_seq(peer, sending)) : -1;
+  throw_error(e.errc(), std::move(c), e.detail());
+}
+
 // Host or device memory (a device view is checked, and staged, by the device path: device_staging.cpp).
 void check_device_kind(const GroupState& g, const char* op, Device device) {
   if (device.kind != Device::Kind::host && device.kind != Device::Kind::cuda) invalid(g, op, "the buffer's device kind is unknown");

@@ -23,6 +23,10 @@ inline void check_usable(GroupState& g, const char* op) {
   if (g.failed.load()) refuse_unusable(g, op);
 }
 void check_device_kind(const GroupState& g, const char* op, Device device);
+/// A send's or recv's refusal at its call (`e`, thrown by the checks above) again, naming the peer, the
+/// tag and the number the call would have taken among this rank's sends to (receives from) that peer,
+/// not the group's next collective number.
+[[noreturn]] void refuse_p2p(const GroupState& g, const Error& e, int peer, std::uint32_t tag, bool sending);
 [[noreturn]] void refuse_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,
                                 DType dtype, Device device);
 inline void check_buffer(const GroupState& g, const char* op, const char* name, const void* data, std::size_t count,

@@ -103,7 +103,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   g->selection = std::move(selection);
   g->loop = loop;
   g->rank = options.rank;
-  g->size = options.world_size;
+  g->set_size(options.world_size);
   g->options = options;
   g->store_server = std::move(result.store_server);
   for (auto& socket : result.sockets) {

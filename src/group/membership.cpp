@@ -64,7 +64,7 @@ Task<Group> split_task(std::shared_ptr<GroupState> g, std::uint64_t seq, int col
   std::sort(chosen.begin(), chosen.end());
   auto child = child_of(*g);
   child->context = derive_context(g->context, seq, color);
-  child->size = static_cast<int>(chosen.size());
+  child->set_size(static_cast<int>(chosen.size()));
   for (int i = 0; i < child->size; ++i) {
     const int parent_rank = chosen[static_cast<std::size_t>(i)].second;
     if (parent_rank == g->rank) child->rank = i;
@@ -162,7 +162,7 @@ Task<Group> shrink_task(std::shared_ptr<GroupState> g, std::uint64_t index) {
     child->members.push_back(g->members[static_cast<std::size_t>(r)]);
     fingerprint = fingerprint * 1099511628211ull + static_cast<std::uint64_t>(r) + 1;
   }
-  child->size = static_cast<int>(child->members.size());
+  child->set_size(static_cast<int>(child->members.size()));
   child->context = derive_context(exchange, fingerprint, child->size);
   child->place();
   child->transport->open_context(child->context, child->members);

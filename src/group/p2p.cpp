@@ -29,9 +29,10 @@ using namespace detail;
 class P2pOp final : public FutureState<void> {
  public:
   // `g` by reference: a send the stream takes at once needs no copy of it (two atomic operations).
+  // `seq`: its number among this rank's sends to (receives from) `peer` (GroupState::take_p2p_seq).
   static Future<void> start(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
-                            std::chrono::milliseconds timeout) {
-    Starting starting{&g, sending, data, bytes, peer, tag, timeout, {}};
+                            std::uint64_t seq, std::chrono::milliseconds timeout) {
+    Starting starting{&g, sending, data, bytes, peer, tag, seq, timeout, {}};
     Loop& loop = *g->loop;
     // The borrow first: run_here refuses a loop that runs or is held (as it is whenever this thread
     // runs it) with one load, where the thread check is a walk of Asio's call stack, a call of plain
@@ -47,7 +48,7 @@ class P2pOp final : public FutureState<void> {
     }
     // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
     // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
-    auto op = make(g, sending, data, bytes, peer, tag, timeout);
+    auto op = make(g, sending, data, bytes, peer, tag, seq, timeout);
     op->self_ = op;
     op->g_->loop->post([raw = op.get()] {
       const std::shared_ptr<P2pOp> self = std::move(raw->self_);
@@ -56,9 +57,9 @@ class P2pOp final : public FutureState<void> {
     return Future<void>(std::move(op));
   }
 
-  P2pOp(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
+  P2pOp(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag, std::uint64_t seq,
         std::chrono::milliseconds timeout)
-      : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), timeout_(timeout) {}
+      : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), seq_(seq), timeout_(timeout) {}
 
  private:
   // A start on the loop's thread (its own, or borrowed by Loop::run_here): the call and its Future.
@@ -69,13 +70,14 @@ class P2pOp final : public FutureState<void> {
     std::size_t bytes;
     int peer;
     std::uint32_t tag;
+    std::uint64_t seq;
     std::chrono::milliseconds timeout;
     Future<void> result;
   };
 
   static std::shared_ptr<P2pOp> make(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, int peer,
-                                     std::uint32_t tag, std::chrono::milliseconds timeout) {
-    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, g, sending, data, bytes, peer, tag, timeout);
+                                     std::uint32_t tag, std::uint64_t seq, std::chrono::milliseconds timeout) {
+    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, g, sending, data, bytes, peer, tag, seq, timeout);
     op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&P2pOp::on_cancel);
@@ -95,7 +97,7 @@ class P2pOp final : public FutureState<void> {
       s.result = make_ready_future();
       return;
     }
-    auto op = make(*s.g, s.sending, s.data, s.bytes, s.peer, s.tag, s.timeout);
+    auto op = make(*s.g, s.sending, s.data, s.bytes, s.peer, s.tag, s.seq, s.timeout);
     op->begin(op);
     s.result = Future<void>(std::move(op));
   }
@@ -177,11 +179,11 @@ class P2pOp final : public FutureState<void> {
     const char* name = sending_ ? "send" : "recv";
     try {
       if (!sending_ && timed_out_) {
-        throw_error(Errc::timeout, g.where(name, 0, peer_, tag_),
+        throw_error(Errc::timeout, g.where(name, static_cast<std::int64_t>(seq_), peer_, tag_),
                     fmt::format("the receive from rank {} [tag {}] passed its deadline ({}) on rank {}; it was withdrawn and the "
                                 "group stays usable", peer_, tag_, GroupState::duration_text(timeout_), g.rank));
       }
-      if (done.error()) throw_error(static_cast<Errc>(done.error().value()), g.where(name, 0, peer_, tag_), done.reason());
+      if (done.error()) throw_error(static_cast<Errc>(done.error().value()), g.where(name, static_cast<std::int64_t>(seq_), peer_, tag_), done.reason());
     } catch (...) {
       set_error(std::current_exception());
     }
@@ -195,6 +197,7 @@ class P2pOp final : public FutureState<void> {
   std::size_t bytes_;
   int peer_;  // group rank
   std::uint32_t tag_;
+  std::uint64_t seq_;
   std::chrono::milliseconds timeout_;
   // Loop thread only.
   TransportOp op_;
@@ -208,40 +211,50 @@ class P2pOp final : public FutureState<void> {
 // The same as a step of a coroutine (a staged device operation's transfer): its cancellation reaches the
 // operation through the awaited Future.
 Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
-                    std::chrono::milliseconds timeout) {
-  co_await P2pOp::start(g, sending, data, bytes, peer, tag, timeout);
+                    std::uint64_t seq, std::chrono::milliseconds timeout) {
+  co_await P2pOp::start(g, sending, data, bytes, peer, tag, seq, timeout);
 }
 
 }  // namespace
 
 Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   auto& g = live("send");
-  check_usable(g, "send");
-  check_rank(g, "send", "destination", dst);
-  check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
+  try {
+    check_usable(g, "send");
+    check_rank(g, "send", "destination", dst);
+    check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
+  } catch (const Error& e) {
+    refuse_p2p(g, e, dst, tag, true);
+  }
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
+  const std::uint64_t seq = g.take_p2p_seq(dst, true);
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"send", data, BufferView{}, true, false, false};
-    return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
-      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, timeout);
+    return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, seq, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
+      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, seq, timeout);
     });
   }
-  return P2pOp::start(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, timeout);
+  return P2pOp::start(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, seq, timeout);
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   auto& g = live("recv");
-  check_usable(g, "recv");
-  check_rank(g, "recv", "source", src);
-  check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
+  try {
+    check_usable(g, "recv");
+    check_rank(g, "recv", "source", src);
+    check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
+  } catch (const Error& e) {
+    refuse_p2p(g, e, src, tag, false);
+  }
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
+  const std::uint64_t seq = g.take_p2p_seq(src, false);
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false};
-    return run_staged(state_, stream_, staged, timeout_, [this, src, tag, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
-      return p2p_task(state_, false, out.data, out.bytes(), src, tag, timeout);
+    return run_staged(state_, stream_, staged, timeout_, [this, src, tag, seq, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
+      return p2p_task(state_, false, out.data, out.bytes(), src, tag, seq, timeout);
     });
   }
-  return P2pOp::start(state_, false, data.data, data.bytes(), src, tag, timeout);
+  return P2pOp::start(state_, false, data.data, data.bytes(), src, tag, seq, timeout);
 }
 
 }  // namespace weft

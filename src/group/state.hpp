@@ -218,6 +218,23 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // ---- callers: the threads that call collectives
   algo::Selection selection;                        // which algorithm runs what (override_algorithms)
   std::atomic<std::uint64_t> next_seq{1};           // in program order
+  // Point-to-point numbers, per peer (group rank): [2 * peer] this rank's sends to it, [2 * peer + 1] its
+  // receives from it. A send or recv takes the next at its call, so an error names "send #3 (peer 1)" as
+  // this rank's third send to rank 1, whose receive of that message is its third from this rank where
+  // the two use one tag (messages of one peer and tag match in order). Not the group's `next_seq`: a
+  // point-to-point call is not a collective, and every member would have to count it. Sized by set_size.
+  std::unique_ptr<std::atomic<std::uint64_t>[]> p2p_counts = std::make_unique<std::atomic<std::uint64_t>[]>(2);
+  void set_size(int n) {
+    size = n;
+    p2p_counts = std::make_unique<std::atomic<std::uint64_t>[]>(2 * static_cast<std::size_t>(n));
+  }
+  /// The number the next send to (receive from) `peer` takes, from 1; take_p2p_seq takes it.
+  std::uint64_t next_p2p_seq(int peer, bool sending) const noexcept {
+    return p2p_counts[2 * static_cast<std::size_t>(peer) + (sending ? 0 : 1)].load(std::memory_order_relaxed) + 1;
+  }
+  std::uint64_t take_p2p_seq(int peer, bool sending) noexcept {
+    return p2p_counts[2 * static_cast<std::size_t>(peer) + (sending ? 0 : 1)].fetch_add(1, std::memory_order_relaxed) + 1;
+  }
   std::atomic<std::uint64_t> shrinks{0};            // shrink() calls so far: each gets its own exchange
   // Deadlines of single operations (Group::with_timeout), by seq, read on the loop when the operation
   // starts. A fixed ring of the latest: a deadline is looked up soon after its call.

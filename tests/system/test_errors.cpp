@@ -703,12 +703,27 @@ TEST_CASE("a receive of the wrong size fails and nothing is truncated", "[errors
       std::vector<std::int32_t> v(10, 1);
       g.send(v, 1, 3).get();
       g.send(v, 1, 4).get();
+      // Numbered among this rank's sends to rank 1: two so far, so a refused one would be the third and
+      // takes no number (the next is the third again); the group's collectives do not count.
+      g.barrier().get();
+      const BufferView null_data(nullptr, 4, DType::i32);
+      expect_error([&] { (void)g.send(null_data, 1, 7); }, Errc::invalid_argument, {"rank 0: send #3 (peer 1) [tag 7]", "null"});
+      g.send(v, 1, 5).get();
     } else {
       std::vector<std::int32_t> small(4, 0);
-      expect_error([&] { g.recv(small, 0, 3).get(); }, Errc::size_mismatch, {"rank 1", "recv", "sent 40 bytes", "expected 16"});
+      // The first receive from rank 0, named with its number, the peer and the tag.
+      expect_error([&] { g.recv(small, 0, 3).get(); }, Errc::size_mismatch,
+                   {"rank 1: recv #1 (peer 0) [tag 3]", "sent 40 bytes", "expected 16"});
       std::vector<std::int32_t> right(10, 0);
       g.recv(right, 0, 4).get();  // point-to-point errors leave the group usable
       check(right[9] == 1, "the next message arrived intact");
+      g.barrier().get();
+      try {
+        g.recv(small, 0, 5).get();
+        check(false, "a short receive of the third message was taken");
+      } catch (const Error& e) {
+        check(e.context().seq == 3 && e.context().peer == 0 && e.context().tag == 5 && e.context().op == "recv", e.what());
+      }
     }
   });
   REQUIRE(checks_made.load() > before);
