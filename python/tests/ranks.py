@@ -277,7 +277,15 @@ def bad_arguments(g):
         expect_error(lambda: weft.Group.create(timeout=t), "invalid_argument", "timeout=")
     expect_error(lambda: g.send(np.ones(4, dtype=">i8"), 0), "invalid_argument", "byte order")
     expect(g.all_reduce(np.ones(4, dtype=">u1")).wait()[0] == g.size, "one-byte types have no byte order")
-    expect_error(lambda: g.reduce_scatter(np.ones((g.size + 1, 2), dtype=np.float32), axis=0), "invalid_argument", "reduce_scatter")
+    # Refused in Python (shapes, axes, missing arguments), named as weft's own refusals are: the rank and the call.
+    me = f"weft: rank {g.rank}: "
+    e = expect_error(lambda: g.reduce_scatter(np.ones((g.size + 1, 2), dtype=np.float32), axis=0), "invalid_argument",
+                     me + "reduce_scatter: axis 0")
+    expect(e.rank == g.rank and e.op == "reduce_scatter", f"rank {e.rank}, op {e.op!r}: {e}")
+    expect_error(lambda: g.scatter(np.ones(g.size + 1, dtype=np.float32), root=g.rank), "invalid_argument", me + "scatter: the root's x has shape")
+    expect_error(lambda: g.scatter(None, root=(g.rank + 1) % g.size) if g.size > 1 else g.scatter(np.ones(3), root=0),
+                 "invalid_argument", me + "scatter")
+    expect_error(lambda: g.ppermute(np.array([object()]), [(0, 0)]), "invalid_argument", me + "permute: weft has no element type for numpy dtype object")
     expect_error(lambda: g.all_gather(x, axis=5), "invalid_argument", "axis 5")
     expect_error(lambda: g.all_to_all(x, 0, 1, tiled=True) if 4 % g.size else g.all_to_all(x, 0, 1), "invalid_argument", "all_to_all")
     expect_error(lambda: g.broadcast(x, root=g.size), "invalid_argument", "root")

@@ -23,6 +23,7 @@ number); several may be in flight at once.
 
 import asyncio
 import atexit
+import functools
 import threading
 import weakref
 
@@ -215,6 +216,24 @@ class Group:
         """Fails every operation in flight on this group, here and on every other rank."""
         self._g.abort(reason)
 
+    def _refusal(self, op, e):
+        """Error `e`, raised without a rank, again with this rank and `op` in its words and fields."""
+        try:
+            rank = self._g.rank
+        except Exception:  # a closed group: its rank is still what it was, but be safe
+            rank = -1
+        detail = str(e)
+        for prefix in ("weft: ", op + ": "):
+            if detail.startswith(prefix):
+                detail = detail[len(prefix):]
+        named = Error(f"weft: rank {rank}: {op}: {detail}" if rank >= 0 else f"weft: {op}: {detail}")
+        named.errc = getattr(e, "errc", "invalid_argument")
+        named.rank = rank
+        named.peer = getattr(e, "peer", -1)
+        named.op = op
+        named.seq = getattr(e, "seq", -1)
+        return named
+
     # ---- asyncio: completions arrive on the group's eventfd
 
     def _start(self, work):
@@ -343,6 +362,9 @@ class Group:
         if self.rank == root:
             x = _contiguous(_array(x))
             if out is None:
+                if x.ndim == 0 or x.shape[0] != self.size:
+                    raise _invalid(f"scatter: the root's x has shape {list(x.shape)}; it needs ({self.size},) + a block's shape "
+                                   f"(one block per rank), or give out")
                 out = _empty(tuple(x.shape)[1:], x.dtype, x)
         elif out is None:
             if shape is None or dtype is None:
@@ -398,6 +420,35 @@ class Group:
         x = _flat(x)
         out = _empty(counts[self.rank], x.dtype, x) if out is None else out
         return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
+
+
+def _naming_the_rank(op, method):
+    """`method` whose refusals raised in Python (shapes, axes, missing arguments: no rank known there) name
+    the rank and the operation, as weft's own errors do: "weft: rank 1: scatter: ..."."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Error as e:
+            if getattr(e, "rank", -1) not in (-1, None):
+                raise
+            raise self._refusal(op, e) from None
+
+    return call
+
+
+# permute's errors name it as weft's do ("permute"); the aliases take the wrapped methods.
+for _name, _op in [("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("all_gather", "all_gather"),
+                   ("reduce_scatter", "reduce_scatter"), ("all_to_all", "all_to_all"), ("ppermute", "permute"),
+                   ("reduce", "reduce"), ("gather", "gather"), ("scatter", "scatter"), ("barrier", "barrier"),
+                   ("send", "send"), ("recv", "recv"), ("all_gatherv", "all_gatherv"), ("gatherv", "gatherv"),
+                   ("scatterv", "scatterv"), ("all_to_allv", "all_to_allv"), ("reduce_scatterv", "reduce_scatterv"),
+                   ("split", "split")]:
+    setattr(Group, _name, _naming_the_rank(_op, getattr(Group, _name)))
+Group.distributed_broadcast = Group.broadcast
+Group.permute = Group.ppermute
+del _name, _op
 
 
 def to_device(x, device=0):
