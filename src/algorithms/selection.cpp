@@ -105,6 +105,27 @@ void Selection::override_with(std::string_view spec, std::string_view source) {
   }
 }
 
+std::uint64_t Selection::digest() const noexcept {
+  if (overrides_.empty()) return 0;
+  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the overrides, in the order applied
+  const auto mix = [&h](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  };
+  for (const Entry& entry : overrides_) {
+    mix(static_cast<std::uint64_t>(entry.collective));
+    for (const Choice& c : entry.choices) {
+      for (char ch : c.algorithm->name) mix(static_cast<unsigned char>(ch));
+      mix(c.lo);
+      mix(c.hi);
+    }
+    mix(~std::uint64_t{0});
+  }
+  return h == 0 ? 1 : h;
+}
+
 const Algorithm* Selection::choose(Collective collective, std::size_t bytes, int ranks, Placement where) const {
   for (const auto& entry : overrides_) {
     if (entry.collective != collective) continue;

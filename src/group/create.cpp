@@ -92,7 +92,8 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   co_await loop->schedule();
   BootstrapResult result;
   try {
-    auto run_bootstrap = [loop, &options, &result] { return bootstrap(loop->context(), options, result); };
+    const std::uint64_t digest = selection.digest();
+    auto run_bootstrap = [loop, &options, &result, digest] { return bootstrap(loop->context(), options, result, digest); };
     co_await AwaitAsio<decltype(run_bootstrap)>{loop->context(), run_bootstrap};
   } catch (const Error&) {
     throw;

@@ -94,6 +94,7 @@ struct Admissions {
         refusals(std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", options.rank))),
         greeting(max_pending_greetings, refusals) {}
   Options options;
+  std::uint64_t selection = 0;  // this rank's algorithm selection (its digest)
   std::vector<bool> connected;  // ranks connected (or reserved by a greeting that proved the secret)
   std::vector<std::optional<tcp::socket>> admitted;
   std::vector<FrameKeys> keys;  // of the admitted connections
@@ -108,7 +109,8 @@ struct Admissions {
 // admitted as its rank, or refused and logged with its address.
 awaitable<void> admit_peer(std::shared_ptr<Admissions> state, tcp::socket socket, std::string who) {
   const auto& options = state->options;
-  const greeting::Local local{greeting::Role::rank, options.rank, options.world_size, options.job_id, options.secret, options.integrity};
+  const greeting::Local local{greeting::Role::rank, options.rank, options.world_size, options.job_id, options.secret, options.integrity,
+                              state->selection};
   int claim = -1;
   const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
     if (static_cast<int>(g.world_size) != options.world_size) {
@@ -209,9 +211,10 @@ awaitable<tcp::socket> connect_and_greet(const std::string& host, unsigned short
 
 // The connecting side: rank i connects to every rank below it, then greets it.
 awaitable<void> connect_peers(const std::vector<std::pair<std::string, unsigned short>>& addresses,
-                              const Options& options, BootstrapResult& out, std::vector<bool>& connected,
+                              const Options& options, std::uint64_t selection, BootstrapResult& out, std::vector<bool>& connected,
                               Clock::time_point deadline) {
-  const greeting::Local local{greeting::Role::peer, options.rank, options.world_size, options.job_id, options.secret, options.integrity};
+  const greeting::Local local{greeting::Role::peer, options.rank, options.world_size, options.job_id, options.secret, options.integrity,
+                              selection};
   for (int peer = 0; peer < options.rank; ++peer) {
     const auto& [host, port] = addresses[static_cast<std::size_t>(peer)];
     std::string last_error;
@@ -272,7 +275,7 @@ asio::ip::address interface_address(const std::string& interface, bool prefer_v6
               fmt::format("interface '{}' (WEFT_IFNAME or Options::interface) has no address", interface));
 }
 
-awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out) {
+awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out, std::uint64_t selection) {
   const int rank = options.rank;
   const int size = options.world_size;
   const auto deadline = Clock::now() + options.bootstrap_timeout;
@@ -298,7 +301,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     try {
       out.store_server = std::make_unique<store::Server>(
           io, endpoints.front(),
-          store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout), 64, options.integrity});
+          store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout), 64, options.integrity, selection});
     } catch (const std::system_error& e) {
       // In use: most often by this job's own store, which serves for its group's life: a second
       // Group::create from the same environment. Say so (the other ranks only see "duplicate rank").
@@ -312,7 +315,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   }
 
   std::string last_error;
-  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret, options.integrity};
+  const greeting::Local as_client{greeting::Role::store_client, rank, size, options.job_id, options.secret, options.integrity, selection};
   greeting::Greeting the_store;
   const std::string store_name = "the store";
   tcp::socket store_socket =
@@ -359,12 +362,13 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   }
 
   auto admissions = std::make_shared<Admissions>(io, options);
+  admissions->selection = selection;
   std::vector<bool> connected_below(static_cast<std::size_t>(size), false);
   // Both directions at once; the first failure (a refusal, above all) ends the bootstrap with its reason
   // at once: with_deadline rethrows it, where Asio's `||` against a timer swallowed it and waited for the
   // deadline (the refused rank said "never connected" 120 s later).
   auto join_everyone = [&]() -> awaitable<bool> {
-    co_await (accept_peers(acceptor, admissions) && connect_peers(addresses, options, out, connected_below, deadline));
+    co_await (accept_peers(acceptor, admissions) && connect_peers(addresses, options, selection, out, connected_below, deadline));
     co_return true;
   };
   const auto joined = co_await with_deadline(join_everyone(), deadline);

@@ -17,9 +17,12 @@ struct BootstrapResult {
   std::unique_ptr<store::Server> store_server;  // rank 0 only
 };
 
-/// Runs the whole rendezvous on `io`. `options` must be complete (rank, world size, store).
-/// Errors: weft::Error naming this rank and "bootstrap"; a TimeoutError names the ranks that never arrived.
-asio::awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out);
+/// Runs the whole rendezvous on `io`. `options` must be complete (rank, world size, store). `selection`:
+/// the digest of this rank's algorithm selection (algorithms::Selection::digest), which every rank's must
+/// equal.
+/// Errors: weft::Error naming this rank and "bootstrap"; a TimeoutError names the ranks that never arrived;
+/// a refusal (Errc::refused) says what a rank and the store or a peer disagree on.
+asio::awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out, std::uint64_t selection = 0);
 
 /// The local address to bind for `interface` (a name such as "eth0", or an address). Errors: weft::Error.
 asio::ip::address interface_address(const std::string& interface, bool prefer_v6);

@@ -19,7 +19,7 @@ using asio::use_awaitable;
 using asio::ip::tcp;
 
 // Hello: 0 magic u32 | 4 version u16 | 6 role u8 | 7 flags u8 (bit 0: has a secret) | 8 nonce [32]
-// Details: 0 rank i32 | 4 world_size u32 | 8 job length u16 | 10 integrity u8 | 11 zero u8 | 12 job id
+// Details: 0 rank i32 | 4 world_size u32 | 8 job length u16 | 10 integrity u8 | 11 zero u8 | 12 selection u64 | 20 job id
 constexpr std::uint8_t flag_secret = 1;
 
 // Labels keep the proofs apart, so that no proof can be replayed as another.
@@ -155,15 +155,21 @@ std::string details_disagreement(const Local& local, Role their_role, const Deta
     return fmt::format("{} checks frames with '{}' and {} with '{}' (WEFT_INTEGRITY must be the same on every rank)",
                        role_name(their_role), to_string(theirs.integrity), role_name(local.role), to_string(local.integrity));
   }
+  if (theirs.selection != local.selection) {
+    return fmt::format("{} selects algorithms differently from {} (WEFT_ALGO, Options::algorithms and the WEFT_TUNING "
+                       "file must be the same on every rank: a rank that runs another algorithm waits for messages its "
+                       "peers never send)", role_name(their_role), role_name(local.role));
+  }
   return {};
 }
 
 Greeting greeting_of(const Hello& hello, Details details) {
-  return Greeting{hello.role, hello.has_secret, details.rank, details.world_size, std::move(details.job), details.integrity, {}, {}};
+  return Greeting{hello.role, hello.has_secret, details.rank, details.world_size, std::move(details.job), details.integrity,
+                  details.selection, {}, {}};
 }
 
 Details details_of(const Local& local) {
-  return Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job, local.integrity};
+  return Details{local.rank, static_cast<std::uint32_t>(local.world_size), local.job, local.integrity, local.selection};
 }
 
 }  // namespace
@@ -214,6 +220,7 @@ std::vector<std::byte> encode(const Details& d) {
   p[8] = static_cast<std::byte>(d.job.size() & 0xff);
   p[9] = static_cast<std::byte>(d.job.size() >> 8);
   p[10] = static_cast<std::byte>(d.integrity);
+  le::put_u64(p + 12, d.selection);
   std::copy(reinterpret_cast<const std::byte*>(d.job.data()), reinterpret_cast<const std::byte*>(d.job.data()) + d.job.size(),
             p + details_fixed_size);
   return out;
@@ -248,6 +255,7 @@ std::optional<Details> decode_details(const std::byte* p, std::size_t size, std:
   d.integrity = static_cast<Integrity>(integrity);
   d.rank = static_cast<std::int32_t>(le::get_u32(p));
   d.world_size = le::get_u32(p + 4);
+  d.selection = le::get_u64(p + 12);
   d.job.assign(reinterpret_cast<const char*>(p + details_fixed_size), *job);
   return d;
 }

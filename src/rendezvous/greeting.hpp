@@ -24,11 +24,11 @@
 namespace weft::greeting {
 
 inline constexpr std::uint32_t magic = 0x47544657;  // "WFTG" as little-endian bytes
-inline constexpr std::uint16_t version = 2;
+inline constexpr std::uint16_t version = 3;
 inline constexpr std::size_t nonce_size = 32;
 inline constexpr std::size_t proof_size = 32;  // HMAC-SHA256
 inline constexpr std::size_t hello_size = 40;
-inline constexpr std::size_t details_fixed_size = 12;  // the details without their job id
+inline constexpr std::size_t details_fixed_size = 20;  // the details without their job id
 inline constexpr std::size_t max_job_bytes = 255;
 inline constexpr std::size_t verdict_header_size = 8;
 inline constexpr std::size_t max_reason_bytes = 1024;
@@ -47,6 +47,7 @@ struct Details {
   std::uint32_t world_size = 0;
   std::string job;
   Integrity integrity = Integrity::off;  // what its frames will carry: every side must agree
+  std::uint64_t selection = 0;           // its algorithm selection's digest (algorithms::Selection): likewise
 };
 /// The other side, as the greeting learnt it.
 struct Greeting {
@@ -56,6 +57,7 @@ struct Greeting {
   std::uint32_t world_size = 0;
   std::string job;
   Integrity integrity = Integrity::off;
+  std::uint64_t selection = 0;
   /// With a secret: the keys of this connection's frame MACs (Integrity::hmac), one per direction, from
   /// the secret and both hellos' nonces; zeros without one.
   std::array<std::byte, 32> send_key{};
@@ -96,6 +98,7 @@ struct Local {
   std::string job;
   std::string secret;  // empty: unauthenticated
   Integrity integrity = Integrity::off;
+  std::uint64_t selection = 0;  // algorithms::Selection::digest()
 };
 
 /// A refusal of the other side or by it; `what()` says why, naming the remote address.

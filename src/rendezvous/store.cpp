@@ -146,7 +146,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   // The greeting: who connects (greeting.hpp). Returns false (logged, with the address) for a connection
   // that may not use the store.
   awaitable<bool> admit(tcp::socket& socket, const std::string& peer) {
-    const greeting::Local local{greeting::Role::store, -1, admission.world_size, admission.job, admission.secret, admission.integrity};
+    const greeting::Local local{greeting::Role::store, -1, admission.world_size, admission.job, admission.secret, admission.integrity,
+                                      admission.selection};
     int claim = -1;
     const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
       if (static_cast<int>(g.world_size) != admission.world_size) {

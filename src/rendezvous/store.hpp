@@ -62,6 +62,8 @@ struct Admission {
   int max_pending = 64;
   /// What the job's frames carry: a rank that says otherwise is refused at once.
   Integrity integrity = Integrity::off;
+  /// The digest of the job's algorithm selection (rank 0's): likewise.
+  std::uint64_t selection = 0;
 };
 
 class Server {

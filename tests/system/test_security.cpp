@@ -373,13 +373,16 @@ TEST_CASE("greetings and verdicts decode only what is well formed", "[security][
   CHECK(back_hello->role == greeting::Role::peer);
   CHECK(back_hello->has_secret);
   CHECK(back_hello->nonce[3] == std::byte{42});
-  greeting::Details d{5, 9, "job-1"};
+  greeting::Details d{5, 9, "job-1", Integrity::crc32c, 0x0123456789abcdefull};
   auto bytes = greeting::encode(d);
+  REQUIRE(bytes.size() == greeting::details_fixed_size + 5);
   auto back = greeting::decode_details(bytes.data(), bytes.size(), error);
   REQUIRE(back);
   CHECK(back->rank == 5);
   CHECK(back->world_size == 9);
   CHECK(back->job == "job-1");
+  CHECK(back->integrity == Integrity::crc32c);
+  CHECK(back->selection == 0x0123456789abcdefull);
   CHECK_FALSE(greeting::decode_details(bytes.data(), bytes.size() - 1, error));
   hello[0] = std::byte{0};
   CHECK_FALSE(greeting::decode_hello(hello.data(), error));
@@ -387,7 +390,10 @@ TEST_CASE("greetings and verdicts decode only what is well formed", "[security][
   hello = greeting::encode(h);
   hello[4] = std::byte{1};  // version 1: the greeting that told the job before the proof
   CHECK_FALSE(greeting::decode_hello(hello.data(), error));
-  CHECK_THAT(error, Catch::Contains("greeting version 1 (this build speaks 2)"));
+  CHECK_THAT(error, Catch::Contains("greeting version 1 (this build speaks 3)"));
+  hello[4] = std::byte{2};  // version 2: details without the selection's digest
+  CHECK_FALSE(greeting::decode_hello(hello.data(), error));
+  CHECK_THAT(error, Catch::Contains("greeting version 2 (this build speaks 3)"));
   // Different secrets give different proofs; the same inputs the same proof.
   const std::vector<std::byte> a(10, std::byte{1});
   const std::vector<std::byte> b(12, std::byte{2});
@@ -764,6 +770,22 @@ TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays f
   CHECK((rank1.ok ? std::string("ok") : rank1.text) == "ok");
   CHECK(connections == 2);
   CHECK(log.count({"rank 1: greeting rank 0 at 127.0.0.1:", "again (attempt 2)"}) == 1);
+}
+
+TEST_CASE("a rank whose algorithm selection differs is refused at the greeting, saying why", "[security][bootstrap]") {
+  LogCapture log;
+  // The same overrides everywhere: accepted (a tuned job).
+  auto same = bootstrap_each(3, [](int, Options& o) { o.algorithms = "all_reduce:ring"; });
+  for (const auto& o : same) CHECK((o.ok ? std::string("ok") : o.text) == "ok");
+  // One rank of three selects otherwise: it would run another plan than its peers for some sizes and
+  // wait for messages they never send (until the deadline, 30 minutes by default). Refused at once.
+  auto mixed = bootstrap_each(3, [](int i, Options& o) { o.algorithms = i == 2 ? "all_reduce:ring" : ""; });
+  CHECK(mixed[2].code == Errc::refused);
+  CHECK_THAT(mixed[2].text, Catch::Contains("rank 2: bootstrap") && Catch::Contains("selects algorithms differently") &&
+                                Catch::Contains("WEFT_ALGO, Options::algorithms and the WEFT_TUNING file must be the same on every rank"));
+  // An override of a range of sizes of another collective counts the same.
+  auto peers = bootstrap_each(2, [](int i, Options& o) { o.algorithms = i == 1 ? "broadcast:binomial@0-1K" : ""; });
+  CHECK(peers[1].code == Errc::refused);
 }
 
 TEST_CASE("frame integrity: every rank must agree on it, and hmac needs a secret", "[security][integrity]") {
