@@ -215,19 +215,26 @@ Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std
   co_await P2pOp::start(g, sending, data, bytes, peer, tag, seq, timeout);
 }
 
+// A send's or recv's checks, then its number among this rank's sends to (receives from) `peer`. A
+// refusal names the number the call would have taken (refuse_p2p) and takes none.
+std::uint64_t checked_p2p_seq(GroupState& g, bool sending, int peer, std::uint32_t tag, ConstBufferView data) {
+  const char* op = sending ? "send" : "recv";
+  try {
+    check_usable(g, op);
+    check_rank(g, op, sending ? "destination" : "source", peer);
+    check_buffer(g, op, "data", data.data, data.count, data.dtype, data.device);
+  } catch (const Error& e) {
+    refuse_p2p(g, e, peer, tag, sending);
+  }
+  return g.take_p2p_seq(peer, sending);
+}
+
 }  // namespace
 
 Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   auto& g = live("send");
-  try {
-    check_usable(g, "send");
-    check_rank(g, "send", "destination", dst);
-    check_buffer(g, "send", "data", data.data, data.count, data.dtype, data.device);
-  } catch (const Error& e) {
-    refuse_p2p(g, e, dst, tag, true);
-  }
+  const std::uint64_t seq = checked_p2p_seq(g, true, dst, tag, data);
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
-  const std::uint64_t seq = g.take_p2p_seq(dst, true);
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"send", data, BufferView{}, true, false, false};
     return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, seq, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
@@ -239,15 +246,8 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   auto& g = live("recv");
-  try {
-    check_usable(g, "recv");
-    check_rank(g, "recv", "source", src);
-    check_buffer(g, "recv", "data", data.data, data.count, data.dtype, data.device);
-  } catch (const Error& e) {
-    refuse_p2p(g, e, src, tag, false);
-  }
+  const std::uint64_t seq = checked_p2p_seq(g, false, src, tag, data);
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
-  const std::uint64_t seq = g.take_p2p_seq(src, false);
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false};
     return run_staged(state_, stream_, staged, timeout_, [this, src, tag, seq, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
