@@ -49,7 +49,7 @@ class Selection {
   std::uint64_t version() const noexcept { return version_; }
   /// The overrides as one number, 0 without any: every rank of a job must select alike (a rank that
   /// runs another algorithm than its peers waits for messages they never send), so the bootstrap
-  /// refuses a rank whose digest differs (docs/PROTOCOL.md, the greeting's details).
+  /// refuses a rank whose digest (with the segment size's: group/create.cpp) differs.
   std::uint64_t digest() const noexcept;
   /// The built-in table alone (what choose() gives without overrides).
   static const Algorithm* built_in(Collective collective, std::size_t bytes, int ranks, Placement where = {});

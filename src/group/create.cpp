@@ -88,11 +88,25 @@ std::size_t share_of_half_the_memory() {
   return std::max(std::size_t{1} << 30, half / static_cast<std::size_t>(host::local_ranks()));
 }
 
+// What decides the messages a collective's plan sends, as one number that every rank's must equal (the
+// greeting's details carry it): the algorithm selection, the segment size that cuts a step's data, and
+// deterministic reductions (which exchange blocks instead). 0 when all three are the defaults.
+std::uint64_t plans_digest(const Options& options, const algo::Selection& selection) {
+  const bool defaults = selection.digest() == 0 && options.segment_bytes == Options{}.segment_bytes && !options.deterministic;
+  if (defaults) return 0;
+  std::uint64_t h = selection.digest();
+  for (std::uint64_t v : {std::uint64_t{options.segment_bytes}, std::uint64_t{options.deterministic}}) {
+    h = (h ^ v) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 29;
+  }
+  return h == 0 ? 1 : h;
+}
+
 Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
   co_await loop->schedule();
   BootstrapResult result;
   try {
-    const std::uint64_t digest = selection.digest();
+    const std::uint64_t digest = plans_digest(options, selection);
     auto run_bootstrap = [loop, &options, &result, digest] { return bootstrap(loop->context(), options, result, digest); };
     co_await AwaitAsio<decltype(run_bootstrap)>{loop->context(), run_bootstrap};
   } catch (const Error&) {

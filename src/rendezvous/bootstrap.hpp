@@ -18,8 +18,8 @@ struct BootstrapResult {
 };
 
 /// Runs the whole rendezvous on `io`. `options` must be complete (rank, world size, store). `selection`:
-/// the digest of this rank's algorithm selection (algorithms::Selection::digest), which every rank's must
-/// equal.
+/// the digest of what shapes this rank's plans (its algorithm selection, segment size, deterministic
+/// reductions: group/create.cpp), which every rank's must equal.
 /// Errors: weft::Error naming this rank and "bootstrap"; a TimeoutError names the ranks that never arrived;
 /// a refusal (Errc::refused) says what a rank and the store or a peer disagree on.
 asio::awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out, std::uint64_t selection = 0);

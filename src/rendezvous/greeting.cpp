@@ -156,9 +156,9 @@ std::string details_disagreement(const Local& local, Role their_role, const Deta
                        role_name(their_role), to_string(theirs.integrity), role_name(local.role), to_string(local.integrity));
   }
   if (theirs.selection != local.selection) {
-    return fmt::format("{} selects algorithms differently from {} (WEFT_ALGO, Options::algorithms and the WEFT_TUNING "
-                       "file must be the same on every rank: a rank that runs another algorithm waits for messages its "
-                       "peers never send)", role_name(their_role), role_name(local.role));
+    return fmt::format("{} selects or cuts algorithms differently from {} (WEFT_ALGO, WEFT_TUNING's file, WEFT_SEGMENT_BYTES "
+                       "and WEFT_DETERMINISTIC, or their Options, must be the same on every rank: a rank that runs another "
+                       "plan waits for messages its peers never send)", role_name(their_role), role_name(local.role));
   }
   return {};
 }

@@ -47,7 +47,7 @@ struct Details {
   std::uint32_t world_size = 0;
   std::string job;
   Integrity integrity = Integrity::off;  // what its frames will carry: every side must agree
-  std::uint64_t selection = 0;           // its algorithm selection's digest (algorithms::Selection): likewise
+  std::uint64_t selection = 0;           // the digest of what shapes its plans (group/create.cpp): likewise
 };
 /// The other side, as the greeting learnt it.
 struct Greeting {
@@ -98,7 +98,7 @@ struct Local {
   std::string job;
   std::string secret;  // empty: unauthenticated
   Integrity integrity = Integrity::off;
-  std::uint64_t selection = 0;  // algorithms::Selection::digest()
+  std::uint64_t selection = 0;  // what shapes its plans (group/create.cpp, plans_digest)
 };
 
 /// A refusal of the other side or by it; `what()` says why, naming the remote address.

@@ -62,7 +62,7 @@ struct Admission {
   int max_pending = 64;
   /// What the job's frames carry: a rank that says otherwise is refused at once.
   Integrity integrity = Integrity::off;
-  /// The digest of the job's algorithm selection (rank 0's): likewise.
+  /// The digest of what shapes the job's plans (rank 0's; bootstrap's `selection`): likewise.
   std::uint64_t selection = 0;
 };
 

@@ -781,11 +781,20 @@ TEST_CASE("a rank whose algorithm selection differs is refused at the greeting, 
   // wait for messages they never send (until the deadline, 30 minutes by default). Refused at once.
   auto mixed = bootstrap_each(3, [](int i, Options& o) { o.algorithms = i == 2 ? "all_reduce:ring" : ""; });
   CHECK(mixed[2].code == Errc::refused);
-  CHECK_THAT(mixed[2].text, Catch::Contains("rank 2: bootstrap") && Catch::Contains("selects algorithms differently") &&
-                                Catch::Contains("WEFT_ALGO, Options::algorithms and the WEFT_TUNING file must be the same on every rank"));
-  // An override of a range of sizes of another collective counts the same.
-  auto peers = bootstrap_each(2, [](int i, Options& o) { o.algorithms = i == 1 ? "broadcast:binomial@0-1K" : ""; });
-  CHECK(peers[1].code == Errc::refused);
+  CHECK_THAT(mixed[2].text, Catch::Contains("rank 2: bootstrap") && Catch::Contains("selects or cuts algorithms differently") &&
+                                Catch::Contains("WEFT_ALGO, WEFT_TUNING's file, WEFT_SEGMENT_BYTES and WEFT_DETERMINISTIC"));
+  // An override of a range of sizes of another collective counts the same, and so do the segment size
+  // (a rank that cuts a step otherwise fails it as a size mismatch that names no setting) and
+  // deterministic reductions (which exchange blocks instead).
+  auto ranged = bootstrap_each(2, [](int i, Options& o) { o.algorithms = i == 1 ? "broadcast:binomial@0-1K" : ""; });
+  CHECK(ranged[1].code == Errc::refused);
+  auto segments = bootstrap_each(2, [](int i, Options& o) { o.segment_bytes = i == 1 ? 4096 : 256 * 1024; });
+  CHECK(segments[1].code == Errc::refused);
+  auto deterministic = bootstrap_each(2, [](int i, Options& o) { o.deterministic = i == 1; });
+  CHECK(deterministic[1].code == Errc::refused);
+  // The same segment size everywhere, and a default given explicitly: accepted.
+  auto agreed = bootstrap_each(2, [](int, Options& o) { o.segment_bytes = 4096; o.deterministic = true; });
+  for (const auto& o : agreed) CHECK((o.ok ? std::string("ok") : o.text) == "ok");
 }
 
 TEST_CASE("frame integrity: every rank must agree on it, and hmac needs a secret", "[security][integrity]") {
