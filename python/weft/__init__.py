@@ -220,7 +220,7 @@ class Group:
         """Error `e`, raised without a rank, again with this rank and `op` in its words and fields."""
         try:
             rank = self._g.rank
-        except Exception:  # a closed group: its rank is still what it was, but be safe
+        except Error:  # a closed group has no rank to ask for: the words then name none
             rank = -1
         detail = str(e)
         for prefix in ("weft: ", op + ": "):
