@@ -94,7 +94,7 @@ struct Admissions {
         refusals(std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", options.rank))),
         greeting(max_pending_greetings, refusals) {}
   Options options;
-  std::uint64_t selection = 0;  // this rank's algorithm selection (its digest)
+  std::uint64_t selection = 0;  // the digest of what shapes this rank's plans (bootstrap's `selection`)
   std::vector<bool> connected;  // ranks connected (or reserved by a greeting that proved the secret)
   std::vector<std::optional<tcp::socket>> admitted;
   std::vector<FrameKeys> keys;  // of the admitted connections
