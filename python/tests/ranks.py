@@ -290,6 +290,23 @@ def bad_arguments(g):
     expect_error(lambda: g.all_to_all(x, 0, 1, tiled=True) if 4 % g.size else g.all_to_all(x, 0, 1), "invalid_argument", "all_to_all")
     expect_error(lambda: g.broadcast(x, root=g.size), "invalid_argument", "root")
     expect_error(lambda: g.all_gatherv(np.ones(3, dtype=np.float32), [1] * (g.size + 1)), "invalid_argument", "counts")
+    # Values the binding cannot convert (it raised TypeError listing its C++ signatures, or numpy's
+    # "Maximum allowed dimension exceeded" for a count past 64 bits) are named as the others are.
+    peer = (g.rank + 1) % g.size
+    expect_error(lambda: g.send(np.ones(2, dtype=np.float32), peer, tag=-1), "invalid_argument", me + "send: tag -1 is out of range")
+    expect_error(lambda: g.recv(np.ones(2, dtype=np.float32), peer, tag=2**32), "invalid_argument", me + "recv: tag 4294967296")
+    expect_error(lambda: g.broadcast(x, root=2**40), "invalid_argument", me + "broadcast: root 1099511627776 is not a rank")
+    expect_error(lambda: g.reduce(x, root=1.0), "invalid_argument", me + "reduce: root must be an integer, got float")
+    expect_error(lambda: g.send(x, dst="1"), "invalid_argument", me + "send: destination must be an integer")
+    expect_error(lambda: g.all_reduce(x, op=1), "invalid_argument", me + "all_reduce: op must be a reduce op's name")
+    expect_error(lambda: g.all_gatherv(np.ones(1, dtype=np.float32), [-1] + [1] * (g.size - 1)), "invalid_argument",
+                 me + "all_gatherv: counts[0] is -1")
+    expect_error(lambda: g.all_gatherv(np.ones(1, dtype=np.float32), [2**70] * g.size), "invalid_argument", me + "all_gatherv: counts[0] is")
+    expect_error(lambda: g.reduce_scatterv(np.ones(1, dtype=np.float32), [1.0] * g.size), "invalid_argument",
+                 me + "reduce_scatterv: counts[0] must be an integer")
+    expect_error(lambda: g.ppermute(x, [(0, 2**40)]), "invalid_argument", me + "permute: pairs[0] destination")
+    expect_error(lambda: g.all_gather(x, axis=0.5), "invalid_argument", me + "all_gather: axis must be an integer")
+    expect_error(lambda: g.split(2**40), "invalid_argument", me + "split: color 1099511627776 does not fit in 32 bits")
     read_only = np.ones(4, dtype=np.float32)
     read_only.flags.writeable = False
     expect_error(lambda: g.all_reduce(np.ones(4, dtype=np.float32), out=read_only), "invalid_argument", "read-only")

@@ -24,6 +24,7 @@ number); several may be in flight at once.
 import asyncio
 import atexit
 import functools
+import operator
 import threading
 import weakref
 
@@ -74,6 +75,7 @@ def _flat(x):
 
 
 def _axis(axis, ndim, name="axis"):
+    axis = _integer(axis, name)
     if not -ndim <= axis < ndim:
         raise _invalid(f"{name} {axis} is out of range for {ndim} dimensions")
     return axis % ndim
@@ -83,6 +85,66 @@ def _invalid(message):
     e = Error(message)
     e.errc = "invalid_argument"
     return e
+
+
+# Arguments checked here before they reach the binding, whose own refusal of a value it cannot convert
+# (a negative count, a tag past 32 bits, a float rank) lists C++ signatures instead of naming the value.
+_REDUCE_OPS = "sum, prod, min, max, avg, land, lor, band, bor, bxor"
+
+
+def _integer(value, name):
+    if isinstance(value, (bool, np.bool_)):
+        raise _invalid(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise _invalid(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _rank_arg(value, name, size):
+    """A rank as the binding takes it (a C int); one outside [0, size) within that range is refused by
+    weft itself, which numbers the call."""
+    v = _integer(value, name)
+    if not -2**31 <= v < 2**31:
+        raise _invalid(f"{name} {v} is not a rank of this group of {size}")
+    return v
+
+
+def _int32(value, name):
+    v = _integer(value, name)
+    if not -2**31 <= v < 2**31:
+        raise _invalid(f"{name} {v} does not fit in 32 bits")
+    return v
+
+
+def _tag(value):
+    v = _integer(value, "tag")
+    if not 0 <= v < 2**32:
+        raise _invalid(f"tag {v} is out of range: a tag is from 0 to 2**32 - 1")
+    return v
+
+
+def _reduce_op(op):
+    if not isinstance(op, str):
+        raise _invalid(f"op must be a reduce op's name ({_REDUCE_OPS}), got {type(op).__name__} {op!r}")
+    return op
+
+
+def _counts(values, name):
+    """A list of element counts (or displacements): integers from 0."""
+    if values is None:
+        return []
+    try:
+        items = list(values)
+    except TypeError:
+        raise _invalid(f"{name} must be a sequence of integers, got {type(values).__name__}") from None
+    out = []
+    for i, value in enumerate(items):
+        v = _integer(value, f"{name}[{i}]")
+        if not 0 <= v < 2**63:
+            raise _invalid(f"{name}[{i}] is {v}: {name} are element counts, from 0")
+        out.append(v)
+    return out
 
 
 def _on_loop_soon(loop, call):
@@ -209,7 +271,7 @@ class Group:
 
     def split(self, color, key=0):
         """Ranks with the same color form a new group ordered by (key, rank); a negative color: None."""
-        native = self._g.split(color, key)
+        native = self._g.split(_int32(color, "color"), _int32(key, "key"))
         return None if native.closed else Group(native)
 
     def abort(self, reason=""):
@@ -238,6 +300,18 @@ class Group:
 
     def _start(self, work):
         return Work(work, self)
+
+    def _pairs(self, pairs):
+        """ppermute's (src, dst) pairs as the binding takes them."""
+        try:
+            items = [tuple(p) for p in pairs]
+        except TypeError:
+            raise _invalid("pairs must be a sequence of (source, destination) pairs") from None
+        for i, p in enumerate(items):
+            if len(p) != 2:
+                raise _invalid(f"pairs[{i}] is {p!r}: each pair is (source, destination)")
+        return [(_rank_arg(a, f"pairs[{i}] source", self.size), _rank_arg(b, f"pairs[{i}] destination", self.size))
+                for i, (a, b) in enumerate(items)]
 
     # Several asyncio loops (one per thread) may await one group's operations: each watches the eventfd,
     # the first to wake resolves every completed operation's waiters, each on its own loop's thread, and
@@ -279,11 +353,12 @@ class Group:
         default; out=x reduces in place)."""
         x = _array(x)
         out = _empty(x.shape, x.dtype, x) if out is None else out
-        return self._start(self._g.all_reduce(x, out, op))
+        return self._start(self._g.all_reduce(x, out, _reduce_op(op)))
 
     def broadcast(self, x, root=0, out=None):
         """Root's x into every rank's out (a copy of x by default; out=x works in place)."""
         x = _array(x)
+        root = _rank_arg(root, "root", self.size)
         if out is None:
             out = x.copy() if isinstance(x, DeviceArray) else np.array(x, copy=True)
         elif out is not x:
@@ -298,6 +373,8 @@ class Group:
         """Every rank's x along `axis`: untiled, stacked on a new axis of size `size` at `axis`; tiled,
         concatenated along `axis` (uneven shards: `extents`, every rank's extent along it)."""
         x = _array(x)
+        axis = _integer(axis, "axis")
+        extents = _counts(extents, "extents")
         if out is None:
             if tiled and extents:
                 shape = list(x.shape)
@@ -305,13 +382,14 @@ class Group:
             else:
                 shape = _weft.all_gather_shape(list(x.shape), axis, self.size, tiled)
             out = _empty(shape, x.dtype, x)
-        return self._start(self._g.all_gather(x, out, axis, tiled, list(extents or [])))
+        return self._start(self._g.all_gather(x, out, axis, tiled, extents))
 
     def reduce_scatter(self, x, axis=0, op="sum", tiled=False, out=None, extents=None):
         """The reduction of every rank's x, cut along `axis`: untiled, x.shape[axis] == size and this
         rank keeps slice rank; tiled, the axis cut in size blocks (or `extents`) and this rank keeps
         its block."""
         x = _array(x)
+        axis, op, extents = _integer(axis, "axis"), _reduce_op(op), _counts(extents, "extents")
         if out is None:
             if tiled and extents:
                 if len(extents) != self.size:
@@ -321,13 +399,14 @@ class Group:
             else:
                 shape = _weft.reduce_scatter_shape(list(x.shape), axis, self.size, tiled)
             out = _empty(shape, x.dtype, x)
-        return self._start(self._g.reduce_scatter(x, out, axis, op, tiled, list(extents or [])))
+        return self._start(self._g.reduce_scatter(x, out, axis, op, tiled, extents))
 
     def all_to_all(self, x, split_axis, concat_axis, tiled=False, out=None):
         """The distributed transpose: x cut along split_axis, part j to rank j, the parts received
         joined along concat_axis in rank order (untiled: x.shape[split_axis] == size, stacked on a new
         axis)."""
         x = _array(x)
+        split_axis, concat_axis = _integer(split_axis, "split_axis"), _integer(concat_axis, "concat_axis")
         if out is None:
             out = _empty(_weft.all_to_all_shape(list(x.shape), split_axis, concat_axis, self.size, tiled), x.dtype, x)
         return self._start(self._g.all_to_all(x, out, split_axis, concat_axis, tiled))
@@ -336,7 +415,7 @@ class Group:
         """For each (src, dst): src's x lands in dst's out; a rank that receives from nobody gets zeros."""
         x = _array(x)
         out = _empty(x.shape, x.dtype, x) if out is None else out
-        return self._start(self._g.ppermute(x, out, [tuple(p) for p in pairs]))
+        return self._start(self._g.ppermute(x, out, self._pairs(pairs)))
 
     permute = ppermute
 
@@ -345,6 +424,7 @@ class Group:
     def reduce(self, x, root=0, op="sum", out=None):
         """The reduction of every rank's x at root (its result); None elsewhere."""
         x = _contiguous(_array(x))
+        root, op = _rank_arg(root, "root", self.size), _reduce_op(op)
         if self.rank == root and out is None:
             out = _empty(x.shape, x.dtype, x)
         return self._start(self._g.reduce(x, out if self.rank == root else None, root, op))
@@ -352,6 +432,7 @@ class Group:
     def gather(self, x, root=0, out=None):
         """Every rank's x stacked at root (shape (size,) + x.shape); None elsewhere."""
         x = _contiguous(_array(x))
+        root = _rank_arg(root, "root", self.size)
         if self.rank == root and out is None:
             out = _empty((self.size,) + tuple(x.shape), x.dtype, x)
         return self._start(self._g.gather(x, out if self.rank == root else None, root))
@@ -359,6 +440,7 @@ class Group:
     def scatter(self, x, root=0, out=None, shape=None, dtype=None):
         """Root's x (shape (size,) + block) cut in size blocks, block i to rank i. Elsewhere x may be
         None: give `out`, or `shape` and `dtype` of a block."""
+        root = _rank_arg(root, "root", self.size)
         if self.rank == root:
             x = _contiguous(_array(x))
             if out is None:
@@ -376,49 +458,61 @@ class Group:
         return self._start(self._g.barrier())
 
     def send(self, x, dst, tag=0):
-        return self._start(self._g.send(_contiguous(_array(x)), dst, tag))
+        return self._start(self._g.send(_contiguous(_array(x)), _rank_arg(dst, "destination", self.size), _tag(tag)))
 
     def recv(self, out, src, tag=0):
         """Receives exactly out.nbytes bytes from src into out (which it returns)."""
-        return self._start(self._g.recv(out, src, tag))
+        return self._start(self._g.recv(out, _rank_arg(src, "source", self.size), _tag(tag)))
 
     # ---- variable-size (flat, 1-d arrays; counts in elements, one per rank)
 
     def all_gatherv(self, x, counts, displs=None, out=None):
         x = _flat(x)
+        counts, displs = _counts(counts, "counts"), _counts(displs, "displs")
         if out is None:
             reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
             out = _empty(reach, x.dtype, x)
-        return self._start(self._g.all_gatherv(x, out, list(counts), list(displs or [])))
+        return self._start(self._g.all_gatherv(x, out, counts, displs))
 
     def gatherv(self, x, counts, root=0, displs=None, out=None):
         x = _flat(x)
+        counts, displs = _counts(counts, "counts"), _counts(displs, "displs")
+        root = _rank_arg(root, "root", self.size)
         if self.rank == root and out is None:
             reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
             out = _empty(reach, x.dtype, x)
-        return self._start(self._g.gatherv(x, out if self.rank == root else None, list(counts), root, list(displs or [])))
+        return self._start(self._g.gatherv(x, out if self.rank == root else None, counts, root, displs))
 
     def scatterv(self, x, counts, root=0, displs=None, out=None, dtype=None):
+        counts, displs = _counts(counts, "counts"), _counts(displs, "displs")
+        root = _rank_arg(root, "root", self.size)
         if self.rank == root:
             x = _flat(x)
             dtype = x.dtype
         if out is None:
             if dtype is None:
                 raise _invalid("scatterv: a rank other than the root needs out, or dtype")
+            if len(counts) != self.size:
+                raise _invalid(f"counts has {len(counts)} entries; it needs one per rank of this group of {self.size}")
             out = np.empty(counts[self.rank], dtype=dtype)
-        return self._start(self._g.scatterv(x if self.rank == root else None, out, list(counts), root, list(displs or [])))
+        return self._start(self._g.scatterv(x if self.rank == root else None, out, counts, root, displs))
 
     def all_to_allv(self, x, send_counts, recv_counts, send_displs=None, recv_displs=None, out=None):
         x = _flat(x)
+        send_counts, recv_counts = _counts(send_counts, "send_counts"), _counts(recv_counts, "recv_counts")
+        send_displs, recv_displs = _counts(send_displs, "send_displs"), _counts(recv_displs, "recv_displs")
         if out is None:
             reach = (max((d + c for d, c in zip(recv_displs, recv_counts)), default=0) if recv_displs else sum(recv_counts))
             out = _empty(reach, x.dtype, x)
-        return self._start(self._g.all_to_allv(x, out, list(send_counts), list(recv_counts), list(send_displs or []),
-                                               list(recv_displs or [])))
+        return self._start(self._g.all_to_allv(x, out, send_counts, recv_counts, send_displs, recv_displs))
 
     def reduce_scatterv(self, x, counts, op="sum", out=None):
         x = _flat(x)
-        out = _empty(counts[self.rank], x.dtype, x) if out is None else out
+        counts, op = _counts(counts, "counts"), _reduce_op(op)
+        if out is None:
+            if len(counts) != self.size:
+                raise _invalid(f"counts has {len(counts)} entries; it needs one per rank of this group of {self.size}")
+            out = _empty(counts[self.rank], x.dtype, x)
         return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
 
 
