@@ -275,6 +275,12 @@ def bad_arguments(g):
     # Refused before the bootstrap (NaN seconds was cast to milliseconds: undefined behaviour).
     for t in (float("nan"), -1.0, 1e300):
         expect_error(lambda: weft.Group.create(timeout=t), "invalid_argument", "timeout=")
+    # Refused by name (the binding's casts said "Unable to cast Python instance to C++ type", and its -1
+    # for an unset rank called rank=-1 missing).
+    expect_error(lambda: weft.Group.create(rank="0"), "invalid_argument", "weft: Group.create: rank must be an integer")
+    expect_error(lambda: weft.Group.create(rank=-1, world_size=2), "invalid_argument", "Group.create: rank=-1")
+    expect_error(lambda: weft.Group.create(world_size=0), "invalid_argument", "Group.create: world_size=0")
+    expect_error(lambda: weft.Group.create(secret=5), "invalid_argument", "Group.create: secret: the secret is a string or bytes")
     expect_error(lambda: g.send(np.ones(4, dtype=">i8"), 0), "invalid_argument", "byte order")
     expect(g.all_reduce(np.ones(4, dtype=">u1")).wait()[0] == g.size, "one-byte types have no byte order")
     # Refused in Python (shapes, axes, missing arguments), named as weft's own refusals are: the rank and the call.

@@ -147,6 +147,33 @@ def _counts(values, name):
     return out
 
 
+def _create_options(options):
+    """Group.create's options, checked where the binding's casts would fail without naming them (and
+    where its -1 for "unset" would take a negative rank for a missing one)."""
+    checked = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        where = f"weft: Group.create: {key}="
+        if key in ("rank", "world_size"):
+            v = _integer(value, where[:-1])
+            lowest = 0 if key == "rank" else 1
+            if not lowest <= v < 2**31:
+                raise _invalid(f"{where}{v}: a {'rank' if key == 'rank' else 'world size'} is from {lowest} to 2**31 - 1")
+            value = v
+        elif key in ("store", "transport"):
+            if not isinstance(value, str):
+                raise _invalid(f"{where}{value!r} is not a string")
+        elif key == "secret":
+            if not isinstance(value, (str, bytes)):
+                raise _invalid(f"weft: Group.create: secret: the secret is a string or bytes, not {type(value).__name__}")
+        elif key == "timeout":
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise _invalid(f"{where}{value!r} is not a number of seconds")
+        checked[key] = value
+    return checked
+
+
 def _on_loop_soon(loop, call):
     """Runs call() on asyncio loop `loop`: now if this thread runs it, else from its next turn (an asyncio
     loop is not thread-safe: another thread may only hand it work with call_soon_threadsafe)."""
@@ -234,7 +261,7 @@ class Group:
         """Bootstraps the group (blocks until every rank arrived). Options: rank, world_size, store
         ("host:port"), transport ("auto", the default: shared memory with the ranks of this host, tcp
         with the others; "tcp", "uring", "shm"), timeout (seconds), secret."""
-        return cls(_weft.Group.create(options))
+        return cls(_weft.Group.create(_create_options(options)))
 
     @property
     def rank(self):
