@@ -250,7 +250,8 @@ class Group {
 
   /// Replaces this rank's algorithm choices for the collectives `spec` names (WEFT_ALGO syntax). Every
   /// rank must make the same change before its next collective, and not while calling collectives from
-  /// another thread. Errors: weft::Error (invalid_argument) saying what was expected.
+  /// another thread: a call that ranks run with different algorithms fails on every rank with
+  /// Errc::mismatch naming both. Errors: weft::Error (invalid_argument) saying what was expected.
   void override_algorithms(std::string_view spec);
 
   /// The algorithm this group runs for `collective` ("all_reduce", ...) on a buffer of `bytes` bytes

@@ -32,14 +32,18 @@ struct MessageKey {
 };
 
 /// What operation a message belongs to (docs/PROTOCOL.md, "Signatures"): `call` packs the collective,
-/// dtype, reduce op and root, `count` is the caller's element count. Every frame of a collective carries
-/// its operation's signature; a receive whose signature differs from the arriving message's (both calls
-/// non-zero) fails with Errc::mismatch, naming both calls, and the message's bytes are discarded. A call
-/// of 0 (point-to-point messages) is not compared.
+/// dtype, reduce op and root, `count` is the caller's element count, `plan` the algorithm that runs it
+/// (its family's number + 1, as the group's registry numbers them; 0: not said). Every frame of a
+/// collective carries its operation's signature; a receive whose signature differs from the arriving
+/// message's (both calls non-zero) fails with Errc::mismatch, naming both calls, and the message's bytes
+/// are discarded. A call of 0 (point-to-point messages) is not compared; a plan of 0 matches any.
 struct OpSignature {
   std::uint32_t call = 0;
   std::uint64_t count = 0;
-  friend bool operator==(const OpSignature&, const OpSignature&) = default;
+  std::uint8_t plan = 0;
+  friend bool operator==(const OpSignature& a, const OpSignature& b) noexcept {
+    return a.call == b.call && a.count == b.count && (a.plan == b.plan || a.plan == 0 || b.plan == 0);
+  }
 };
 
 /// One send or receive in flight. It lives in the frame of the coroutine that started it, or in the

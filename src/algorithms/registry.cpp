@@ -85,11 +85,15 @@ constexpr auto entry_index = [] {
 static_assert(std::size(entries) < 128, "entry_index holds entries' positions in an int8_t");
 
 const Algorithm& entry(Collective collective, Kind kind) {
-  const auto c = static_cast<std::size_t>(collective);
-  const auto k = static_cast<std::size_t>(kind);
-  if (c < entry_index.size() && k < kinds && entry_index[c][k] >= 0) return entries[static_cast<std::size_t>(entry_index[c][k])];
+  if (const Algorithm* found = find_kind(collective, kind)) return *found;
   throw std::logic_error("weft: no algorithm of kind " + std::to_string(static_cast<int>(kind)) + " for " +
                          std::string(to_string(collective)) + " in the registry");
+}
+
+const Algorithm* find_kind(Collective collective, Kind kind) noexcept {
+  const auto c = static_cast<std::size_t>(collective);
+  const auto k = static_cast<std::size_t>(kind);
+  return c < entry_index.size() && k < kinds && entry_index[c][k] >= 0 ? &entries[static_cast<std::size_t>(entry_index[c][k])] : nullptr;
 }
 
 const std::vector<std::string_view>& names_for(Collective collective) {

@@ -45,6 +45,8 @@ const Algorithm* find(Collective collective, std::string_view name) noexcept;
 /// The entry (collective, kind). Errors: std::logic_error when there is none (a table of this build
 /// names what it does not implement: a bug the registry test catches).
 const Algorithm& entry(Collective collective, Kind kind);
+/// The entry (collective, kind), or null (a kind a peer named that this collective does not have).
+const Algorithm* find_kind(Collective collective, Kind kind) noexcept;
 /// The names of `collective`'s algorithms, in registry order (empty: the collective has no choice).
 const std::vector<std::string_view>& names_for(Collective collective);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 
 #include <fmt/format.h>
 
@@ -51,6 +52,12 @@ std::uint64_t counts_digest(std::span<const std::size_t> counts) noexcept {
   return h;
 }
 
+namespace {
+std::atomic<PlanNamer> plan_namer{nullptr};
+}  // namespace
+
+void set_plan_namer(PlanNamer namer) noexcept { plan_namer.store(namer, std::memory_order_release); }
+
 std::string describe(const OpSignature& s, std::uint64_t seq) {
   const std::uint32_t kind = s.call >> 27;
   const std::uint32_t type = (s.call >> 22) & 31;
@@ -66,7 +73,14 @@ std::string describe(const OpSignature& s, std::uint64_t seq) {
   detail += digest ? fmt::format(", counts digest {:016x}", s.count) : fmt::format(" x {}", s.count);
   if (root != no_root) detail += fmt::format(", root {}", root - 1);
   if (reduce >= 1 && reduce <= 10) detail += fmt::format(", {}", to_string(static_cast<ReduceOp>(reduce - 1)));
-  return fmt::format("{} #{} ({})", name, seq, detail);
+  std::string plan;
+  if (s.plan != 0) {
+    const PlanNamer namer = plan_namer.load(std::memory_order_acquire);
+    const std::string_view named = namer && kind >= 1 && kind <= all_collectives.size() ? namer(static_cast<Collective>(kind - 1), s.plan)
+                                                                                        : std::string_view();
+    plan = named.empty() ? fmt::format(" as plan {}", s.plan) : fmt::format(" as {}", named);
+  }
+  return fmt::format("{} #{} ({}){}", name, seq, detail, plan);
 }
 
 }  // namespace weft::signature

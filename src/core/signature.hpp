@@ -31,7 +31,14 @@ OpSignature of_device_windows(DType dtype, ReduceOp op, std::uint64_t count);
 /// rank passes, so that a rank whose counts differ fails the operation (named by the peer that meets it).
 std::uint64_t counts_digest(std::span<const std::size_t> counts) noexcept;
 
-/// "all_gather #42 (f32 x 1024)", "broadcast #7 (u8 x 16, root 2)", "all_reduce #3 (f32 x 8, sum)".
+/// Names plan `plan` (OpSignature::plan) of `collective` for describe ("ring"; empty: unknown). The
+/// layer that numbers plans sets it (Group::create: the algorithms' registry); until then describe
+/// gives the number.
+using PlanNamer = std::string_view (*)(Collective collective, std::uint8_t plan) noexcept;
+void set_plan_namer(PlanNamer namer) noexcept;
+
+/// "all_gather #42 (f32 x 1024)", "broadcast #7 (u8 x 16, root 2)", "all_reduce #3 (f32 x 8, sum)", and
+/// where the signature says its plan, " as ring" after it.
 std::string describe(const OpSignature& signature, std::uint64_t seq);
 
 }  // namespace weft::signature

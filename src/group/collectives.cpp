@@ -620,7 +620,7 @@ Future<void> start_as_messages(const std::shared_ptr<GroupState>& g, std::uint64
     around.op = call.op;
   }
   const char* name = to_string(call.collective).data();
-  return MessagePlanOp::start(g, seq, name, signature::of(call.collective, buffers.dtype, buffers.op, shape.count, shape.root),
+  return MessagePlanOp::start(g, seq, name, g->signed_by(signature::of(call.collective, buffers.dtype, buffers.op, shape.count, shape.root), seq),
                               std::move(plan), buffers, std::move(around));
 }
 
@@ -975,10 +975,12 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
                         on_host.in = in;
                         on_host.out = out;
                         on_host.staged = pieces;
+                        state_->note_planned(seq, algorithm);
                         return start_collective(state_, seq, on_host, algorithm);
                       });
   }
   const std::uint64_t seq = take_seq(g, timeout_);
+  g.note_planned(seq, algorithm);
   if (algorithm.kind == algo::Kind::shm && g.arena) {
     // The arena's fast path: a small collective whose turn has come runs here, on this thread.
     ArenaTicket ticket(g);

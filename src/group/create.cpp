@@ -15,6 +15,8 @@
 #include "core/host.hpp"
 #include "core/loop_users.hpp"
 #include "core/log.hpp"
+#include "core/signature.hpp"
+#include "algorithms/registry.hpp"
 #include "rendezvous/bootstrap.hpp"
 #include "group/state.hpp"
 #include "transports/select.hpp"
@@ -102,7 +104,14 @@ std::uint64_t plans_digest(const Options& options, const algo::Selection& select
   return h == 0 ? 1 : h;
 }
 
+// How signatures name their plans (OpSignature::plan: the algorithm's family + 1, GroupState::note_planned).
+std::string_view plan_name(Collective collective, std::uint8_t plan) noexcept {
+  const algo::Algorithm* found = plan == 0 ? nullptr : algo::find_kind(collective, static_cast<algo::Kind>(plan - 1));
+  return found ? found->name : std::string_view();
+}
+
 Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) {
+  signature::set_plan_namer(&plan_name);
   co_await loop->schedule();
   BootstrapResult result;
   try {

@@ -1029,7 +1029,7 @@ Task<bool> run_on_arena(std::shared_ptr<GroupState> g, std::uint64_t seq, Collec
                         std::uint32_t published, bool failed_at_call) {
   if (!g->arena) co_return false;
   const char* op = to_string(call.collective).data();
-  const OpSignature signature = signature_of_call(call);
+  const OpSignature signature = g->signed_by(signature_of_call(call), seq);
   const bool first_published = published > 0;
   if (!first_published) co_await TakeTurn{g->arena_turns, ticket.number()};
   auto hook = std::make_shared<Hook>();
@@ -1096,7 +1096,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   }
   const Chunks chunks = chunks_of(arena, call, g.size);
   if ((!direct && chunks.count() != 1) || !has_script(call.collective)) return ArenaNow::not_started;
-  const OpSignature signature = signature_of_call(call);
+  const OpSignature signature = g.signed_by(signature_of_call(call), seq);
   const char* op = to_string(call.collective).data();
   // Polls until `done` holds: memory only, bounded, as long as the loop would (not at all where it does
   // not poll); a failed group ends it at once. Whether `done` held.

@@ -235,6 +235,24 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   std::uint64_t take_p2p_seq(int peer, bool sending) noexcept {
     return p2p_counts[2 * static_cast<std::size_t>(peer) + (sending ? 0 : 1)].fetch_add(1, std::memory_order_relaxed) + 1;
   }
+  // Which algorithm runs each of the latest collectives (algo::Kind + 1, by seq; 0: not recorded), so
+  // that its signature says it (OpSignature::plan, `signed_by`): ranks that chose differently for one
+  // call (override_algorithms on some ranks only) would wait on messages the other never sends, or
+  // mix up messages that happen to be of one size. A ring of (seq << 8 | plan) words: one store per
+  // call on the caller's thread, read where the collective's signature is made (64 calls later, or
+  // from a rank that no longer remembers: 0, not compared).
+  std::array<std::atomic<std::uint64_t>, 64> planned{};
+  void note_planned(std::uint64_t seq, const algo::Algorithm& algorithm) noexcept {
+    planned[seq % planned.size()].store(seq << 8 | (static_cast<std::uint64_t>(algorithm.kind) + 1), std::memory_order_release);
+  }
+  std::uint8_t planned_of(std::uint64_t seq) const noexcept {
+    const std::uint64_t word = planned[seq % planned.size()].load(std::memory_order_acquire);
+    return (word >> 8) == (seq & (~std::uint64_t{0} >> 8)) ? static_cast<std::uint8_t>(word & 0xff) : 0;
+  }
+  OpSignature signed_by(OpSignature signature, std::uint64_t seq) const noexcept {
+    signature.plan = planned_of(seq);
+    return signature;
+  }
   std::atomic<std::uint64_t> shrinks{0};            // shrink() calls so far: each gets its own exchange
   // Deadlines of single operations (Group::with_timeout), by seq, read on the loop when the operation
   // starts. A fixed ring of the latest: a deadline is looked up soon after its call.
@@ -368,7 +386,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   Task<void> run(const algo::Plan& plan, std::uint64_t seq, Collective collective, algo::PlanBuffers buffers, Call call,
                  std::uint64_t first_tag = 0) {
     return run_signed(plan, seq, to_string(collective).data(),
-                      signature::of(collective, buffers.dtype, buffers.op, call.count, call.root), buffers, first_tag);
+                      signed_by(signature::of(collective, buffers.dtype, buffers.op, call.count, call.root), seq), buffers, first_tag);
   }
   /// The same for a plan of the user's (`op` names it in errors).
   Task<void> run_signed(const algo::Plan& plan, std::uint64_t seq, const char* op, OpSignature signature,

@@ -578,6 +578,23 @@ TEST_CASE("a mismatch that sends no frame is found within seconds, long before t
   }
 }
 
+TEST_CASE("ranks that run one call with different algorithms (override_algorithms on one rank) fail naming both", "[errors][mismatch]") {
+  // Rank 1 alone overrides its choice. Over tcp a tree against recursive doubling exchanged messages
+  // of one size and ranks 0 and 1 completed all_reduce #1 with wrong sums; a ring against the group
+  // arena waited out the deadline, "every rank had joined it". Each frame's signature now says the
+  // algorithm that sent it (OpSignature::plan), and so do the progress answers.
+  std::vector<std::vector<float>> each(3, std::vector<float>(8, 1.0f));
+  for (const char* spec : {"all_reduce:tree", "all_reduce:ring"}) {
+    DYNAMIC_SECTION(spec) {
+      const std::string algorithm = std::string(spec).substr(std::string("all_reduce:").size());
+      expect_mismatch([&](Group& g) {
+        if (g.rank() == 1) g.override_algorithms(spec);
+        return g.with_timeout(10min).all_reduce(each[static_cast<std::size_t>(g.rank())]);
+      }, {"all_reduce #1", "as " + algorithm}, false, 3);
+    }
+  }
+}
+
 TEST_CASE("a collective called with a different dtype, op or root on one rank fails instead of mixing bytes", "[errors][mismatch]") {
   SECTION("dtype: f32 against i32 of the same size") {
     std::vector<float> f(8, 1.0f);

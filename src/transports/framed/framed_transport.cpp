@@ -335,6 +335,7 @@ void FramedTransport::note_started(std::uint32_t context, std::uint64_t seq, con
   slot.count.store(signature.count, std::memory_order_relaxed);
   slot.context.store(context, std::memory_order_relaxed);
   slot.call.store(signature.call, std::memory_order_relaxed);
+  slot.plan.store(signature.plan, std::memory_order_relaxed);
   slot.stamp.store(number + 1, std::memory_order_release);
 }
 
@@ -349,7 +350,8 @@ void FramedTransport::take_noted_elsewhere() {
     if (stamp != number + 1) continue;  // written over by a later push, taken in its place
     const std::uint32_t context = slot.context.load(std::memory_order_relaxed);
     const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
-    const OpSignature signature{slot.call.load(std::memory_order_relaxed), slot.count.load(std::memory_order_relaxed)};
+    const OpSignature signature{slot.call.load(std::memory_order_relaxed), slot.count.load(std::memory_order_relaxed),
+                                slot.plan.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
     if (slot.stamp.load(std::memory_order_relaxed) != stamp) continue;  // written over while read
     if (signature.call == 0 || contexts_.noted_last(context, seq)) continue;
@@ -447,6 +449,7 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   h.bytes = bytes;
   h.call = signature.call;
   h.count = signature.count;
+  h.flags = signature.plan;
   encode_header(h, c);
   const ConstBytes header{c.send_header.data(), header_bytes()};
   if (whole) return c.stream->write_whole_now(header, ConstBytes{data, bytes}, ConstBytes{});
@@ -522,6 +525,7 @@ void FramedTransport::start_write(Connection& c, TransportOp* starting) {
     h.bytes = op.bytes;
     h.call = op.signature.call;
     h.count = op.signature.count;
+    h.flags = op.signature.plan;
     c.writing_control = false;
     encode_header(h, c);
     second = ConstBytes{op.send_data, op.bytes};
@@ -800,7 +804,7 @@ TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::s
   if (!header || header->kind != wire::FrameKind::data || header->bytes != size - wire::header_size) return nullptr;
   const wire::Header& h = *header;
   if (drops_data(contexts_.find(h.context), h.seq)) return nullptr;
-  const OpSignature theirs{h.call, h.count};
+  const OpSignature theirs{h.call, h.count, h.flags};
   TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}}, [&](const TransportOp& posted) {
     return !mismatched(posted, theirs) && posted.bytes == h.bytes;
   });
@@ -859,7 +863,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
   if (TransportOp* op = matcher_.take_posted(Matcher::Key{c.peer, MessageKey{h.context, h.seq, h.tag}})) {
     // The signature first: a different collective usually means a different size too, and naming
     // both calls says more than naming both sizes.
-    if (const OpSignature theirs{h.call, h.count}; mismatched(*op, theirs)) {
+    if (const OpSignature theirs{h.call, h.count, h.flags}; mismatched(*op, theirs)) {
       read_payload_into(c, nullptr, h.bytes, true);
       op->complete(code_of(Errc::mismatch), -1, mismatch_reason(op->key.seq, c.peer, theirs, op->signature));
       return;
@@ -874,7 +878,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     read_payload_into(c, op->recv_data, h.bytes, false);
     return;
   }
-  note_early_signature(h.context, h.seq, OpSignature{h.call, h.count}, c.peer);
+  note_early_signature(h.context, h.seq, OpSignature{h.call, h.count, h.flags}, c.peer);
   if (ctx && ctx->failed) {  // the signature disagreed with this rank's call
     read_payload_into(c, nullptr, h.bytes, true);
     return;
@@ -893,7 +897,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     return;
   }
   c.incoming.charge = matcher_.charge(h.bytes);
-  c.incoming.signature = OpSignature{h.call, h.count};
+  c.incoming.signature = OpSignature{h.call, h.count, h.flags};
   read_payload_into(c, c.incoming.data.get(), h.bytes, false);
 }
 
@@ -951,6 +955,7 @@ void FramedTransport::on_header_only(Connection& c) {
   const OpSignature mine = signature_of(h.context, h.seq);
   answer.call = mine.call;
   answer.count = mine.count;
+  answer.flags = mine.plan;
   if (c.alive) send_control(c, answer);
 }
 
@@ -1290,7 +1295,7 @@ void FramedTransport::on_progress(int peer, const wire::Header& h) {
       if (answer.rank != peer || answer.answered) continue;
       answer.answered = true;
       answer.started = h.tag;
-      answer.signature = OpSignature{h.call, h.count};
+      answer.signature = OpSignature{h.call, h.count, h.flags};
       if (--query->awaiting == 0) finish_query(query);
       return;
     }

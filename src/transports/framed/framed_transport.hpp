@@ -273,6 +273,7 @@ class FramedTransport final : public Transport, private StreamEvents {
     std::atomic<std::uint64_t> count{0};
     std::atomic<std::uint32_t> context{0};
     std::atomic<std::uint32_t> call{0};
+    std::atomic<std::uint8_t> plan{0};
   };
   std::array<NotedElsewhere, 64> noted_elsewhere_{};
   std::atomic<std::uint64_t> noted_elsewhere_pushed_{0};

@@ -22,13 +22,14 @@ enum class FrameKind : std::uint8_t {
   heartbeat = 4,  // reserved for failure detection
   goodbye = 5,    // the sender is leaving normally: nothing more follows on this connection
   query = 6,      // how far are you in `context`? (seq: the operation asked about; no payload)
-  progress = 7,   // the answer: `seq` as asked, `tag` the latest operation the sender started there
+  progress = 7,   // the answer: `seq` as asked, `tag` the latest operation the sender started there,
+                  // `call` and `count` its signature of `seq`, `flags` the plan it runs `seq` with
   cancel = 8,     // operation (context, seq) is cancelled: payload is the reason (UTF-8)
 };
 
 struct Header {
   FrameKind kind = FrameKind::data;
-  std::uint8_t flags = 0;
+  std::uint8_t flags = 0;  // data frames and progress answers: the signature's plan (OpSignature::plan)
   std::uint32_t context = 0;
   std::uint64_t seq = 0;
   std::uint64_t tag = 0;
