@@ -140,15 +140,20 @@ TEST_CASE("streams: a fence orders work across streams (device side, the host do
     gpu::Stream consumer(loop, d_last);
     std::atomic<int> written{0};
     std::atomic<int> seen{-1};
-    // The producer is slow; without the fence the consumer would run first.
+    std::atomic<bool> queued{false};
+    // The producer runs until the host has queued the consumer's wait (10 s at most): a wait() that
+    // blocked the host until the fence would find it written. Without the fence the consumer would run
+    // first. (A bound of 2 ms on wait()'s own time failed at 2.2 ms on a loaded machine.)
     (void)producer.enqueue_host([&] {
-      std::this_thread::sleep_for(2ms);
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (!queued && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(100us);
+      std::this_thread::sleep_for(1ms);
       written = round + 1;
     });
     const gpu::Fence fence = producer.record();
-    const auto before = std::chrono::steady_clock::now();
     consumer.wait(fence);
-    CHECK(std::chrono::steady_clock::now() - before < 2ms);  // wait() queues; it does not block the host
+    CHECK(written.load() == 0);  // wait() queues; it does not block the host
+    queued = true;
     auto read = consumer.enqueue_host([&] { seen = written.load(); });
     read.get();
     CHECK(seen == round + 1);
