@@ -94,6 +94,16 @@ struct DeviceStaging : std::enable_shared_from_this<DeviceStaging> {
   }
 };
 
+ErrorContext Naming::where(const GroupState& g) const { return g.where(op, seq ? static_cast<std::int64_t>(seq) : -1, peer, tag); }
+
+std::string Naming::text() const {
+  std::string s = op;
+  if (seq) s += fmt::format(" #{}", seq);
+  if (peer >= 0) s += fmt::format(" (peer {})", peer);
+  if (tag >= 0) s += fmt::format(" [tag {}]", tag);
+  return s;
+}
+
 namespace {
 
 DeviceStaging& staging_of(GroupState& g) {
@@ -126,15 +136,14 @@ bool within(const void* inner, std::size_t inner_bytes, const void* outer, std::
 // A copy failed: the device is gone for this operation and every later one. The peers are waiting for
 // this rank's part: abort the group so that they fail now, naming this rank and the device, instead of
 // at their deadline.
-void abort_for_device(GroupState& g, const char* op, std::uint64_t seq, const Error& e) {
-  const std::string text = fmt::format("rank {}: its device failed in {}{}: {}", g.rank, op,
-                                       seq ? fmt::format(" #{}", seq) : std::string(), e.detail());
+void abort_for_device(GroupState& g, const Naming& name, const Error& e) {
+  const std::string text = fmt::format("rank {}: its device failed in {}: {}", g.rank, name.text(), e.detail());
   g.mark_failed(text);
   g.loop->post([state = g.shared_from_this(), text] { state->transport->abort_context(state->context, Errc::aborted, text); });
 }
-[[noreturn]] void device_failed(GroupState& g, const char* op, std::uint64_t seq, const Error& e) {
-  abort_for_device(g, op, seq, e);
-  throw Error(Errc::device_failure, g.where(op, seq ? static_cast<std::int64_t>(seq) : -1), e.detail());
+[[noreturn]] void device_failed(GroupState& g, const Naming& name, const Error& e) {
+  abort_for_device(g, name, e);
+  throw Error(Errc::device_failure, name.where(g), e.detail());
 }
 
 // The copy back that is queued after the host part (the group's own stream; `stream` null: none).
@@ -153,7 +162,7 @@ struct AfterPosted {
 };
 
 // Awaits a copy; its failure is the device's (device_failed: the group is aborted).
-Task<void> device_step(GroupState& g, const char* op, std::uint64_t seq, Future<void> copy) {
+Task<void> device_step(GroupState& g, Naming name, Future<void> copy) {
   std::optional<Error> failure;
   try {
     co_await std::move(copy);
@@ -163,9 +172,9 @@ Task<void> device_step(GroupState& g, const char* op, std::uint64_t seq, Future<
   if (failure) {
     // The abort first, then this rank's failure: its caller may leave the group at once, and the peers
     // are to learn the cause from the abort rather than from a connection that went.
-    abort_for_device(g, op, seq, *failure);
+    abort_for_device(g, name, *failure);
     co_await AfterPosted{g.loop};
-    throw Error(Errc::device_failure, g.where(op, seq ? static_cast<std::int64_t>(seq) : -1), failure->detail());
+    throw Error(Errc::device_failure, name.where(g), failure->detail());
   }
 }
 
@@ -192,7 +201,7 @@ Task<void> keep_until(std::vector<Future<void>> done, std::shared_ptr<Leases> le
   leases.reset();
 }
 
-Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::shared_ptr<Leases> leases,
+Task<void> staged_task(std::shared_ptr<GroupState> g, Naming name, std::shared_ptr<Leases> leases,
                        std::optional<gpu::Fence> last, gpu::Stream* own, std::optional<Future<void>> copied_in, Task<void> host,
                        std::optional<gpu::Gate> gate, std::optional<Future<void>> copied_out, CopyBack back) {
   // On every way out: the gate opens, so that the stream never waits for a host part that gave up, and
@@ -221,17 +230,17 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
       (void)spawn(loop, keep_until(std::move(done), std::move(leases), loop.linger()));
     }
   } on_exit{*g->loop, gate, std::move(leases), std::move(last), own};
-  if (copied_in) co_await device_step(*g, op, seq, std::move(*copied_in));
+  if (copied_in) co_await device_step(*g, name, std::move(*copied_in));
   co_await std::move(host);
   if (gate) gate->open();
   if (back.stream) {
     try {
       copied_out.emplace(back.stream->copy(back.to, back.from));
     } catch (const Error& e) {
-      device_failed(*g, op, seq, e);
+      device_failed(*g, name, e);
     }
   }
-  if (copied_out) co_await device_step(*g, op, seq, std::move(*copied_out));
+  if (copied_out) co_await device_step(*g, name, std::move(*copied_out));
   on_exit.leases.reset();  // every copy that used them ran
 }
 
@@ -242,9 +251,9 @@ Task<void> staged_task(std::shared_ptr<GroupState> g, const char* op, std::uint6
 // a stream of the operation's own. Loop thread only, one plan at a time (algo::StagedBuffers).
 class Pieces final : public algo::StagedBuffers {
  public:
-  Pieces(GroupState& g, const char* op, std::size_t piece_bytes) : g_(g), op_(op), piece_(piece_bytes) {}
+  Pieces(GroupState& g, const char* op, std::size_t piece_bytes) : g_(g), name_{op}, piece_(piece_bytes) {}
 
-  void set_seq(std::uint64_t seq) noexcept { seq_ = seq; }
+  void set_name(const Naming& name) noexcept { name_ = name; }
 
   /// Queues the copy of `from` (device) into `to` (staging) on `stream`, piece by piece.
   void copy_in(gpu::Stream& stream, std::byte* to, ConstBufferView from) {
@@ -359,7 +368,7 @@ class Pieces final : public algo::StagedBuffers {
   void fail(const Error& e) {
     if (failure) return;
     failure = e;
-    abort_for_device(g_, op_, seq_, e);
+    abort_for_device(g_, name_, e);
   }
 
   void flush() {
@@ -379,8 +388,7 @@ class Pieces final : public algo::StagedBuffers {
   }
 
   GroupState& g_;
-  const char* op_;
-  std::uint64_t seq_ = 0;
+  Naming name_;
   std::size_t piece_;
   std::byte* in_ = nullptr;  // staging being copied in
   std::size_t in_bytes_ = 0;
@@ -396,7 +404,7 @@ class Pieces final : public algo::StagedBuffers {
 
 // A pipelined operation (run_staged): the plan runs while the pieces copy; then what is left goes back,
 // and the gate opens once everything is back on the device.
-Task<void> pipelined_task(std::shared_ptr<GroupState> g, const char* op, std::uint64_t seq, std::shared_ptr<Leases> leases,
+Task<void> pipelined_task(std::shared_ptr<GroupState> g, Naming name, std::shared_ptr<Leases> leases,
                           gpu::Fence last_in, std::shared_ptr<Pieces> pieces, std::unique_ptr<gpu::Stream> back,
                           std::shared_ptr<DeviceStaging> staging, Task<void> host, std::optional<gpu::Gate> gate) {
   struct OnExit {
@@ -428,18 +436,18 @@ Task<void> pipelined_task(std::shared_ptr<GroupState> g, const char* op, std::ui
     error = std::current_exception();
   }
   // A failed copy aborted the group: the host part then failed as aborted, but the cause is the device.
-  if (pieces->failure) device_failed(*g, op, seq, *pieces->failure);
+  if (pieces->failure) device_failed(*g, name, *pieces->failure);
   if (error) std::rethrow_exception(error);
   pieces->finish_rest();
-  if (pieces->failure) device_failed(*g, op, seq, *pieces->failure);
+  if (pieces->failure) device_failed(*g, name, *pieces->failure);
   if (on_exit.back) {
     gpu::Fence copied_back;
     try {
       copied_back = on_exit.back->record();
     } catch (const Error& e) {
-      device_failed(*g, op, seq, e);
+      device_failed(*g, name, e);
     }
-    co_await device_step(*g, op, seq, copied_back.done());
+    co_await device_step(*g, name, copied_back.done());
   }
   if (gate) gate->open();
 }
@@ -541,8 +549,9 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
       throw;
     }
     const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
-    pieces->set_seq(seq);
-    return spawn(*g.loop, pipelined_task(state, call.op, seq, std::move(leases), std::move(last_in), pieces, std::move(back),
+    const Naming name = call.naming(seq);
+    pieces->set_name(name);
+    return spawn(*g.loop, pipelined_task(state, name, std::move(leases), std::move(last_in), pieces, std::move(back),
                                          staging.shared_from_this(), host(host_in, host_out, seq, pieces.get()), std::move(gate)));
   }
 
@@ -576,7 +585,7 @@ Future<void> run_staged(const std::shared_ptr<GroupState>& state, gpu::Stream* s
   CopyBack back;
   if (out_device && !stream) back = CopyBack{&on, call.out, ConstBufferView(host_out.data, host_out.count, host_out.dtype)};
   const std::uint64_t seq = call.takes_seq ? take_seq(g, timeout) : 0;
-  return spawn(*g.loop, staged_task(state, call.op, seq, std::move(leases), std::move(last), stream ? nullptr : &on, std::move(copied_in),
+  return spawn(*g.loop, staged_task(state, call.naming(seq), std::move(leases), std::move(last), stream ? nullptr : &on, std::move(copied_in),
                                     host(host_in, host_out, seq, nullptr), std::move(gate), std::move(copied_out), back));
 }
 

@@ -41,6 +41,18 @@ inline bool on_device(Device device, std::size_t bytes) noexcept { return device
 void check_device_view(const GroupState& g, const char* op, const char* name, const void* data, std::size_t bytes,
                        Device device);
 
+/// How a staged operation's device failures name it: a collective by its sequence number, a send or
+/// recv as their other errors do, by its number among this rank's sends to (receives from) the peer,
+/// with the peer and the tag ("send #2 (peer 1) [tag 0]").
+struct Naming {
+  const char* op = "";
+  std::uint64_t seq = 0;  // 0: none
+  int peer = -1;
+  std::int64_t tag = -1;
+  ErrorContext where(const GroupState& g) const;
+  std::string text() const;
+};
+
 /// One operation on the device path: which of its views it reads and writes on this rank.
 struct StagedCall {
   const char* op;
@@ -52,6 +64,12 @@ struct StagedCall {
   /// The host operation touches the staging only through one plan given the StagedBuffers, and writes
   /// nothing after it: the copies then go in pieces (Options::staging_copy_bytes), overlapped with the plan.
   bool pipelined = false;
+  /// A send's or recv's own number, peer and tag, for its errors (GroupState::take_p2p_seq).
+  std::uint64_t p2p_seq = 0;
+  int peer = -1;
+  std::int64_t tag = -1;
+  /// Its naming, given the collective's sequence number (0 for send and recv).
+  Naming naming(std::uint64_t seq) const { return takes_seq ? Naming{op, seq} : Naming{op, p2p_seq, peer, tag}; }
 };
 
 /// The host operation on staged views, given its sequence number (0 for send and recv) and, for a

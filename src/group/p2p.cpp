@@ -236,7 +236,7 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   const std::uint64_t seq = checked_p2p_seq(g, true, dst, tag, data);
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
   if (on_device(data.device, data.bytes())) {
-    detail::StagedCall staged{"send", data, BufferView{}, true, false, false};
+    detail::StagedCall staged{"send", data, BufferView{}, true, false, false, false, seq, dst, tag};
     return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, seq, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
       return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, seq, timeout);
     });
@@ -249,7 +249,7 @@ Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   const std::uint64_t seq = checked_p2p_seq(g, false, src, tag, data);
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
   if (on_device(data.device, data.bytes())) {
-    detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false};
+    detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false, false, seq, src, tag};
     return run_staged(state_, stream_, staged, timeout_, [this, src, tag, seq, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
       return p2p_task(state_, false, out.data, out.bytes(), src, tag, seq, timeout);
     });

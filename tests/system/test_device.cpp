@@ -379,6 +379,52 @@ TEST_CASE("a rank whose device fails mid-collective fails every rank, naming it"
   }
 }
 
+TEST_CASE("a send or recv whose device fails is named by its number, peer and tag on both ranks", "[.device-failure-p2p]") {
+  need_backend();
+  // Its own process (meson: WEFT_SIM_FAIL=<n>, the n-th device item of the process fails, sticky): a
+  // ping-pong on device buffers, tag 5. The rank whose copy failed reports device_failure naming its
+  // call as its other errors do ("send #7 (peer 1) [tag 5]"); the other fails through the abort, which
+  // names that rank and call (2026-12-05: "rank 1: send: device 1 failed ...", no number, peer or tag).
+  std::vector<std::string> errors(2);
+  try {
+    run_ranks(2, [&](Group& g) {
+      gpu::Stream stream(g.loop(), device_of(g));
+      gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 256 * sizeof(float));
+      const int peer = 1 - g.rank();
+      try {
+        for (int i = 0; i < 100; ++i) {
+          for (const bool sending : {g.rank() == 0, g.rank() != 0}) {
+            if (sending) g.on(stream).send(data.view<float>(), peer, 5).get();
+            else g.on(stream).recv(data.view<float>(), peer, 5).get();
+          }
+        }
+      } catch (const Error& e) {
+        errors[static_cast<std::size_t>(g.rank())] = fmt::format("{}|{}", static_cast<int>(e.errc()), e.what());
+        throw;
+      }
+    });
+  } catch (const RankFailure&) {
+  }
+  int failed_device = -1;
+  for (int r = 0; r < 2; ++r) {
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    INFO("rank " << r << ": " << e);
+    REQUIRE(!e.empty());
+    if (e.rfind(fmt::format("{}|", static_cast<int>(Errc::device_failure)), 0) == 0) failed_device = r;
+  }
+  REQUIRE(failed_device >= 0);
+  const int other = 1 - failed_device;
+  const std::string& failed = errors[static_cast<std::size_t>(failed_device)];
+  INFO("failed rank " << failed_device << ": " << failed << "\nother: " << errors[static_cast<std::size_t>(other)]);
+  const bool sent = failed.find(fmt::format("rank {}: send #", failed_device)) != std::string::npos;
+  const bool received = failed.find(fmt::format("rank {}: recv #", failed_device)) != std::string::npos;
+  CHECK(sent != received);
+  CHECK(failed.find(fmt::format("(peer {}) [tag 5]: device", other)) != std::string::npos);
+  CHECK(errors[static_cast<std::size_t>(other)].find(fmt::format("rank {}: its device failed in {} #", failed_device, sent ? "send" : "recv")) !=
+        std::string::npos);
+  CHECK(errors[static_cast<std::size_t>(other)].find(fmt::format("(peer {}) [tag 5]", other)) != std::string::npos);
+}
+
 TEST_CASE("cancelling a stream-ordered operation ends it and lets the stream go on", "[device][cancel]") {
   need_backend();
   const long before = checks_made.load();
