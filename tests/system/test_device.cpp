@@ -385,6 +385,9 @@ TEST_CASE("a send or recv whose device fails is named by its number, peer and ta
   // ping-pong on device buffers, tag 5. The rank whose copy failed reports device_failure naming its
   // call as its other errors do ("send #7 (peer 1) [tag 5]"); the other fails through the abort, which
   // names that rank and call (2026-12-05: "rank 1: send: device 1 failed ...", no number, peer or tag).
+  // Catch2 2 runs hidden cases under a filter that only excludes ("~[device-failure]"): there, without
+  // a failure to inject, it has nothing to check.
+  if (!std::getenv("WEFT_SIM_FAIL")) return;
   std::vector<std::string> errors(2);
   try {
     run_ranks(2, [&](Group& g) {
