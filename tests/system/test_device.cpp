@@ -345,18 +345,16 @@ TEST_CASE("device buffers that are not what they say fail at the call, naming th
   });
 }
 
-TEST_CASE("a rank whose device fails mid-collective fails every rank, naming it", "[device-failure]") {
-  need_backend();
-  // WEFT_SIM_FAIL=<n> (meson) fails the n-th device item of the process: a copy of some rank, whichever
-  // comes n-th. That rank fails with device_failure; every other fails too (the group is aborted), naming
-  // that rank. No rank may hang or succeed past the failure.
-  std::vector<std::string> errors(4);
+// Runs `body` on n ranks and returns each rank's error ("<errc>|<what>"; empty where it threw none),
+// with the rank whose own device failed (device_failure; REQUIREd to be one). For the cases where
+// WEFT_SIM_FAIL makes some rank's device fail and no rank may hang or succeed past it.
+namespace {
+std::pair<std::vector<std::string>, int> failed_device_run(int n, const std::function<void(Group&)>& body) {
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
   try {
-    run_ranks(4, [&](Group& g) {
-      gpu::Stream stream(g.loop(), device_of(g));
-      gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 4096 * sizeof(float));
+    run_ranks(n, [&](Group& g) {
       try {
-        for (int i = 0; i < 50; ++i) g.on(stream).all_reduce(data.view<float>()).get();
+        body(g);
       } catch (const Error& e) {
         errors[static_cast<std::size_t>(g.rank())] = fmt::format("{}|{}", static_cast<int>(e.errc()), e.what());
         throw;
@@ -365,13 +363,27 @@ TEST_CASE("a rank whose device fails mid-collective fails every rank, naming it"
   } catch (const RankFailure&) {
   }
   int failed_device = -1;
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < n; ++r) {
     const auto& e = errors[static_cast<std::size_t>(r)];
     INFO("rank " << r << ": " << e);
     REQUIRE(!e.empty());
     if (e.rfind(fmt::format("{}|", static_cast<int>(Errc::device_failure)), 0) == 0) failed_device = r;
   }
   REQUIRE(failed_device >= 0);
+  return {errors, failed_device};
+}
+}  // namespace
+
+TEST_CASE("a rank whose device fails mid-collective fails every rank, naming it", "[device-failure]") {
+  need_backend();
+  // WEFT_SIM_FAIL=<n> (meson) fails the n-th device item of the process: a copy of some rank, whichever
+  // comes n-th. That rank fails with device_failure; every other fails too (the group is aborted), naming
+  // that rank. No rank may hang or succeed past the failure.
+  const auto [errors, failed_device] = failed_device_run(4, [](Group& g) {
+    gpu::Stream stream(g.loop(), device_of(g));
+    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 4096 * sizeof(float));
+    for (int i = 0; i < 50; ++i) g.on(stream).all_reduce(data.view<float>()).get();
+  });
   for (int r = 0; r < 4; ++r) {
     const auto& e = errors[static_cast<std::size_t>(r)];
     INFO("rank " << r << ": " << e);
@@ -388,34 +400,17 @@ TEST_CASE("a send or recv whose device fails is named by its number, peer and ta
   // Catch2 2 runs hidden cases under a filter that only excludes ("~[device-failure]"): there, without
   // a failure to inject, it has nothing to check.
   if (!std::getenv("WEFT_SIM_FAIL")) return;
-  std::vector<std::string> errors(2);
-  try {
-    run_ranks(2, [&](Group& g) {
-      gpu::Stream stream(g.loop(), device_of(g));
-      gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 256 * sizeof(float));
-      const int peer = 1 - g.rank();
-      try {
-        for (int i = 0; i < 100; ++i) {
-          for (const bool sending : {g.rank() == 0, g.rank() != 0}) {
-            if (sending) g.on(stream).send(data.view<float>(), peer, 5).get();
-            else g.on(stream).recv(data.view<float>(), peer, 5).get();
-          }
-        }
-      } catch (const Error& e) {
-        errors[static_cast<std::size_t>(g.rank())] = fmt::format("{}|{}", static_cast<int>(e.errc()), e.what());
-        throw;
+  const auto [errors, failed_device] = failed_device_run(2, [](Group& g) {
+    gpu::Stream stream(g.loop(), device_of(g));
+    gpu::DeviceBuffer data = gpu::DeviceBuffer::allocate(stream.device(), 256 * sizeof(float));
+    const int peer = 1 - g.rank();
+    for (int i = 0; i < 100; ++i) {
+      for (const bool sending : {g.rank() == 0, g.rank() != 0}) {
+        if (sending) g.on(stream).send(data.view<float>(), peer, 5).get();
+        else g.on(stream).recv(data.view<float>(), peer, 5).get();
       }
-    });
-  } catch (const RankFailure&) {
-  }
-  int failed_device = -1;
-  for (int r = 0; r < 2; ++r) {
-    const auto& e = errors[static_cast<std::size_t>(r)];
-    INFO("rank " << r << ": " << e);
-    REQUIRE(!e.empty());
-    if (e.rfind(fmt::format("{}|", static_cast<int>(Errc::device_failure)), 0) == 0) failed_device = r;
-  }
-  REQUIRE(failed_device >= 0);
+    }
+  });
   const int other = 1 - failed_device;
   const std::string& failed = errors[static_cast<std::size_t>(failed_device)];
   INFO("failed rank " << failed_device << ": " << failed << "\nother: " << errors[static_cast<std::size_t>(other)]);
