@@ -328,6 +328,10 @@ class Group:
     def _start(self, work):
         return Work(work, self)
 
+    def _one_per_rank(self, values, name):
+        if len(values) != self.size:
+            raise _invalid(f"{name} has {len(values)} entries; it needs one per rank of this group of {self.size}")
+
     def _pairs(self, pairs):
         """ppermute's (src, dst) pairs as the binding takes them."""
         try:
@@ -419,8 +423,7 @@ class Group:
         axis, op, extents = _integer(axis, "axis"), _reduce_op(op), _counts(extents, "extents")
         if out is None:
             if tiled and extents:
-                if len(extents) != self.size:
-                    raise _invalid(f"extents has {len(extents)} entries; it needs one per rank of this group of {self.size}")
+                self._one_per_rank(extents, "extents")
                 shape = list(x.shape)
                 shape[_axis(axis, x.ndim)] = extents[self.rank]
             else:
@@ -519,8 +522,7 @@ class Group:
         if out is None:
             if dtype is None:
                 raise _invalid("scatterv: a rank other than the root needs out, or dtype")
-            if len(counts) != self.size:
-                raise _invalid(f"counts has {len(counts)} entries; it needs one per rank of this group of {self.size}")
+            self._one_per_rank(counts, "counts")
             out = np.empty(counts[self.rank], dtype=dtype)
         return self._start(self._g.scatterv(x if self.rank == root else None, out, counts, root, displs))
 
@@ -537,8 +539,7 @@ class Group:
         x = _flat(x)
         counts, op = _counts(counts, "counts"), _reduce_op(op)
         if out is None:
-            if len(counts) != self.size:
-                raise _invalid(f"counts has {len(counts)} entries; it needs one per rank of this group of {self.size}")
+            self._one_per_rank(counts, "counts")
             out = _empty(counts[self.rank], x.dtype, x)
         return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
 
