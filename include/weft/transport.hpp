@@ -39,12 +39,13 @@ struct MessageKey {
 /// are discarded. A call of 0 (point-to-point messages) is not compared; a plan of 0 matches any.
 struct OpSignature {
   std::uint32_t call = 0;
+  std::uint8_t plan = 0;  // beside `call`, in its padding: the signature stays 16 bytes
   std::uint64_t count = 0;
-  std::uint8_t plan = 0;
   friend bool operator==(const OpSignature& a, const OpSignature& b) noexcept {
     return a.call == b.call && a.count == b.count && (a.plan == b.plan || a.plan == 0 || b.plan == 0);
   }
 };
+static_assert(sizeof(OpSignature) == 16, "a signature is carried by every operation and slot: keep it 16 bytes");
 
 /// One send or receive in flight. It lives in the frame of the coroutine that started it, or in the
 /// object that owns the operation (no allocation per operation), and must stay alive, at the same

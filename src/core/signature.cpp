@@ -24,7 +24,7 @@ OpSignature pack(std::uint32_t kind, bool reducing, DType dtype, ReduceOp op, st
   // Roots beyond 2^18 - 2 (no group is that large today) share the top code: still compared, named vaguely.
   const std::uint32_t root_code =
       root < 0 ? no_root : std::min<std::uint32_t>(static_cast<std::uint32_t>(root) + 1, (1u << root_bits) - 1);
-  return OpSignature{kind << 27 | type << 22 | reduce << 18 | root_code, count};
+  return OpSignature{.call = kind << 27 | type << 22 | reduce << 18 | root_code, .count = count};
 }
 
 }  // namespace

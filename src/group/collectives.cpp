@@ -980,15 +980,17 @@ Future<void> Group::submit(const detail::CollectiveCall& call) {
                       });
   }
   const std::uint64_t seq = take_seq(g, timeout_);
-  g.note_planned(seq, algorithm);
   if (algorithm.kind == algo::Kind::shm && g.arena) {
-    // The arena's fast path: a small collective whose turn has come runs here, on this thread.
+    // The arena's fast path: a small collective whose turn has come runs here, on this thread, signed
+    // with its algorithm directly; what it leaves to the loop is noted first (GroupState::planned).
     ArenaTicket ticket(g);
     const bool failed_at_call = arena_group_failed(g);
     const ArenaNow now = run_on_arena_now(g, seq, call, ticket);
     if (now == ArenaNow::done) return make_ready_future();
+    g.note_planned(seq, algorithm);
     return spawn(*g.loop, on_arena_or_framed(state_, seq, call, std::move(ticket), steps_published(now), failed_at_call));
   }
+  g.note_planned(seq, algorithm);
   if (Future<void> messages = start_as_messages(state_, seq, call, algorithm); messages.valid()) return messages;
   return spawn(*g.loop, start_collective(state_, seq, call, algorithm));
 }

@@ -1096,7 +1096,7 @@ ArenaNow run_on_arena_now(GroupState& g, std::uint64_t seq, const CollectiveCall
   }
   const Chunks chunks = chunks_of(arena, call, g.size);
   if ((!direct && chunks.count() != 1) || !has_script(call.collective)) return ArenaNow::not_started;
-  const OpSignature signature = g.signed_by(signature_of_call(call), seq);
+  const OpSignature signature = GroupState::signed_as(signature_of_call(call), algo::Kind::shm);
   const char* op = to_string(call.collective).data();
   // Polls until `done` holds: memory only, bounded, as long as the loop would (not at all where it does
   // not poll); a failed group ends it at once. Whether `done` held.

@@ -241,9 +241,17 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // mix up messages that happen to be of one size. A ring of (seq << 8 | plan) words: one store per
   // call on the caller's thread, read where the collective's signature is made (64 calls later, or
   // from a rank that no longer remembers: 0, not compared).
+  // The arena's fast path (run_on_arena_now) knows its algorithm and signs with it directly
+  // (signed_as): a collective it finishes is never noted here (the store cost its smallest all_reduce
+  // 20-30 ns, bench/RESULTS.md), and one it leaves to the loop is noted before the loop runs it.
   std::array<std::atomic<std::uint64_t>, 64> planned{};
+  static std::uint8_t plan_code(algo::Kind kind) noexcept { return static_cast<std::uint8_t>(static_cast<unsigned>(kind) + 1); }
   void note_planned(std::uint64_t seq, const algo::Algorithm& algorithm) noexcept {
-    planned[seq % planned.size()].store(seq << 8 | (static_cast<std::uint64_t>(algorithm.kind) + 1), std::memory_order_release);
+    planned[seq % planned.size()].store(seq << 8 | plan_code(algorithm.kind), std::memory_order_release);
+  }
+  static OpSignature signed_as(OpSignature signature, algo::Kind kind) noexcept {
+    signature.plan = plan_code(kind);
+    return signature;
   }
   std::uint8_t planned_of(std::uint64_t seq) const noexcept {
     const std::uint64_t word = planned[seq % planned.size()].load(std::memory_order_acquire);

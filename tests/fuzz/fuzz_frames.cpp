@@ -94,7 +94,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (int i = 0; i < receives && at + 6 <= size; ++i, at += 6) {
     const std::size_t bytes = (static_cast<std::size_t>(data[at]) | (static_cast<std::size_t>(data[at + 1]) << 8)) % 4096;
     wanted.push_back(Receive{bytes, MessageKey{1, data[at + 2], data[at + 3]},
-                             OpSignature{static_cast<std::uint32_t>(data[at + 4]) << 27, data[at + 5]}});
+                             OpSignature{.call = static_cast<std::uint32_t>(data[at + 4]) << 27, .count = data[at + 5]}});
   }
   const std::uint8_t* stream_data = data + at;
   const std::size_t stream_size = size - at;

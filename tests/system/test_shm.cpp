@@ -673,7 +673,7 @@ TEST_CASE("arena supersteps: three threads step together 20000 times, each readi
         const auto like = reinterpret_cast<const void*>(static_cast<std::uintptr_t>((step * 8 + static_cast<std::uint64_t>(r)) % 64));
         auto* mine = reinterpret_cast<std::uint64_t*>(a.next_area(bytes, like));
         for (int i = 0; i < words; ++i) mine[i] = step * 1000 + static_cast<std::uint64_t>(r);
-        const OpSignature signature{static_cast<std::uint32_t>(step), step << 20};
+        const OpSignature signature{.call = static_cast<std::uint32_t>(step), .count = step << 20};
         a.next_header().name(step, signature, 1, false);
         a.publish();
         while (!a.reached()) std::this_thread::yield();
@@ -691,15 +691,15 @@ TEST_CASE("arena supersteps: three threads step together 20000 times, each readi
 
 TEST_CASE("an area's header keeps the operation, its skew and its cancelled mark in 32 bytes", "[shm][arena]") {
   shm::AreaHeader h;
-  const OpSignature signature{0x12345678u, (std::uint64_t{1} << 55) + 3};
+  const OpSignature signature{.call = 0x12345678u, .count = (std::uint64_t{1} << 55) + 3};
   h.name(9, signature, 2, false);
   REQUIRE(h.seq == 9);
   REQUIRE(h.signature() == signature);
   REQUIRE(h.names(9, signature, 2));
   REQUIRE_FALSE(h.names(10, signature, 2));
   REQUIRE_FALSE(h.names(9, signature, 3));
-  REQUIRE_FALSE(h.names(9, OpSignature{signature.call, signature.count + 1}, 2));
-  REQUIRE_FALSE(h.names(9, OpSignature{signature.call + 1, signature.count}, 2));
+  REQUIRE_FALSE(h.names(9, OpSignature{.call = signature.call, .count = signature.count + 1}, 2));
+  REQUIRE_FALSE(h.names(9, OpSignature{.call = signature.call + 1, .count = signature.count}, 2));
   // The skew rides beside the count without changing what the header names; at most 63.
   for (std::uint32_t skew : {0u, 1u, 17u, 63u, 64u + 5u}) {
     h.set_skew(skew);
@@ -715,7 +715,7 @@ TEST_CASE("an area's header keeps the operation, its skew and its cancelled mark
   REQUIRE_FALSE(h.names(9, signature, 2));
   REQUIRE(h.skew() == 40);
   // A count past 2^56 elements is kept modulo 2^56 alike on every rank: it still names the operation.
-  const OpSignature huge{1, (std::uint64_t{1} << 60) + 7};
+  const OpSignature huge{.call = 1, .count = (std::uint64_t{1} << 60) + 7};
   h.name(1, huge, 0, false);
   REQUIRE(h.names(1, huge, 0));
   REQUIRE_FALSE(h.cancelled());

@@ -1056,13 +1056,13 @@ TEST_CASE("a context's recent signatures: every kept entry of a seq is found, wh
     const int pushes = static_cast<int>(rng() % 300);
     for (int i = 0; i < pushes; ++i) {
       const std::uint64_t seq = 1 + rng() % (rng() % 2 ? 8 : 200);
-      const ContextState::Seen seen{seq, OpSignature{static_cast<std::uint32_t>(1 + rng() % 3), rng() % 2}, static_cast<int>(rng() % 4)};
+      const ContextState::Seen seen{seq, OpSignature{.call = static_cast<std::uint32_t>(1 + rng() % 3), .count = rng() % 2}, static_cast<int>(rng() % 4)};
       recent.push(seen);
       all.push_back(seen);
     }
     const std::size_t kept_from = all.size() > ContextState::Recent::size ? all.size() - ContextState::Recent::size : 0;
     for (std::uint64_t seq = 1; seq <= 200; ++seq) {
-      const OpSignature mine{1 + static_cast<std::uint32_t>(seq % 3), seq % 2};
+      const OpSignature mine{.call = 1 + static_cast<std::uint32_t>(seq % 3), .count = seq % 2};
       const ContextState::Seen* expect_find = nullptr;
       const ContextState::Seen* expect_disagreeing = nullptr;
       for (std::size_t i = all.size(); i-- > kept_from;) {

@@ -926,7 +926,7 @@ struct Outcome {
 
 Channel board_channel(Switchboard& board, const std::vector<int>& members, int r, std::uint64_t seq) {
   Channel ch{nullptr, board.ranks[static_cast<std::size_t>(r)].get(), 1, seq, r, members, "broadcast", 0};
-  ch.signature = OpSignature{7, 1};
+  ch.signature = OpSignature{.call = 7, .count = 1};
   return ch;
 }
 

@@ -350,8 +350,9 @@ void FramedTransport::take_noted_elsewhere() {
     if (stamp != number + 1) continue;  // written over by a later push, taken in its place
     const std::uint32_t context = slot.context.load(std::memory_order_relaxed);
     const std::uint64_t seq = slot.seq.load(std::memory_order_relaxed);
-    const OpSignature signature{slot.call.load(std::memory_order_relaxed), slot.count.load(std::memory_order_relaxed),
-                                slot.plan.load(std::memory_order_relaxed)};
+    const OpSignature signature{.call = slot.call.load(std::memory_order_relaxed),
+                                .plan = slot.plan.load(std::memory_order_relaxed),
+                                .count = slot.count.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
     if (slot.stamp.load(std::memory_order_relaxed) != stamp) continue;  // written over while read
     if (signature.call == 0 || contexts_.noted_last(context, seq)) continue;
@@ -804,7 +805,7 @@ TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::s
   if (!header || header->kind != wire::FrameKind::data || header->bytes != size - wire::header_size) return nullptr;
   const wire::Header& h = *header;
   if (drops_data(contexts_.find(h.context), h.seq)) return nullptr;
-  const OpSignature theirs{h.call, h.count, h.flags};
+  const OpSignature theirs{.call = h.call, .plan = h.flags, .count = h.count};
   TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}}, [&](const TransportOp& posted) {
     return !mismatched(posted, theirs) && posted.bytes == h.bytes;
   });
@@ -863,7 +864,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
   if (TransportOp* op = matcher_.take_posted(Matcher::Key{c.peer, MessageKey{h.context, h.seq, h.tag}})) {
     // The signature first: a different collective usually means a different size too, and naming
     // both calls says more than naming both sizes.
-    if (const OpSignature theirs{h.call, h.count, h.flags}; mismatched(*op, theirs)) {
+    if (const OpSignature theirs{.call = h.call, .plan = h.flags, .count = h.count}; mismatched(*op, theirs)) {
       read_payload_into(c, nullptr, h.bytes, true);
       op->complete(code_of(Errc::mismatch), -1, mismatch_reason(op->key.seq, c.peer, theirs, op->signature));
       return;
@@ -878,7 +879,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     read_payload_into(c, op->recv_data, h.bytes, false);
     return;
   }
-  note_early_signature(h.context, h.seq, OpSignature{h.call, h.count, h.flags}, c.peer);
+  note_early_signature(h.context, h.seq, OpSignature{.call = h.call, .plan = h.flags, .count = h.count}, c.peer);
   if (ctx && ctx->failed) {  // the signature disagreed with this rank's call
     read_payload_into(c, nullptr, h.bytes, true);
     return;
@@ -897,7 +898,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     return;
   }
   c.incoming.charge = matcher_.charge(h.bytes);
-  c.incoming.signature = OpSignature{h.call, h.count, h.flags};
+  c.incoming.signature = OpSignature{.call = h.call, .plan = h.flags, .count = h.count};
   read_payload_into(c, c.incoming.data.get(), h.bytes, false);
 }
 
@@ -1295,7 +1296,7 @@ void FramedTransport::on_progress(int peer, const wire::Header& h) {
       if (answer.rank != peer || answer.answered) continue;
       answer.answered = true;
       answer.started = h.tag;
-      answer.signature = OpSignature{h.call, h.count, h.flags};
+      answer.signature = OpSignature{.call = h.call, .plan = h.flags, .count = h.count};
       if (--query->awaiting == 0) finish_query(query);
       return;
     }

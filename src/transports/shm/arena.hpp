@@ -152,7 +152,7 @@ struct AreaHeader {
     return same_operation(op_seq, signature, op_step) && !cancelled();
   }
   /// The signature it names (the count as far as the header keeps it), for reports.
-  OpSignature signature() const noexcept { return OpSignature{call, count()}; }
+  OpSignature signature() const noexcept { return OpSignature{.call = call, .count = count()}; }
 };
 static_assert(sizeof(AreaHeader) == 32, "32 bytes of contents start beside the header, on its line");
 
