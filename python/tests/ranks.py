@@ -209,6 +209,17 @@ def mark(name):
     open(os.environ["TEST_READY_FILE"] + "." + name, "w").close()
 
 
+def all_marked(name, limit=60):
+    """Marks `name` for this rank and waits (blocking) until every rank of the group has: a rendezvous
+    outside weft, for scenarios whose group is about to fail."""
+    rank, size = int(os.environ["WEFT_RANK"]), int(os.environ["WEFT_WORLD_SIZE"])
+    mark(f"{name}.{rank}")
+    deadline = time.monotonic() + limit
+    while not all(os.path.exists(os.environ["TEST_READY_FILE"] + f".{name}.{r}") for r in range(size)):
+        expect(time.monotonic() < deadline, f"not every rank marked '{name}' within {limit} s")
+        time.sleep(0.01)
+
+
 async def until_marked(name, limit=120):
     """Waits (the asyncio way) until another rank marked `name`."""
     path = os.environ["TEST_READY_FILE"] + "." + name
@@ -323,6 +334,54 @@ def bad_arguments(g):
         expect_error(lambda: work.wait(timeout=bad), "invalid_argument", "timeout is", "0 or more")
     work.wait(timeout=float("inf"))  # no limit (it timed out at once: the clock overflowed)
     g.barrier().wait(timeout=1e300)
+
+
+def algorithms(g):
+    """Algorithm choices from Python: listed, asked for, overridden on every rank (the collective then
+    runs the chosen one and is still right), refused by name when malformed, and a choice only some
+    ranks made fails the collective on every rank naming both algorithms."""
+    me = f"weft: rank {g.rank}: "
+    names = weft.available_algorithms("all_reduce")
+    expect("ring" in names and "recursive_doubling" in names, f"all_reduce's algorithms: {names}")
+    expect(weft.available_algorithms("ppermute") == weft.available_algorithms("permute"), "ppermute is permute")
+    expect_error(lambda: weft.available_algorithms("all_reduse"), "invalid_argument", "'all_reduse' is not a collective")
+    expect_error(lambda: weft.available_algorithms(3), "invalid_argument", "not int 3")
+    chosen = g.algorithm_for("all_reduce", 8)
+    expect(chosen in names or (chosen == "shm" and "shm" in names), f"algorithm_for all_reduce 8 B: {chosen!r}")
+    expect(g.algorithm_for("ppermute", 8) == "", "ppermute has no choice")
+    expect_error(lambda: g.algorithm_for("all_reduse", 8), "invalid_argument", me + "algorithm_for: 'all_reduse' is not a collective")
+    expect_error(lambda: g.algorithm_for("all_reduce", -1), "invalid_argument", me + "algorithm_for: nbytes is -1")
+    expect_error(lambda: g.override_algorithms("all_reduce:bogus"), "invalid_argument", me + "override_algorithms", "bogus")
+    expect_error(lambda: g.override_algorithms(None), "invalid_argument", me + "override_algorithms: the algorithm choices are a string")
+    expect(g.algorithm_for("all_reduce", 8) == chosen, "a refused override changes nothing")
+    everyone = [inputs(i, (1000,), np.float32) for i in range(g.size)]
+    want = np.sum(np.stack(everyone), axis=0)
+    for algorithm in ("ring", "recursive_doubling"):
+        g.override_algorithms(f"all_reduce:{algorithm}")
+        expect(g.algorithm_for("all_reduce", 8) == algorithm and g.algorithm_for("all_reduce", 1 << 20) == algorithm,
+               f"after override_algorithms('all_reduce:{algorithm}'): {g.algorithm_for('all_reduce', 8)}")
+        got = g.all_reduce(everyone[g.rank]).wait()
+        expect(np.array_equal(got, want), f"all_reduce with {algorithm}")
+    if g.size == 1:
+        return
+    # Rank 0 alone changes its choice: the next all_reduce fails everywhere, naming both algorithms. Every
+    # rank first sees all others done with the all_reduce before (marks, not a collective): the abort
+    # that the mismatch causes also fails what is still in flight on a rank that lags behind.
+    all_marked("agreed")
+    if g.rank == 0:
+        g.override_algorithms("all_reduce:ring")
+    try:
+        g.all_reduce(everyone[g.rank]).wait()
+        raise AssertionError("an all_reduce run as ring on rank 0 and recursive_doubling elsewhere completed")
+    except weft.Error as e:
+        # The rank that finds the mismatch fails with it and aborts the group; the others fail aborted,
+        # with its words.
+        expect(e.errc in ("mismatch", "aborted"), f"expected mismatch, got {e.errc}: {e}")
+        for words in ("all_reduce #3", "as ring", "as recursive_doubling"):
+            expect(words in str(e), f"'{words}' not in: {e}")
+    # Every rank keeps its group until all have seen the failure: one that closed at once could take its
+    # connections down before its abort frame left, and the others would see a lost peer instead.
+    all_marked("failed")
 
 
 def gil(g):
@@ -478,6 +537,7 @@ SCENARIOS = {
     "dead_peer": dead_peer,
     "bad_arguments": bad_arguments,
     "gil": gil,
+    "algorithms": algorithms,
 }
 
 

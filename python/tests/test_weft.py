@@ -92,6 +92,11 @@ def test_wrong_dtypes_and_shapes_raise_before_anything_is_sent(n):
     expect_ok(run_ranks(n, "bad_arguments"), "bad_arguments")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_algorithm_choices_listed_asked_and_overridden(n, tmp_path):
+    expect_ok(run_ranks(n, "algorithms", TEST_READY_FILE=str(tmp_path / "marks")), "algorithms")
+
+
 def test_wait_releases_the_gil():
     expect_ok(run_ranks(2, "gil"), "gil")
 

@@ -33,7 +33,8 @@ import numpy as np
 from . import _weft
 from ._weft import Error
 
-__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "from_dlpack", "device_backend", "await_spin_us"]
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "from_dlpack", "device_backend", "available_algorithms",
+           "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
 # loop: small collectives complete within it and skip the loop's selector round trip (bench/RESULTS.md,
@@ -130,6 +131,20 @@ def _reduce_op(op):
     return op
 
 
+def _collective_name(name):
+    """A collective's name as weft's C++ side spells it (Python's ppermute is its permute)."""
+    if not isinstance(name, str):
+        raise _invalid(f"a collective is named by a string (\"all_reduce\", ...), not {type(name).__name__} {name!r}")
+    return "permute" if name == "ppermute" else name
+
+
+def _count(value, name):
+    v = _integer(value, name)
+    if not 0 <= v < 2**63:
+        raise _invalid(f"{name} is {v}: a number of bytes is from 0 to 2**63 - 1")
+    return v
+
+
 def _counts(values, name):
     """A list of element counts (or displacements): integers from 0."""
     if values is None:
@@ -161,7 +176,7 @@ def _create_options(options):
             if not lowest <= v < 2**31:
                 raise _invalid(f"{where}{v}: a {'rank' if key == 'rank' else 'world size'} is from {lowest} to 2**31 - 1")
             value = v
-        elif key in ("store", "transport"):
+        elif key in ("store", "transport", "algorithms", "tuning_file"):
             if not isinstance(value, str):
                 raise _invalid(f"{where}{value!r} is not a string")
         elif key == "secret":
@@ -260,7 +275,9 @@ class Group:
     def create(cls, **options):
         """Bootstraps the group (blocks until every rank arrived). Options: rank, world_size, store
         ("host:port"), transport ("auto", the default: shared memory with the ranks of this host, tcp
-        with the others; "tcp", "uring", "shm"), timeout (seconds), secret."""
+        with the others; "tcp", "uring", "shm"), timeout (seconds), secret, algorithms (choices over the
+        built-in table in WEFT_ALGO's syntax, e.g. "all_reduce:ring"; the ranks must agree, which the
+        bootstrap checks), tuning_file (a file `weft-bench --tune` wrote; WEFT_TUNING)."""
         return cls(_weft.Group.create(_create_options(options)))
 
     @property
@@ -304,6 +321,20 @@ class Group:
     def abort(self, reason=""):
         """Fails every operation in flight on this group, here and on every other rank."""
         self._g.abort(reason)
+
+    def override_algorithms(self, spec):
+        """Replaces this rank's algorithm choices for the collectives `spec` names (WEFT_ALGO's syntax,
+        e.g. "all_reduce:recursive_doubling@0-16K,ring"). Every rank must make the same change before
+        its next collective: a collective that ranks run with different algorithms fails on every rank
+        (errc "mismatch") naming both."""
+        if not isinstance(spec, str):
+            raise _invalid(f"the algorithm choices are a string in WEFT_ALGO's syntax, not {type(spec).__name__}")
+        self._g.override_algorithms(spec)
+
+    def algorithm_for(self, collective, nbytes):
+        """The algorithm this group runs `collective` ("all_reduce", ...) with on `nbytes` bytes per rank;
+        "" for one without a choice (ppermute)."""
+        return self._g.algorithm_for(_collective_name(collective), _count(nbytes, "nbytes"))
 
     def _refusal(self, op, e):
         """Error `e`, raised without a rank, again with this rank and `op` in its words and fields."""
@@ -566,7 +597,8 @@ for _name, _op in [("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("a
                    ("reduce", "reduce"), ("gather", "gather"), ("scatter", "scatter"), ("barrier", "barrier"),
                    ("send", "send"), ("recv", "recv"), ("all_gatherv", "all_gatherv"), ("gatherv", "gatherv"),
                    ("scatterv", "scatterv"), ("all_to_allv", "all_to_allv"), ("reduce_scatterv", "reduce_scatterv"),
-                   ("split", "split")]:
+                   ("split", "split"), ("override_algorithms", "override_algorithms"),
+                   ("algorithm_for", "algorithm_for")]:
     setattr(Group, _name, _naming_the_rank(_op, getattr(Group, _name)))
 Group.distributed_broadcast = Group.broadcast
 Group.permute = Group.ppermute
@@ -604,6 +636,12 @@ def from_dlpack(x):
     if device_type == 2:
         return DeviceArray._from_dlpack(x.__dlpack__())
     raise _invalid(f"from_dlpack: DLPack device type {device_type} is neither the host (1) nor CUDA (2)")
+
+
+def available_algorithms(collective):
+    """The algorithms this build implements for `collective` ("all_reduce", ...): the names that
+    WEFT_ALGO, Group.create(algorithms=...) and Group.override_algorithms take."""
+    return _weft.available_algorithms(_collective_name(collective))
 
 
 def device_backend():

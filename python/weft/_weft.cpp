@@ -562,7 +562,12 @@ class PyGroup {
         options.timeout = std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
       }
       else if (k == "secret") options.secret = value.cast<std::string>();
-      else raise_invalid("Group.create has no option '" + k + "' (rank, world_size, store, transport, timeout, secret)");
+      else if (k == "algorithms") options.algorithms = value.cast<std::string>();
+      else if (k == "tuning_file") options.tuning_file = value.cast<std::string>();
+      else {
+        raise_invalid("Group.create has no option '" + k +
+                      "' (rank, world_size, store, transport, timeout, secret, algorithms, tuning_file)");
+      }
     }
     Loop& l = loop();
     try {
@@ -642,6 +647,8 @@ class PyGroup {
     }
   }
   void abort(const std::string& reason) { group().abort(reason); }
+  void override_algorithms(const std::string& spec) { group().override_algorithms(spec); }
+  std::string algorithm_for(const std::string& collective, std::size_t bytes) { return group().algorithm_for(collective, bytes); }
 
  private:
   struct Held {
@@ -710,6 +717,11 @@ PYBIND11_MODULE(_weft, m) {
   m.def("all_to_all_shape", [](const std::vector<std::size_t>& shape, int split_axis, int concat_axis, int ranks, bool tiled) {
     return weft::all_to_all_shape(shape, split_axis, concat_axis, ranks, tiled);
   });
+  m.def("available_algorithms", [](const std::string& collective) {
+    if (!collective_named(collective)) raise_invalid("available_algorithms: '" + collective + "' is not a collective");
+    const auto& names = algorithms::available_algorithms(collective);
+    return std::vector<std::string>(names.begin(), names.end());
+  });
   m.def("device_backend", [] { return std::string(gpu::backend_name()); });
   m.def("device_count", [] { return gpu::device_count(); });
 
@@ -737,6 +749,8 @@ PYBIND11_MODULE(_weft, m) {
       .def("close", &G::close)
       .def("split", &G::split)
       .def("abort", &G::abort, py::arg("reason") = "")
+      .def("override_algorithms", &G::override_algorithms)
+      .def("algorithm_for", &G::algorithm_for)
       // ---- over n-d arrays (weft/tensor.hpp); `out` is allocated by the Python half
       .def("all_reduce", [](G& g, py::object in, py::object out, const std::string& op) {
         const ReduceOp o = op_named(op);

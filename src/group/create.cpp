@@ -4,6 +4,9 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -164,6 +167,28 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   co_return Group(std::move(g));
 }
 
+// A tuning file's choices as one WEFT_ALGO spec: its lines joined, blank lines and comments left out.
+// Errors: weft::Error (invalid_argument) naming the file and why it cannot be read (a directory opened
+// and read as an empty file: it was taken as a file without choices).
+std::string tuning_file_choices(const Options& options) {
+  const auto refuse = [&](const std::string& why) {
+    throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
+                fmt::format("cannot read the tuning file '{}' (WEFT_TUNING, Options::tuning_file): {}", options.tuning_file, why));
+  };
+  std::error_code error;
+  if (std::filesystem::is_directory(options.tuning_file, error)) refuse("it is a directory");
+  errno = 0;
+  std::ifstream file(options.tuning_file);
+  if (!file) refuse(errno ? std::strerror(errno) : "it cannot be opened");
+  std::string content;
+  for (std::string line; std::getline(file, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    content += line + ";";
+  }
+  if (file.bad()) refuse("reading it failed");
+  return content;
+}
+
 }  // namespace
 
 Future<Group> Group::create(Loop& loop) { return create(loop, Options{}); }
@@ -196,19 +221,7 @@ Future<Group> Group::create(Loop& loop, const Options& given) {
   }
   // Algorithm choices: the built-in table, then a tuning file, then WEFT_ALGO. Malformed ones fail here.
   algo::Selection selection;
-  if (!options.tuning_file.empty()) {
-    std::ifstream file(options.tuning_file);
-    if (!file) {
-      throw Error(Errc::invalid_argument, ErrorContext{.rank = options.rank, .op = "configuration"},
-                  fmt::format("cannot read the tuning file '{}' (WEFT_TUNING)", options.tuning_file));
-    }
-    std::string content;
-    for (std::string line; std::getline(file, line);) {
-      if (line.empty() || line[0] == '#') continue;
-      content += line + ";";
-    }
-    selection.override_with(content, "the tuning file " + options.tuning_file);
-  }
+  if (!options.tuning_file.empty()) selection.override_with(tuning_file_choices(options), "the tuning file " + options.tuning_file);
   selection.override_with(options.algorithms, "WEFT_ALGO");
   return spawn(loop, create_task(&loop, std::move(options), std::move(selection)));
 }

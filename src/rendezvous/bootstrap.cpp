@@ -349,9 +349,13 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   if (!missing.empty()) {
     std::vector<std::string> ranks;
     for (const auto& key : missing) ranks.push_back(key.substr(key.rfind('/') + 1));
+    // Where the store is served, what it refused meanwhile: a rank set up differently (another WEFT_ALGO,
+    // secret or world size) was refused by name in its own error and only in this rank's log.
+    const std::string refused = out.store_server ? out.store_server->refusals() : std::string();
     fail(Errc::timeout, rank,
-         fmt::format("ranks [{}] never arrived at the store {} within {} s", fmt::join(ranks, ", "), options.store,
-                     std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count()));
+         fmt::format("ranks [{}] never arrived at the store {} within {} s{}", fmt::join(ranks, ", "), options.store,
+                     std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count(),
+                     refused.empty() ? "" : " (the store meanwhile: " + refused + ")"));
   }
   std::vector<std::pair<std::string, unsigned short>> addresses;
   for (int i = 0; i < size; ++i) {

@@ -322,7 +322,14 @@ void RefusalLog::say_suppressed() {
   suppressed_ = 0;
 }
 
+std::string RefusalLog::summary() const {
+  if (total_ == 0) return {};
+  return fmt::format("{} connection{} refused, the last from {}", total_, total_ == 1 ? "" : "s", last_);
+}
+
 void RefusalLog::refused(const std::string& from, const std::string& why) {
+  ++total_;
+  last_ = fmt::format("{}: {}", from, why);
   const auto now = std::chrono::steady_clock::now();
   if (now - window_start_ >= window_) {
     say_suppressed();

@@ -146,6 +146,9 @@ class RefusalLog {
   void refused(const std::string& from, const std::string& why);
   /// Logs the count of refusals not logged one by one, if any (the listener closes).
   void say_suppressed();
+  /// The refusals so far, for an error that would otherwise leave them to the log: "" for none, else
+  /// "N connection(s) refused, the last from ADDRESS: WHY".
+  std::string summary() const;
 
  private:
   std::string listener_;  // "store", "rank 2: bootstrap"
@@ -154,6 +157,8 @@ class RefusalLog {
   std::chrono::steady_clock::time_point window_start_{};
   int logged_ = 0;
   long suppressed_ = 0;
+  long total_ = 0;
+  std::string last_;  // "ADDRESS: WHY" of the latest refusal
 };
 
 /// The connections of one listener that are still greeting, oldest first, at most `limit` of them. A

@@ -255,6 +255,8 @@ Server::~Server() { close(); }
 
 unsigned short Server::port() const { return impl_->acceptor.local_endpoint().port(); }
 
+std::string Server::refusals() const { return impl_->refusals->summary(); }
+
 void Server::close() {
   asio::post(impl_->acceptor.get_executor(), [impl = impl_] {
     if (impl->closed) return;

@@ -76,6 +76,8 @@ class Server {
   unsigned short port() const;
   /// Stops accepting and closes every connection (on the io_context's thread).
   void close();
+  /// The connections refused so far (greeting::RefusalLog::summary); on the io_context's thread.
+  std::string refusals() const;
 
   struct Impl;
 

@@ -173,5 +173,9 @@ TEST_CASE("a tuning file is loaded before WEFT_ALGO, and a bad one is refused by
   CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("the tuning file " + path) && Catch::Contains("has no ':'"));
   std::remove(path.c_str());
   o.tuning_file = "/nonexistent/weft-tuning.txt";
-  CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("cannot read the tuning file '/nonexistent/weft-tuning.txt'"));
+  CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("cannot read the tuning file '/nonexistent/weft-tuning.txt'") &&
+                                               Catch::Contains("No such file or directory"));
+  // A directory opens and reads as an empty file: it was taken as a file without choices.
+  o.tuning_file = "/tmp";
+  CHECK_THROWS_WITH(Group::create(loop, o), Catch::Contains("cannot read the tuning file '/tmp'") && Catch::Contains("it is a directory"));
 }

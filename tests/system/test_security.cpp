@@ -147,7 +147,9 @@ TEST_CASE("ranks that share a secret meet; one without it, or with another, is r
   SECTION("a wrong secret") {
     auto out = bootstrap_each(3, [](int i, Options& o) { o.secret = i == 2 ? "tr0ub4dor" : "correct horse battery staple"; });
     CHECK(out[0].code == Errc::timeout);
-    CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived"));
+    // The store's own error says what it refused meanwhile, not only its log.
+    CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived") && Catch::Contains("(the store meanwhile: 1 connection refused, the last from 127.0.0.1:") &&
+                                Catch::Contains("the proof of the shared secret"));
     CHECK(out[2].code == Errc::refused);
     CHECK_THAT(out[2].text, Catch::Contains("rank 2") && Catch::Contains("bootstrap") && Catch::Contains("the store at 127.0.0.1:") &&
                                 Catch::Contains("the proof of the shared secret from the store does not match the secret of the connecting rank"));
@@ -262,7 +264,8 @@ TEST_CASE("a rank that disagrees on the world size is refused, naming both sizes
   auto out = bootstrap_each(3, [](int i, Options& o) { o.world_size = i == 2 ? 4 : 3; });
   CHECK(out[2].code == Errc::refused);
   CHECK_THAT(out[2].text, Catch::Contains("rank 2 says the world has 4 ranks; the store (rank 0) says 3"));
-  CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived"));
+  CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived") && Catch::Contains("the store meanwhile: 1 connection refused") &&
+                              Catch::Contains("the world has 4 ranks"));
   CHECK(log.count({"store: refused a connection from 127.0.0.1:", "the world has 4 ranks"}) == 1);
 }
 
@@ -783,6 +786,7 @@ TEST_CASE("a rank whose algorithm selection differs is refused at the greeting, 
   CHECK(mixed[2].code == Errc::refused);
   CHECK_THAT(mixed[2].text, Catch::Contains("rank 2: bootstrap") && Catch::Contains("selects or cuts algorithms differently") &&
                                 Catch::Contains("WEFT_ALGO, WEFT_TUNING's file, WEFT_SEGMENT_BYTES and WEFT_DETERMINISTIC"));
+  CHECK_THAT(mixed[0].text, Catch::Contains("ranks [2] never arrived") && Catch::Contains("selects or cuts algorithms differently"));
   // An override of a range of sizes of another collective counts the same, and so do the segment size
   // (a rank that cuts a step otherwise fails it as a size mismatch that names no setting) and
   // deterministic reductions (which exchange blocks instead).
