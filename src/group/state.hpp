@@ -238,12 +238,12 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // Which algorithm runs each of the latest collectives (algo::Kind + 1, by seq; 0: not recorded), so
   // that its signature says it (OpSignature::plan, `signed_by`): ranks that chose differently for one
   // call (override_algorithms on some ranks only) would wait on messages the other never sends, or
-  // mix up messages that happen to be of one size. A ring of (seq << 8 | plan) words: one store per
-  // call on the caller's thread, read where the collective's signature is made (64 calls later, or
-  // from a rank that no longer remembers: 0, not compared).
-  // The arena's fast path (run_on_arena_now) knows its algorithm and signs with it directly
+  // mix up messages that happen to be of one size. A ring of (seq << 8 | plan) words, stored on the
+  // caller's thread for each call that goes to the loop (before the loop runs it) and read where the
+  // collective's signature is made (64 calls later, or from a rank that no longer remembers: 0, not
+  // compared). The arena's fast path (run_on_arena_now) knows its algorithm and signs with it directly
   // (signed_as): a collective it finishes is never noted here (the store cost its smallest all_reduce
-  // 20-30 ns, bench/RESULTS.md), and one it leaves to the loop is noted before the loop runs it.
+  // 20-30 ns, bench/RESULTS.md).
   std::array<std::atomic<std::uint64_t>, 64> planned{};
   static std::uint8_t plan_code(algo::Kind kind) noexcept { return static_cast<std::uint8_t>(static_cast<unsigned>(kind) + 1); }
   void note_planned(std::uint64_t seq, const algo::Algorithm& algorithm) noexcept {
