@@ -384,6 +384,54 @@ def algorithms(g):
     all_marked("failed")
 
 
+def deadlines(g):
+    """Per-view deadlines: a receive with a short one that nothing matches fails with errc timeout and the
+    group goes on; a view without a deadline and the group's own calls still work; bad values are refused."""
+    me = f"weft: rank {g.rank}: "
+    peer = (g.rank + 1) % g.size
+    expect(g.transport_to(g.rank) == "self", f"transport_to itself: {g.transport_to(g.rank)}")
+    expect(g.size == 1 or g.transport_to(peer) in ("shm", "tcp", "uring"), f"transport_to {peer}: {g.transport_to(peer)}")
+    expect_error(lambda: g.transport_to(g.size), "invalid_argument", me + "transport_to")
+    for bad in (-1, float("nan"), 1e300):
+        expect_error(lambda: g.with_timeout(bad), "invalid_argument", "with_timeout", "is not a number of seconds")
+    expect_error(lambda: g.with_timeout("5"), "invalid_argument", me + "with_timeout: '5' is not a number of seconds")
+    buf = np.zeros(4, dtype=np.float32)
+    started = time.monotonic()
+    # 0.3 ms: under a millisecond is still a deadline (it was cast to 0, none).
+    for seconds in (0.3, 0.0003):
+        e = expect_error(lambda: g.with_timeout(seconds).recv(buf, peer, tag=7).wait(), "timeout", "recv")
+        expect(e.peer == peer, f"the timed-out receive names peer {peer}: {e}")
+    took = time.monotonic() - started
+    expect(took < 30, f"two receives with deadlines of 0.3 s and 0.3 ms took {took:.1f} s")
+    view = g.without_deadline()
+    got = view.all_reduce(np.ones(3, dtype=np.int32)).wait()
+    expect(np.all(got == g.size), "a collective through a view without a deadline")
+    view.close()
+    got = g.all_reduce(np.ones(3, dtype=np.int32)).wait()
+    expect(np.all(got == g.size), "the group after its receives timed out and a view was closed")
+
+
+def shrink(g):
+    """The last rank dies; the others' collective fails naming it, and shrink() makes a group of the
+    survivors that works."""
+    x = np.ones(16, dtype=np.float32)
+    g.all_reduce(x).wait()
+    if g.rank == g.size - 1:
+        time.sleep(0.3)
+        os._exit(0)
+    try:
+        g.all_reduce(x).wait()
+        raise AssertionError("a collective with a dead peer completed")
+    except weft.Error as e:
+        expect(f"rank {g.size - 1}" in str(e), f"the dead rank is not named: {e}")
+    expect_error(lambda: g.all_reduce(x).wait(), "group_failed", "an earlier operation failed")
+    h = g.shrink()
+    expect(h.size == g.size - 1 and h.rank == g.rank, f"shrunk to rank {h.rank} of {h.size}")
+    got = h.all_reduce(np.full(5, h.rank + 1.0, dtype=np.float32)).wait()
+    expect(np.all(got == h.size * (h.size + 1) / 2), f"the shrunk group's all_reduce: {got}")
+    h.close()
+
+
 def gil(g):
     """wait() releases the GIL: another Python thread runs while this one waits for a late peer."""
     counter = 0
@@ -538,6 +586,8 @@ SCENARIOS = {
     "bad_arguments": bad_arguments,
     "gil": gil,
     "algorithms": algorithms,
+    "deadlines": deadlines,
+    "shrink": shrink,
 }
 
 

@@ -97,6 +97,17 @@ def test_algorithm_choices_listed_asked_and_overridden(n, tmp_path):
     expect_ok(run_ranks(n, "algorithms", TEST_READY_FILE=str(tmp_path / "marks")), "algorithms")
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_views_with_deadlines_and_transports(n):
+    expect_ok(run_ranks(n, "deadlines"), "deadlines")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_survivors_shrink_to_a_working_group(n):
+    results = run_ranks(n, "shrink", TEST_TIMEOUT="30")
+    expect_ok(results, "shrink", ranks=set(range(n - 1)))
+
+
 def test_wait_releases_the_gil():
     expect_ok(run_ranks(2, "gil"), "gil")
 

@@ -318,6 +318,32 @@ class Group:
         native = self._g.split(_int32(color, "color"), _int32(key, "key"))
         return None if native.closed else Group(native)
 
+    def shrink(self):
+        """After a failure (or at any time): the members this rank still reaches form a new group of them,
+        in this group's order (blocks until they agree). Every surviving member calls it; it works on a
+        failed group. Returns the new Group, whose rank and size may differ; this one stays as it is."""
+        return Group(self._g.shrink())
+
+    def with_timeout(self, seconds):
+        """A view of this group whose operations have `seconds` as their deadline instead of the group's
+        (0: none); everything else is shared: ``await g.with_timeout(5).all_reduce(x)``. A collective past
+        its deadline fails on every member naming the ranks that had not joined it; a receive past its
+        deadline is withdrawn (errc "timeout") and the group stays usable; a send past it aborts the
+        group. Closing the view leaves the group open once the view's operations completed (with some
+        still in flight it aborts the group, as close() does)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)):
+            raise _invalid(f"with_timeout: {seconds!r} is not a number of seconds")
+        return Group(self._g.with_timeout(seconds))
+
+    def without_deadline(self):
+        """A view whose operations have no deadline (a server's wait for its next request); they still
+        end on a lost peer, an abort or a cancel."""
+        return self.with_timeout(0)
+
+    def transport_to(self, peer):
+        """How this rank's bytes move to rank `peer`: "shm", "tcp" or "uring"; "self" for this rank."""
+        return self._g.transport_to(_rank_arg(peer, "peer", self.size))
+
     def abort(self, reason=""):
         """Fails every operation in flight on this group, here and on every other rank."""
         self._g.abort(reason)
@@ -597,7 +623,8 @@ for _name, _op in [("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("a
                    ("reduce", "reduce"), ("gather", "gather"), ("scatter", "scatter"), ("barrier", "barrier"),
                    ("send", "send"), ("recv", "recv"), ("all_gatherv", "all_gatherv"), ("gatherv", "gatherv"),
                    ("scatterv", "scatterv"), ("all_to_allv", "all_to_allv"), ("reduce_scatterv", "reduce_scatterv"),
-                   ("split", "split"), ("override_algorithms", "override_algorithms"),
+                   ("split", "split"), ("shrink", "shrink"), ("with_timeout", "with_timeout"),
+                   ("transport_to", "transport_to"), ("override_algorithms", "override_algorithms"),
                    ("algorithm_for", "algorithm_for")]:
     setattr(Group, _name, _naming_the_rank(_op, getattr(Group, _name)))
 Group.distributed_broadcast = Group.broadcast

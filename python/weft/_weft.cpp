@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <cerrno>
@@ -536,6 +537,17 @@ class Work {
   py::object keep_;  // the arrays the operation reads and writes
 };
 
+// A deadline given in seconds (0: none) as milliseconds. Checked before the cast: NaN or 1e300 seconds
+// made no number of milliseconds (undefined behaviour), and a negative one was taken; weft refuses more
+// than a year. Rounded up, so that a deadline shorter than a millisecond is one, not none.
+std::chrono::milliseconds deadline_of(const py::handle& value, const std::string& what) {
+  const double seconds = value.cast<double>();
+  if (!(seconds >= 0) || seconds > 1e10) {
+    raise_invalid(what + py::repr(value).cast<std::string>() + " is not a number of seconds from 0 (no deadline) to a year");
+  }
+  return std::chrono::milliseconds(static_cast<long long>(std::ceil(seconds * 1000)));
+}
+
 // A Group with its completion channel and the operations in flight.
 class PyGroup {
  public:
@@ -551,16 +563,7 @@ class PyGroup {
       else if (k == "world_size") options.world_size = value.cast<int>();
       else if (k == "store") options.store = value.cast<std::string>();
       else if (k == "transport") options.transport = value.cast<std::string>();
-      else if (k == "timeout") {
-        // Checked before the cast: NaN or 1e300 seconds made no number of milliseconds (undefined
-        // behaviour), and a negative one was taken; Group::create refuses more than a year.
-        const double seconds = value.cast<double>();
-        if (!(seconds >= 0) || seconds > 1e10) {
-          raise_invalid("Group.create: timeout=" + py::repr(value).cast<std::string>() +
-                        " is not a number of seconds from 0 (no deadline) to a year");
-        }
-        options.timeout = std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
-      }
+      else if (k == "timeout") options.timeout = deadline_of(value, "Group.create: timeout=");
       else if (k == "secret") options.secret = value.cast<std::string>();
       else if (k == "algorithms") options.algorithms = value.cast<std::string>();
       else if (k == "tuning_file") options.tuning_file = value.cast<std::string>();
@@ -647,6 +650,21 @@ class PyGroup {
     }
   }
   void abort(const std::string& reason) { group().abort(reason); }
+  std::unique_ptr<PyGroup> shrink() {
+    try {
+      Future<Group> f = group().shrink();
+      wait_interruptibly([&](auto slice) { return f.wait_for(slice); });
+      return std::make_unique<PyGroup>(f.get());
+    } catch (const Error& e) {
+      raise(e);
+    }
+  }
+  // A view sharing the group (Group::with_timeout), with a completion channel and in-flight table of its own.
+  std::unique_ptr<PyGroup> with_timeout(const py::object& seconds) {
+    const auto timeout = deadline_of(seconds, "with_timeout: ");
+    return std::make_unique<PyGroup>(group().with_timeout(timeout));
+  }
+  std::string transport_to(int peer) { return std::string(group().transport_to(peer)); }
   void override_algorithms(const std::string& spec) { group().override_algorithms(spec); }
   std::string algorithm_for(const std::string& collective, std::size_t bytes) { return group().algorithm_for(collective, bytes); }
 
@@ -749,6 +767,9 @@ PYBIND11_MODULE(_weft, m) {
       .def("close", &G::close)
       .def("split", &G::split)
       .def("abort", &G::abort, py::arg("reason") = "")
+      .def("shrink", &G::shrink)
+      .def("with_timeout", &G::with_timeout)
+      .def("transport_to", &G::transport_to)
       .def("override_algorithms", &G::override_algorithms)
       .def("algorithm_for", &G::algorithm_for)
       // ---- over n-d arrays (weft/tensor.hpp); `out` is allocated by the Python half
