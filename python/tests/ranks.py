@@ -341,6 +341,7 @@ def algorithms(g):
     runs the chosen one and is still right), refused by name when malformed, and a choice only some
     ranks made fails the collective on every rank naming both algorithms."""
     me = f"weft: rank {g.rank}: "
+    expect(len(weft.__version__.split(".")) == 3, f"weft.__version__ {weft.__version__!r}")
     names = weft.available_algorithms("all_reduce")
     expect("ring" in names and "recursive_doubling" in names, f"all_reduce's algorithms: {names}")
     expect(weft.available_algorithms("ppermute") == weft.available_algorithms("permute"), "ppermute is permute")

@@ -33,6 +33,8 @@ import numpy as np
 from . import _weft
 from ._weft import Error
 
+__version__ = _weft.version  # the library's (weft::version()), which this module was built with
+
 __all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "from_dlpack", "device_backend", "available_algorithms",
            "await_spin_us"]
 

@@ -735,6 +735,7 @@ PYBIND11_MODULE(_weft, m) {
   m.def("all_to_all_shape", [](const std::vector<std::size_t>& shape, int split_axis, int concat_axis, int ranks, bool tiled) {
     return weft::all_to_all_shape(shape, split_axis, concat_axis, ranks, tiled);
   });
+  m.attr("version") = std::string(weft::version());
   m.def("available_algorithms", [](const std::string& collective) {
     if (!collective_named(collective)) raise_invalid("available_algorithms: '" + collective + "' is not a collective");
     const auto& names = algorithms::available_algorithms(collective);
