@@ -380,9 +380,13 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     if (connected_below[static_cast<std::size_t>(i)]) admissions->connected[static_cast<std::size_t>(i)] = true;
   }
   if (!joined) {
+    // What this rank's listener refused meanwhile (a stranger, or a rank that failed its greeting) is
+    // otherwise only in the log.
+    const std::string refused = admissions->refusals->summary();
     fail(Errc::timeout, rank,
-         fmt::format("ranks [{}] never connected within {} s", missing_ranks(admissions->connected, rank),
-                     std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count()));
+         fmt::format("ranks [{}] never connected within {} s{}", missing_ranks(admissions->connected, rank),
+                     std::chrono::duration_cast<std::chrono::seconds>(options.bootstrap_timeout).count(),
+                     refused.empty() ? "" : " (this rank's listener meanwhile: " + refused + ")"));
   }
   for (int i = rank + 1; i < size; ++i) {
     out.sockets[static_cast<std::size_t>(i)] = std::move(*admissions->admitted[static_cast<std::size_t>(i)]);

@@ -23,6 +23,8 @@
 #include "rendezvous/greeting.hpp"
 #include "rendezvous/store.hpp"
 
+#include <asio/experimental/as_tuple.hpp>
+
 using namespace weft;
 using namespace weft::test;
 using namespace std::chrono_literals;
@@ -479,6 +481,71 @@ TEST_CASE("a refusal while ranks connect to each other is reported at once, with
   CHECK(rank1.code == Errc::refused);
   CHECK_THAT(rank1.text, Catch::Contains("this test refuses every rank"));
   CHECK(took < 10s);  // the bootstrap timeout is 30 s
+}
+
+TEST_CASE("a rank whose peer never connects names what its listener refused meanwhile", "[security][refusal]") {
+  // The real rank 0 of a world of 2 serves the store; the test plays rank 1, which arrives at the store
+  // and never connects, while a stranger knocks on rank 0's own port instead. Rank 0's timeout said only
+  // "ranks [1] never connected"; the stranger was in the log alone.
+  LogCapture log;
+  const unsigned short store_port = free_port();
+  Outcome rank0;
+  std::thread real([&] {
+    Loop loop(Loop::Options{0us});
+    Options options;
+    options.rank = 0;
+    options.world_size = 2;
+    options.store = "127.0.0.1:" + std::to_string(store_port);
+    options.bootstrap_timeout = 4s;
+    try {
+      Group g = Group::create(loop, options).get();
+      rank0.ok = true;
+    } catch (const Error& e) {
+      rank0.code = e.errc();
+      rank0.text = e.what();
+    }
+  });
+  asio::io_context io;
+  asio::co_spawn(io, [&]() -> asio::awaitable<void> {
+    asio::ip::tcp::socket socket(io);
+    const asio::ip::tcp::endpoint store_at(asio::ip::make_address("127.0.0.1"), store_port);
+    for (int tries = 0;; ++tries) {  // until rank 0 serves the store
+      const auto [error] = co_await socket.async_connect(store_at, asio::experimental::as_tuple(asio::use_awaitable));
+      if (!error || tries == 200) break;
+      socket.close();
+      asio::steady_timer pause(io, 25ms);
+      co_await pause.async_wait(asio::use_awaitable);
+    }
+    const greeting::Local as_client{greeting::Role::store_client, 1, 2, "", ""};
+    const std::string store_name = "the store";
+    co_await greeting::connect(socket, as_client, store_name);
+    store::Client client(std::move(socket));
+    const std::string mine = "weft/addr/1";
+    const std::string nowhere = "127.0.0.1 1";
+    co_await client.set(mine, nowhere);
+    const std::vector<std::string> theirs{"weft/addr/0"};
+    (void)co_await client.wait(theirs, 10s);
+    const auto address = co_await client.get(theirs[0]);
+    const auto space = address->find(' ');
+    asio::ip::tcp::socket stranger(io);
+    const asio::ip::tcp::endpoint rank0_at(asio::ip::make_address(address->substr(0, space)),
+                                           static_cast<unsigned short>(std::stoi(address->substr(space + 1))));
+    co_await stranger.async_connect(rank0_at, asio::use_awaitable);
+    const std::string request = "GET / HTTP/1.0\r\n\r\n";
+    co_await asio::async_write(stranger, asio::buffer(request), asio::use_awaitable);
+    char answer[256];
+    (void)co_await stranger.async_read_some(asio::buffer(answer), asio::experimental::as_tuple(asio::use_awaitable));  // until refused
+    asio::steady_timer hold(io, 6s);  // the store connection stays until rank 0 has failed
+    co_await hold.async_wait(asio::experimental::as_tuple(asio::use_awaitable));
+  }, asio::detached);
+  std::thread playing([&] { io.run(); });
+  real.join();
+  io.stop();
+  playing.join();
+  CHECK(rank0.code == Errc::timeout);
+  CHECK_THAT(rank0.text, Catch::Contains("ranks [1] never connected") &&
+                             Catch::Contains("(this rank's listener meanwhile: 1 connection refused, the last from 127.0.0.1:") &&
+                             Catch::Contains("not a weft greeting (magic 0x20544547: 'GET '"));
 }
 
 namespace {
