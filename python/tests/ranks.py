@@ -433,6 +433,65 @@ def shrink(g):
     h.close()
 
 
+def transposes(g):
+    """Every linear collective's transpose passes the adjoint (dot-product) test: summed over the ranks,
+    <cotangent, f(x)> equals <x, transpose(cotangent)>, exactly (small integers in float64), and the
+    gradient has the input's shape."""
+    p, r = g.size, g.rank
+    rng = np.random.default_rng(1000 + r)
+
+    def rand(shape):
+        return rng.integers(-4, 5, size=shape).astype(np.float64)
+
+    def dot(a, b):
+        return 0.0 if a is None or b is None else float(np.sum(np.asarray(a) * np.asarray(b)))
+
+    def adjoint(name, x, y, like=None, **called):
+        ct = None if y is None else rand(np.shape(y))
+        grad = g.transpose(name, ct, like=like, **called).wait()
+        sums = g.all_reduce(np.array([dot(ct, y), dot(x, grad)])).wait()
+        expect(sums[0] == sums[1], f"{name} {called}: <ct, f(x)> = {sums[0]} but <x, f^T(ct)> = {sums[1]}")
+        expect((grad is None) == (x is None) and (x is None or np.shape(grad) == np.shape(x)),
+               f"{name} {called}: gradient {None if grad is None else np.shape(grad)} for input {None if x is None else np.shape(x)}")
+
+    x = rand((3, 4))
+    adjoint("all_reduce", x, g.all_reduce(x).wait())
+    for axis in (0, 1, 2, -1, -2, -3):
+        adjoint("all_gather", x, g.all_gather(x, axis=axis).wait(), axis=axis)
+    for axis in (0, 1, -1):
+        adjoint("all_gather", x, g.all_gather(x, axis=axis, tiled=True).wait(), axis=axis, tiled=True)
+        cut = axis  # where reduce_scatter's size-p axis lies
+        xr = np.moveaxis(rand((p, 3, 2)), 0, cut)
+        adjoint("reduce_scatter", xr, g.reduce_scatter(xr, axis=cut).wait(), axis=cut)
+        xt = np.moveaxis(rand((2 * p, 3, 2)), 0, cut)
+        adjoint("reduce_scatter", xt, g.reduce_scatter(xt, axis=cut, tiled=True).wait(), axis=cut, tiled=True)
+    # Uneven shards: rank i holds i % 2 + 1 rows.
+    extents = [i % 2 + 1 for i in range(p)]
+    xe = rand((extents[r], 3))
+    adjoint("all_gather", xe, g.all_gather(xe, tiled=True, extents=extents).wait(), tiled=True, extents=extents)
+    xs = rand((sum(extents), 3))
+    adjoint("reduce_scatter", xs, g.reduce_scatter(xs, tiled=True, extents=extents).wait(), tiled=True, extents=extents)
+    for split, concat in ((0, 0), (0, 1), (0, 2), (0, -1), (2, 0), (-1, 1)):
+        xa = np.moveaxis(rand((p, 3, 2)), 0, split)
+        adjoint("all_to_all", xa, g.all_to_all(xa, split, concat).wait(), split_axis=split, concat_axis=concat)
+    xa = rand((2 * p, 3))
+    adjoint("all_to_all", xa, g.all_to_all(xa, 0, 1, tiled=True).wait(), split_axis=0, concat_axis=1, tiled=True)
+    for pairs in ([(i, (i + 1) % p) for i in range(p)], [(0, p - 1)]):
+        adjoint("ppermute", x, g.ppermute(x, pairs).wait(), pairs=pairs)
+    root = p - 1
+    adjoint("broadcast", x, g.broadcast(x, root=root).wait(), root=root)
+    adjoint("reduce", x, g.reduce(x, root=0).wait(), like=x, root=0)
+    adjoint("gather", x, g.gather(x, root=root).wait(), like=x, root=root)
+    xs = rand((p, 5)) if r == 0 else None
+    adjoint("scatter", xs, g.scatter(xs, root=0, shape=(5,), dtype=np.float64).wait(), root=0)
+    # Refused alike on every rank, before anything is sent.
+    me = f"weft: rank {r}: transpose: "
+    expect_error(lambda: g.transpose("all_reduce", x, op="max"), "invalid_argument", me + "all_reduce with op max is not linear")
+    expect_error(lambda: g.transpose("barrier", None), "invalid_argument", me + "barrier has no transpose")
+    expect_error(lambda: g.transpose("all_gather", x, axes=1), "invalid_argument", me + "all_gather takes no axes")
+    expect(weft.gpu is not None and weft.cpu(weft.gpu(x)).tolist() == x.tolist(), "gpu(x) and back")
+
+
 def gil(g):
     """wait() releases the GIL: another Python thread runs while this one waits for a late peer."""
     counter = 0
@@ -589,6 +648,7 @@ SCENARIOS = {
     "algorithms": algorithms,
     "deadlines": deadlines,
     "shrink": shrink,
+    "transposes": transposes,
 }
 
 

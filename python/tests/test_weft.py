@@ -108,6 +108,11 @@ def test_survivors_shrink_to_a_working_group(n):
     expect_ok(results, "shrink", ranks=set(range(n - 1)))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_transposes_pass_the_adjoint_test(n):
+    expect_ok(run_ranks(n, "transposes", WEFT_GPU="sim"), "transposes")
+
+
 def test_wait_releases_the_gil():
     expect_ok(run_ranks(2, "gil"), "gil")
 

@@ -35,7 +35,7 @@ from ._weft import Error
 
 __version__ = _weft.version  # the library's (weft::version()), which this module was built with
 
-__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "cpu", "from_dlpack", "device_backend", "available_algorithms",
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "from_dlpack", "device_backend", "available_algorithms",
            "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
@@ -217,14 +217,21 @@ def _resolve_soon(waiter):
     _on_loop_soon(waiter.get_loop(), resolve)
 
 
+_NATIVE = object()  # Work's "no value of its own": the operation's result is given
+
+
 class Work:
     """One operation in flight: awaitable, waitable, pollable, cancellable."""
 
-    __slots__ = ("_work", "_group")
+    __slots__ = ("_work", "_group", "_value")
 
-    def __init__(self, work, group):
+    def __init__(self, work, group, value=_NATIVE):
         self._work = work
         self._group = group
+        self._value = value  # the result to give instead of the operation's own (a transpose's zeros)
+
+    def _give(self, result):
+        return result if self._value is _NATIVE else self._value
 
     def done(self):
         """True once the operation completed (successfully or not). Never blocks."""
@@ -239,11 +246,11 @@ class Work:
             timeout = None
         if timeout is not None and not self._work.wait_for(timeout):
             raise TimeoutError(f"the operation did not complete within {timeout} s")
-        return self._work.wait()
+        return self._give(self._work.wait())
 
     def result(self):
         """The result of a completed operation (weft.Error if it failed)."""
-        return self._work.result()
+        return self._give(self._work.result())
 
     def cancel(self):
         """Cancels the operation on every rank (a collective) or withdraws it (a receive)."""
@@ -257,7 +264,7 @@ class Work:
             except asyncio.CancelledError:
                 self._work.cancel()
                 raise
-        return self._work.result()
+        return self._give(self._work.result())
 
 
 class Group:
@@ -602,6 +609,71 @@ class Group:
             out = _empty(counts[self.rank], x.dtype, x)
         return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
 
+    # ---- transposes (reverse-mode automatic differentiation)
+
+    def transpose(self, collective, cotangent, like=None, **called):
+        """The vector-Jacobian product of a linear collective: runs the collective that computes the
+        transpose of `collective` as it was called with the keyword arguments `called` (axis, tiled,
+        extents, root, split_axis, concat_axis, pairs, op) on this rank's cotangent (shaped like the
+        collective's output here) and returns, as a Work, this rank's gradient (shaped like its input
+        here). As weft/transpose.hpp: all_reduce -> all_reduce; all_gather <-> reduce_scatter (sum);
+        broadcast(root) -> reduce(root, sum), zeros elsewhere; reduce(root) -> broadcast(root);
+        scatter(root) <-> gather(root); all_to_all -> all_to_all with the axes swapped; ppermute(pairs)
+        -> ppermute(the pairs reversed). Every rank calls it, as the collective. Where this rank's output
+        was None (reduce's and gather's other ranks) the cotangent is None too, and `like`, an array
+        shaped like this rank's input, says the gradient's shape; scatter's other ranks get None. Only
+        sum reductions are linear: another op is refused, and so is a collective without a transpose
+        here (barrier, send, recv and the variable-size ones)."""
+        name = _collective_name(collective)
+        op = _reduce_op(called.pop("op", "sum"))
+        if name in ("all_reduce", "reduce_scatter", "reduce") and op != "sum":
+            raise _invalid(f"transpose: {name} with op {op} is not linear: only sum has a transpose")
+        root = called.pop("root", 0)
+        axis = called.pop("axis", 0)
+        tiled = called.pop("tiled", False)
+        extents = called.pop("extents", None)
+        split_axis, concat_axis = called.pop("split_axis", None), called.pop("concat_axis", None)
+        pairs = called.pop("pairs", None)
+        if called:
+            raise _invalid(f"transpose: {name} takes no {', '.join(sorted(called))} here")
+        if name == "all_reduce":
+            return self.all_reduce(cotangent, op="sum")
+        if name == "all_gather":
+            # Untiled, both count a negative axis from the end of the larger array (the gathered one).
+            return self.reduce_scatter(cotangent, axis=axis, op="sum", tiled=tiled, extents=extents)
+        if name == "reduce_scatter":
+            return self.all_gather(cotangent, axis=axis, tiled=tiled, extents=extents)
+        if name == "all_to_all":
+            if split_axis is None or concat_axis is None:
+                raise _invalid("transpose: all_to_all needs split_axis and concat_axis as it was called with")
+            return self.all_to_all(cotangent, split_axis=concat_axis, concat_axis=split_axis, tiled=tiled)
+        if name == "permute":
+            if pairs is None:
+                raise _invalid("transpose: ppermute needs the pairs it was called with")
+            return self.ppermute(cotangent, [(dst, src) for src, dst in self._pairs(pairs)])
+        root = _rank_arg(root, "root", self.size)
+        here = self.rank == root
+        if name == "broadcast":
+            work = self.reduce(cotangent, root=root, op="sum")
+            if here:
+                return work
+            zeros = np.zeros(np.shape(cotangent), dtype=_array(cotangent).dtype)
+            return Work(work._work, self, to_device(zeros, cotangent.device) if isinstance(cotangent, DeviceArray) else zeros)
+        if name in ("reduce", "gather") and not here and like is None:
+            raise _invalid(f"transpose: {name}'s other ranks give like=, an array shaped like their input")
+        if name == "reduce":
+            buffer = cotangent if here else np.zeros(np.shape(like), dtype=_array(like).dtype)
+            return self.broadcast(buffer, root=root)
+        if name == "gather":
+            if here:
+                return self.scatter(cotangent, root=root)
+            like = _array(like)
+            return self.scatter(None, root=root, shape=like.shape, dtype=like.dtype)
+        if name == "scatter":
+            return self.gather(cotangent, root=root)
+        raise _invalid(f"transpose: {name} has no transpose here (barrier carries no data; the variable-size "
+                       f"collectives: call their transposes with the per-rank counts, e.g. all_gatherv's is reduce_scatterv)")
+
 
 def _naming_the_rank(op, method):
     """`method` whose refusals raised in Python (shapes, axes, missing arguments: no rank known there) name
@@ -626,7 +698,8 @@ for _name, _op in [("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("a
                    ("send", "send"), ("recv", "recv"), ("all_gatherv", "all_gatherv"), ("gatherv", "gatherv"),
                    ("scatterv", "scatterv"), ("all_to_allv", "all_to_allv"), ("reduce_scatterv", "reduce_scatterv"),
                    ("split", "split"), ("shrink", "shrink"), ("with_timeout", "with_timeout"),
-                   ("transport_to", "transport_to"), ("override_algorithms", "override_algorithms"),
+                   ("transport_to", "transport_to"), ("transpose", "transpose"),
+                   ("override_algorithms", "override_algorithms"),
                    ("algorithm_for", "algorithm_for")]:
     setattr(Group, _name, _naming_the_rank(_op, getattr(Group, _name)))
 Group.distributed_broadcast = Group.broadcast
@@ -643,6 +716,11 @@ def to_device(x, device=0):
     if isinstance(x, DeviceArray):
         return x if x.device == device else DeviceArray.from_host(x.to_host(), device)
     return DeviceArray.from_host(np.ascontiguousarray(_array(x)), device)
+
+
+def gpu(x, device=0):
+    """x in device memory (to_device with a device index): the sharding API's gpu(x)."""
+    return to_device(x, device)
 
 
 def cpu(x):
