@@ -492,6 +492,19 @@ def transposes(g):
     expect(weft.gpu is not None and weft.cpu(weft.gpu(x)).tolist() == x.tolist(), "gpu(x) and back")
 
 
+def p2p_results(g):
+    """MLX's send gives its input back once sent; a receive may make its own array."""
+    p, r = g.size, g.rank
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    if p > 1:
+        if r == 0:
+            expect(g.send(x, 1, tag=3).wait() is x, "send's result is its input")
+        elif r == 1:
+            got = g.recv(None, 0, tag=3, shape=(3, 4), dtype=np.float64).wait()
+            expect(got.shape == (3, 4) and got.dtype == np.float64 and np.array_equal(got, x), f"recv into a new array: {got}")
+        expect_error(lambda: g.recv(None, 0), "invalid_argument", f"weft: rank {r}: recv: give out, or shape and dtype")
+
+
 def gil(g):
     """wait() releases the GIL: another Python thread runs while this one waits for a late peer."""
     counter = 0
@@ -649,6 +662,7 @@ SCENARIOS = {
     "deadlines": deadlines,
     "shrink": shrink,
     "transposes": transposes,
+    "p2p_results": p2p_results,
 }
 
 

@@ -113,6 +113,10 @@ def test_transposes_pass_the_adjoint_test(n):
     expect_ok(run_ranks(n, "transposes", WEFT_GPU="sim"), "transposes")
 
 
+def test_send_gives_its_input_back_and_recv_makes_its_array():
+    expect_ok(run_ranks(3, "p2p_results"), "p2p_results")
+
+
 def test_wait_releases_the_gil():
     expect_ok(run_ranks(2, "gil"), "gil")
 

@@ -554,10 +554,18 @@ class Group:
         return self._start(self._g.barrier())
 
     def send(self, x, dst, tag=0):
-        return self._start(self._g.send(_contiguous(_array(x)), _rank_arg(dst, "destination", self.size), _tag(tag)))
+        """Sends x to dst; the Work's result is x once it is sent (MLX's send: x, usable after the send)."""
+        x = _array(x)
+        work = self._start(self._g.send(_contiguous(x), _rank_arg(dst, "destination", self.size), _tag(tag)))
+        return Work(work._work, self, x)
 
-    def recv(self, out, src, tag=0):
-        """Receives exactly out.nbytes bytes from src into out (which it returns)."""
+    def recv(self, out, src, tag=0, shape=None, dtype=None):
+        """Receives exactly out.nbytes bytes from src into out (which it returns); out=None with `shape`
+        and `dtype` receives into a new array of those."""
+        if out is None:
+            if shape is None or dtype is None:
+                raise _invalid("recv: give out, or shape and dtype of a new array to receive into")
+            out = np.empty(shape, dtype=dtype)
         return self._start(self._g.recv(out, _rank_arg(src, "source", self.size), _tag(tag)))
 
     # ---- variable-size (flat, 1-d arrays; counts in elements, one per rank)
