@@ -484,10 +484,24 @@ def transposes(g):
     adjoint("gather", x, g.gather(x, root=root).wait(), like=x, root=root)
     xs = rand((p, 5)) if r == 0 else None
     adjoint("scatter", xs, g.scatter(xs, root=0, shape=(5,), dtype=np.float64).wait(), root=0)
+    # The variable-size ones: rank i contributes i % 3 + 1 elements (none on the last of 4).
+    counts = [0 if (i == 3) else i % 3 + 1 for i in range(p)]
+    xv = rand(counts[r])
+    adjoint("all_gatherv", xv, g.all_gatherv(xv, counts).wait(), counts=counts)
+    xw = rand(sum(counts))
+    adjoint("reduce_scatterv", xw, g.reduce_scatterv(xw, counts).wait(), counts=counts)
+    adjoint("gatherv", xv, g.gatherv(xv, counts, root=root).wait(), like=xv, counts=counts, root=root)
+    xsv = rand(sum(counts)) if r == 0 else None
+    adjoint("scatterv", xsv, g.scatterv(xsv, counts, root=0, dtype=np.float64).wait(), counts=counts, root=0)
+    send_counts = [(r + 2 * j) % 3 for j in range(p)]  # rank r sends (r + 2j) % 3 to rank j
+    recv_counts = [(j + 2 * r) % 3 for j in range(p)]  # and receives (j + 2r) % 3 from rank j
+    xa = rand(sum(send_counts))
+    adjoint("all_to_allv", xa, g.all_to_allv(xa, send_counts, recv_counts).wait(), send_counts=send_counts, recv_counts=recv_counts)
     # Refused alike on every rank, before anything is sent.
     me = f"weft: rank {r}: transpose: "
     expect_error(lambda: g.transpose("all_reduce", x, op="max"), "invalid_argument", me + "all_reduce with op max is not linear")
     expect_error(lambda: g.transpose("barrier", None), "invalid_argument", me + "barrier has no transpose")
+    expect_error(lambda: g.transpose("all_gatherv", x), "invalid_argument", me + "all_gatherv needs the counts")
     expect_error(lambda: g.transpose("all_gather", x, axes=1), "invalid_argument", me + "all_gather takes no axes")
     expect(weft.gpu is not None and weft.cpu(weft.gpu(x)).tolist() == x.tolist(), "gpu(x) and back")
 

@@ -627,11 +627,13 @@ class Group:
         here). As weft/transpose.hpp: all_reduce -> all_reduce; all_gather <-> reduce_scatter (sum);
         broadcast(root) -> reduce(root, sum), zeros elsewhere; reduce(root) -> broadcast(root);
         scatter(root) <-> gather(root); all_to_all -> all_to_all with the axes swapped; ppermute(pairs)
-        -> ppermute(the pairs reversed). Every rank calls it, as the collective. Where this rank's output
-        was None (reduce's and gather's other ranks) the cotangent is None too, and `like`, an array
-        shaped like this rank's input, says the gradient's shape; scatter's other ranks get None. Only
-        sum reductions are linear: another op is refused, and so is a collective without a transpose
-        here (barrier, send, recv and the variable-size ones)."""
+        -> ppermute(the pairs reversed); all_gatherv(counts) <-> reduce_scatterv(counts); gatherv <->
+        scatterv; all_to_allv(send_counts, recv_counts) -> all_to_allv(recv_counts, send_counts) (the
+        variable-size ones as called without displacements). Every rank calls it, as the collective.
+        Where this rank's output was None (reduce's, gather's and gatherv's other ranks) the cotangent is
+        None too, and `like`, an array shaped like this rank's input, says the gradient's shape;
+        scatter's and scatterv's other ranks get None. Only sum reductions are linear: another op is
+        refused, and so are barrier, send and recv."""
         name = _collective_name(collective)
         op = _reduce_op(called.pop("op", "sum"))
         if name in ("all_reduce", "reduce_scatter", "reduce") and op != "sum":
@@ -642,6 +644,8 @@ class Group:
         extents = called.pop("extents", None)
         split_axis, concat_axis = called.pop("split_axis", None), called.pop("concat_axis", None)
         pairs = called.pop("pairs", None)
+        counts = called.pop("counts", None)
+        send_counts, recv_counts = called.pop("send_counts", None), called.pop("recv_counts", None)
         if called:
             raise _invalid(f"transpose: {name} takes no {', '.join(sorted(called))} here")
         if name == "all_reduce":
@@ -651,6 +655,16 @@ class Group:
             return self.reduce_scatter(cotangent, axis=axis, op="sum", tiled=tiled, extents=extents)
         if name == "reduce_scatter":
             return self.all_gather(cotangent, axis=axis, tiled=tiled, extents=extents)
+        if name in ("all_gatherv", "gatherv", "scatterv", "reduce_scatterv") and counts is None:
+            raise _invalid(f"transpose: {name} needs the counts it was called with")
+        if name == "all_gatherv":
+            return self.reduce_scatterv(cotangent, counts, op="sum")
+        if name == "reduce_scatterv":
+            return self.all_gatherv(cotangent, counts)
+        if name == "all_to_allv":
+            if send_counts is None or recv_counts is None:
+                raise _invalid("transpose: all_to_allv needs the send_counts and recv_counts it was called with")
+            return self.all_to_allv(cotangent, recv_counts, send_counts)
         if name == "all_to_all":
             if split_axis is None or concat_axis is None:
                 raise _invalid("transpose: all_to_all needs split_axis and concat_axis as it was called with")
@@ -667,7 +681,7 @@ class Group:
                 return work
             zeros = np.zeros(np.shape(cotangent), dtype=_array(cotangent).dtype)
             return Work(work._work, self, to_device(zeros, cotangent.device) if isinstance(cotangent, DeviceArray) else zeros)
-        if name in ("reduce", "gather") and not here and like is None:
+        if name in ("reduce", "gather", "gatherv") and not here and like is None:
             raise _invalid(f"transpose: {name}'s other ranks give like=, an array shaped like their input")
         if name == "reduce":
             buffer = cotangent if here else np.zeros(np.shape(like), dtype=_array(like).dtype)
@@ -679,8 +693,12 @@ class Group:
             return self.scatter(None, root=root, shape=like.shape, dtype=like.dtype)
         if name == "scatter":
             return self.gather(cotangent, root=root)
-        raise _invalid(f"transpose: {name} has no transpose here (barrier carries no data; the variable-size "
-                       f"collectives: call their transposes with the per-rank counts, e.g. all_gatherv's is reduce_scatterv)")
+        if name == "gatherv":
+            return self.scatterv(cotangent if here else None, counts, root=root, dtype=None if here else _array(like).dtype)
+        if name == "scatterv":
+            return self.gatherv(cotangent, counts, root=root)
+        raise _invalid(f"transpose: {name} has no transpose here (barrier, send and recv carry no linear map of "
+                       f"one collective)")
 
 
 def _naming_the_rank(op, method):
