@@ -519,6 +519,47 @@ def p2p_results(g):
         expect_error(lambda: g.recv(None, 0), "invalid_argument", f"weft: rank {r}: recv: give out, or shape and dtype")
 
 
+def _square(v):
+    return v * v
+
+
+def fork(g):
+    """A child forked after Group.create (os.fork, multiprocessing's fork workers): it reads the group's
+    rank and size, is refused the parent's group by name, may make a group of its own, and leaves through
+    sys.exit without hanging (it waited in atexit for the parent's loop thread) and without disturbing
+    the parent's group."""
+    import multiprocessing
+    x = np.ones(4, dtype=np.float32)
+    g.all_reduce(x).wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            expect(g.rank >= 0 and g.size >= 1, "the child reads rank and size")
+            expect_error(lambda: g.all_reduce(x), "invalid_argument", "all_reduce", "is a child forked from it")
+            own = weft.Group.create(rank=0, world_size=1, store="127.0.0.1:0")
+            expect(np.all(own.all_reduce(np.ones(2)).wait() == 1), "the child's own group")
+            own.close()
+            code = 0
+        finally:
+            sys.stdout.flush()
+            sys.exit(code)  # atexit runs: weft's shutdown must leave the parent's loop alone
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("a forked child that left through sys.exit hung")
+        time.sleep(0.02)
+    expect(os.waitstatus_to_exitcode(status) == 0, f"the forked child failed: status {status}")
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        expect(pool.map(_square, range(5)) == [0, 1, 4, 9, 16], "fork workers")
+    got = g.all_reduce(x).wait()
+    expect(np.all(got == g.size), "the parent's group after its children left")
+
+
 def gil(g):
     """wait() releases the GIL: another Python thread runs while this one waits for a late peer."""
     counter = 0
@@ -677,6 +718,7 @@ SCENARIOS = {
     "shrink": shrink,
     "transposes": transposes,
     "p2p_results": p2p_results,
+    "fork": fork,
 }
 
 

@@ -117,6 +117,11 @@ def test_send_gives_its_input_back_and_recv_makes_its_array():
     expect_ok(run_ranks(3, "p2p_results"), "p2p_results")
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_forked_child_leaves_the_parents_group_alone(n):
+    expect_ok(run_ranks(n, "fork"), "fork")
+
+
 def test_wait_releases_the_gil():
     expect_ok(run_ranks(2, "gil"), "gil")
 

@@ -75,10 +75,21 @@ std::string errc_name(Errc e) {
 
 std::mutex loop_mutex;
 Loop* the_loop = nullptr;  // created by the first Group.create; deleted by _shutdown (atexit)
+pid_t loop_pid = 0;        // the process that made it
+
+// A child forked from a process with a Loop (os.fork after Group.create) has the Loop's memory but not
+// its progress thread: anything that ran it, stopped it or destroyed it there waited for a thread that
+// does not exist (a child that left through sys.exit hung in atexit). The child leaves the parent's Loop
+// and its groups alone (leaked: they are the parent's), and makes a Loop of its own if it makes groups.
+bool forked_away(pid_t owner) { return owner != 0 && owner != ::getpid(); }
 
 Loop& loop() {
   std::lock_guard lock(loop_mutex);
-  if (!the_loop) the_loop = new Loop();
+  if (the_loop && forked_away(loop_pid)) the_loop = nullptr;  // the parent's (left as it is)
+  if (!the_loop) {
+    the_loop = new Loop();
+    loop_pid = ::getpid();
+  }
   return *the_loop;
 }
 
@@ -551,7 +562,7 @@ std::chrono::milliseconds deadline_of(const py::handle& value, const std::string
 // A Group with its completion channel and the operations in flight.
 class PyGroup {
  public:
-  explicit PyGroup(Group group) : group_(std::move(group)), completions_(std::make_shared<Completions>()) {}
+  explicit PyGroup(Group group) : group_(std::move(group)), completions_(std::make_shared<Completions>()), pid_(::getpid()) {}
   ~PyGroup() { close(); }
 
   static std::unique_ptr<PyGroup> create(py::dict kwargs) {
@@ -582,13 +593,24 @@ class PyGroup {
     }
   }
 
+  // The group, for an operation: not in a child forked after it was made (its loop runs in the parent).
   Group& group() {
+    Group& g = handle();
+    if (forked_away(pid_)) {
+      raise_invalid("this group was made by process " + std::to_string(pid_) + ", and this process (" + std::to_string(::getpid()) +
+                    ") is a child forked from it: its connections and loop are the parent's; make a group in the child "
+                    "(Group.create), or start workers with multiprocessing's 'spawn'");
+    }
+    return g;
+  }
+  // The group's fixed facts (rank, size), readable in a forked child too.
+  Group& handle() {
     if (!group_.valid()) raise_invalid("the group is closed");
     return group_;
   }
-  int rank() { return group().rank(); }
-  int size() { return group().size(); }
-  std::string transport() { return std::string(group().transport_name()); }
+  int rank() { return handle().rank(); }
+  int size() { return handle().size(); }
+  std::string transport() { return std::string(handle().transport_name()); }
   int fd() const { return completions_->fd(); }
 
   // Starts `op` (a weft call that may throw) and returns its Work, which returns `result` and keeps
@@ -625,6 +647,14 @@ class PyGroup {
   // completed leaves as a C++ Group does, failing nobody.
   void close() {
     if (!group_.valid()) return;
+    if (forked_away(pid_)) {
+      // The parent's: aborting or releasing it here would run its loop, which has no thread in this
+      // process. Left as it is (the child's copy of memory ends with the child).
+      new Group(std::move(group_));
+      new std::unordered_map<std::uint64_t, Held>(std::move(inflight_));
+      inflight_.clear();
+      return;
+    }
     std::vector<std::shared_ptr<Flight>> running;
     for (auto& [id, held] : inflight_) {
       if (!held.flight->done.load(std::memory_order_acquire)) running.push_back(held.flight);
@@ -677,6 +707,7 @@ class PyGroup {
   std::shared_ptr<Completions> completions_;
   std::unordered_map<std::uint64_t, Held> inflight_;
   std::uint64_t next_id_ = 0;
+  pid_t pid_;  // the process that made the group (a forked child must not run it)
 };
 
 using Pairs = std::vector<std::pair<int, int>>;
@@ -702,11 +733,12 @@ PYBIND11_MODULE(_weft, m) {
   });
   m.def("_shutdown", [] {
     py::gil_scoped_release unlocked;
+    std::lock_guard loop_lock(loop_mutex);
+    if (forked_away(loop_pid)) return;  // the parent's Loop and streams: not this process's to end
     {
       std::lock_guard lock(streams_mutex);
       streams.clear();
     }
-    std::lock_guard lock(loop_mutex);
     delete the_loop;
     the_loop = nullptr;
   });
