@@ -425,6 +425,26 @@ asio::awaitable<void> publish_as_rank0(asio::io_context& io, unsigned short stor
   co_await client.set(key, address);
 }
 
+// Rank `rank` of a world of 2, bootstrapping alone in this thread against the store at `store_port`
+// (the test plays the other rank): its outcome.
+Outcome bootstrap_as(int rank, unsigned short store_port, std::chrono::seconds bootstrap_timeout) {
+  Outcome outcome;
+  Loop loop(Loop::Options{0us});
+  Options options;
+  options.rank = rank;
+  options.world_size = 2;
+  options.store = "127.0.0.1:" + std::to_string(store_port);
+  options.bootstrap_timeout = bootstrap_timeout;
+  try {
+    Group g = Group::create(loop, options).get();
+    outcome.ok = true;
+  } catch (const Error& e) {
+    outcome.code = e.errc();
+    outcome.text = e.what();
+  }
+  return outcome;
+}
+
 // The scene of the tests that play rank 0: a store on a free port, and a listener of the test's.
 struct PlayingRank0 {
   asio::io_context io;
@@ -459,22 +479,8 @@ TEST_CASE("a refusal while ranks connect to each other is reported at once, with
   }, asio::detached);
   std::thread serving([&] { io.run(); });
 
-  Outcome rank1;
   const auto t0 = std::chrono::steady_clock::now();
-  {
-    Loop loop(Loop::Options{0us});
-    Options options;
-    options.rank = 1;
-    options.world_size = 2;
-    options.store = "127.0.0.1:" + std::to_string(store_port);
-    options.bootstrap_timeout = 30s;
-    try {
-      Group g = Group::create(loop, options).get();
-    } catch (const Error& e) {
-      rank1.code = e.errc();
-      rank1.text = e.what();
-    }
-  }
+  const Outcome rank1 = bootstrap_as(1, store_port, 30s);
   const auto took = std::chrono::steady_clock::now() - t0;
   io.stop();
   serving.join();
@@ -490,21 +496,7 @@ TEST_CASE("a rank whose peer never connects names what its listener refused mean
   LogCapture log;
   const unsigned short store_port = free_port();
   Outcome rank0;
-  std::thread real([&] {
-    Loop loop(Loop::Options{0us});
-    Options options;
-    options.rank = 0;
-    options.world_size = 2;
-    options.store = "127.0.0.1:" + std::to_string(store_port);
-    options.bootstrap_timeout = 4s;
-    try {
-      Group g = Group::create(loop, options).get();
-      rank0.ok = true;
-    } catch (const Error& e) {
-      rank0.code = e.errc();
-      rank0.text = e.what();
-    }
-  });
+  std::thread real([&] { rank0 = bootstrap_as(0, store_port, 4s); });
   asio::io_context io;
   asio::co_spawn(io, [&]() -> asio::awaitable<void> {
     asio::ip::tcp::socket socket(io);
@@ -816,24 +808,9 @@ TEST_CASE("a rank whose greeting is closed on it greets again (a refusal stays f
   }, asio::detached);
   std::thread serving([&] { io.run(); });
 
-  Outcome rank1;
   const auto level = weft::log().level();
   weft::log().set_level(spdlog::level::info);  // the second greeting is said at info
-  {
-    Loop loop(Loop::Options{0us});
-    Options options;
-    options.rank = 1;
-    options.world_size = 2;
-    options.store = "127.0.0.1:" + std::to_string(store_port);
-    options.bootstrap_timeout = 20s;
-    try {
-      Group g = Group::create(loop, options).get();
-      rank1.ok = true;
-    } catch (const Error& e) {
-      rank1.code = e.errc();
-      rank1.text = e.what();
-    }
-  }
+  const Outcome rank1 = bootstrap_as(1, store_port, 20s);
   weft::log().set_level(level);
   io.stop();
   serving.join();
