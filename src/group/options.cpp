@@ -89,7 +89,10 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
     }
   }
   if (rank < 0 || world_size < 0) {
-    bad("no rank and world size: set WEFT_RANK and WEFT_WORLD_SIZE (or run under weft-run, torchrun, mpirun or srun)");
+    // Say which is missing: Options (or Python's Group.create) may have given the other.
+    const char* missing = rank < 0 && world_size < 0 ? "no rank and world size" : rank < 0 ? "no rank (the world size was given)"
+                                                                                           : "no world size (the rank was given)";
+    bad(fmt::format("{}: set WEFT_RANK and WEFT_WORLD_SIZE, or both Options (or run under weft-run, torchrun, mpirun or srun)", missing));
   }
   if (rank >= world_size) bad(fmt::format("rank {} is not below the world size {}", rank, world_size));
   if (store.empty()) {

@@ -72,6 +72,12 @@ TEST_CASE("a malformed or missing variable is an error that names it", "[bootstr
   CHECK_THROWS_WITH(from({{"WEFT_RANK", "3"}, {"WEFT_WORLD_SIZE", "2"}}), Catch::Contains("WEFT_RANK=3 is out of range"));
   CHECK_THROWS_WITH(from({{"RANK", "0"}}), Catch::Contains("RANK and WORLD_SIZE must be set together"));
   CHECK_THROWS_WITH(from({}), Catch::Contains("no rank and world size"));
+  {  // One of the two given as an Option (Python's Group.create(world_size=2)): the error says which is missing.
+    Options o;
+    o.world_size = 2;
+    CHECK_THROWS_WITH(o.from_environment([](const char*) -> const char* { return nullptr; }),
+                      Catch::Contains("no rank (the world size was given)"));
+  }
   CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "nohostport"}}), Catch::Contains("expected host:port"));
   CHECK_THROWS_WITH(from({{"WEFT_RANK", "0"}, {"WEFT_WORLD_SIZE", "2"}, {"WEFT_STORE", "::1:80"}}), Catch::Contains("[address]:port"));
   // Port 0: rank 0 served the store on a port the kernel picked, and every rank (rank 0 too) then said
