@@ -133,6 +133,11 @@ def _reduce_op(op):
     return op
 
 
+# The collectives Group.transpose knows (weft/transpose.hpp's, the variable-size ones with their counts).
+_TRANSPOSED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "broadcast", "reduce", "gather",
+               "scatter", "all_gatherv", "reduce_scatterv", "all_to_allv", "gatherv", "scatterv")
+
+
 def _collective_name(name):
     """A collective's name as weft's C++ side spells it (Python's ppermute is its permute)."""
     if not isinstance(name, str):
@@ -635,6 +640,9 @@ class Group:
         scatter's and scatterv's other ranks get None. Only sum reductions are linear: another op is
         refused, and so are barrier, send and recv."""
         name = _collective_name(collective)
+        if name not in _TRANSPOSED:
+            raise _invalid(f"transpose: {name} has no transpose here (barrier, send and recv carry no linear map of "
+                           f"one collective)")
         op = _reduce_op(called.pop("op", "sum"))
         if name in ("all_reduce", "reduce_scatter", "reduce") and op != "sum":
             raise _invalid(f"transpose: {name} with op {op} is not linear: only sum has a transpose")
@@ -648,6 +656,10 @@ class Group:
         send_counts, recv_counts = called.pop("send_counts", None), called.pop("recv_counts", None)
         if called:
             raise _invalid(f"transpose: {name} takes no {', '.join(sorted(called))} here")
+        root = _rank_arg(root, "root", self.size)
+        here = self.rank == root
+        if cotangent is None and not (name in ("reduce", "gather", "gatherv") and not here):
+            raise _invalid(f"transpose: {name} needs this rank's cotangent (shaped like its output here), not None")
         if name == "all_reduce":
             return self.all_reduce(cotangent, op="sum")
         if name == "all_gather":
@@ -673,8 +685,6 @@ class Group:
             if pairs is None:
                 raise _invalid("transpose: ppermute needs the pairs it was called with")
             return self.ppermute(cotangent, [(dst, src) for src, dst in self._pairs(pairs)])
-        root = _rank_arg(root, "root", self.size)
-        here = self.rank == root
         if name == "broadcast":
             work = self.reduce(cotangent, root=root, op="sum")
             if here:
@@ -695,10 +705,8 @@ class Group:
             return self.gather(cotangent, root=root)
         if name == "gatherv":
             return self.scatterv(cotangent if here else None, counts, root=root, dtype=None if here else _array(like).dtype)
-        if name == "scatterv":
-            return self.gatherv(cotangent, counts, root=root)
-        raise _invalid(f"transpose: {name} has no transpose here (barrier, send and recv carry no linear map of "
-                       f"one collective)")
+        # scatterv, the last of _TRANSPOSED
+        return self.gatherv(cotangent, counts, root=root)
 
 
 def _naming_the_rank(op, method):
