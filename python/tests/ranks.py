@@ -502,6 +502,8 @@ def transposes(g):
     expect_error(lambda: g.transpose("all_reduce", x, op="max"), "invalid_argument", me + "all_reduce with op max is not linear")
     expect_error(lambda: g.transpose("barrier", None), "invalid_argument", me + "barrier has no transpose")
     expect_error(lambda: g.transpose("all_gatherv", x), "invalid_argument", me + "all_gatherv needs the counts")
+    expect_error(lambda: g.transpose("reduce_scatterv", x, counts=counts, op="max"), "invalid_argument",
+                 me + "reduce_scatterv with op max is not linear")
     expect_error(lambda: g.transpose("reduce", None, root=r), "invalid_argument", me + "reduce needs this rank's cotangent")
     expect_error(lambda: g.transpose("all_gather", x, axes=1), "invalid_argument", me + "all_gather takes no axes")
     expect(weft.gpu is not None and weft.cpu(weft.gpu(x)).tolist() == x.tolist(), "gpu(x) and back")

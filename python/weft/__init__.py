@@ -644,7 +644,7 @@ class Group:
             raise _invalid(f"transpose: {name} has no transpose here (barrier, send and recv carry no linear map of "
                            f"one collective)")
         op = _reduce_op(called.pop("op", "sum"))
-        if name in ("all_reduce", "reduce_scatter", "reduce") and op != "sum":
+        if name in ("all_reduce", "reduce_scatter", "reduce", "reduce_scatterv") and op != "sum":
             raise _invalid(f"transpose: {name} with op {op} is not linear: only sum has a transpose")
         root = called.pop("root", 0)
         axis = called.pop("axis", 0)
