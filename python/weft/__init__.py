@@ -233,7 +233,7 @@ class Work:
     def __init__(self, work, group, value=_NATIVE):
         self._work = work
         self._group = group
-        self._value = value  # the result to give instead of the operation's own (a transpose's zeros)
+        self._value = value  # the result to give instead of the operation's own (send's input, a transpose's zeros)
 
     def _give(self, result):
         return result if self._value is _NATIVE else self._value
