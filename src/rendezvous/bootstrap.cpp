@@ -345,7 +345,28 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   // Rank 0 hosts the store: it waits a little longer than everybody else, so that the other ranks'
   // WAITs time out first and learn which ranks are missing, rather than seeing the store vanish.
   const auto store_grace = rank == 0 ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(0);
-  const auto missing = co_await store.wait(keys, remaining(deadline) + store_grace);
+  std::vector<std::string> missing;
+  std::string stopped;
+  try {
+    missing = co_await store.wait(keys, remaining(deadline) + store_grace);
+  } catch (const store::Stopped& e) {
+    stopped = e.what();
+  }
+  if (!stopped.empty()) {
+    // A process of this job was refused for how it was set up (docs/PROTOCOL.md, "Rendezvous store"):
+    // its rank will not come as it is, so nobody waits out the bootstrap timeout for it. The store's
+    // rank first serves on until every other rank has heard it (or the deadline passed), since the
+    // store closes with it and a rank that comes later would look for it until its timeout.
+    if (out.store_server) {
+      asio::steady_timer pause(io);
+      while (!out.store_server->told_every_rank() && Clock::now() < deadline) {
+        pause.expires_after(std::chrono::milliseconds(10));
+        co_await pause.async_wait(use_awaitable);
+      }
+    }
+    fail(Errc::refused, rank,
+         fmt::format("the store {} refused a process of this job, so the group cannot form: {}", options.store, stopped));
+  }
   if (!missing.empty()) {
     std::vector<std::string> ranks;
     for (const auto& key : missing) ranks.push_back(key.substr(key.rfind('/') + 1));

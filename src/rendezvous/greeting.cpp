@@ -425,6 +425,10 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
       refusal = mismatched_proof(their_hello.role, local.role);
     }
   }
+  // Past the proof, a side that names this job is one of its processes, whatever else it says: a job
+  // id both sides leave empty names no job unless the secret does.
+  const bool of_this_job = refusal.empty() && their_details.job == local.job && (secret || !local.job.empty());
+  const std::optional<int> member = of_this_job ? std::optional<int>(their_details.rank) : std::nullopt;
   if (refusal.empty()) refusal = details_disagreement(local, their_hello.role, their_details);
   auto theirs = greeting_of(their_hello, std::move(their_details));
   if (refusal.empty()) refusal = check(theirs);  // the other side proved the secret: it may claim now
@@ -437,7 +441,7 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
     }
   }
   co_await write_all(socket, last);
-  if (!refusal.empty()) throw Refused(refusal);
+  if (!refusal.empty()) throw Refused(refusal, member);
   if (secret) {
     theirs.send_key = proof(local.secret, frames_from_acceptor_label, their_hello_bytes, my_hello);
     theirs.recv_key = proof(local.secret, frames_from_connector_label, their_hello_bytes, my_hello);
@@ -446,7 +450,7 @@ awaitable<Greeting> accept(tcp::socket& socket, const Local& local, const std::f
 }
 
 awaitable<std::string> admit(tcp::socket& socket, const Local& local, const std::function<std::string(const Greeting&)>& check,
-                              std::chrono::milliseconds timeout, Greeting* admitted) {
+                              std::chrono::milliseconds timeout, Greeting* admitted, std::optional<int>* member) {
   try {
     if (auto theirs = co_await with_deadline(accept(socket, local, check), std::chrono::steady_clock::now() + timeout)) {
       if (admitted) *admitted = std::move(*theirs);
@@ -455,6 +459,7 @@ awaitable<std::string> admit(tcp::socket& socket, const Local& local, const std:
     co_return timeout.count() % 1000 == 0 ? fmt::format("no greeting within {} s", timeout.count() / 1000)
                                           : fmt::format("no greeting within {} ms", timeout.count());
   } catch (const Refused& e) {
+    if (member) *member = e.member;
     co_return std::string(e.what());
   } catch (const std::system_error& e) {
     co_return fmt::format("the connection failed during the greeting: {}", e.code().message());

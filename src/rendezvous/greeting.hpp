@@ -104,7 +104,12 @@ struct Local {
 /// A refusal of the other side or by it; `what()` says why, naming the remote address.
 class Refused : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit Refused(const std::string& what, std::optional<int> member = std::nullopt)
+      : std::runtime_error(what), member(member) {}
+  /// The rank a refused side claimed, when it proved the secret (where there is one) and named this job
+  /// (the same job id, which was not empty, or a secret): a process of this job set up otherwise, not a
+  /// stranger.
+  std::optional<int> member;
 };
 
 /// The connecting side: greets, checks the other side's greeting and proof, proves itself. Returns the
@@ -123,9 +128,11 @@ asio::awaitable<Greeting> accept(asio::ip::tcp::socket& socket, const Local& loc
 /// accept() within `timeout`, for a listener: returns "" when the connection is admitted (the other
 /// side's greeting in `*admitted`, when given), else why not (refused by `check` or by the greeting,
 /// refused by the other side, silent past `timeout`, or failed), for the caller to log with the address.
+/// `*member`, when given, is the rank a refused process of this job claimed (Refused::member).
 asio::awaitable<std::string> admit(asio::ip::tcp::socket& socket, const Local& local,
                                    const std::function<std::string(const Greeting&)>& check,
-                                   std::chrono::milliseconds timeout, Greeting* admitted = nullptr);
+                                   std::chrono::milliseconds timeout, Greeting* admitted = nullptr,
+                                   std::optional<int>* member = nullptr);
 
 /// "host:port" of the socket's remote end ("[v6]:port"), or "?".
 std::string remote_address(const asio::ip::tcp::socket& socket);

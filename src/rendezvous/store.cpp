@@ -114,6 +114,11 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   std::set<asio::steady_timer*> waiters;  // WAIT requests asleep until the next change
   std::set<tcp::socket*> clients;
   bool closed = false;
+  // Set by the first process of this job refused for how it was set up: the ranks that wait for it would
+  // wait out the bootstrap timeout for a rank that will not come as it is, so every WAIT ends with this.
+  std::string stopped;
+  std::set<int> refused_members;  // the ranks such processes claimed
+  std::set<int> told_stopped;     // the ranks whose WAIT was answered with it (it ends their bootstrap)
 
   void changed() {
     for (auto* timer : waiters) timer->cancel();
@@ -143,12 +148,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     co_await asio::async_write(socket, buffers, use_awaitable);
   }
 
-  // The greeting: who connects (greeting.hpp). Returns false (logged, with the address) for a connection
-  // that may not use the store.
-  awaitable<bool> admit(tcp::socket& socket, const std::string& peer) {
+  // The greeting: who connects (greeting.hpp). Returns the rank admitted, or nullopt (logged, with the
+  // address) for a connection that may not use the store.
+  awaitable<std::optional<int>> admit(tcp::socket& socket, const std::string& peer) {
     const greeting::Local local{greeting::Role::store, -1, admission.world_size, admission.job, admission.secret, admission.integrity,
                                       admission.selection};
     int claim = -1;
+    bool duplicate = false;  // a second process of one rank: the first may still form the group
     const std::function<std::string(const greeting::Greeting&)> check = [&](const greeting::Greeting& g) -> std::string {
       if (static_cast<int>(g.world_size) != admission.world_size) {
         return fmt::format("rank {} says the world has {} ranks; the store (rank 0) says {}", g.rank, g.world_size,
@@ -158,6 +164,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         return fmt::format("rank {} is not below the world size {}", g.rank, admission.world_size);
       }
       if (auto it = claimed.find(g.rank); it != claimed.end()) {
+        duplicate = true;
         return fmt::format("rank {} already arrived from {} (duplicate rank: two processes were given rank {}, or a "
                            "process made a second group from the same environment; make further groups with split())",
                            g.rank, it->second, g.rank);
@@ -167,18 +174,26 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       return {};
     };
     const auto handle = pending.add(socket, peer);
-    const std::string refusal = co_await greeting::admit(socket, local, check, admission.greeting_timeout);
+    std::optional<int> member;
+    const std::string refusal = co_await greeting::admit(socket, local, check, admission.greeting_timeout, nullptr, &member);
     const bool evicted = pending.remove(handle);
-    if (refusal.empty() && !evicted) co_return true;
+    if (refusal.empty() && !evicted) co_return claim;
     if (claim >= 0) claimed.erase(claim);
     if (!evicted) refusals->refused(peer, refusal);
-    co_return false;
+    if (member && !duplicate) {
+      refused_members.insert(*member);
+      if (stopped.empty()) {
+        stopped = fmt::format("{} (refused from {})", refusal, peer);
+        changed();
+      }
+    }
+    co_return std::nullopt;
   }
 
   awaitable<void> serve(tcp::socket socket, std::string peer) {
     auto self = shared_from_this();
     clients.insert(&socket);
-    const bool admitted = co_await admit(socket, peer);
+    const std::optional<int> admitted = co_await admit(socket, peer);
     if (!admitted || closed) {
       clients.erase(&socket);
       co_return;
@@ -218,6 +233,11 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
             const auto deadline = std::chrono::steady_clock::now() + *timeout;
             const auto keys = split_lines(key);
             for (;;) {
+              if (!stopped.empty()) {
+                told_stopped.insert(*admitted);
+                co_await reply(socket, Status::stopped, stopped);
+                break;
+              }
               std::vector<std::string> missing;
               for (const auto& k : keys) {
                 if (!data.contains(k)) missing.push_back(k);
@@ -256,6 +276,13 @@ Server::~Server() { close(); }
 unsigned short Server::port() const { return impl_->acceptor.local_endpoint().port(); }
 
 std::string Server::refusals() const { return impl_->refusals->summary(); }
+
+bool Server::told_every_rank() const {
+  for (int r = 0; r < impl_->admission.world_size; ++r) {
+    if (!impl_->told_stopped.contains(r) && !impl_->refused_members.contains(r)) return false;
+  }
+  return true;
+}
 
 void Server::close() {
   asio::post(impl_->acceptor.get_executor(), [impl = impl_] {
@@ -314,6 +341,7 @@ awaitable<std::vector<std::string>> Client::wait(const std::vector<std::string>&
   auto [status, payload] = co_await call(Command::wait, join(keys), value);
   if (status == Status::ok) co_return std::vector<std::string>{};
   if (status == Status::missing) co_return split_lines(payload);
+  if (status == Status::stopped) throw Stopped(payload);
   throw std::runtime_error("store: wait failed: " + payload);
 }
 

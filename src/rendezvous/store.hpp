@@ -22,7 +22,9 @@ inline constexpr std::uint32_t max_key_bytes = 64 * 1024;
 inline constexpr std::uint64_t max_value_bytes = 16 << 20;
 
 enum class Command : std::uint8_t { set = 1, get = 2, add = 3, wait = 4 };
-enum class Status : std::uint8_t { ok = 0, missing = 1, bad_request = 2 };
+/// `stopped`: WAIT's answer once the store refused a process of its own job for how it was set up
+/// (another world size, algorithm choice or integrity mode): no group can form, the reason is the payload.
+enum class Status : std::uint8_t { ok = 0, missing = 1, bad_request = 2, stopped = 3 };
 
 /// A request's header, checked: the magic, a known command, key and value within their limits.
 struct Request {
@@ -78,11 +80,20 @@ class Server {
   void close();
   /// The connections refused so far (greeting::RefusalLog::summary); on the io_context's thread.
   std::string refusals() const;
+  /// Whether every rank of the world was answered Status::stopped, but those whose process was refused;
+  /// on the io_context's thread.
+  bool told_every_rank() const;
 
   struct Impl;
 
  private:
   std::shared_ptr<Impl> impl_;
+};
+
+/// WAIT's Status::stopped: `what()` is the store's reason.
+class Stopped : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 class Client {
@@ -94,6 +105,7 @@ class Client {
   asio::awaitable<std::optional<std::string>> get(const std::string& key);
   asio::awaitable<std::int64_t> add(const std::string& key, std::int64_t delta);
   /// Waits until every key exists or `timeout` passes; returns the keys still missing (empty: all there).
+  /// Throws Stopped when the store stopped the bootstrap.
   asio::awaitable<std::vector<std::string>> wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
 
  private:

@@ -242,10 +242,18 @@ TEST_CASE("a second Group::create from the same environment says how to make mor
 
 TEST_CASE("a duplicate rank is refused and the job goes on with the first", "[security][duplicate]") {
   LogCapture log;
+  // Of this job or not, a second process of one rank does not stop the bootstrap (unlike a process of
+  // the job set up otherwise, below): the first may still form the group.
+  const bool of_the_job = GENERATE(false, true);
+  INFO("with a job id and a secret: " << of_the_job);
   // Four processes for a world of three: two claim rank 1.
-  auto out = bootstrap_each(4, [](int i, Options& o) {
+  auto out = bootstrap_each(4, [&](int i, Options& o) {
     o.world_size = 3;
     o.rank = i == 3 ? 1 : i;
+    if (of_the_job) {
+      o.job_id = "job-dup";
+      o.secret = "s3cret";
+    }
   }, 5s);
   int refused = 0;
   int ok = 0;
@@ -269,6 +277,67 @@ TEST_CASE("a rank that disagrees on the world size is refused, naming both sizes
   CHECK_THAT(out[0].text, Catch::Contains("ranks [2] never arrived") && Catch::Contains("the store meanwhile: 1 connection refused") &&
                               Catch::Contains("the world has 4 ranks"));
   CHECK(log.count({"store: refused a connection from 127.0.0.1:", "the world has 4 ranks"}) == 1);
+}
+
+TEST_CASE("a process of this job set up otherwise stops the bootstrap on every rank at once", "[security][stopped]") {
+  LogCapture log;
+  // The job named by its id, by its secret, or by both; the process differs in world size, algorithm
+  // choice or integrity mode. Its rank would never arrive as it is: the others fail now, naming why,
+  // instead of at the bootstrap timeout (60 s here).
+  struct Case {
+    const char* name;
+    std::function<void(int, Options&)> adjust;
+    const char* reason;
+  };
+  const std::vector<Case> cases = {
+      {"a job id, another world size", [](int i, Options& o) {
+         o.job_id = "job-7";
+         o.world_size = i == 2 ? 4 : 3;
+       }, "rank 2 says the world has 4 ranks; the store (rank 0) says 3"},
+      {"a secret, another algorithm choice", [](int i, Options& o) {
+         o.secret = "correct horse battery staple";
+         o.algorithms = i == 2 ? "all_reduce:ring" : "";
+       }, "selects or cuts algorithms differently"},
+      {"both, another integrity mode", [](int i, Options& o) {
+         o.job_id = "job-7";
+         o.secret = "correct horse battery staple";
+         o.integrity = i == 2 ? Integrity::crc32c : Integrity::off;
+       }, "checks frames with 'crc32c'"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.name);
+    const auto start = std::chrono::steady_clock::now();
+    auto out = bootstrap_each(3, c.adjust, 60s);
+    CHECK(std::chrono::steady_clock::now() - start < 30s);
+    CHECK(out[2].code == Errc::refused);
+    CHECK_THAT(out[2].text, Catch::Contains(c.reason));
+    for (int r = 0; r < 2; ++r) {
+      INFO("rank " << r << ": " << out[static_cast<std::size_t>(r)].text);
+      CHECK(out[static_cast<std::size_t>(r)].code == Errc::refused);
+      CHECK_THAT(out[static_cast<std::size_t>(r)].text,
+                 Catch::Contains(fmt::format("rank {}: bootstrap", r)) &&
+                     Catch::Contains("refused a process of this job, so the group cannot form: ") &&
+                     Catch::Contains(c.reason) && Catch::Contains("(refused from 127.0.0.1:"));
+    }
+  }
+}
+
+TEST_CASE("a process of another job, or without the secret, does not stop the bootstrap", "[security][stopped]") {
+  LogCapture log;
+  // Another job id (a neighbour's rank on a reused port) or a wrong secret: a stranger, whose refusal must
+  // not end this job's bootstrap (the real rank may still come); here it never does: a timeout.
+  auto other_job = bootstrap_each(3, [](int i, Options& o) {
+    o.job_id = i == 2 ? "job-8" : "job-7";
+    o.world_size = i == 2 ? 4 : 3;
+  });
+  CHECK(other_job[0].code == Errc::timeout);
+  CHECK_THAT(other_job[0].text, Catch::Contains("ranks [2] never arrived") && Catch::Contains("belongs to job 'job-8'"));
+  auto wrong_secret = bootstrap_each(3, [](int i, Options& o) {
+    o.job_id = "job-7";
+    o.secret = i == 2 ? "tr0ub4dor" : "correct horse battery staple";
+  });
+  CHECK(wrong_secret[1].code == Errc::timeout);
+  CHECK_THAT(wrong_secret[1].text, Catch::Contains("ranks [2] never arrived"));
 }
 
 TEST_CASE("strangers on the store's port are refused and logged; the job's ranks do not notice", "[security][strangers]") {
