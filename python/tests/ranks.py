@@ -507,6 +507,22 @@ def transposes(g):
     expect_error(lambda: g.transpose("reduce", None, root=r), "invalid_argument", me + "reduce needs this rank's cotangent")
     expect_error(lambda: g.transpose("all_gather", x, axes=1), "invalid_argument", me + "all_gather takes no axes")
     expect(weft.gpu is not None and weft.cpu(weft.gpu(x)).tolist() == x.tolist(), "gpu(x) and back")
+    # The transfers (gpu, to_device, cpu) are linear too: their transpose moves the cotangent back where
+    # the input lived, alike in shape and dtype; the adjoint test here is per rank.
+    xd = weft.gpu(x)
+    for f, src in ((weft.gpu, x), (lambda a: weft.to_device(a, 0), x), (weft.cpu, xd)):
+        y = f(src)
+        ct = rand(y.shape)
+        ct = weft.to_device(ct, y.device) if isinstance(y, weft.DeviceArray) else ct
+        grad = weft.transpose_transfer(ct, src)
+        expect(type(grad) is type(src) and grad.shape == src.shape and grad.dtype == src.dtype,
+               f"transpose_transfer: {type(grad).__name__} {grad.shape} for {type(src).__name__} {src.shape}")
+        expect(not isinstance(src, weft.DeviceArray) or grad.device == src.device, "transpose_transfer: its device")
+        expect(dot(weft.cpu(ct), weft.cpu(y)) == dot(weft.cpu(src), weft.cpu(grad)), "transpose_transfer: the adjoint test")
+    expect_error(lambda: weft.transpose_transfer(rand((4, 3)), xd), "invalid_argument",
+                 "transpose_transfer: the cotangent is float64 (4, 3) and the transfer's input float64 (3, 4)")
+    expect_error(lambda: weft.transpose_transfer(x.astype(np.float32), x), "invalid_argument",
+                 "transpose_transfer: the cotangent is float32 (3, 4)")
 
 
 def p2p_results(g):

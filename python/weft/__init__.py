@@ -35,7 +35,7 @@ from ._weft import Error
 
 __version__ = _weft.version  # the library's (weft::version()), which this module was built with
 
-__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "from_dlpack", "device_backend", "available_algorithms",
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "transpose_transfer", "from_dlpack", "device_backend", "available_algorithms",
            "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
@@ -762,6 +762,19 @@ def cpu(x):
     if isinstance(x, DeviceArray):
         return x.to_host()
     return np.asarray(x)
+
+
+def transpose_transfer(cotangent, like):
+    """The vector-Jacobian product of a transfer (to_device, gpu, cpu: the sharding API's differentiable
+    copies): the cotangent, shaped like the transfer's output, back where the transfer's input lived,
+    `like` (that input, or an array in its place): a numpy array when like is one, else a DeviceArray on
+    like's device. A transfer copies, so its transpose is the copy back; the shape and dtype must be
+    like's (a cotangent of another shape or dtype belongs to another computation, and is refused)."""
+    ct, src = _array(cotangent, "cotangent"), _array(like, "like")
+    if tuple(ct.shape) != tuple(src.shape) or np.dtype(ct.dtype) != np.dtype(src.dtype):
+        raise _invalid(f"transpose_transfer: the cotangent is {np.dtype(ct.dtype).name} {tuple(ct.shape)} and the "
+                       f"transfer's input {np.dtype(src.dtype).name} {tuple(src.shape)}: they must be alike")
+    return to_device(ct, src.device) if isinstance(src, DeviceArray) else cpu(ct)
 
 
 def from_dlpack(x):
