@@ -525,6 +525,55 @@ def transposes(g):
                  "transpose_transfer: the cotangent is float32 (3, 4)")
 
 
+def plans(g):
+    """Plans as plain data from Python: weft's builders run with run_plan give the collective's result,
+    a plan written by hand runs, and a plan that does not fit its arrays or its group is refused before
+    anything is sent (the next collective then still agrees on every rank)."""
+    p, r = g.size, g.rank
+    for name in ("ring_all_reduce", "bidirectional_ring_all_reduce", "recursive_doubling_all_reduce",
+                 "rabenseifner_all_reduce", "tree_all_reduce"):
+        for count in (0, 1, 7, 1001):
+            x = inputs(r, (count,), np.float32)
+            want = sum(inputs(i, (count,), np.float32) for i in range(p))
+            got = g.run_plan(weft.plan(name, p, r, count), x.copy(), name=name).wait()
+            expect(np.array_equal(got, want), f"{name} of {count}: {got[:4]} against {want[:4]}")
+    root = p - 1
+    for name in ("binomial_broadcast", "chain_broadcast"):
+        x = inputs(r, (13,), np.int64)
+        got = g.run_plan(weft.plan(name, p, r, 13, root=root), x, name=name).wait()
+        expect(got is x and np.array_equal(x, inputs(root, (13,), np.int64)), f"{name} from {root}")
+    # The ring's halves, composed: reduce-scatter then all-gather is an all_reduce.
+    x = inputs(r, (10,), np.float64)
+    g.run_plan(weft.plan("ring_reduce_scatter", p, r, 10), x).wait()
+    g.run_plan(weft.plan("ring_all_gather", p, r, 10), x).wait()
+    expect(np.array_equal(x, sum(inputs(i, (10,), np.float64) for i in range(p))), "ring reduce-scatter + all-gather")
+    g.run_plan(weft.plan("dissemination_barrier", p, r), np.empty(0, np.uint8)).wait()
+    if p > 1:
+        # By hand: every rank passes its 4 elements to the next one.
+        x = inputs(r, (4,), np.int32)
+        step = weft.Step("send_recv", send_to=(r + 1) % p, recv_from=(r - 1) % p, send=(0, 4), recv=(0, 4))
+        got = g.run_plan([step], x, out=np.zeros(4, np.int32), name="rotate").wait()
+        expect(np.array_equal(got, inputs((r - 1) % p, (4,), np.int32)), f"rotate: {got}")
+    me = f"weft: rank {r}: "
+    x = np.zeros(4, np.float32)
+    expect_error(lambda: g.run_plan([weft.Step("recv", recv_from=0, recv=(2, 3))], x), "invalid_argument",
+                 me + "run_plan: step 0 (recv): its recv range [2, +3) reaches past out (4 elements)")
+    expect_error(lambda: g.run_plan([weft.Step("send", send_to=0, send=(0, 5))], x, out=np.zeros(9, np.float32)),
+                 "invalid_argument", "its send range [0, +5) reaches past x (4 elements)")
+    expect_error(lambda: g.run_plan([weft.Step("recv_copy_send", send_to=0, recv_from=0, send=(3, 2), recv=(0, 1))], x),
+                 "invalid_argument", "its send range [3, +2) reaches past out (forwarded from it)")
+    expect_error(lambda: g.run_plan([weft.Step("sendrecv", send_to=0)], x), "invalid_argument",
+                 "step 0 has kind 'sendrecv' (known: send, recv,")
+    expect_error(lambda: g.run_plan([weft.Step("send", send_to=p, send=(0, 1))], x), "invalid_argument", me + "plan", f"send_to {p}")
+    expect_error(lambda: g.run_plan([("send", 0)], x), "invalid_argument", "run_plan: step 0 is ('send', 0), not a weft.Step")
+    expect_error(lambda: g.run_plan([weft.Step("send", send_to=0, send=(-1, 1))], x), "invalid_argument", "send offset is -1")
+    expect_error(lambda: g.run_plan([], x, out=np.zeros(4, np.int32)), "invalid_argument", "x is f32 and out i32")
+    expect_error(lambda: weft.plan("ring", p, r, 4), "invalid_argument", "plan: no builder named 'ring' (known: ring_reduce_scatter")
+    expect_error(lambda: weft.plan("ring_all_reduce", p, p, 4), "invalid_argument", f"plan: rank {p} is not in [0, {p})")
+    y = np.ones(3, np.float32)
+    expect(g.all_reduce(y).wait()[0] == p, "a collective after the refused plans")
+
+
 def p2p_results(g):
     """MLX's send gives its input back once sent; a receive may make its own array."""
     p, r = g.size, g.rank
@@ -736,6 +785,7 @@ SCENARIOS = {
     "deadlines": deadlines,
     "shrink": shrink,
     "transposes": transposes,
+    "plans": plans,
     "p2p_results": p2p_results,
     "fork": fork,
 }

@@ -113,6 +113,11 @@ def test_transposes_pass_the_adjoint_test(n):
     expect_ok(run_ranks(n, "transposes", WEFT_GPU="sim"), "transposes")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_plans_run_as_data_and_misfits_are_refused(n):
+    expect_ok(run_ranks(n, "plans"), "plans")
+
+
 def test_send_gives_its_input_back_and_recv_makes_its_array():
     expect_ok(run_ranks(3, "p2p_results"), "p2p_results")
 

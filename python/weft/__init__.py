@@ -23,6 +23,7 @@ number); several may be in flight at once.
 
 import asyncio
 import atexit
+import collections
 import functools
 import operator
 import threading
@@ -35,7 +36,7 @@ from ._weft import Error
 
 __version__ = _weft.version  # the library's (weft::version()), which this module was built with
 
-__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "transpose_transfer", "from_dlpack", "device_backend", "available_algorithms",
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "transpose_transfer", "Step", "plan", "plan_builders", "from_dlpack", "device_backend", "available_algorithms",
            "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
@@ -622,6 +623,37 @@ class Group:
             out = _empty(counts[self.rank], x.dtype, x)
         return self._start(self._g.reduce_scatterv(x, out, list(counts), op))
 
+    # ---- plans (weft/algorithms.hpp): a collective of the caller's own, as plain data
+
+    def run_plan(self, plan, x, out=None, op="sum", name="plan"):
+        """Runs `plan`, this rank's list of weft.Step (weft.plan(...)'s, or the caller's own), as one
+        collective of this group: it takes the next collective number, so every rank calls it in the
+        same order as the other collectives, each with its own rank's plan (MPI's rule). Plain sends read
+        x; receives (and forwarding sends) use out, which is x itself when None (in place; reducing steps
+        then reduce into what x holds). Host arrays, C-contiguous, of one dtype; every range (in elements)
+        must lie inside its array, and a step must name ranks of this group: refused otherwise, before
+        anything is sent. The Work's result is out. Errors while it runs name the rank, `name` and the
+        peer, as a collective's do."""
+        x = _array(x)
+        out = x if out is None else _array(out, "out")
+        if isinstance(x, DeviceArray) or isinstance(out, DeviceArray):
+            raise _invalid("run_plan takes host arrays (a plan reads and writes its buffers directly): copy with weft.cpu")
+        if not isinstance(name, str) or not name:
+            raise _invalid(f"run_plan: name must be a non-empty str, got {name!r}")
+        steps = []
+        for i, step in enumerate(plan):
+            try:
+                kind, send_to, recv_from, send, recv = step
+                if not isinstance(kind, str):
+                    raise TypeError(f"its kind is {kind!r}, not a str")
+                steps.append((kind, _integer(send_to, "send_to"), _integer(recv_from, "recv_from"),
+                              (_count(send[0], "send offset"), _count(send[1], "send count")),
+                              (_count(recv[0], "recv offset"), _count(recv[1], "recv count"))))
+            except (TypeError, ValueError, IndexError, Error) as e:
+                raise _invalid(f"run_plan: step {i} is {step!r}, not a weft.Step(kind, send_to, recv_from, send=(offset, count), "
+                               f"recv=(offset, count)): {e}") from None
+        return self._start(self._g.run_plan(steps, np.ascontiguousarray(x), out, _reduce_op(op), name))
+
     # ---- transposes (reverse-mode automatic differentiation)
 
     def transpose(self, collective, cotangent, like=None, **called):
@@ -733,7 +765,7 @@ for _name, _op in [("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("a
                    ("scatterv", "scatterv"), ("all_to_allv", "all_to_allv"), ("reduce_scatterv", "reduce_scatterv"),
                    ("split", "split"), ("shrink", "shrink"), ("with_timeout", "with_timeout"),
                    ("transport_to", "transport_to"), ("transpose", "transpose"),
-                   ("override_algorithms", "override_algorithms"),
+                   ("override_algorithms", "override_algorithms"), ("run_plan", "run_plan"),
                    ("algorithm_for", "algorithm_for")]:
     setattr(Group, _name, _naming_the_rank(_op, getattr(Group, _name)))
 Group.distributed_broadcast = Group.broadcast
@@ -762,6 +794,24 @@ def cpu(x):
     if isinstance(x, DeviceArray):
         return x.to_host()
     return np.asarray(x)
+
+
+Step = collections.namedtuple("Step", ["kind", "send_to", "recv_from", "send", "recv"], defaults=[-1, -1, (0, 0), (0, 0)])
+Step.__doc__ = """One step of a plan (weft/algorithms.hpp): `kind` is one of send, recv, recv_reduce,
+recv_reduce_send, recv_copy_send, send_recv, send_recv_reduce; `send_to` and `recv_from` are group ranks;
+`send` and `recv` are (offset, count) ranges in elements of the send and receive arrays."""
+
+plan_builders = tuple(_weft.plan_builders)
+
+
+def plan(name, size, rank, count=0, root=0):
+    """This rank's plan from one of weft's builders (weft.plan_builders: ring_all_reduce,
+    recursive_doubling_all_reduce, binomial_broadcast, ...), for rank `rank` of `size` over `count`
+    elements (root where the plan has one): a list of weft.Step, to run with Group.run_plan, change or
+    combine. The all_reduce plans work in place (out holds this rank's contribution), the ring
+    reduce-scatter and all-gather over blocks_of(count, size) with block r at rank r."""
+    steps = _weft.plan(str(name), _integer(size, "size"), _integer(rank, "rank"), _count(count, "count"), _integer(root, "root"))
+    return [Step(kind, send_to, recv_from, tuple(send), tuple(recv)) for kind, send_to, recv_from, send, recv in steps]
 
 
 def transpose_transfer(cotangent, like):

@@ -7,6 +7,8 @@
 // completes records its outcome in plain C++ (Flight), writes its id to the group's eventfd, and the
 // arrays it uses are kept alive by the Work object and by the group's in-flight table until the
 // completion has been reaped under the GIL.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -22,7 +24,9 @@
 #include <cerrno>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -391,6 +395,91 @@ ConstBufferView const_flat(const py::object& o, const char* what) {
   const auto a = o.cast<py::array>();
   if (!(a.flags() & py::array::c_style)) raise_invalid(std::string(what) + " must be C-contiguous");
   return ConstBufferView(a.data(), static_cast<std::size_t>(a.size()), dtype_of(a.dtype()));
+}
+
+const std::vector<std::string> plan_builders = {
+    "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "bidirectional_ring_all_reduce", "recursive_doubling_all_reduce",
+    "rabenseifner_all_reduce", "tree_all_reduce", "binomial_broadcast", "chain_broadcast", "binomial_reduce",
+    "pairwise_all_to_all", "dissemination_barrier"};
+
+// ---- plans (weft/algorithms.hpp) as plain Python data: (kind, send_to, recv_from, send, recv) with
+// ranges as (offset, count)
+using StepTuple = std::tuple<std::string, int, int, std::pair<std::size_t, std::size_t>, std::pair<std::size_t, std::size_t>>;
+
+constexpr algorithms::StepKind all_step_kinds[] = {
+    algorithms::StepKind::send,          algorithms::StepKind::recv,           algorithms::StepKind::recv_reduce,
+    algorithms::StepKind::recv_reduce_send, algorithms::StepKind::recv_copy_send, algorithms::StepKind::send_recv,
+    algorithms::StepKind::send_recv_reduce};
+
+std::vector<StepTuple> steps_of(const algorithms::Plan& plan) {
+  std::vector<StepTuple> out;
+  out.reserve(plan.size());
+  for (const auto& s : plan) {
+    out.emplace_back(std::string(algorithms::to_string(s.kind)), s.send_to, s.recv_from, std::pair{s.send.offset, s.send.count},
+                     std::pair{s.recv.offset, s.recv.count});
+  }
+  return out;
+}
+
+// A plan from Python's steps, each range checked against the buffer it moves through (Python knows the
+// arrays' sizes, which PlanBuffers does not carry: a range past its array is refused here, not written).
+algorithms::Plan plan_of(const std::vector<StepTuple>& steps, std::size_t send_count, std::size_t recv_count) {
+  algorithms::Plan plan;
+  plan.reserve(steps.size());
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const auto& [kind_name, send_to, recv_from, send, recv] = steps[i];
+    const auto* kind = std::find_if(std::begin(all_step_kinds), std::end(all_step_kinds),
+                                    [&](algorithms::StepKind k) { return algorithms::to_string(k) == kind_name; });
+    if (kind == std::end(all_step_kinds)) {
+      std::string known;
+      for (auto k : all_step_kinds) known += (known.empty() ? "" : ", ") + std::string(algorithms::to_string(k));
+      raise_invalid(fmt::format("run_plan: step {} has kind '{}' (known: {})", i, kind_name, known));
+    }
+    const bool sends = *kind != algorithms::StepKind::recv && *kind != algorithms::StepKind::recv_reduce;
+    const bool receives = *kind != algorithms::StepKind::send;
+    const bool forwards = *kind == algorithms::StepKind::recv_reduce_send || *kind == algorithms::StepKind::recv_copy_send;
+    const auto fits = [&](const char* which, const std::pair<std::size_t, std::size_t>& range, std::size_t count, const char* array) {
+      if (range.first > count || range.second > count - range.first) {
+        raise_invalid(fmt::format("run_plan: step {} ({}): its {} range [{}, +{}) reaches past {} ({} elements)", i, kind_name, which,
+                                  range.first, range.second, array, count));
+      }
+    };
+    if (sends) fits("send", send, forwards ? recv_count : send_count, forwards ? "out (forwarded from it)" : "x");
+    if (receives) fits("recv", recv, recv_count, "out");
+    plan.push_back(algorithms::Step{*kind, send_to, recv_from, {send.first, send.second}, {recv.first, recv.second}});
+  }
+  return plan;
+}
+
+// run_plan keeps its name for the operation's life (a const char*): names are kept here, one copy each.
+const char* plan_name(const std::string& name) {
+  static std::mutex m;
+  static std::set<std::string> names;
+  std::lock_guard lock(m);
+  return names.insert(name).first->c_str();
+}
+
+// The public builders by name: rank `rank` of `size`, `count` elements (root where the plan has one).
+algorithms::Plan built_plan(const std::string& name, int size, int rank, std::size_t count, int root) {
+  namespace a = algorithms;
+  if (size < 1) raise_invalid(fmt::format("plan: size {} must be at least 1", size));
+  if (rank < 0 || rank >= size) raise_invalid(fmt::format("plan: rank {} is not in [0, {})", rank, size));
+  if (root < 0 || root >= size) raise_invalid(fmt::format("plan: root {} is not in [0, {})", root, size));
+  if (count > (std::size_t{1} << 47)) raise_invalid(fmt::format("plan: count {} is past 2^47", count));
+  const auto blocks = a::blocks_of(count, size);
+  if (name == "ring_reduce_scatter") return a::ring_reduce_scatter(size, rank, blocks, -1);
+  if (name == "ring_all_gather") return a::ring_all_gather(size, rank, blocks, -1);
+  if (name == "ring_all_reduce") return a::ring_all_reduce(size, rank, count);
+  if (name == "bidirectional_ring_all_reduce") return a::bidirectional_ring_all_reduce(size, rank, count);
+  if (name == "recursive_doubling_all_reduce") return a::recursive_doubling_all_reduce(size, rank, count);
+  if (name == "rabenseifner_all_reduce") return a::rabenseifner_all_reduce(size, rank, count);
+  if (name == "tree_all_reduce") return a::tree_all_reduce(size, rank, count);
+  if (name == "binomial_broadcast") return a::binomial_broadcast(size, rank, root, count);
+  if (name == "chain_broadcast") return a::chain_broadcast(size, rank, root, count);
+  if (name == "binomial_reduce") return a::binomial_reduce(size, rank, root, count);
+  if (name == "pairwise_all_to_all") return a::pairwise_all_to_all(size, rank, count);
+  if (name == "dissemination_barrier") return a::dissemination_barrier(size, rank);
+  raise_invalid(fmt::format("plan: no builder named '{}' (known: {})", name, fmt::join(plan_builders, ", ")));
 }
 
 ReduceOp op_named(const std::string& name) {
@@ -773,6 +862,10 @@ PYBIND11_MODULE(_weft, m) {
     const auto& names = algorithms::available_algorithms(collective);
     return std::vector<std::string>(names.begin(), names.end());
   });
+  m.def("plan", [](const std::string& name, int size, int rank, std::size_t count, int root) {
+    return steps_of(built_plan(name, size, rank, count, root));
+  });
+  m.attr("plan_builders") = plan_builders;
   m.def("device_backend", [] { return std::string(gpu::backend_name()); });
   m.def("device_count", [] { return gpu::device_count(); });
 
@@ -905,5 +998,22 @@ PYBIND11_MODULE(_weft, m) {
         const ReduceOp o = op_named(op);
         return g.start(out, py::make_tuple(in, out),
                        [&](Group& gr) { return gr.reduce_scatterv(const_flat(in, "x"), flat(out, "out"), counts, o); });
+      })
+      // ---- a plan of the caller's (host arrays: a plan's steps read and write the buffers directly)
+      .def("run_plan", [](G& g, const std::vector<StepTuple>& steps, py::object in, py::object out, const std::string& op,
+                          const std::string& name) {
+        const ReduceOp o = op_named(op);
+        const ConstBufferView x = const_flat(in, "x");
+        const BufferView y = flat(out, "out");
+        if (x.dtype != y.dtype) {
+          raise_invalid(fmt::format("run_plan: x is {} and out {}: a plan moves elements of one dtype", to_string(x.dtype), to_string(y.dtype)));
+        }
+        auto plan = plan_of(steps, x.count, y.count);
+        const char* kept = plan_name(name);
+        return g.start(out, py::make_tuple(in, out), [&](Group& gr) {
+          return gr.run_plan(std::move(plan), algorithms::PlanBuffers{static_cast<const std::byte*>(x.data), static_cast<std::byte*>(y.data),
+                                                                       x.dtype, o},
+                             kept);
+        });
       });
 }
