@@ -391,6 +391,9 @@ def deadlines(g):
     me = f"weft: rank {g.rank}: "
     peer = (g.rank + 1) % g.size
     expect(g.transport_to(g.rank) == "self", f"transport_to itself: {g.transport_to(g.rank)}")
+    # An arena where every peer is reached through shared memory (weft-run's ranks share this host).
+    over_shm = g.size > 1 and all(g.transport_to(i) == "shm" for i in range(g.size) if i != g.rank)
+    expect(g.has_shared_arena == over_shm, f"has_shared_arena {g.has_shared_arena} over {g.transport}")
     expect(g.size == 1 or g.transport_to(peer) in ("shm", "tcp", "uring"), f"transport_to {peer}: {g.transport_to(peer)}")
     expect_error(lambda: g.transport_to(g.size), "invalid_argument", me + "transport_to")
     for bad in (-1, float("nan"), 1e300):

@@ -307,6 +307,12 @@ class Group:
     def transport(self):
         return self._g.transport
 
+    @property
+    def has_shared_arena(self):
+        """Whether the collectives can run in a group arena: every rank on this host, over shared memory
+        (the "shm" algorithms of available_algorithms)."""
+        return self._g.has_shared_arena
+
     def close(self):
         """Shuts the group down (operations still running are aborted on every rank first)."""
         with self._lock:

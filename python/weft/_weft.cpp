@@ -700,6 +700,7 @@ class PyGroup {
   int rank() { return handle().rank(); }
   int size() { return handle().size(); }
   std::string transport() { return std::string(handle().transport_name()); }
+  bool has_shared_arena() { return handle().has_shared_arena(); }
   int fd() const { return completions_->fd(); }
 
   // Starts `op` (a weft call that may throw) and returns its Work, which returns `result` and keeps
@@ -884,6 +885,7 @@ PYBIND11_MODULE(_weft, m) {
       .def_property_readonly("rank", &G::rank)
       .def_property_readonly("size", &G::size)
       .def_property_readonly("transport", &G::transport)
+      .def_property_readonly("has_shared_arena", &G::has_shared_arena)
       .def_property_readonly("fd", &G::fd)
       .def_property_readonly("closed", &G::closed)
       .def_property_readonly("in_flight", &G::in_flight)
