@@ -500,6 +500,28 @@ def transposes(g):
     recv_counts = [(j + 2 * r) % 3 for j in range(p)]  # and receives (j + 2r) % 3 from rank j
     xa = rand(sum(send_counts))
     adjoint("all_to_allv", xa, g.all_to_allv(xa, send_counts, recv_counts).wait(), send_counts=send_counts, recv_counts=recv_counts)
+    # With displacements: blocks in reverse rank order, a gap of one element after each and a tail of
+    # two (gaps in an output start as zeros, so that <ct, f(x)> counts the blocks only; gaps in an input
+    # are never sent, and their gradient must be zero).
+    def spread(counts_):
+        displs, at = [0] * len(counts_), 0
+        for i in reversed(range(len(counts_))):
+            displs[i], at = at, at + counts_[i] + 1
+        return displs, at + 2
+
+    displs, length = spread(counts)
+    adjoint("all_gatherv", xv, g.all_gatherv(xv, counts, displs=displs, out=np.zeros(length)).wait(), counts=counts, displs=displs)
+    root_out = np.zeros(length) if r == root else None
+    adjoint("gatherv", xv, g.gatherv(xv, counts, root=root, displs=displs, out=root_out).wait(), like=xv, counts=counts,
+            root=root, displs=displs)
+    xsv = rand(length) if r == 0 else None
+    adjoint("scatterv", xsv, g.scatterv(xsv, counts, root=0, displs=displs, dtype=np.float64).wait(), like=xsv, counts=counts,
+            root=0, displs=displs)
+    send_displs, send_length = spread(send_counts)
+    recv_displs, recv_length = spread(recv_counts)
+    xa = rand(send_length)
+    adjoint("all_to_allv", xa, g.all_to_allv(xa, send_counts, recv_counts, send_displs, recv_displs, out=np.zeros(recv_length)).wait(),
+            like=xa, send_counts=send_counts, recv_counts=recv_counts, send_displs=send_displs, recv_displs=recv_displs)
     # Refused alike on every rank, before anything is sent.
     me = f"weft: rank {r}: transpose: "
     expect_error(lambda: g.transpose("all_reduce", x, op="max"), "invalid_argument", me + "all_reduce with op max is not linear")
@@ -509,6 +531,10 @@ def transposes(g):
                  me + "reduce_scatterv with op max is not linear")
     expect_error(lambda: g.transpose("reduce", None, root=r), "invalid_argument", me + "reduce needs this rank's cotangent")
     expect_error(lambda: g.transpose("all_gather", x, axes=1), "invalid_argument", me + "all_gather takes no axes")
+    expect_error(lambda: g.transpose("reduce_scatterv", xw, counts=counts, displs=displs), "invalid_argument",
+                 me + "reduce_scatterv takes no displs")
+    expect_error(lambda: g.transpose("all_gatherv", np.zeros(0), counts=counts, displs=displs), "invalid_argument",
+                 me + "displs", "do not fit a cotangent of 0 elements")
     expect(weft.gpu is not None and weft.cpu(weft.gpu(x)).tolist() == x.tolist(), "gpu(x) and back")
     # The transfers (gpu, to_device, cpu) are linear too: their transpose moves the cotangent back where
     # the input lived, alike in shape and dtype; the adjoint test here is per rank.

@@ -672,7 +672,9 @@ class Group:
         scatter(root) <-> gather(root); all_to_all -> all_to_all with the axes swapped; ppermute(pairs)
         -> ppermute(the pairs reversed); all_gatherv(counts) <-> reduce_scatterv(counts); gatherv <->
         scatterv; all_to_allv(send_counts, recv_counts) -> all_to_allv(recv_counts, send_counts) (the
-        variable-size ones as called without displacements). Every rank calls it, as the collective.
+        variable-size ones with the displacements they were called with, if any: what lies between the
+        blocks gets a zero gradient; scatterv's root and all_to_allv take the input's length from `like`,
+        else from the end of the last block). Every rank calls it, as the collective.
         Where this rank's output was None (reduce's, gather's and gatherv's other ranks) the cotangent is
         None too, and `like`, an array shaped like this rank's input, says the gradient's shape;
         scatter's and scatterv's other ranks get None. Only sum reductions are linear: another op is
@@ -692,6 +694,9 @@ class Group:
         pairs = called.pop("pairs", None)
         counts = called.pop("counts", None)
         send_counts, recv_counts = called.pop("send_counts", None), called.pop("recv_counts", None)
+        displs = _counts(called.pop("displs", None), "displs") if name in ("all_gatherv", "gatherv", "scatterv") else []
+        send_displs = _counts(called.pop("send_displs", None), "send_displs") if name == "all_to_allv" else []
+        recv_displs = _counts(called.pop("recv_displs", None), "recv_displs") if name == "all_to_allv" else []
         if called:
             raise _invalid(f"transpose: {name} takes no {', '.join(sorted(called))} here")
         root = _rank_arg(root, "root", self.size)
@@ -708,13 +713,23 @@ class Group:
         if name in ("all_gatherv", "gatherv", "scatterv", "reduce_scatterv") and counts is None:
             raise _invalid(f"transpose: {name} needs the counts it was called with")
         if name == "all_gatherv":
+            # Placed at displacements, the gathered blocks are packed first: what lies between them
+            # came from nobody and carries no gradient.
+            if displs:
+                cotangent = _packed(cotangent, _counts(counts, "counts"), displs)
             return self.reduce_scatterv(cotangent, counts, op="sum")
         if name == "reduce_scatterv":
             return self.all_gatherv(cotangent, counts)
         if name == "all_to_allv":
             if send_counts is None or recv_counts is None:
                 raise _invalid("transpose: all_to_allv needs the send_counts and recv_counts it was called with")
-            return self.all_to_allv(cotangent, recv_counts, send_counts)
+            if not send_displs and not recv_displs:
+                return self.all_to_allv(cotangent, recv_counts, send_counts)
+            # The gradient lands where the input's blocks were taken from; the rest of the input (not
+            # sent) gets zeros. Its length: like's, else the end of the last block sent.
+            send_counts = _counts(send_counts, "send_counts")
+            out = _zeros(_length(like) if like is not None else _reach(send_counts, send_displs), cotangent)
+            return self.all_to_allv(cotangent, recv_counts, send_counts, recv_displs, send_displs, out=out)
         if name == "all_to_all":
             if split_axis is None or concat_axis is None:
                 raise _invalid("transpose: all_to_all needs split_axis and concat_axis as it was called with")
@@ -742,9 +757,38 @@ class Group:
         if name == "scatter":
             return self.gather(cotangent, root=root)
         if name == "gatherv":
-            return self.scatterv(cotangent if here else None, counts, root=root, dtype=None if here else _array(like).dtype)
-        # scatterv, the last of _TRANSPOSED
-        return self.gatherv(cotangent, counts, root=root)
+            return self.scatterv(cotangent if here else None, counts, root=root, displs=displs or None,
+                                 dtype=None if here else _array(like).dtype)
+        # scatterv, the last of _TRANSPOSED: at the root, the gradient has the input's length (like's, else
+        # the end of the last block), zeros where no block was taken.
+        out = None
+        if here and displs:
+            out = _zeros(_length(like) if like is not None else _reach(_counts(counts, "counts"), displs), cotangent)
+        return self.gatherv(cotangent, counts, root=root, displs=displs or None, out=out)
+
+
+def _reach(counts, displs):
+    """Where the last of the blocks (counts[i] elements at displs[i]) ends."""
+    return max((d + c for d, c in zip(displs, counts)), default=0)
+
+
+def _length(x):
+    return int(np.prod(np.shape(x))) if not isinstance(x, DeviceArray) else x.size
+
+
+def _zeros(n, like):
+    """n zeros of like's dtype where like lives (numpy, or like's device)."""
+    zeros = np.zeros(n, dtype=_array(like).dtype)
+    return to_device(zeros, like.device) if isinstance(like, DeviceArray) else zeros
+
+
+def _packed(x, counts, displs):
+    """The blocks of x (counts[i] elements at displs[i]) one after another, where x lives."""
+    host = cpu(x).reshape(-1)
+    if len(displs) != len(counts) or _reach(counts, displs) > host.size:
+        raise _invalid(f"transpose: displs {list(displs)} with counts {list(counts)} do not fit a cotangent of {host.size} elements")
+    packed = np.concatenate([host[d:d + c] for d, c in zip(displs, counts)]) if counts else host[:0]
+    return to_device(packed, x.device) if isinstance(x, DeviceArray) else packed
 
 
 def _naming_the_rank(op, method):
