@@ -652,7 +652,7 @@ class Group:
                 kind, send_to, recv_from, send, recv = step
                 if not isinstance(kind, str):
                     raise TypeError(f"its kind is {kind!r}, not a str")
-                steps.append((kind, _integer(send_to, "send_to"), _integer(recv_from, "recv_from"),
+                steps.append((kind, _rank_arg(send_to, "send_to", self.size), _rank_arg(recv_from, "recv_from", self.size),
                               (_count(send[0], "send offset"), _count(send[1], "send count")),
                               (_count(recv[0], "recv offset"), _count(recv[1], "recv count"))))
             except (TypeError, ValueError, IndexError, Error) as e:
@@ -860,7 +860,11 @@ def plan(name, size, rank, count=0, root=0):
     elements (root where the plan has one): a list of weft.Step, to run with Group.run_plan, change or
     combine. The all_reduce plans work in place (out holds this rank's contribution), the ring
     reduce-scatter and all-gather over blocks_of(count, size) with block r at rank r."""
-    steps = _weft.plan(str(name), _integer(size, "size"), _integer(rank, "rank"), _count(count, "count"), _integer(root, "root"))
+    size = _integer(size, "size")
+    if not 1 <= size <= 2**20:
+        raise _invalid(f"plan: size {size} must be from 1 to 2**20 (a plan of that many ranks has up to as many steps)")
+    rank, root = _rank_arg(rank, "plan: rank", size), _rank_arg(root, "plan: root", size)
+    steps = _weft.plan(str(name), size, rank, _count(count, "count"), root)
     return [Step(kind, send_to, recv_from, tuple(send), tuple(recv)) for kind, send_to, recv_from, send, recv in steps]
 
 
