@@ -355,11 +355,13 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   if (!stopped.empty()) {
     // A process of this job was refused for how it was set up (docs/PROTOCOL.md, "Rendezvous store"):
     // its rank will not come as it is, so nobody waits out the bootstrap timeout for it. The store's
-    // rank first serves on until every other rank has heard it (or the deadline passed), since the
-    // store closes with it and a rank that comes later would look for it until its timeout.
+    // rank first serves on until every other rank has heard it, since the store closes with it and a
+    // rank that comes later would look for it until its timeout; but at most 10 s (a rank that died
+    // before it arrived never hears it, and this rank's own error should not wait for it).
     if (out.store_server) {
       asio::steady_timer pause(io);
-      while (!out.store_server->told_every_rank() && Clock::now() < deadline) {
+      const auto serve_until = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+      while (!out.store_server->told_every_rank() && Clock::now() < serve_until) {
         pause.expires_after(std::chrono::milliseconds(10));
         co_await pause.async_wait(use_awaitable);
       }

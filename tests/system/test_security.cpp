@@ -322,6 +322,27 @@ TEST_CASE("a process of this job set up otherwise stops the bootstrap on every r
   }
 }
 
+TEST_CASE("the store's rank serves a stopped bootstrap on for at most 10 s for a rank that never comes", "[security][stopped]") {
+  LogCapture log;
+  // A world of 4 of which only 3 processes start, rank 2 set up otherwise: ranks 0 and 1 hear why at
+  // once, and rank 0, which serves the store, waits for rank 3 to hear it too, but not until its timeout.
+  const auto start = std::chrono::steady_clock::now();
+  auto out = bootstrap_each(3, [](int i, Options& o) {
+    o.job_id = "job-7";
+    o.world_size = 4;
+    o.algorithms = i == 2 ? "all_reduce:ring" : "";
+  }, 60s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took > 9s);
+  CHECK(took < 40s);
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << ": " << out[static_cast<std::size_t>(r)].text);
+    CHECK(out[static_cast<std::size_t>(r)].code == Errc::refused);
+    CHECK_THAT(out[static_cast<std::size_t>(r)].text, Catch::Contains("refused a process of this job, so the group cannot form: ") &&
+                                                          Catch::Contains("selects or cuts algorithms differently"));
+  }
+}
+
 TEST_CASE("a process of another job, or without the secret, does not stop the bootstrap", "[security][stopped]") {
   LogCapture log;
   // Another job id (a neighbour's rank on a reused port) or a wrong secret: a stranger, whose refusal must
