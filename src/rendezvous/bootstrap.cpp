@@ -367,7 +367,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
       }
     }
     fail(Errc::refused, rank,
-         fmt::format("the store {} refused a process of this job, so the group cannot form: {}", options.store, stopped));
+         fmt::format("the store at {} refused a process of this job, so the group cannot form: {}", options.store, stopped));
   }
   if (!missing.empty()) {
     std::vector<std::string> ranks;

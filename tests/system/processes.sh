@@ -123,7 +123,29 @@ case $case_name in
       RANK=$r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$worker" sum & pids+=($!)
     done
     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
-    exit $rc
+    [ $rc -eq 0 ] || exit $rc
+    # One rank of the job (TORCHELASTIC_RUN_ID names it) started with another world size, the ranks
+    # independent processes (no launcher ends the others): every rank fails at once naming it, not at
+    # the bootstrap timeout (60 s here). Rank 0 also has WEFT_LOG_LEVEL=zz: said, and warnings shown.
+    port=$(free_port); out=$(mktemp -d); start=$(date +%s); pids=()
+    for r in 0 1 2; do
+      ws=3; [ $r = 2 ] && ws=4
+      level=; [ $r = 0 ] && level=zz
+      WEFT_LOG_LEVEL=$level TORCHELASTIC_RUN_ID=job-42 WEFT_BOOTSTRAP_TIMEOUT=60 RANK=$r WORLD_SIZE=$ws MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=$port "$worker" sum > "$out/$r" 2>&1 & pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" && { cat "$out"/*; echo "FAIL: a rank formed a group"; exit 1; }; done
+    took=$(( $(date +%s) - start ))
+    cat "$out"/*
+    [ $took -lt 30 ] || { echo "FAIL: took ${took}s"; exit 1; }
+    for r in 0 1; do
+      grep -q "rank $r: bootstrap: the store at 127.0.0.1:$port refused a process of this job, so the group cannot form: rank 2 says the world has 4 ranks" "$out/$r" ||
+        { echo "FAIL: rank $r did not say why"; exit 1; }
+    done
+    grep -q "rank 2 says the world has 4 ranks; the store (rank 0) says 3" "$out/2" || { echo "FAIL: rank 2 did not say why"; exit 1; }
+    grep -q "WEFT_LOG_LEVEL='zz' is not a level" "$out/0" || { echo "FAIL: the log level not said"; exit 1; }
+    grep -q "store: refused a connection from" "$out/0" || { echo "FAIL: warnings silenced"; exit 1; }
+    rm -rf "$out"
     ;;
   slurm-env)
     port=$(free_port)
