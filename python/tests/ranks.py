@@ -522,6 +522,10 @@ def transposes(g):
     xa = rand(send_length)
     adjoint("all_to_allv", xa, g.all_to_allv(xa, send_counts, recv_counts, send_displs, recv_displs, out=np.zeros(recv_length)).wait(),
             like=xa, send_counts=send_counts, recv_counts=recv_counts, send_displs=send_displs, recv_displs=recv_displs)
+    # Displacements on the receiving side only, no like: the gradient's length is the packed input's.
+    xa = rand(sum(send_counts))
+    adjoint("all_to_allv", xa, g.all_to_allv(xa, send_counts, recv_counts, recv_displs=recv_displs, out=np.zeros(recv_length)).wait(),
+            send_counts=send_counts, recv_counts=recv_counts, recv_displs=recv_displs)
     # Refused alike on every rank, before anything is sent.
     me = f"weft: rank {r}: transpose: "
     expect_error(lambda: g.transpose("all_reduce", x, op="max"), "invalid_argument", me + "all_reduce with op max is not linear")

@@ -586,8 +586,7 @@ class Group:
         x = _flat(x)
         counts, displs = _counts(counts, "counts"), _counts(displs, "displs")
         if out is None:
-            reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
-            out = _empty(reach, x.dtype, x)
+            out = _empty(_extent(counts, displs), x.dtype, x)
         return self._start(self._g.all_gatherv(x, out, counts, displs))
 
     def gatherv(self, x, counts, root=0, displs=None, out=None):
@@ -595,8 +594,7 @@ class Group:
         counts, displs = _counts(counts, "counts"), _counts(displs, "displs")
         root = _rank_arg(root, "root", self.size)
         if self.rank == root and out is None:
-            reach = max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
-            out = _empty(reach, x.dtype, x)
+            out = _empty(_extent(counts, displs), x.dtype, x)
         return self._start(self._g.gatherv(x, out if self.rank == root else None, counts, root, displs))
 
     def scatterv(self, x, counts, root=0, displs=None, out=None, dtype=None):
@@ -617,8 +615,7 @@ class Group:
         send_counts, recv_counts = _counts(send_counts, "send_counts"), _counts(recv_counts, "recv_counts")
         send_displs, recv_displs = _counts(send_displs, "send_displs"), _counts(recv_displs, "recv_displs")
         if out is None:
-            reach = (max((d + c for d, c in zip(recv_displs, recv_counts)), default=0) if recv_displs else sum(recv_counts))
-            out = _empty(reach, x.dtype, x)
+            out = _empty(_extent(recv_counts, recv_displs), x.dtype, x)
         return self._start(self._g.all_to_allv(x, out, send_counts, recv_counts, send_displs, recv_displs))
 
     def reduce_scatterv(self, x, counts, op="sum", out=None):
@@ -728,7 +725,7 @@ class Group:
             # The gradient lands where the input's blocks were taken from; the rest of the input (not
             # sent) gets zeros. Its length: like's, else the end of the last block sent.
             send_counts = _counts(send_counts, "send_counts")
-            out = _zeros(_length(like) if like is not None else _reach(send_counts, send_displs), cotangent)
+            out = _zeros(_array(like).size if like is not None else _extent(send_counts, send_displs), cotangent)
             return self.all_to_allv(cotangent, recv_counts, send_counts, recv_displs, send_displs, out=out)
         if name == "all_to_all":
             if split_axis is None or concat_axis is None:
@@ -763,17 +760,14 @@ class Group:
         # the end of the last block), zeros where no block was taken.
         out = None
         if here and displs:
-            out = _zeros(_length(like) if like is not None else _reach(_counts(counts, "counts"), displs), cotangent)
+            out = _zeros(_array(like).size if like is not None else _extent(_counts(counts, "counts"), displs), cotangent)
         return self.gatherv(cotangent, counts, root=root, displs=displs or None, out=out)
 
 
-def _reach(counts, displs):
-    """Where the last of the blocks (counts[i] elements at displs[i]) ends."""
-    return max((d + c for d, c in zip(displs, counts)), default=0)
-
-
-def _length(x):
-    return int(np.prod(np.shape(x))) if not isinstance(x, DeviceArray) else x.size
+def _extent(counts, displs):
+    """The elements a variable-size collective's blocks span: counts[i] at displs[i] (up to where the last
+    ends), or one after another without displacements."""
+    return max((d + c for d, c in zip(displs, counts)), default=0) if displs else sum(counts)
 
 
 def _zeros(n, like):
@@ -785,7 +779,7 @@ def _zeros(n, like):
 def _packed(x, counts, displs):
     """The blocks of x (counts[i] elements at displs[i]) one after another, where x lives."""
     host = cpu(x).reshape(-1)
-    if len(displs) != len(counts) or _reach(counts, displs) > host.size:
+    if len(displs) != len(counts) or _extent(counts, displs) > host.size:
         raise _invalid(f"transpose: displs {list(displs)} with counts {list(counts)} do not fit a cotangent of {host.size} elements")
     packed = np.concatenate([host[d:d + c] for d, c in zip(displs, counts)]) if counts else host[:0]
     return to_device(packed, x.device) if isinstance(x, DeviceArray) else packed
