@@ -581,6 +581,9 @@ def plans(g):
     g.run_plan(weft.plan("ring_all_gather", p, r, 10), x).wait()
     expect(np.array_equal(x, sum(inputs(i, (10,), np.float64) for i in range(p))), "ring reduce-scatter + all-gather")
     g.run_plan(weft.plan("dissemination_barrier", p, r), np.empty(0, np.uint8)).wait()
+    expect(weft.blocks_of(10, 3) == [(0, 4), (4, 3), (7, 3)] and weft.blocks_of(0, 2) == [(0, 0), (0, 0)],
+           f"blocks_of: {weft.blocks_of(10, 3)}")
+    expect_error(lambda: weft.blocks_of(10, 0), "invalid_argument", "blocks_of: parts 0 must be from 1")
     if p > 1:
         # By hand: every rank passes its 4 elements to the next one.
         x = inputs(r, (4,), np.int32)

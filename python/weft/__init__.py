@@ -36,7 +36,7 @@ from ._weft import Error
 
 __version__ = _weft.version  # the library's (weft::version()), which this module was built with
 
-__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "transpose_transfer", "Step", "plan", "plan_builders", "from_dlpack", "device_backend", "available_algorithms",
+__all__ = ["Group", "Work", "Error", "DeviceArray", "to_device", "gpu", "cpu", "transpose_transfer", "Step", "plan", "plan_builders", "blocks_of", "from_dlpack", "device_backend", "available_algorithms",
            "await_spin_us"]
 
 # How long an await polls for its operation (the GIL released) before it hands the wait to the asyncio
@@ -860,6 +860,15 @@ def plan(name, size, rank, count=0, root=0):
     rank, root = _rank_arg(rank, "plan: rank", size), _rank_arg(root, "plan: root", size)
     steps = _weft.plan(str(name), size, rank, _count(count, "count"), root)
     return [Step(kind, send_to, recv_from, tuple(send), tuple(recv)) for kind, send_to, recv_from, send, recv in steps]
+
+
+def blocks_of(count, parts):
+    """The (offset, count) of each of `parts` nearly equal blocks of `count` elements (the first count %
+    parts get one more): how weft's plans cut a buffer (the ring's block r is rank r's)."""
+    parts = _integer(parts, "parts")
+    if not 1 <= parts <= 2**20:
+        raise _invalid(f"blocks_of: parts {parts} must be from 1 to 2**20")
+    return [tuple(b) for b in _weft.blocks_of(_count(count, "count"), parts)]
 
 
 def transpose_transfer(cotangent, like):

@@ -867,6 +867,12 @@ PYBIND11_MODULE(_weft, m) {
     return steps_of(built_plan(name, size, rank, count, root));
   });
   m.attr("plan_builders") = plan_builders;
+  m.def("blocks_of", [](std::size_t count, int parts) {
+    if (parts < 1) raise_invalid(fmt::format("blocks_of: parts {} must be at least 1", parts));
+    std::vector<std::pair<std::size_t, std::size_t>> out;
+    for (const auto& b : algorithms::blocks_of(count, parts)) out.emplace_back(b.offset, b.count);
+    return out;
+  });
   m.def("device_backend", [] { return std::string(gpu::backend_name()); });
   m.def("device_count", [] { return gpu::device_count(); });
 
