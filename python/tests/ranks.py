@@ -428,7 +428,8 @@ def shrink(g):
         raise AssertionError("a collective with a dead peer completed")
     except weft.Error as e:
         expect(f"rank {g.size - 1}" in str(e), f"the dead rank is not named: {e}")
-    expect_error(lambda: g.all_reduce(x).wait(), "group_failed", "an earlier operation failed")
+    e = expect_error(lambda: g.all_reduce(x).wait(), "group_failed", f"weft: rank {g.rank}: all_reduce", "an earlier operation failed")
+    expect(str(e).count("weft: ") == 1, f"the earlier failure quoted with its own 'weft: ': {e}")
     h = g.shrink()
     expect(h.size == g.size - 1 and h.rank == g.rank, f"shrunk to rank {h.rank} of {h.size}")
     got = h.all_reduce(np.full(5, h.rank + 1.0, dtype=np.float32)).wait()

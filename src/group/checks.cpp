@@ -1,7 +1,6 @@
 #include "group/checks.hpp"
 
 #include <cstdint>
-#include <string_view>
 
 #include <fmt/format.h>
 
@@ -13,12 +12,8 @@ namespace weft::detail {
 
 void refuse_unusable(GroupState& g, const char* op) {
   std::lock_guard lock(g.failure_mutex);
-  // The failure is most often an earlier error's what(): quoted without its "weft: ", which this
-  // error's own what() starts with already.
-  std::string_view failure = g.failure;
-  if (failure.starts_with("weft: ")) failure.remove_prefix(6);
   throw Error(Errc::group_failed, g.where(op, static_cast<std::int64_t>(g.next_seq.load())),
-              fmt::format("an earlier operation failed: {}", failure));
+              fmt::format("an earlier operation failed: {}", g.failure));
 }
 
 void refuse_p2p(const GroupState& g, const Error& e, int peer, std::uint32_t tag, bool sending) {

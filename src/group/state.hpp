@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -369,9 +370,12 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     return ErrorContext{rank, peer, op, seq, tag};
   }
 
-  void mark_failed(const std::string& what) {
+  // `what` is most often an earlier error's what(): kept without its "weft: ", which every error that
+  // quotes it (a later call refused on the failed group) starts with already.
+  void mark_failed(std::string_view what) {
     std::lock_guard lock(failure_mutex);
     if (failed.exchange(true)) return;
+    if (what.starts_with("weft: ")) what.remove_prefix(6);
     failure = what;
   }
 
