@@ -167,11 +167,11 @@ inline void store_ring_word(std::byte* at, std::uint64_t word, int order) noexce
 
 // This process's first access to every page of a ring's bytes, made at set-up rather than by the first
 // lap of messages. On the VMs here (a hypervisor with shadow page tables) a process's first write to a
-// page through its own mapping costs about 5.5 us and its first read about 1.7 us, once per page and
+// page through its own mapping costs 4.5-6.5 us and its first read 1.7-4.3 us, once per page and
 // mapping, whoever wrote the page before and whether or not the mapping was populated (MAP_POPULATE,
 // MADV_POPULATE_WRITE: the kernel's own fill does not count): a ping-pong of 8 bytes took 0.49 us a
 // message through a 1 MiB ring's first lap (16,384 records) and 0.34 from the second on
-// (bench/RESULTS.md, "A ring's first lap"). `for_writing`: the sender's touch, an atomic add of zero (a
+// (bench/RESULTS.md, "A ring's first lap"; bench/ceiling/page_touch_ceiling.cpp). `for_writing`: the sender's touch, an atomic add of zero (a
 // write that changes nothing, whatever the word holds); else the receiver's, a load. `capacity`: the one
 // the side read when it was made (the word in the segment is the peer's to change). Elsewhere it costs a
 // pass over one word a page.

@@ -143,7 +143,7 @@ ShmStream::ShmStream(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* event
       socket_(link_.socket) {
   // Both rings' pages, touched now through this process's mappings (ring.hpp, touch_pages): the first lap
   // of messages would otherwise pay each page's first write here and first read there. At most the
-  // inbound budget's 16 MiB each way (link.hpp): about 1 ms a MiB written and 0.4 read on the VMs here.
+  // inbound budget's 16 MiB each way (link.hpp): about 1 ms a MiB written and 0.4-1 ms read on the VMs here.
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   out_.touch_pages(page);
   in_.touch_pages(page);
