@@ -171,10 +171,10 @@ inline void store_ring_word(std::byte* at, std::uint64_t word, int order) noexce
 // mapping, whoever wrote the page before and whether or not the mapping was populated (MAP_POPULATE,
 // MADV_POPULATE_WRITE: the kernel's own fill does not count): a ping-pong of 8 bytes took 0.49 us a
 // message through a 1 MiB ring's first lap (16,384 records) and 0.34 from the second on
-// (bench/RESULTS.md, "A ring's first lap"; bench/ceiling/page_touch_ceiling.cpp). `for_writing`: the sender's touch, an atomic add of zero (a
-// write that changes nothing, whatever the word holds); else the receiver's, a load. `capacity`: the one
-// the side read when it was made (the word in the segment is the peer's to change). Elsewhere it costs a
-// pass over one word a page.
+// (bench/RESULTS.md, "A ring's first lap"; bench/ceiling/page_touch_ceiling.cpp). `for_writing`: the
+// sender's touch, an atomic add of zero (a write that changes nothing, whatever the word holds); else the
+// receiver's, a load. `capacity`: the one the side read when it was made (the word in the segment is the
+// peer's to change). Elsewhere it costs a pass over one word a page.
 inline void touch_pages(std::byte* data, std::size_t capacity, std::size_t page_bytes, bool for_writing) noexcept {
   if (page_bytes < 8) page_bytes = 4096;
   std::uint64_t seen = 0;
@@ -337,8 +337,6 @@ class RingReader {
   }
   void disarm() noexcept { ring_->sleeping.store(0, std::memory_order_relaxed); }
   explicit operator bool() const noexcept { return ring_ != nullptr; }
-  // The receiver's first read of every page of the ring, now (touch_pages).
-  void touch_pages(std::size_t page_bytes) const noexcept { shm::touch_pages(ring_->data, capacity_, page_bytes, false); }
 
  private:
   RingControl* ring_ = nullptr;

@@ -88,6 +88,9 @@ Segment make_ring(std::size_t capacity) {
   ring->capacity_log2 = log2;
   ring->version = ring_version;
   ring->magic = ring_magic;
+  // The reader's first read of every page, while nobody else has the segment (ring.hpp, touch_pages; the
+  // writer touches its own mapping when its stream is made).
+  touch_pages(ring->data, std::size_t{1} << log2, static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)), false);
   return s;
 }
 

@@ -37,8 +37,9 @@ class Segment {
   std::size_t size_ = 0;
 };
 
-/// A segment holding one ring of `capacity` bytes (a power of two), its control initialised: this rank
-/// will read it, the peer it is sent to will write it.
+/// A segment holding one ring of `capacity` bytes (a power of two), its control initialised and its pages
+/// read once through this mapping (ring.hpp, touch_pages): this rank will read it, the peer it is sent to
+/// will write it.
 Segment make_ring(std::size_t capacity);
 /// Maps a ring segment received from a peer (adopt) and checks its control: magic, version, capacity
 /// within the segment. Takes over `fd`. Throws std::runtime_error naming what is wrong.
