@@ -14,8 +14,9 @@ class Segment {
   /// A new segment of `bytes`, zeroed, sealed (no shrink, no grow, no more seals), mapped read-write.
   /// Both mappings (here and the peer's adopt) are populated at once (MAP_POPULATE): the first megabytes
   /// through a fresh ring otherwise fault page by page (bench/RESULTS.md, "first use"). (Where a
-  /// hypervisor charges a process's first access to each page on top, the rings' streams touch their
-  /// pages at set-up: ring.hpp, touch_pages.)
+  /// hypervisor charges a process's first access to each page on top, both sides of a ring touch its
+  /// pages at set-up, the reader in make_ring and the writer when its stream is made: ring.hpp,
+  /// touch_pages.)
   /// Throws std::system_error where memfd_create or mmap fails.
   static Segment create(std::size_t bytes, const char* name);
   /// Maps a segment received from a peer, after checking that it is a sealed memfd of at least
