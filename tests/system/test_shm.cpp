@@ -635,6 +635,50 @@ TEST_CASE("frames taken whole from the ring by their posted receives keep their 
   REQUIRE(in == out);
 }
 
+TEST_CASE("frames that come one at a time, in bursts and early all reach their receives in order", "[shm][stream]") {
+  // The reader looks past a frame it took only while such looks find another (ShmStream::looks_ahead_):
+  // lone frames turn the look off, a burst waiting behind a held-back frame turns it on again. Whatever
+  // the look does, every frame must reach the receive it belongs to, whole and in order.
+  ShmPair pair;
+  std::uint64_t seq = 1;
+  const auto size_of = [](int i) { return i % 3 == 0 ? std::size_t{8} : static_cast<std::size_t>(1 + i % 97); };
+  const auto lone = [&](int count) {
+    for (int i = 0; i < count; ++i, ++seq) {
+      const auto data = pattern(size_of(i), static_cast<unsigned>(seq));
+      std::vector<std::byte> into(data.size());
+      auto receive = pair.receive(1, seq, into);
+      REQUIRE(!pair.send(0, seq, data).get().error);
+      REQUIRE(!receive.get().error);
+      REQUIRE(into == data);
+    }
+  };
+  const auto burst = [&](int count, bool posted_first) {
+    std::vector<std::vector<std::byte>> out, in;
+    for (int i = 0; i < count; ++i) {
+      out.push_back(pattern(size_of(i), static_cast<unsigned>(seq + static_cast<std::uint64_t>(i))));
+      in.emplace_back(out.back().size());
+    }
+    std::vector<Future<ShmPair::Outcome>> receives, sends;
+    const auto post = [&] {
+      for (int i = 0; i < count; ++i) receives.push_back(pair.receive(1, seq + static_cast<std::uint64_t>(i), in[static_cast<std::size_t>(i)]));
+    };
+    if (posted_first) post();
+    for (int i = 0; i < count; ++i) sends.push_back(pair.send(0, seq + static_cast<std::uint64_t>(i), out[static_cast<std::size_t>(i)]));
+    for (auto& f : sends) REQUIRE(!f.get().error);
+    if (!posted_first) post();
+    for (auto& f : receives) REQUIRE(!f.get().error);
+    REQUIRE(in == out);
+    seq += static_cast<std::uint64_t>(count);
+  };
+  for (int round = 0; round < 5; ++round) {
+    CAPTURE(round);
+    lone(20);
+    burst(100, true);
+    lone(3);
+    burst(50, false);
+  }
+}
+
 TEST_CASE("a peer that goes away fails the receive waiting on it, naming the connection", "[shm][stream]") {
   ShmPair pair;
   std::vector<std::byte> into(16);

@@ -385,9 +385,18 @@ bool ShmStream::push_some() {
 
 std::size_t ShmStream::take_whole_frames(bool& ended) {
   std::size_t taken = 0;
+  const bool after_hold = std::exchange(held_back_, false);
   while (taken < frames_taken_most && read_.active && read_.got == 0 && record_.left == 0 && !read_error_ && !alive_.expired()) {
+    if (taken > 0 && !looks_ahead_) {
+      held_back_ = true;
+      break;
+    }
     const std::uint64_t word = in_.header();
-    if (word == 0) break;
+    if (word == 0) {
+      if (taken > 0) looks_ahead_ = false;
+      break;
+    }
+    if (taken == 0 && after_hold) looks_ahead_ = true;
     // Anything but a whole inline record in one piece is pull_read's, which also judges a bad one.
     shm::RecordHeader h;
     if (!shm::decode_record_header(word, h) || h.kind != shm::RecordKind::inline_bytes || !fits(h)) break;
@@ -562,7 +571,8 @@ std::size_t ShmStream::progress() {
     if (ended) return found;
   }
   const std::size_t before = read_.got;
-  if (reading) read_done = pull_read();
+  // (Held back: pull_read's first look would be the one take_whole_frames did not make.)
+  if (reading && !held_back_) read_done = pull_read();
   if (const std::size_t released = take_released(); released > 0) {
     ++found;
     if (!alive_.expired()) events_->on_released(peer_, released);

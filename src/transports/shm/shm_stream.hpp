@@ -126,7 +126,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool fits(const shm::RecordHeader& h) const noexcept;
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
   // to frames_taken_most, while the read in flight has nothing yet; returns how many. `ended`: a
-  // completion closed this stream or ended the transport, and nothing more may be done here.
+  // completion closed this stream or ended the transport, and nothing more may be done here. After a
+  // frame it looks for the next record only while such looks find one (looks_ahead_); else it stops
+  // there (held_back_) and the next turn looks.
   std::size_t take_whole_frames(bool& ended);
   static constexpr std::size_t frames_taken_most = 64;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
@@ -185,6 +187,15 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     std::uint64_t address = 0;
   } record_;
   std::uint64_t referenced_read_ = 0;  // bytes of the peer's reference records read, in all
+  // The look for a record right after a frame taken is a load of the line the writer zeroed when it
+  // published that frame (ring.hpp): when nothing more came, that line is still in the writer's cache, and
+  // the load is a transfer between the cores made before the completion it delays is handed on (the
+  // reply of a ping-pong: 0.77-0.83 us a message against 0.60-0.72 without the look, bench/RESULTS.md,
+  // "The look past a frame"). So that look is made only while it pays: a look past a frame that found
+  // nothing turns it off, and a turn whose first look, right after a turn that held back, finds a record
+  // waiting (a burst) turns it back on.
+  bool looks_ahead_ = false;
+  bool held_back_ = false;  // the last take stopped after a frame without looking further
 };
 
 }  // namespace weft
