@@ -190,10 +190,11 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // The look for a record right after a frame taken is a load of the line the writer zeroed when it
   // published that frame (ring.hpp): when nothing more came, that line is still in the writer's cache, and
   // the load is a transfer between the cores made before the thread waiting on the receive just
-  // completed gets back to its caller (the reply of a ping-pong: 8 bytes took 0.69-0.88 us a half round trip with the look and 0.58-0.74
-  // without it, where the cores are far apart; bench/RESULTS.md, "The look past a frame"). So that look
-  // is made only while it pays: a look past a frame that found nothing turns it off, and a turn whose
-  // first look, right after a turn that held back, finds a record waiting (a burst) turns it back on.
+  // completed gets back to its caller (the reply of a ping-pong: 8 bytes took 0.69-0.88 us a half round
+  // trip with the look and 0.58-0.74 without it, where the cores are far apart; bench/RESULTS.md, "The
+  // look past a frame"). So that look is made only while it pays: a look past a frame that found nothing
+  // turns it off, and a turn whose first look, right after a turn that held back, finds a record waiting
+  // (a burst) turns it back on.
   bool looks_ahead_ = false;
   bool held_back_ = false;  // the last take stopped after a frame without looking further
 };
