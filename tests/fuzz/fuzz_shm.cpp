@@ -100,21 +100,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // The hostile writer's script: 0 = write the next n bytes as they are at its position, the first 8 of
   // them (when it is at a multiple of 8) stored last with release, as a header is; 1 = move its position
   // anywhere; 2 = write the next n bytes as one well-formed inline record (so that the frames behind the
-  // records are reached too); else = let the reader run.
+  // records are reached too); 3 = the same as a frame record (the first 24 of them its short header,
+  // n of at least 24 unless the input ends); else = let the reader run.
   std::uint64_t position = 0;
   const auto at = [&](std::uint64_t p) { return ring->data + (static_cast<std::size_t>(p) & (capacity - 1)); };
   while (p < end) {
-    const std::uint8_t what = *p++ % 4;
-    if (what == 2 && p < end) {
-      const std::size_t wanted = *p++;
+    const std::uint8_t what = *p++ % 5;
+    if ((what == 2 || what == 3) && p < end) {
+      const bool frame = what == 3;
+      const std::size_t wanted = *p++ + (frame ? 24 : 0);
       const std::size_t n = std::min({wanted, static_cast<std::size_t>(end - p), capacity - 2 * shm::record_header_bytes});
       position = (position + 7) & ~std::uint64_t{7};
       shm::copy_into_ring(ring->data, capacity, static_cast<std::size_t>(position + shm::record_header_bytes) & (capacity - 1), p, n);
       p += n;
       const std::uint64_t next = position + shm::record_bytes(0, n);
       shm::store_ring_word(at(next), 0, __ATOMIC_RELAXED);
-      shm::store_ring_word(at(position), shm::encode_record_header({shm::RecordKind::inline_bytes, 0, static_cast<std::uint32_t>(n)}),
-                           __ATOMIC_RELEASE);
+      const shm::RecordKind kind = frame ? shm::RecordKind::frame : shm::RecordKind::inline_bytes;
+      shm::store_ring_word(at(position), shm::encode_record_header({kind, 0, static_cast<std::uint32_t>(n)}), __ATOMIC_RELEASE);
       position = next;
     } else if (what == 0 && p < end) {
       const std::size_t wanted = *p++;

@@ -214,10 +214,13 @@ TEST_CASE("a ring whose peer writes nonsense never copies outside it", "[shm][ri
     REQUIRE(reader.view(shm::record_header_bytes, 4096 - shm::record_header_bytes + 1) == nullptr);
     reader.take(big.data(), 1 << 20);
     REQUIRE(std::all_of(big.begin() + 4096, big.end(), [](std::byte b) { return b == std::byte{0x33}; }));
-    // Words that are no header: a wrong marker, an unknown kind, a lead past 63, a lead on a reference.
-    for (std::uint64_t word : {std::uint64_t{0x1234}, shm::encode_record_header({static_cast<shm::RecordKind>(3), 0, 8}),
+    // Words that are no header: a wrong marker, unknown kinds, a lead past 63, a lead on a reference or
+    // on a frame record.
+    for (std::uint64_t word : {std::uint64_t{0x1234}, shm::encode_record_header({static_cast<shm::RecordKind>(4), 0, 8}),
+                               shm::encode_record_header({static_cast<shm::RecordKind>(0), 0, 8}),
                                shm::encode_record_header({shm::RecordKind::inline_bytes, 64, 8}),
-                               shm::encode_record_header({shm::RecordKind::reference, 1, 0})}) {
+                               shm::encode_record_header({shm::RecordKind::reference, 1, 0}),
+                               shm::encode_record_header({shm::RecordKind::frame, 8, 32})}) {
       REQUIRE(!shm::decode_record_header(word, h));
     }
   }
@@ -383,6 +386,8 @@ class ShmPair {
       co_return t->recv_now(from, MessageKey{1, seq, 0}, into->data(), into->size());
     }(transports_[at].get(), 1 - at, seq, &into));
   }
+  Loop& loop(int r) { return loops_[r]; }
+  FramedTransport* transport(int r) { return transports_[r].get(); }
   // The ring rank r reads (for a test that plays a hostile writer into it).
   shm::RingControl* inbound(int r) const { return inbound_[r]; }
   // Writes rank r's eventfd, as a writer into its ring does when it finds it asleep.
@@ -390,13 +395,20 @@ class ShmPair {
     const std::uint64_t one = 1;
     REQUIRE(::write(hubs_[r]->wake_fd(), &one, sizeof one) == sizeof one);
   }
-  Future<Outcome> receive(int at, std::uint64_t seq, std::vector<std::byte>& into) {
-    return spawn(loops_[at], [](FramedTransport* t, int from, std::uint64_t seq, std::vector<std::byte>* into) -> Task<Outcome> {
+  Future<Outcome> receive(int at, std::uint64_t seq, std::vector<std::byte>& into, OpSignature signature = {}) {
+    return spawn(loops_[at], [](FramedTransport* t, int from, std::uint64_t seq, std::vector<std::byte>* into, OpSignature signature) -> Task<Outcome> {
       TransportOp op;
+      op.signature = signature;
       t->start_recv(from, MessageKey{1, seq, 0}, into->data(), into->size(), op);
       co_await op.wait();
       co_return Outcome{op.error(), op.reason()};
-    }(transports_[at].get(), 1 - at, seq, &into));
+    }(transports_[at].get(), 1 - at, seq, &into, signature));
+  }
+  // On rank `from`'s loop: Transport::send_now of message (1, seq, tag) with `signature`; whether it took it.
+  Future<bool> send_now(int from, std::uint64_t seq, const std::vector<std::byte>& data, std::uint64_t tag = 0, OpSignature signature = {}) {
+    return spawn(loops_[from], [](FramedTransport* t, int to, MessageKey key, const std::vector<std::byte>* data, OpSignature signature) -> Task<bool> {
+      co_return t->send_now(to, key, data->data(), data->size(), signature);
+    }(transports_[from].get(), 1 - from, MessageKey{1, seq, tag}, &data, signature));
   }
 
  private:
@@ -508,7 +520,7 @@ TEST_CASE("an inline record with a lead past 63 bytes or a length past the ring 
   pair.wake(0);  // its loop may sleep
   const auto outcome = receive.get();
   REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
-  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1") && Catch::Contains(which == 0 ? "not a record" : "a length of 0 or more than the ring holds"));
+  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1") && Catch::Contains(which == 0 ? "not a record" : "a record in the ring has a length of 0"));
 }
 
 TEST_CASE("many messages in flight both ways over shared memory arrive intact", "[shm][stream]") {
@@ -677,6 +689,171 @@ TEST_CASE("frames that come one at a time, in bursts and early all reach their r
     lone(3);
     burst(50, false);
   }
+}
+
+TEST_CASE("a data frame's short header says what its long one says, and one with bytes set that must be zero is refused", "[shm][wire]") {
+  std::mt19937_64 rng(42);
+  for (int i = 0; i < 1000; ++i) {
+    wire::Header h;
+    h.kind = wire::FrameKind::data;
+    h.flags = static_cast<std::uint8_t>(rng());
+    h.context = static_cast<std::uint32_t>(rng());
+    h.call = static_cast<std::uint32_t>(rng());
+    h.count = static_cast<std::uint32_t>(rng());
+    h.seq = i % 2 ? static_cast<std::uint32_t>(rng()) : UINT32_MAX;
+    h.tag = static_cast<std::uint32_t>(rng());
+    h.bytes = rng() % 5000;
+    REQUIRE(wire::has_short_form(h));
+    wire::ShortHeaderBytes bytes;
+    wire::encode_short(h, bytes);
+    std::string error;
+    const auto back = wire::decode_short(bytes, h.bytes, error);
+    REQUIRE(back);
+    REQUIRE((back->kind == h.kind && back->flags == h.flags && back->context == h.context && back->call == h.call &&
+             back->count == h.count && back->seq == h.seq && back->tag == h.tag && back->bytes == h.bytes));
+    bytes[1 + i % 3] = std::byte{1};
+    REQUIRE_FALSE(wire::decode_short(bytes, h.bytes, error));
+    REQUIRE_THAT(error, Catch::Contains("not zero"));
+  }
+  wire::Header wide;
+  wide.seq = std::uint64_t{1} << 32;
+  REQUIRE_FALSE(wire::has_short_form(wide));
+  wide.seq = 0;
+  wide.tag = std::uint64_t{1} << 32;
+  REQUIRE_FALSE(wire::has_short_form(wide));
+  wide.tag = 0;
+  wide.count = std::uint64_t{1} << 32;
+  REQUIRE_FALSE(wire::has_short_form(wide));
+  wide.count = 0;
+  REQUIRE(wire::has_short_form(wide));
+  wide.kind = wire::FrameKind::abort;
+  REQUIRE_FALSE(wire::has_short_form(wide));
+}
+
+TEST_CASE("small sends taken at once go as frame records, whether a receive waits for them or not", "[shm][stream]") {
+  // Transport::send_now puts a small data frame in one frame record (its header's short form): a posted
+  // receive takes it straight from the ring; an early one is read as the long header and the payload; a
+  // receive of another size or signature is refused as over any stream. Numbers past 32 bits, and
+  // payloads of 4 KiB and more, go in the long form (an inline record).
+  ShmPair pair;
+  shm::RingControl* inbound = pair.inbound(1);
+  const std::size_t capacity = std::size_t{1} << inbound->capacity_log2;
+  std::uint64_t seq = 1;
+  // The record a send put in the ring at `at`: its kind and length (the reader leaves headers in place).
+  const auto record_at = [&](std::uint64_t at) {
+    shm::RecordHeader h;
+    REQUIRE(shm::decode_record_header(shm::load_ring_word(inbound->data + (at & (capacity - 1))), h));
+    return h;
+  };
+  for (std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{8}, std::size_t{16}, std::size_t{24}, std::size_t{25},
+                           std::size_t{100}, std::size_t{4095}, std::size_t{4096}, std::size_t{9000}}) {
+    for (const bool posted_first : {true, false}) {
+      CAPTURE(size, posted_first);
+      const auto data = pattern(size, static_cast<unsigned>(seq));
+      std::vector<std::byte> into(size);
+      const std::uint64_t before = inbound->head.load(std::memory_order_acquire);
+      Future<ShmPair::Outcome> receive;
+      if (posted_first) receive = pair.receive(1, seq, into);
+      REQUIRE(pair.send_now(0, seq, data).get());
+      const shm::RecordHeader h = record_at(before);
+      if (size < shm::align_records_from) {
+        REQUIRE(h.kind == shm::RecordKind::frame);
+        REQUIRE(h.length == wire::short_header_size + size);
+      } else {
+        REQUIRE(h.kind == shm::RecordKind::inline_bytes);
+        REQUIRE(h.length == wire::header_size + size);
+      }
+      if (!posted_first) receive = pair.receive(1, seq, into);
+      REQUIRE(!receive.get().error);
+      REQUIRE(into == data);
+      ++seq;
+    }
+  }
+}
+
+TEST_CASE("many small frame records sent before their receives are read whole through the read-ahead buffer", "[shm][stream]") {
+  // Early frame records are read as bytes (the long header each stands for, then its payload) into the
+  // transport's read-ahead buffer, whose reads end anywhere: inside a payload, and inside the long header
+  // a frame record hands on.
+  ShmPair pair;
+  std::vector<std::vector<std::byte>> out, in;
+  for (int i = 0; i < 400; ++i) {
+    out.push_back(pattern(static_cast<std::size_t>(i * 7 % 131), static_cast<unsigned>(i)));
+    in.emplace_back(out.back().size());
+  }
+  for (int i = 0; i < 400; ++i) REQUIRE(pair.send_now(0, static_cast<std::uint64_t>(i + 1), out[static_cast<std::size_t>(i)]).get());
+  std::vector<Future<ShmPair::Outcome>> receives;
+  for (int i = 0; i < 400; ++i) receives.push_back(pair.receive(1, static_cast<std::uint64_t>(i + 1), in[static_cast<std::size_t>(i)]));
+  for (auto& f : receives) REQUIRE(!f.get().error);
+  REQUIRE(in == out);
+}
+
+TEST_CASE("a frame record of the wrong size or signature fails its receive, posted or early", "[shm][stream]") {
+  const bool posted_first = GENERATE(true, false);
+  CAPTURE(posted_first);
+  ShmPair pair;
+  const auto data = pattern(20, 7);
+  const OpSignature mine{.call = 77, .plan = 3, .count = 5};
+  std::vector<std::byte> longer(data.size() + 1), same(data.size());
+  Future<ShmPair::Outcome> wrong_size, wrong_call;
+  const auto post = [&] {
+    wrong_size = pair.receive(1, 1, longer);
+    wrong_call = pair.receive(1, 2, same, OpSignature{.call = 77, .plan = 3, .count = 6});
+  };
+  if (posted_first) post();
+  REQUIRE(pair.send_now(0, 1, data).get());
+  REQUIRE(pair.send_now(0, 2, data, 0, mine).get());
+  if (!posted_first) post();
+  const auto size_outcome = wrong_size.get();
+  REQUIRE(size_outcome.error == make_error_code(Errc::size_mismatch));
+  REQUIRE_THAT(size_outcome.reason, Catch::Contains("sent 20 bytes") && Catch::Contains("expected 21"));
+  const auto call_outcome = wrong_call.get();
+  REQUIRE(call_outcome.error == make_error_code(Errc::mismatch));
+  REQUIRE_THAT(call_outcome.reason, Catch::Contains("rank 1"));
+}
+
+TEST_CASE("frame records with numbers past 32 bits go in the long form and still arrive", "[shm][stream]") {
+  ShmPair pair;
+  shm::RingControl* inbound = pair.inbound(1);
+  const std::size_t capacity = std::size_t{1} << inbound->capacity_log2;
+  const auto data = pattern(12, 3);
+  for (const std::uint64_t tag : {std::uint64_t{UINT32_MAX}, std::uint64_t{1} << 32}) {
+    CAPTURE(tag);
+    const std::uint64_t before = inbound->head.load(std::memory_order_acquire);
+    REQUIRE(pair.send_now(0, 1, data, tag).get());
+    shm::RecordHeader h;
+    REQUIRE(shm::decode_record_header(shm::load_ring_word(inbound->data + (before & (capacity - 1))), h));
+    REQUIRE(h.kind == (tag <= UINT32_MAX ? shm::RecordKind::frame : shm::RecordKind::inline_bytes));
+    std::vector<std::byte> into(data.size());
+    auto receive = spawn(pair.loop(1), [](FramedTransport* t, std::uint64_t tag, std::vector<std::byte>* into) -> Task<std::error_code> {
+      TransportOp op;
+      t->start_recv(0, MessageKey{1, 1, tag}, into->data(), into->size(), op);
+      co_await op.wait();
+      co_return op.error();
+    }(pair.transport(1), tag, &into));
+    REQUIRE(!receive.get());
+    REQUIRE(into == data);
+  }
+}
+
+TEST_CASE("a frame record whose short header is bad, or too short for one, fails the connection", "[shm][stream]") {
+  const int which = GENERATE(0, 1);
+  CAPTURE(which);
+  ShmPair pair(64 << 10);
+  std::vector<std::byte> into(8);
+  auto receive = pair.receive(0, 9, into);
+  shm::RingWriter hostile(pair.inbound(0));  // at the reader's position: the real writer is quiet
+  std::byte body[32] = {};
+  body[2] = std::byte{1};  // a byte of the short header that must be zero
+  hostile.put_header({shm::RecordKind::frame, 0, which == 0 ? std::uint32_t{32} : std::uint32_t{23}});
+  hostile.put_fitting(body, which == 0 ? 32 : 23);
+  hostile.end_record();
+  hostile.publish();
+  pair.wake(0);  // its loop may sleep
+  const auto outcome = receive.get();
+  REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
+  REQUIRE_THAT(outcome.reason, Catch::Contains("rank 1") &&
+                                   Catch::Contains(which == 0 ? "short header has bytes set" : "less than a frame record's short header"));
 }
 
 TEST_CASE("a peer that goes away fails the receive waiting on it, naming the connection", "[shm][stream]") {

@@ -453,7 +453,7 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   h.flags = signature.plan;
   encode_header(h, c);
   const ConstBytes header{c.send_header.data(), header_bytes()};
-  if (whole) return c.stream->write_whole_now(header, ConstBytes{data, bytes}, ConstBytes{});
+  if (whole) return c.stream->write_frame_now(h, header, ConstBytes{data, bytes});
   // A socket takes what its buffer has room for; the rest is copied and written as the connection's
   // own bytes (the send is done: its buffer may be reused, as once the kernel has it). A failure
   // meets that write and fails the connection as any write's does.
@@ -794,16 +794,22 @@ void FramedTransport::on_read(int peer, const std::error_code& ec, std::size_t b
 // message, a mismatch or a wrong size to report, a failed or cancelled operation, sealed frames, a frame
 // larger than the inbox) is left to them: null.
 TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::size_t size) {
-  Connection& c = *connections_[static_cast<std::size_t>(peer)];
-  if (!c.alive || c.reading != Reading::header || c.handling || c.header_waiting || c.inbox_begin != c.inbox_end ||
-      c.recv_seal.on() || size < wire::header_size || size > Connection::inbox_size)
-    return nullptr;
+  if (size < wire::header_size) return nullptr;
   wire::HeaderBytes header_bytes;
   std::memcpy(header_bytes.data(), data, wire::header_size);
   std::string error;
   const auto header = wire::decode(header_bytes, error);
-  if (!header || header->kind != wire::FrameKind::data || header->bytes != size - wire::header_size) return nullptr;
-  const wire::Header& h = *header;
+  if (!header || header->bytes != size - wire::header_size) return nullptr;
+  return take_data_frame(peer, *header, data + wire::header_size);
+}
+
+// The same for a frame the stream carried in a form of its own (a short header): the header as the
+// long form would have said it.
+TransportOp* FramedTransport::take_data_frame(int peer, const wire::Header& h, const std::byte* payload) {
+  Connection& c = *connections_[static_cast<std::size_t>(peer)];
+  if (!c.alive || c.reading != Reading::header || c.handling || c.header_waiting || c.inbox_begin != c.inbox_end ||
+      c.recv_seal.on() || h.kind != wire::FrameKind::data || h.bytes > Connection::inbox_size - wire::header_size)
+    return nullptr;
   if (drops_data(contexts_.find(h.context), h.seq)) return nullptr;
   const OpSignature theirs{.call = h.call, .plan = h.flags, .count = h.count};
   TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}}, [&](const TransportOp& posted) {
@@ -811,7 +817,7 @@ TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::s
   });
   if (!op) return nullptr;
   begin_frame(c, h);
-  if (h.bytes) std::memcpy(op->recv_data, data + wire::header_size, h.bytes);
+  if (h.bytes) std::memcpy(op->recv_data, payload, h.bytes);
   return op;
 }
 

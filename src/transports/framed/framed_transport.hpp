@@ -193,6 +193,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   void on_released(int peer, std::size_t writes) override;
   void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
   TransportOp* take_frame(int peer, const std::byte* data, std::size_t size) override;
+  TransportOp* take_data_frame(int peer, const wire::Header& header, const std::byte* payload) override;
   void complete_taken(int peer, TransportOp& op) override;
   // Writes the connection's next frame. `starting`: the send start_send just queued, completed at once
   // when its frame is the only one and the stream takes it whole (Stream::write_now).

@@ -17,6 +17,9 @@
 namespace weft {
 
 class TransportOp;
+namespace wire {
+struct Header;
+}
 
 struct ConstBytes {
   const void* data = nullptr;
@@ -44,6 +47,10 @@ class StreamEvents {
   /// bytes. Asked only by a stream whose bytes come in records (shm), which spares a small message the
   /// copy through the read-ahead buffer and the framing's steps (bench/RESULTS.md). Default: null.
   virtual TransportOp* take_frame(int /*peer*/, const std::byte* /*data*/, std::size_t /*size*/) { return nullptr; }
+  /// As take_frame, for a data frame the stream carried in a form of its own (a short header, wire.hpp):
+  /// `header` as that form says, and its payload (header.bytes of them) at `payload`, readable until this
+  /// returns. Default: null.
+  virtual TransportOp* take_data_frame(int /*peer*/, const wire::Header& /*header*/, const std::byte* /*payload*/) { return nullptr; }
   /// Completes a receive take_frame returned (its completion may run the user's code, and end the
   /// transport and the stream: the stream touches nothing of either after it).
   virtual void complete_taken(int /*peer*/, TransportOp& /*op*/) {}
@@ -73,6 +80,12 @@ class Stream {
   /// at once without waiting; otherwise does nothing at all and returns false (no on_written either way).
   /// Only a stream that knows beforehand (shared memory: the room in the ring) says yes. Default: false.
   virtual bool write_whole_now(ConstBytes /*first*/, ConstBytes /*second*/, ConstBytes /*third*/) { return false; }
+  /// As write_whole_now(`encoded`, `payload`) for a data frame: `header` is what `encoded` holds (the long
+  /// form). A stream may carry the header in a shorter form of its own, so long as its reader hands on
+  /// exactly these bytes (or the header, through StreamEvents::take_data_frame). Default: write_whole_now.
+  virtual bool write_frame_now(const wire::Header& /*header*/, ConstBytes encoded, ConstBytes payload) {
+    return write_whole_now(encoded, payload, ConstBytes{});
+  }
   /// Whether write_whole_now can ever say yes (asked first, so that a socket costs no header built twice).
   virtual bool writes_whole_now() const noexcept { return false; }
   /// Whether write_whole_now would take pieces of `first` and `second` bytes now (nothing is written).

@@ -45,4 +45,19 @@ void encode(const Header& header, HeaderBytes& out) noexcept;
 /// Returns the header, or nullopt with `error` set when magic or version are wrong.
 std::optional<Header> decode(const HeaderBytes& in, std::string& error);
 
+// The short form of a data frame's header (docs/PROTOCOL.md, "Short frames"): 24 bytes, for a stream that
+// carries each frame in a record of its own and so knows the payload's length without the header (shared
+// memory). Half the long form: on a ring a message of up to 24 bytes then takes one cache line with its
+// headers, where the long form put 16-32 bytes on two.
+// Layout: 0 flags u8 | 1 zero u8 | 2 zero u16 | 4 context u32 | 8 call u32 | 12 count u32 | 16 seq u32 | 20 tag u32
+inline constexpr std::size_t short_header_size = 24;
+using ShortHeaderBytes = std::array<std::byte, short_header_size>;
+/// Whether `header` has a short form: a data frame whose seq, tag and count fit 32 bits.
+bool has_short_form(const Header& header) noexcept;
+/// The short form of a header has_short_form accepted.
+void encode_short(const Header& header, ShortHeaderBytes& out) noexcept;
+/// The data frame's header a short form and its payload's length (`bytes`) say, or nullopt with `error`
+/// set when its zero bytes are not zero.
+std::optional<Header> decode_short(const ShortHeaderBytes& in, std::uint64_t bytes, std::string& error);
+
 }  // namespace weft::wire

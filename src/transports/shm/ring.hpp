@@ -39,7 +39,11 @@
 //              alike");
 //   reference: 16 bytes, an address and a length in the sender's memory: the receiver copies them
 //              straight into its read (process_vm_readv, one copy: "single copy", CMA) and counts them
-//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them.
+//              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them;
+//   frame:     one whole data frame with its header in the short form (wire.hpp, 24 bytes) and then its
+//              payload, `length` bytes in all (at least the short header): the stream's bytes are the
+//              long header that form stands for and the payload (ring version 6, 2026-12-06). An 8-byte
+//              message's record is 40 bytes rather than 64, and one of up to 24 bytes stays on one line.
 // A record takes record_bytes(lead, length) of the ring: rounded up to 8, so that the next starts at a
 // multiple of 8 (its header one aligned word, never split by the ring's end). Reference records are sent
 // only to a receiver that said at connect time it can read the sender's memory (docs/PROTOCOL.md, "Link
@@ -81,12 +85,12 @@ inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order ord
 }
 
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
-inline constexpr std::uint32_t ring_version = 4;  // 4: arrival on the record's line, records at multiples of 8
+inline constexpr std::uint32_t ring_version = 6;  // 4: arrival on the record's line, records at multiples of 8; 6: frame records (5: a rewind record, tried, never shipped)
 
 // A record's first 8 bytes: a marker (catches a reader out of step with its writer at once, and is never
 // zero, which is "nothing yet"), the kind, the lead (inline records; 0 for the others), and for an inline
-// record the length of the stream's bytes in it.
-enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2 };
+// record the length of the stream's bytes in it (of a frame record: of its short header and payload).
+enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2, frame = 3 };
 inline constexpr std::uint16_t record_marker = 0x7772;  // "rw"
 inline constexpr std::size_t record_header_bytes = 8;
 inline constexpr std::size_t reference_record_bytes = record_header_bytes + 16;
@@ -112,7 +116,7 @@ inline std::size_t record_lead(std::uint64_t position, const void* source) noexc
 struct RecordHeader {
   RecordKind kind{};
   std::uint8_t lead = 0;     // inline: bytes before the stream's
-  std::uint32_t length = 0;  // inline: the stream's bytes that follow the lead
+  std::uint32_t length = 0;  // inline: the stream's bytes that follow the lead; frame: the bytes that follow
 };
 inline std::uint64_t encode_record_header(RecordHeader h) noexcept {
   std::byte out[record_header_bytes];
@@ -133,7 +137,7 @@ inline bool decode_record_header(std::uint64_t word, RecordHeader& h) noexcept {
   std::memcpy(&marker, in, 2);
   const auto kind = static_cast<std::uint8_t>(in[2]);
   const auto lead = static_cast<std::uint8_t>(in[3]);
-  if (marker != record_marker || kind < 1 || kind > 2) return false;
+  if (marker != record_marker || kind < 1 || kind > 3) return false;
   if (lead > (kind == 1 ? lead_most : 0)) return false;
   h.kind = static_cast<RecordKind>(kind);
   h.lead = lead;

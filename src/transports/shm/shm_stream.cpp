@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <string>
 #include <chrono>
 #include <thread>
@@ -31,7 +32,7 @@ std::chrono::steady_clock::time_point CoarseClock::now() noexcept {
 namespace {
 
 // What a peer wrote into the ring that this rank cannot take (the connection fails with these words).
-enum class RingError { not_a_record = 1, bad_length, unreadable_reference, empty_reference };
+enum class RingError { not_a_record = 1, bad_length, unreadable_reference, empty_reference, bad_short_header };
 
 class RingErrorCategory final : public std::error_category {
  public:
@@ -39,10 +40,11 @@ class RingErrorCategory final : public std::error_category {
   std::string message(int value) const override {
     switch (static_cast<RingError>(value)) {
       case RingError::not_a_record: return "protocol error: the peer wrote bytes into the ring that are not a record";
-      case RingError::bad_length: return "protocol error: a record in the ring has a length of 0 or more than the ring holds";
+      case RingError::bad_length: return "protocol error: a record in the ring has a length of 0, less than a frame record's short header, or more than the ring holds";
       case RingError::unreadable_reference:
         return "protocol error: a single-copy reference from a peer whose memory this rank cannot read (it said so at connect time)";
       case RingError::empty_reference: return "protocol error: a single-copy reference with a length of 0";
+      case RingError::bad_short_header: return "protocol error: a frame record whose short header has bytes set that must be zero";
     }
     return "unknown ring error";
   }
@@ -321,6 +323,20 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
   return true;
 }
 
+bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes encoded, ConstBytes payload) {
+  if (!wire::has_short_form(header) || payload.size >= shm::align_records_from) return write_whole_now(encoded, payload, ConstBytes{});
+  if (by_reference(payload) || !takes_whole_now(wire::short_header_size, payload.size)) return false;
+  wire::ShortHeaderBytes short_header;
+  wire::encode_short(header, short_header);
+  out_.put_header({shm::RecordKind::frame, 0, static_cast<std::uint32_t>(wire::short_header_size + payload.size)});
+  out_.put_fitting(short_header.data(), short_header.size());
+  if (payload.size) out_.put_fitting(payload.data, payload.size);
+  out_.end_record();
+  last_sent_ = CoarseClock::now();
+  if (out_.publish()) wake_peer();
+  return true;
+}
+
 bool ShmStream::push_some() {
   bool moved = false;
   while (write_.piece < 3) {
@@ -386,7 +402,7 @@ bool ShmStream::push_some() {
 std::size_t ShmStream::take_whole_frames(bool& ended) {
   std::size_t taken = 0;
   const bool after_hold = std::exchange(held_back_, false);
-  while (taken < frames_taken_most && read_.active && read_.got == 0 && record_.left == 0 && !read_error_ && !alive_.expired()) {
+  while (taken < frames_taken_most && read_.active && read_.got == 0 && !in_record() && !read_error_ && !alive_.expired()) {
     if (taken > 0 && !looks_ahead_) {
       held_back_ = true;
       break;
@@ -397,12 +413,22 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
       break;
     }
     if (taken == 0 && after_hold) looks_ahead_ = true;
-    // Anything but a whole inline record in one piece is pull_read's, which also judges a bad one.
+    // Anything but a whole inline or frame record in one piece is pull_read's, which also judges a bad one.
     shm::RecordHeader h;
-    if (!shm::decode_record_header(word, h) || h.kind != shm::RecordKind::inline_bytes || !fits(h)) break;
+    if (!shm::decode_record_header(word, h) || h.kind == shm::RecordKind::reference || !fits(h)) break;
     const std::byte* bytes = in_.view(shm::record_header_bytes + h.lead, h.length);
     if (!bytes) break;
-    TransportOp* op = events_->take_frame(peer_, bytes, h.length);
+    TransportOp* op = nullptr;
+    if (h.kind == shm::RecordKind::frame) {
+      wire::ShortHeaderBytes short_header;  // copied first: the writer may still change the ring's bytes
+      std::memcpy(short_header.data(), bytes, short_header.size());
+      std::string error;
+      const auto header = wire::decode_short(short_header, h.length - wire::short_header_size, error);
+      if (!header) break;
+      op = events_->take_data_frame(peer_, *header, bytes + wire::short_header_size);
+    } else {
+      op = events_->take_frame(peer_, bytes, h.length);
+    }
     if (!op) break;
     in_.take(nullptr, shm::record_header_bytes + h.lead + h.length);
     in_.end_record();
@@ -420,14 +446,15 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
 
 bool ShmStream::fits(const shm::RecordHeader& h) const noexcept {
   // The most a writer can put: the ring less the 8 bytes its next header needs.
-  return h.length != 0 && shm::record_bytes(h.lead, h.length) <= in_.capacity() - shm::record_alignment;
+  const std::size_t least = h.kind == shm::RecordKind::frame ? wire::short_header_size : 1;
+  return h.length >= least && shm::record_bytes(h.lead, h.length) <= in_.capacity() - shm::record_alignment;
 }
 
 bool ShmStream::pull_read() {
   if (read_error_) return false;
   bool ring_moved = false;
   while (read_.got < read_.cap) {
-    if (record_.left == 0) {
+    if (!in_record()) {
       const std::uint64_t word = in_.header();
       if (word == 0) break;
       shm::RecordHeader h;
@@ -441,7 +468,24 @@ bool ShmStream::pull_read() {
           break;
         }
         in_.take(nullptr, shm::record_header_bytes + h.lead);
-        record_ = Record{shm::RecordKind::inline_bytes, h.length, 0};
+        record_ = Record{shm::RecordKind::inline_bytes, h.length, 0, 0};
+      } else if (h.kind == shm::RecordKind::frame) {
+        // Read as the bytes of the long header it stands for, then its payload.
+        if (!fits(h)) {
+          read_error_ = make_error(RingError::bad_length);
+          break;
+        }
+        wire::ShortHeaderBytes short_header;
+        in_.peek(shm::record_header_bytes, short_header.data(), short_header.size());
+        std::string error;
+        const auto header = wire::decode_short(short_header, h.length - wire::short_header_size, error);
+        if (!header) {
+          read_error_ = make_error(RingError::bad_short_header);
+          break;
+        }
+        wire::encode(*header, expanded_);
+        in_.take(nullptr, shm::record_header_bytes + wire::short_header_size);
+        record_ = Record{shm::RecordKind::frame, h.length - wire::short_header_size, 0, wire::header_size};
       } else {
         // Only from a peer this rank said it can read (the link's probe); never trusted further than
         // that: a bad address fails the read (process_vm_readv checks it), it cannot touch this process.
@@ -457,17 +501,24 @@ bool ShmStream::pull_read() {
           break;
         }
         in_.take(nullptr, shm::reference_record_bytes);
-        record_ = Record{shm::RecordKind::reference, length, le::get_u64(where)};
+        record_ = Record{shm::RecordKind::reference, length, le::get_u64(where), 0};
       }
       ring_moved = true;
     }
-    if (record_.kind == shm::RecordKind::inline_bytes) {
+    if (record_.kind != shm::RecordKind::reference) {
+      // A frame record's long header first, from expanded_.
+      if (record_.expanded_left > 0) {
+        const std::size_t n = std::min(record_.expanded_left, read_.cap - read_.got);
+        std::memcpy(read_.dst + read_.got, expanded_.data() + (expanded_.size() - record_.expanded_left), n);
+        read_.got += n;
+        record_.expanded_left -= n;
+      }
       // All of the record is there (its header was): as much as the read holds.
       const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(record_.left, read_.cap - read_.got));
       in_.take(read_.dst + read_.got, n);
       read_.got += n;
       record_.left -= n;
-      if (record_.left == 0) in_.end_record();
+      if (!in_record()) in_.end_record();
       ring_moved = true;
       continue;
     }

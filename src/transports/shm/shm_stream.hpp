@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "transports/framed/stream.hpp"
+#include "transports/framed/wire.hpp"
 #include "transports/shm/ring.hpp"
 #include "transports/shm/segment.hpp"
 #include "weft/loop.hpp"
@@ -88,6 +89,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool write_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   /// With room in the ring for one inline record of all three (no single-copy piece, no write in flight).
   bool write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
+  /// A data frame whose header has a short form (wire.hpp) and whose payload is under
+  /// shm::align_records_from goes as one frame record (ring.hpp); any other as write_whole_now.
+  bool write_frame_now(const wire::Header& header, ConstBytes encoded, ConstBytes payload) override;
   bool writes_whole_now() const noexcept override { return true; }
   bool takes_whole_now(std::size_t first, std::size_t second) const noexcept override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
@@ -122,8 +126,11 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // shm::align_records_from bytes and `room` holds the record's header, the lead and that many of its
   // bytes; else 0.
   std::size_t lead_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept;
-  // An inline record's lead and length fit this rank's ring (a hostile or broken writer's may not).
+  // An inline or frame record's lead and length fit this rank's ring, and a frame record holds its short
+  // header (a hostile or broken writer's may not).
   bool fits(const shm::RecordHeader& h) const noexcept;
+  // A record being read is not done: bytes of it, or of the header a frame record stands for, are left.
+  bool in_record() const noexcept { return record_.left != 0 || record_.expanded_left != 0; }
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
   // to frames_taken_most, while the read in flight has nothing yet; returns how many. `ended`: a
   // completion closed this stream or ended the transport, and nothing more may be done here. After a
@@ -180,12 +187,15 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     std::size_t got = 0;
   } read_;
   std::error_code read_error_;
-  // The record being read: what is left of an inline one, or where the rest of a reference one is.
+  // The record being read: what is left of an inline one (or of a frame record's payload), or where the
+  // rest of a reference one is.
   struct Record {
     shm::RecordKind kind = shm::RecordKind::inline_bytes;
     std::uint64_t left = 0;
     std::uint64_t address = 0;
+    std::size_t expanded_left = 0;  // a frame record: bytes of `expanded_` not yet read (they come first)
   } record_;
+  wire::HeaderBytes expanded_{};  // a frame record's header in the long form, as the stream's bytes carry it
   std::uint64_t referenced_read_ = 0;  // bytes of the peer's reference records read, in all
   // The look for a record right after a frame taken is a load of the line the writer zeroed when it
   // published that frame (ring.hpp): when nothing more came, that line is still in the writer's cache, and
