@@ -75,7 +75,7 @@ bool take_inline(shm::RingReader& reader, std::vector<std::byte>& out) {
   REQUIRE(shm::decode_record_header(word, h));
   REQUIRE(h.kind == shm::RecordKind::inline_bytes);
   REQUIRE(reader.position() % shm::record_alignment == 0);
-  reader.take(nullptr, shm::record_header_bytes + h.lead);
+  reader.take(nullptr, shm::record_header_bytes + h.spare);
   const std::size_t at = out.size();
   out.resize(at + h.length);
   reader.take(out.data() + at, h.length);
@@ -214,13 +214,13 @@ TEST_CASE("a ring whose peer writes nonsense never copies outside it", "[shm][ri
     REQUIRE(reader.view(shm::record_header_bytes, 4096 - shm::record_header_bytes + 1) == nullptr);
     reader.take(big.data(), 1 << 20);
     REQUIRE(std::all_of(big.begin() + 4096, big.end(), [](std::byte b) { return b == std::byte{0x33}; }));
-    // Words that are no header: a wrong marker, unknown kinds, a lead past 63, a lead on a reference or
-    // on a frame record.
+    // Words that are no header: a wrong marker, unknown kinds, a lead past 63, a lead on a reference, a
+    // frame record's pad past 63.
     for (std::uint64_t word : {std::uint64_t{0x1234}, shm::encode_record_header({static_cast<shm::RecordKind>(4), 0, 8}),
                                shm::encode_record_header({static_cast<shm::RecordKind>(0), 0, 8}),
                                shm::encode_record_header({shm::RecordKind::inline_bytes, 64, 8}),
                                shm::encode_record_header({shm::RecordKind::reference, 1, 0}),
-                               shm::encode_record_header({shm::RecordKind::frame, 8, 32})}) {
+                               shm::encode_record_header({shm::RecordKind::frame, 64, 32})}) {
       REQUIRE(!shm::decode_record_header(word, h));
     }
   }
@@ -492,7 +492,7 @@ TEST_CASE("large messages from every place in a cache line arrive intact, their 
         shm::RecordHeader h;
         const std::size_t capacity = std::size_t{1} << inbound->capacity_log2;
         REQUIRE(shm::decode_record_header(shm::load_ring_word(inbound->data + (before & (capacity - 1))), h));
-        REQUIRE(h.lead == lead);
+        REQUIRE(h.spare == lead);
         REQUIRE(h.length == wire::header_size + size);
         if (placed) {
           REQUIRE((before + shm::record_header_bytes + lead + wire::header_size) % 64 ==
@@ -759,6 +759,7 @@ TEST_CASE("small sends taken at once go as frame records, whether a receive wait
       if (size < shm::align_records_from) {
         REQUIRE(h.kind == shm::RecordKind::frame);
         REQUIRE(h.length == wire::short_header_size + size);
+        REQUIRE((before + shm::record_bytes(h.spare, h.length)) % 64 == 0);  // its pad ends it at a line's end
       } else {
         REQUIRE(h.kind == shm::RecordKind::inline_bytes);
         REQUIRE(h.length == wire::header_size + size);

@@ -41,9 +41,12 @@
 //              straight into its read (process_vm_readv, one copy: "single copy", CMA) and counts them
 //              in `referenced_read`; the sender keeps them alive (its send lent) until that word passes them;
 //   frame:     one whole data frame with its header in the short form (wire.hpp, 24 bytes) and then its
-//              payload, `length` bytes in all (at least the short header): the stream's bytes are the
-//              long header that form stands for and the payload (ring version 6, 2026-12-06). An 8-byte
-//              message's record is 40 bytes rather than 64, and one of up to 24 bytes stays on one line.
+//              payload, `length` bytes in all (at least the short header), then a pad of 0 to 63 bytes
+//              that carry nothing: the stream's bytes are the long header that form stands for and the
+//              payload (ring version 6, 2026-12-06). The pad ends the record at a cache line's end, so
+//              that frame records after one another each start a line: a message of up to 32 bytes is
+//              then one line with its headers (the long header put 16-32 bytes on two), where 40-byte
+//              records one after the other would put every other one across two.
 // A record takes record_bytes(lead, length) of the ring: rounded up to 8, so that the next starts at a
 // multiple of 8 (its header one aligned word, never split by the ring's end). Reference records are sent
 // only to a receiver that said at connect time it can read the sender's memory (docs/PROTOCOL.md, "Link
@@ -88,23 +91,24 @@ inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring
 inline constexpr std::uint32_t ring_version = 6;  // 4: arrival on the record's line, records at multiples of 8; 6: frame records (5: a rewind record, tried, never shipped)
 
 // A record's first 8 bytes: a marker (catches a reader out of step with its writer at once, and is never
-// zero, which is "nothing yet"), the kind, the lead (inline records; 0 for the others), and for an inline
-// record the length of the stream's bytes in it (of a frame record: of its short header and payload).
+// zero, which is "nothing yet"), the kind, its spare bytes (an inline record's lead, a frame record's pad;
+// 0 for a reference), and for an inline record the length of the stream's bytes in it (of a frame record: of its short header and payload).
 enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2, frame = 3 };
 inline constexpr std::uint16_t record_marker = 0x7772;  // "rw"
 inline constexpr std::size_t record_header_bytes = 8;
 inline constexpr std::size_t reference_record_bytes = record_header_bytes + 16;
 // Records start at multiples of this.
 inline constexpr std::size_t record_alignment = 8;
-// An inline record's lead: at most this many bytes (a cache line less one).
+// A record's spare bytes (an inline record's lead, a frame record's pad): at most this many (a cache line
+// less one).
 inline constexpr std::uint32_t lead_most = 63;
 // An inline record is placed alike (a lead before its bytes) when a piece of at least this many bytes is
 // in it: below, the lines fetched cost less than the lead's bytes.
 inline constexpr std::size_t align_records_from = 4096;
 
-// The ring bytes a record takes: its header, lead and bytes, rounded up to record_alignment.
-constexpr std::size_t record_bytes(std::size_t lead, std::size_t length) noexcept {
-  return (record_header_bytes + lead + length + record_alignment - 1) & ~(record_alignment - 1);
+// The ring bytes a record takes: its header, spare bytes and bytes, rounded up to record_alignment.
+constexpr std::size_t record_bytes(std::size_t spare, std::size_t length) noexcept {
+  return (record_header_bytes + spare + length + record_alignment - 1) & ~(record_alignment - 1);
 }
 
 // The lead (0 to 63) that puts a byte which would land at ring position `position` (with no lead) as
@@ -115,15 +119,17 @@ inline std::size_t record_lead(std::uint64_t position, const void* source) noexc
 
 struct RecordHeader {
   RecordKind kind{};
-  std::uint8_t lead = 0;     // inline: bytes before the stream's
-  std::uint32_t length = 0;  // inline: the stream's bytes that follow the lead; frame: the bytes that follow
+  // Bytes of the record that carry nothing (0 to 63): an inline record's lead, before the stream's bytes;
+  // a frame record's pad, after its bytes, that ends it at a cache line's end.
+  std::uint8_t spare = 0;
+  std::uint32_t length = 0;  // inline: the stream's bytes that follow the lead; frame: the bytes before the pad
 };
 inline std::uint64_t encode_record_header(RecordHeader h) noexcept {
   std::byte out[record_header_bytes];
   const std::uint16_t marker = record_marker;
   std::memcpy(out, &marker, 2);
   out[2] = static_cast<std::byte>(h.kind);
-  out[3] = static_cast<std::byte>(h.lead);
+  out[3] = static_cast<std::byte>(h.spare);
   std::memcpy(out + 4, &h.length, 4);
   std::uint64_t word;
   std::memcpy(&word, out, sizeof word);
@@ -136,11 +142,11 @@ inline bool decode_record_header(std::uint64_t word, RecordHeader& h) noexcept {
   std::uint16_t marker = 0;
   std::memcpy(&marker, in, 2);
   const auto kind = static_cast<std::uint8_t>(in[2]);
-  const auto lead = static_cast<std::uint8_t>(in[3]);
+  const auto spare = static_cast<std::uint8_t>(in[3]);
   if (marker != record_marker || kind < 1 || kind > 3) return false;
-  if (lead > (kind == 1 ? lead_most : 0)) return false;
+  if (spare > (kind == 2 ? 0 : lead_most)) return false;
   h.kind = static_cast<RecordKind>(kind);
-  h.lead = lead;
+  h.spare = spare;
   std::memcpy(&h.length, in + 4, 4);
   return true;
 }

@@ -326,12 +326,18 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
 bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes encoded, ConstBytes payload) {
   if (!wire::has_short_form(header) || payload.size >= shm::align_records_from) return write_whole_now(encoded, payload, ConstBytes{});
   if (by_reference(payload) || !takes_whole_now(wire::short_header_size, payload.size)) return false;
+  // The pad that ends the record at a line's end (ring.hpp), where the room holds it too.
+  const std::size_t length = wire::short_header_size + payload.size;
+  const std::size_t used = shm::record_bytes(0, length);
+  std::size_t pad = (64 - ((out_.position() + used) & 63)) & 63;
+  if (pad && out_.room(used + pad) < used + pad) pad = 0;
   wire::ShortHeaderBytes short_header;
   wire::encode_short(header, short_header);
-  out_.put_header({shm::RecordKind::frame, 0, static_cast<std::uint32_t>(wire::short_header_size + payload.size)});
+  out_.put_header({shm::RecordKind::frame, static_cast<std::uint8_t>(pad), static_cast<std::uint32_t>(length)});
   out_.put_fitting(short_header.data(), short_header.size());
   if (payload.size) out_.put_fitting(payload.data, payload.size);
   out_.end_record();
+  out_.skip(pad);
   last_sent_ = CoarseClock::now();
   if (out_.publish()) wake_peer();
   return true;
@@ -416,10 +422,11 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
     // Anything but a whole inline or frame record in one piece is pull_read's, which also judges a bad one.
     shm::RecordHeader h;
     if (!shm::decode_record_header(word, h) || h.kind == shm::RecordKind::reference || !fits(h)) break;
-    const std::byte* bytes = in_.view(shm::record_header_bytes + h.lead, h.length);
+    const bool frame = h.kind == shm::RecordKind::frame;
+    const std::byte* bytes = in_.view(shm::record_header_bytes + (frame ? 0 : h.spare), h.length);
     if (!bytes) break;
     TransportOp* op = nullptr;
-    if (h.kind == shm::RecordKind::frame) {
+    if (frame) {
       wire::ShortHeaderBytes short_header;  // copied first: the writer may still change the ring's bytes
       std::memcpy(short_header.data(), bytes, short_header.size());
       std::string error;
@@ -430,7 +437,7 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
       op = events_->take_frame(peer_, bytes, h.length);
     }
     if (!op) break;
-    in_.take(nullptr, shm::record_header_bytes + h.lead + h.length);
+    in_.take(nullptr, shm::record_header_bytes + h.spare + h.length);
     in_.end_record();
     last_received_ = CoarseClock::now();
     if (in_.release()) wake_peer();
@@ -447,7 +454,7 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
 bool ShmStream::fits(const shm::RecordHeader& h) const noexcept {
   // The most a writer can put: the ring less the 8 bytes its next header needs.
   const std::size_t least = h.kind == shm::RecordKind::frame ? wire::short_header_size : 1;
-  return h.length >= least && shm::record_bytes(h.lead, h.length) <= in_.capacity() - shm::record_alignment;
+  return h.length >= least && shm::record_bytes(h.spare, h.length) <= in_.capacity() - shm::record_alignment;
 }
 
 bool ShmStream::pull_read() {
@@ -467,8 +474,8 @@ bool ShmStream::pull_read() {
           read_error_ = make_error(RingError::bad_length);
           break;
         }
-        in_.take(nullptr, shm::record_header_bytes + h.lead);
-        record_ = Record{shm::RecordKind::inline_bytes, h.length, 0, 0};
+        in_.take(nullptr, shm::record_header_bytes + h.spare);
+        record_ = Record{shm::RecordKind::inline_bytes, h.length, 0, 0, 0};
       } else if (h.kind == shm::RecordKind::frame) {
         // Read as the bytes of the long header it stands for, then its payload.
         if (!fits(h)) {
@@ -485,7 +492,7 @@ bool ShmStream::pull_read() {
         }
         wire::encode(*header, expanded_);
         in_.take(nullptr, shm::record_header_bytes + wire::short_header_size);
-        record_ = Record{shm::RecordKind::frame, h.length - wire::short_header_size, 0, wire::header_size};
+        record_ = Record{shm::RecordKind::frame, h.length - wire::short_header_size, 0, wire::header_size, h.spare};
       } else {
         // Only from a peer this rank said it can read (the link's probe); never trusted further than
         // that: a bad address fails the read (process_vm_readv checks it), it cannot touch this process.
@@ -501,7 +508,7 @@ bool ShmStream::pull_read() {
           break;
         }
         in_.take(nullptr, shm::reference_record_bytes);
-        record_ = Record{shm::RecordKind::reference, length, le::get_u64(where), 0};
+        record_ = Record{shm::RecordKind::reference, length, le::get_u64(where), 0, 0};
       }
       ring_moved = true;
     }
@@ -518,7 +525,10 @@ bool ShmStream::pull_read() {
       in_.take(read_.dst + read_.got, n);
       read_.got += n;
       record_.left -= n;
-      if (!in_record()) in_.end_record();
+      if (!in_record()) {
+        in_.take(nullptr, record_.pad);
+        in_.end_record();
+      }
       ring_moved = true;
       continue;
     }

@@ -194,6 +194,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
     std::uint64_t left = 0;
     std::uint64_t address = 0;
     std::size_t expanded_left = 0;  // a frame record: bytes of `expanded_` not yet read (they come first)
+    std::size_t pad = 0;            // a frame record: its pad, passed over once the rest is read
   } record_;
   wire::HeaderBytes expanded_{};  // a frame record's header in the long form, as the stream's bytes carry it
   std::uint64_t referenced_read_ = 0;  // bytes of the peer's reference records read, in all
