@@ -47,7 +47,7 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error);
 
 // The short form of a data frame's header (docs/PROTOCOL.md, "Short frames"): 24 bytes, for a stream that
 // carries each frame in a record of its own and so knows the payload's length without the header (shared
-// memory). Half the long form: on a ring a message of up to 24 bytes then takes one cache line with its
+// memory). Half the long form: on a ring a message of up to 32 bytes then takes one cache line with its
 // headers, where the long form put 16-32 bytes on two.
 // Layout: 0 flags u8 | 1 zero u8 | 2 zero u16 | 4 context u32 | 8 call u32 | 12 count u32 | 16 seq u32 | 20 tag u32
 inline constexpr std::size_t short_header_size = 24;
