@@ -47,7 +47,7 @@
 //              that frame records after one another each start a line: a message of up to 32 bytes is
 //              then one line with its headers (the long header put 16-32 bytes on two), where 40-byte
 //              records one after the other would put every other one across two.
-// A record takes record_bytes(lead, length) of the ring: rounded up to 8, so that the next starts at a
+// A record takes record_bytes(spare, length) of the ring: rounded up to 8, so that the next starts at a
 // multiple of 8 (its header one aligned word, never split by the ring's end). Reference records are sent
 // only to a receiver that said at connect time it can read the sender's memory (docs/PROTOCOL.md, "Link
 // offer"); any other gets inline records only. The reader trusts nothing of a record but where it
@@ -88,17 +88,22 @@ inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order ord
 }
 
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
-inline constexpr std::uint32_t ring_version = 6;  // 4: arrival on the record's line, records at multiples of 8; 6: frame records (5: a rewind record, tried, never shipped)
+// 4: arrival on the record's line, records at multiples of 8; 6: frame records (5: a rewind record, tried
+// and never shipped).
+inline constexpr std::uint32_t ring_version = 6;
 
 // A record's first 8 bytes: a marker (catches a reader out of step with its writer at once, and is never
 // zero, which is "nothing yet"), the kind, its spare bytes (an inline record's lead, a frame record's pad;
-// 0 for a reference), and for an inline record the length of the stream's bytes in it (of a frame record: of its short header and payload).
+// 0 for a reference), and the length: of the stream's bytes in an inline record, of the short header and
+// the payload in a frame record.
 enum class RecordKind : std::uint8_t { inline_bytes = 1, reference = 2, frame = 3 };
 inline constexpr std::uint16_t record_marker = 0x7772;  // "rw"
 inline constexpr std::size_t record_header_bytes = 8;
 inline constexpr std::size_t reference_record_bytes = record_header_bytes + 16;
 // Records start at multiples of this.
 inline constexpr std::size_t record_alignment = 8;
+// A cache line (x86-64's): a frame record's pad ends it at a multiple of this.
+inline constexpr std::size_t cache_line_bytes = 64;
 // A record's spare bytes (an inline record's lead, a frame record's pad): at most this many (a cache line
 // less one).
 inline constexpr std::uint32_t lead_most = 63;

@@ -40,7 +40,9 @@ class RingErrorCategory final : public std::error_category {
   std::string message(int value) const override {
     switch (static_cast<RingError>(value)) {
       case RingError::not_a_record: return "protocol error: the peer wrote bytes into the ring that are not a record";
-      case RingError::bad_length: return "protocol error: a record in the ring has a length of 0, less than a frame record's short header, or more than the ring holds";
+      case RingError::bad_length:
+        return "protocol error: a record in the ring has a length of 0, less than a frame record's short header, or more than "
+               "the ring holds";
       case RingError::unreadable_reference:
         return "protocol error: a single-copy reference from a peer whose memory this rank cannot read (it said so at connect time)";
       case RingError::empty_reference: return "protocol error: a single-copy reference with a length of 0";
@@ -324,12 +326,14 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
 }
 
 bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes encoded, ConstBytes payload) {
-  if (!wire::has_short_form(header) || payload.size >= shm::align_records_from) return write_whole_now(encoded, payload, ConstBytes{});
+  if (!wire::has_short_form(header) || payload.size >= shm::align_records_from) {
+    return write_whole_now(encoded, payload, ConstBytes{});
+  }
   if (by_reference(payload) || !takes_whole_now(wire::short_header_size, payload.size)) return false;
   // The pad that ends the record at a line's end (ring.hpp), where the room holds it too.
   const std::size_t length = wire::short_header_size + payload.size;
   const std::size_t used = shm::record_bytes(0, length);
-  std::size_t pad = (64 - ((out_.position() + used) & 63)) & 63;
+  std::size_t pad = (shm::cache_line_bytes - ((out_.position() + used) & (shm::cache_line_bytes - 1))) & (shm::cache_line_bytes - 1);
   if (pad && out_.room(used + pad) < used + pad) pad = 0;
   wire::ShortHeaderBytes short_header;
   wire::encode_short(header, short_header);

@@ -126,7 +126,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // shm::align_records_from bytes and `room` holds the record's header, the lead and that many of its
   // bytes; else 0.
   std::size_t lead_for(const ConstBytes* pieces, int piece, std::size_t offset, std::size_t room) const noexcept;
-  // An inline or frame record's lead and length fit this rank's ring, and a frame record holds its short
+  // An inline or frame record's spare bytes and length fit this rank's ring, and a frame record holds its short
   // header (a hostile or broken writer's may not).
   bool fits(const shm::RecordHeader& h) const noexcept;
   // A record being read is not done: bytes of it, or of the header a frame record stands for, are left.
