@@ -431,10 +431,7 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
     if (!bytes) break;
     TransportOp* op = nullptr;
     if (frame) {
-      wire::ShortHeaderBytes short_header;  // copied first: the writer may still change the ring's bytes
-      std::memcpy(short_header.data(), bytes, short_header.size());
-      std::string error;
-      const auto header = wire::decode_short(short_header, h.length - wire::short_header_size, error);
+      const auto header = peek_short_header(h);
       if (!header) break;
       op = events_->take_data_frame(peer_, *header, bytes + wire::short_header_size);
     } else {
@@ -453,6 +450,14 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
     }
   }
   return taken;
+}
+
+std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h) const {
+  // Copied out first: a hostile writer may still change the ring's bytes while they are decoded.
+  wire::ShortHeaderBytes bytes;
+  in_.peek(shm::record_header_bytes, bytes.data(), bytes.size());
+  std::string error;
+  return wire::decode_short(bytes, h.length - wire::short_header_size, error);
 }
 
 bool ShmStream::fits(const shm::RecordHeader& h) const noexcept {
@@ -486,10 +491,7 @@ bool ShmStream::pull_read() {
           read_error_ = make_error(RingError::bad_length);
           break;
         }
-        wire::ShortHeaderBytes short_header;
-        in_.peek(shm::record_header_bytes, short_header.data(), short_header.size());
-        std::string error;
-        const auto header = wire::decode_short(short_header, h.length - wire::short_header_size, error);
+        const auto header = peek_short_header(h);
         if (!header) {
           read_error_ = make_error(RingError::bad_short_header);
           break;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <system_error>
 #include <vector>
@@ -129,6 +130,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // An inline or frame record's spare bytes and length fit this rank's ring, and a frame record holds its short
   // header (a hostile or broken writer's may not).
   bool fits(const shm::RecordHeader& h) const noexcept;
+  // A frame record's short header (the record's first bytes), decoded; empty when it is malformed.
+  std::optional<wire::Header> peek_short_header(const shm::RecordHeader& h) const;
   // A record being read is not done: bytes of it, or of the header a frame record stands for, are left.
   bool in_record() const noexcept { return record_.left != 0 || record_.expanded_left != 0; }
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
