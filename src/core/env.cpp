@@ -71,6 +71,10 @@ long long parse_count(const char* name, const char* text, long long min, long lo
   return parse_whole(name, text, min, max, fmt::format("a whole number from {} to {}", min, max));
 }
 
+long long parse_count(const char* name, const char* text, long long min, long long max, std::string_view words) {
+  return parse_whole(name, text, min, max, fmt::format("{} or a whole number from {} to {}", words, min, max));
+}
+
 long long env_count(const char* name, long long fallback, long long min, long long max) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;

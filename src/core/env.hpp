@@ -3,6 +3,7 @@
 // an error naming the variable (Errc::invalid_argument, op "configuration"), never a silent default:
 // WEFT_SPIN_US=abc used to mean 0 and WEFT_LOG_LEVEL=zz turned every log line off.
 #include <chrono>
+#include <string_view>
 
 namespace weft::detail {
 
@@ -28,6 +29,9 @@ std::chrono::microseconds env_microseconds_or(const char* name, std::chrono::mic
 long long env_count(const char* name, long long fallback, long long min, long long max);
 /// `text` as env_count takes it (for a variable read through another lookup than getenv).
 long long parse_count(const char* name, const char* text, long long min, long long max);
+/// The same for a variable that also takes words, which its caller reads first: `words` ("on, off")
+/// are named in the refusal, so that it lists every value the variable takes.
+long long parse_count(const char* name, const char* text, long long min, long long max, std::string_view words);
 /// The same where no exception may leave (read lazily): `fallback` for a malformed value, which the
 /// Loop's construction refused before anyway.
 long long env_count_or(const char* name, long long fallback, long long min, long long max) noexcept;

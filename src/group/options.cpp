@@ -143,10 +143,10 @@ Options& Options::from_environment(const std::function<const char*(const char*)>
   // Read lazily too (host::local_ranks, the device windows' choice); "yes" was off and "four" was 1.
   if (const char* v = env("WEFT_LOCAL_WORLD_SIZE"); v && *v) (void)detail::parse_count("WEFT_LOCAL_WORLD_SIZE", v, 1, 1 << 24);
   if (const char* v = env("WEFT_SHM_CMA_BYTES"); v && *v && std::string_view(v) != "off") {
-    (void)detail::parse_count("WEFT_SHM_CMA_BYTES", v, 0, 1ll << 47);  // was a warning, then "off"
+    (void)detail::parse_count("WEFT_SHM_CMA_BYTES", v, 0, 1ll << 47, "off");  // was a warning, then "off"
   }
   if (const char* v = env("WEFT_SHM_ARENA_CMA_BYTES"); v && *v && std::string_view(v) != "off" && std::string_view(v) != "on") {
-    (void)detail::parse_count("WEFT_SHM_ARENA_CMA_BYTES", v, 1, 1ll << 47);
+    (void)detail::parse_count("WEFT_SHM_ARENA_CMA_BYTES", v, 1, 1ll << 47, "on, off");
   }
   if (const char* v = env("WEFT_DEVICE_IPC"); v && *v) (void)detail::parse_switch("WEFT_DEVICE_IPC", v);
   if (const char* v = env("WEFT_TIMEOUT")) timeout = detail::parse_duration("WEFT_TIMEOUT", v);

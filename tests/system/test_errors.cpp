@@ -1387,15 +1387,16 @@ TEST_CASE("variables read lazily (WEFT_INLINE_SPIN_US and others) are refused at
   Options{}.from_environment(environment_with("1", {"WEFT_DEVICE_IPC"}));
   // Single copy's threshold: a warning and "off" before.
   expect_error([&] { Options{}.from_environment(environment_with("64k", {"WEFT_SHM_CMA_BYTES"})); }, Errc::invalid_argument,
-               {"WEFT_SHM_CMA_BYTES='64k' is not a whole number"});
+               {"WEFT_SHM_CMA_BYTES='64k' is not off or a whole number from 0"});
   Options{}.from_environment(environment_with("off", {"WEFT_SHM_CMA_BYTES"}));
   Options{}.from_environment(environment_with("65536", {"WEFT_SHM_CMA_BYTES"}));
   // The arena's direct reads: a byte count of at least 1, or off.
   expect_error([&] { Options{}.from_environment(environment_with("32k", {"WEFT_SHM_ARENA_CMA_BYTES"})); }, Errc::invalid_argument,
-               {"WEFT_SHM_ARENA_CMA_BYTES='32k' is not a whole number"});
+               {"WEFT_SHM_ARENA_CMA_BYTES='32k' is not on, off or a whole number from 1"});
   expect_error([&] { Options{}.from_environment(environment_with("0", {"WEFT_SHM_ARENA_CMA_BYTES"})); }, Errc::invalid_argument,
                {"WEFT_SHM_ARENA_CMA_BYTES='0'"});
   Options{}.from_environment(environment_with("off", {"WEFT_SHM_ARENA_CMA_BYTES"}));
+  Options{}.from_environment(environment_with("on", {"WEFT_SHM_ARENA_CMA_BYTES"}));
   Options{}.from_environment(environment_with("on", {"WEFT_SHM_ARENA_CMA_BYTES"}));
   Options{}.from_environment(environment_with("16384", {"WEFT_SHM_ARENA_CMA_BYTES"}));
 }
