@@ -493,14 +493,17 @@ struct Loop::Impl {
   void turn(Clock::time_point& last_work, bool polling, std::chrono::milliseconds max_wait,
             const std::function<bool()>* done = nullptr) {
     if (polling) {
+      // One clock read per turn: a spinning turn is a few loads, and the clock is a good share of it
+      // (33 ns on the EPYC VM, bench/RESULTS.md). Read before the look, not after it: a turn that finds
+      // the awaited message then returns at once, instead of reading the clock between the message and
+      // its waiter. (`now` is then a poll's length early, which no bound below can tell.)
+      const auto now = Clock::now();
       std::size_t found = run_ready();
       found += pollers.empty() ? 0 : run_pollers();
       // A poll of the kernel costs a system call (about 0.5 us on a VM); posted work and memory pollers
       // cost nanoseconds and must not wait behind it on every turn. So the kernel is asked when the
       // turn found nothing else (with pollers, at most every kernel_every), and at least every
       // kernel_at_most whatever the others find, so that sockets and timers are never starved.
-      // (One clock read per turn: a spinning turn is a few loads, and the clock is a good share of it.)
-      const auto now = Clock::now();
       const auto since = now - kernel_polled;
       const auto every = kernel_sources.load(std::memory_order_relaxed) > 0 ? kernel_every : kernel_at_most;
       if (since >= kernel_at_most || (found == 0 && (pollers.empty() || since >= every))) {

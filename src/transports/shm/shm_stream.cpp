@@ -320,8 +320,8 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
     if (piece.size) out_.put_fitting(piece.data, piece.size);
   }
   out_.end_record();
-  last_sent_ = CoarseClock::now();
   if (out_.publish()) wake_peer();
+  last_sent_ = CoarseClock::now();  // after the publish: the clock is not the message's to wait for
   return true;
 }
 
@@ -342,8 +342,8 @@ bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes encoded, 
   if (payload.size) out_.put_fitting(payload.data, payload.size);
   out_.end_record();
   out_.skip(pad);
-  last_sent_ = CoarseClock::now();
   if (out_.publish()) wake_peer();
+  last_sent_ = CoarseClock::now();  // after the publish: the clock is not the message's to wait for
   return true;
 }
 
@@ -440,10 +440,10 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
     if (!op) break;
     in_.take(nullptr, shm::record_header_bytes + h.spare + h.length);
     in_.end_record();
-    last_received_ = CoarseClock::now();
     if (in_.release()) wake_peer();
     ++taken;
     events_->complete_taken(peer_, *op);
+    last_received_ = CoarseClock::now();  // after the completion, which its waiter is waiting for
     if (closed_ || alive_.expired()) {
       ended = true;
       break;
