@@ -706,14 +706,12 @@ TEST_CASE("a data frame's short header says what its long one says, and one with
     REQUIRE(wire::has_short_form(h));
     wire::ShortHeaderBytes bytes;
     wire::encode_short(h, bytes);
-    std::string error;
-    const auto back = wire::decode_short(bytes, h.bytes, error);
+    const auto back = wire::decode_short(bytes, h.bytes);
     REQUIRE(back);
     REQUIRE((back->kind == h.kind && back->flags == h.flags && back->context == h.context && back->call == h.call &&
              back->count == h.count && back->seq == h.seq && back->tag == h.tag && back->bytes == h.bytes));
     bytes[1 + i % 3] = std::byte{1};
-    REQUIRE_FALSE(wire::decode_short(bytes, h.bytes, error));
-    REQUIRE_THAT(error, Catch::Contains("not zero"));
+    REQUIRE_FALSE(wire::decode_short(bytes, h.bytes));
   }
   wire::Header wide;
   wide.seq = std::uint64_t{1} << 32;

@@ -74,22 +74,4 @@ void encode_short(const Header& h, ShortHeaderBytes& out) noexcept {
   put_u32(p + 20, static_cast<std::uint32_t>(h.tag));
 }
 
-std::optional<Header> decode_short(const ShortHeaderBytes& in, std::uint64_t bytes, std::string& error) {
-  const std::byte* p = in.data();
-  if (get_u32(p) > 0xff) {
-    error = fmt::format("a short frame header whose bytes 1-3 are not zero (0x{:08x})", get_u32(p));
-    return std::nullopt;
-  }
-  Header h;
-  h.kind = FrameKind::data;
-  h.flags = static_cast<std::uint8_t>(p[0]);
-  h.context = get_u32(p + 4);
-  h.call = get_u32(p + 8);
-  h.count = get_u32(p + 12);
-  h.seq = get_u32(p + 16);
-  h.tag = get_u32(p + 20);
-  h.bytes = bytes;
-  return h;
-}
-
 }  // namespace weft::wire

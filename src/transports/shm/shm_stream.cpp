@@ -453,11 +453,15 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
 }
 
 std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h) const {
-  // Copied out first: a hostile writer may still change the ring's bytes while they are decoded.
+  // Copied out first: a hostile writer may still change the ring's bytes while they are decoded. In one
+  // piece (nearly always) by a copy of fixed size, a few moves; across the ring's end by pieces.
   wire::ShortHeaderBytes bytes;
-  in_.peek(shm::record_header_bytes, bytes.data(), bytes.size());
-  std::string error;
-  return wire::decode_short(bytes, h.length - wire::short_header_size, error);
+  if (const std::byte* at = in_.view(shm::record_header_bytes, bytes.size())) {
+    std::memcpy(bytes.data(), at, bytes.size());
+  } else {
+    in_.peek(shm::record_header_bytes, bytes.data(), bytes.size());
+  }
+  return wire::decode_short(bytes, h.length - wire::short_header_size);
 }
 
 bool ShmStream::fits(const shm::RecordHeader& h) const noexcept {
