@@ -23,12 +23,6 @@
 
 namespace weft {
 
-std::chrono::steady_clock::time_point CoarseClock::now() noexcept {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  return std::chrono::steady_clock::time_point(std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec));
-}
-
 namespace {
 
 // What a peer wrote into the ring that this rank cannot take (the connection fails with these words).

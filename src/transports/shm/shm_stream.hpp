@@ -18,6 +18,7 @@
 #include <system_error>
 #include <vector>
 
+#include "core/coarse_clock.hpp"
 #include "transports/framed/stream.hpp"
 #include "transports/framed/wire.hpp"
 #include "transports/shm/ring.hpp"
@@ -28,12 +29,6 @@ namespace weft {
 
 class ShmStream;
 
-/// The shm streams' clock for ms_since_data: CLOCK_MONOTONIC_COARSE (steps of 1-4 ms, about 6 ns a read
-/// against steady_clock's 25 ns on these VMs). It is read on every write into a ring, before the bytes
-/// are published, and on every read out of one; the stuck check it serves counts in seconds.
-struct CoarseClock {
-  static std::chrono::steady_clock::time_point now() noexcept;
-};
 
 class ShmHub : public std::enable_shared_from_this<ShmHub> {
  public:
@@ -161,6 +156,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // needs announcing. False until the first disarm, so that a loop weft never arms (a borrowed
   // io_context) always has its peers wake it.
   bool awake_ = false;
+  // For ms_since_data (the stuck check counts in seconds): the coarse clock, read after every write's
+  // publish and every read, off the message's path.
   std::chrono::steady_clock::time_point last_received_ = CoarseClock::now();
   std::chrono::steady_clock::time_point last_sent_ = CoarseClock::now();
 
