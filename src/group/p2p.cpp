@@ -11,7 +11,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "core/coarse_clock.hpp"
 #include "group/checks.hpp"
 #include "group/device_staging.hpp"
 #include "group/state.hpp"
@@ -146,10 +145,7 @@ class P2pOp final : public FutureState<void> {
     if (timeout_.count() <= 0) return;
     GroupState& g = *g_;
     watch_id_ = g.p2p_ids++;
-    // Started by the coarse clock, a step late (CoarseClock::not_before_now): never early, at most 4 ms
-    // late against a watchdog that looks every timeout/4 (up to 250 ms), and 25 ns less per receive
-    // posted, a tenth of a stream's small message (bench/RESULTS.md).
-    g.watch(GroupState::Watched{watch_id_, CoarseClock::not_before_now(), timeout_, nullptr, &P2pOp::expire, this});
+    g.watch(GroupState::Watched{watch_id_, std::chrono::steady_clock::now(), timeout_, nullptr, &P2pOp::expire, this});
   }
 
   // The watchdog found it past its deadline (loop thread; it is still watched, so not finished).

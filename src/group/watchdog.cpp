@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "core/coarse_clock.hpp"
 #include "core/signature.hpp"
 #include "group/state.hpp"
 #include "transports/shm/arena.hpp"
@@ -34,7 +33,7 @@ void GroupState::watch(std::uint64_t seq, const char* op) {
   // Without a deadline a collective is still watched, for the stall checks alone (check_calls): a
   // worker waiting hours on a broadcast without a deadline is where a silent mismatch hurts most.
   if (timeout.count() <= 0) timeout = no_deadline;
-  watch(Watched{seq, CoarseClock::not_before_now(), timeout, op});  // as a receive's (p2p.cpp)
+  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, op});
 }
 
 void GroupState::watch(Watched w) {

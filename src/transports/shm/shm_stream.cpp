@@ -446,7 +446,7 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
   return taken;
 }
 
-std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h) const {
+std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h) const noexcept {
   // Copied out first: a hostile writer may still change the ring's bytes while they are decoded. In one
   // piece (nearly always) by a copy of fixed size, a few moves; across the ring's end by pieces.
   wire::ShortHeaderBytes bytes;

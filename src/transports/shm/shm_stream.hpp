@@ -29,7 +29,6 @@ namespace weft {
 
 class ShmStream;
 
-
 class ShmHub : public std::enable_shared_from_this<ShmHub> {
  public:
   /// An eventfd watched by `loop` and a poller registered with it. Throws std::system_error.
@@ -126,7 +125,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // header (a hostile or broken writer's may not).
   bool fits(const shm::RecordHeader& h) const noexcept;
   // A frame record's short header (the record's first bytes), decoded; empty when it is malformed.
-  std::optional<wire::Header> peek_short_header(const shm::RecordHeader& h) const;
+  std::optional<wire::Header> peek_short_header(const shm::RecordHeader& h) const noexcept;
   // A record being read is not done: bytes of it, or of the header a frame record stands for, are left.
   bool in_record() const noexcept { return record_.left != 0 || record_.expanded_left != 0; }
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
