@@ -645,10 +645,14 @@ std::size_t ShmStream::progress() {
   }
   if (reading && read_.active) {
     const bool done = read_done;
-    if (done || peer_closed_ || read_error_) {
+    // The peer's end comes after what it wrote: it ends a read only once the read looked at the ring and
+    // lacks its minimum. A read held back behind a frame just taken has not looked: what the peer wrote
+    // before it left is still there, for the next turn (the end taken first failed frames that had come).
+    const bool ended = peer_closed_ && !held_back_;
+    if (done || ended || read_error_) {
       read_.active = false;
       ++found;
-      // The peer's end comes after what it wrote: a read that has its minimum completes first.
+      // A read that has its minimum completes first.
       const std::error_code ec = done ? std::error_code{} : read_error_ ? read_error_ : std::error_code(asio::error::eof);
       if (!alive_.expired()) events_->on_read(peer_, ec, read_.got);
     } else if (read_.got != before && record_.left > 0 && record_.kind == shm::RecordKind::reference) {
