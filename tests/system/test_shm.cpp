@@ -903,9 +903,12 @@ TEST_CASE("frames a peer wrote before it left reach their posted receives, even 
       });
     });
     held.get_future().wait();
-    for (int i = 0; i < burst; ++i) REQUIRE(!pair.send(0, seq + static_cast<std::uint64_t>(i), out[static_cast<std::size_t>(i)]).get().error);
+    // Checked once the loop is released: a failed REQUIRE while it holds would leave the pair's end waiting on it.
+    bool sent = true;
+    for (int i = 0; i < burst; ++i) sent = !pair.send(0, seq + static_cast<std::uint64_t>(i), out[static_cast<std::size_t>(i)]).get().error && sent;
     pair.end(0);
     release.set_value();
+    REQUIRE(sent);
     // Not waited on at once: a thread that waits drives the loop itself, and its turn would look at the
     // ring first.
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
