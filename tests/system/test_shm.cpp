@@ -292,6 +292,8 @@ class ShmPair {
     shm::Segment in1 = shm::make_ring(ring_bytes);
     const int fd0 = in0.fd();
     const int fd1 = in1.fd();
+    sockets_[0] = sv[0];
+    sockets_[1] = sv[1];
     links_[0] = ShmStream::Link{std::move(in0), shm::adopt_ring(::dup(fd1)), ::dup(hubs_[1]->wake_fd()), sv[0]};
     links_[1] = ShmStream::Link{std::move(in1), shm::adopt_ring(::dup(fd0)), ::dup(hubs_[0]->wake_fd()), sv[1]};
     for (auto& link : links_) {
@@ -330,6 +332,10 @@ class ShmPair {
     });
     gone.get_future().wait();
   }
+
+  // Rank r's socket ends without a goodbye, as a crashed process's does (its transport stays; call
+  // before end(r), which closes the socket).
+  void cut(int r) { REQUIRE(::shutdown(sockets_[r], SHUT_RDWR) == 0); }
 
   struct Outcome {
     std::error_code error;
@@ -416,6 +422,7 @@ class ShmPair {
   std::shared_ptr<ShmHub> hubs_[2];
   ShmStream::Link links_[2];
   shm::RingControl* inbound_[2] = {nullptr, nullptr};
+  int sockets_[2] = {-1, -1};  // the unix sockets' ends, owned by the streams
   std::unique_ptr<FramedTransport> transports_[2];
 };
 
@@ -867,13 +874,15 @@ TEST_CASE("a peer that goes away fails the receive waiting on it, naming the con
 
 TEST_CASE("frames a peer wrote before it left reach their posted receives, even when the reader sees the end first", "[shm][stream]") {
   // The reader's loop is held while the writer puts a burst of frames into the ring and leaves (goodbye,
-  // socket closed), so that it may notice the closed socket before it takes the frames; having taken one
-  // it holds the rest back for its next turn (ShmStream::looks_ahead_, off after lone frames). The peer's
-  // end must come after what it wrote: a held-back read failed as the end (the `property` suite with
-  // direct arena reads, about 1 run in 75 on a loaded machine: a peer finished and left while a rank was
-  // still taking its last frames, and the whole group failed).
+  // socket closed; or, as a crash, the socket cut with no goodbye), so that it may notice the closed
+  // socket before it takes the frames; having taken one it would hold the rest back for its next turn
+  // (ShmStream::looks_ahead_, off after lone frames). The peer's end must come after what it wrote: a
+  // held-back read failed as the end (the `property` suite with direct arena reads, about 1 run in 75 on
+  // a loaded machine: a peer finished and left while a rank was still taking its last frames, and the
+  // whole group failed).
   for (int round = 0; round < 20; ++round) {
-    CAPTURE(round);
+    const bool crash = round % 2 == 1;
+    CAPTURE(round, crash);
     ShmPair pair;
     std::uint64_t seq = 1;
     for (int i = 0; i < 3; ++i, ++seq) {  // lone frames: the look past a frame turns off
@@ -906,7 +915,11 @@ TEST_CASE("frames a peer wrote before it left reach their posted receives, even 
     // Checked once the loop is released: a failed REQUIRE while it holds would leave the pair's end waiting on it.
     bool sent = true;
     for (int i = 0; i < burst; ++i) sent = !pair.send(0, seq + static_cast<std::uint64_t>(i), out[static_cast<std::size_t>(i)]).get().error && sent;
-    pair.end(0);
+    if (crash) {
+      pair.cut(0);
+    } else {
+      pair.end(0);
+    }
     release.set_value();
     REQUIRE(sent);
     // Not waited on at once: a thread that waits drives the loop itself, and its turn would look at the
@@ -918,6 +931,12 @@ TEST_CASE("frames a peer wrote before it left reach their posted receives, even 
       REQUIRE(!outcome.error);
     }
     REQUIRE(in == out);
+    // Then the end: a receive posted now fails, naming the peer (a departure, or the lost connection).
+    std::vector<std::byte> after(8);
+    const auto outcome = pair.receive(1, seq + burst, after).get();
+    CAPTURE(outcome.reason);
+    REQUIRE(outcome.error == make_error_code(Errc::peer_failure));
+    REQUIRE_THAT(outcome.reason, Catch::Contains(crash ? "connection to rank 0 lost" : "rank 0 left the group"));
   }
 }
 

@@ -636,8 +636,11 @@ std::size_t ShmStream::progress() {
     if (ended) return found;
   }
   const std::size_t before = read_.got;
-  // (Held back: pull_read's first look would be the one take_whole_frames did not make.)
-  if (reading && !held_back_) read_done = pull_read();
+  // (Held back: pull_read's first look would be the one take_whole_frames did not make. Not when the
+  // peer is gone: the hold spares a live writer's line, and the end below must come after a look at
+  // what the peer wrote before it left; a hold until the next turn could sleep past it, nothing left to
+  // wake the loop.)
+  if (reading && (!held_back_ || peer_closed_)) read_done = pull_read();
   if (const std::size_t released = take_released(); released > 0) {
     ++found;
     if (!alive_.expired()) events_->on_released(peer_, released);
@@ -645,14 +648,11 @@ std::size_t ShmStream::progress() {
   }
   if (reading && read_.active) {
     const bool done = read_done;
-    // The peer's end comes after what it wrote: it ends a read only once the read looked at the ring and
-    // lacks its minimum. A read held back behind a frame just taken has not looked: what the peer wrote
-    // before it left is still there, for the next turn (the end taken first failed frames that had come).
-    const bool ended = peer_closed_ && !held_back_;
-    if (done || ended || read_error_) {
+    if (done || peer_closed_ || read_error_) {
       read_.active = false;
       ++found;
-      // A read that has its minimum completes first.
+      // The peer's end comes after what it wrote (pull_read looked at all of it): a read that has its
+      // minimum completes first.
       const std::error_code ec = done ? std::error_code{} : read_error_ ? read_error_ : std::error_code(asio::error::eof);
       if (!alive_.expired()) events_->on_read(peer_, ec, read_.got);
     } else if (read_.got != before && record_.left > 0 && record_.kind == shm::RecordKind::reference) {
