@@ -132,7 +132,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // to frames_taken_most, while the read in flight has nothing yet; returns how many. `ended`: a
   // completion closed this stream or ended the transport, and nothing more may be done here. After a
   // frame it looks for the next record only while such looks find one (looks_ahead_); else it stops
-  // there (held_back_) and the next turn looks.
+  // there (held_back_) and the next turn looks (once the peer's socket closed, progress looks at once).
   std::size_t take_whole_frames(bool& ended);
   static constexpr std::size_t frames_taken_most = 64;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
