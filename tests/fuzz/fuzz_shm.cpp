@@ -71,6 +71,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   shm::Segment inbound = shm::make_ring(capacity);
   shm::Segment outbound = shm::make_ring(capacity);
   auto* ring = static_cast<shm::RingControl*>(inbound.data());
+  // The hostile peer also rewrites the ring's size in the control after it was made and checked: the
+  // stream must keep to the segment's own size (segment.hpp, ring_capacity).
+  ring->capacity_log2 = 40;
   ShmStream::Link link{std::move(inbound), std::move(outbound), ::dup(hub->wake_fd()), sv[0]};
 
   std::vector<asio::ip::tcp::socket> sockets;

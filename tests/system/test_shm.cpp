@@ -88,8 +88,8 @@ bool take_inline(shm::RingReader& reader, std::vector<std::byte>& out) {
 TEST_CASE("a ring carries records in order across its wrap, a batch seen whole or not at all, and never more than its room", "[shm][ring]") {
   shm::Segment segment = shm::make_ring(4096);
   auto* control = static_cast<shm::RingControl*>(segment.data());
-  shm::RingWriter writer(control);
-  shm::RingReader reader(control);
+  shm::RingWriter writer(control, shm::ring_capacity(segment));
+  shm::RingReader reader(control, shm::ring_capacity(segment));
   const auto data = pattern(1 << 20, 1);
   std::vector<std::byte> got;
   std::size_t sent = 0;
@@ -155,7 +155,7 @@ TEST_CASE("touching a ring's pages at set-up changes none of its bytes, whatever
   auto* control = static_cast<shm::RingControl*>(segment.data());
   const auto bytes = pattern(capacity, 11);
   std::memcpy(control->data, bytes.data(), capacity);
-  shm::RingWriter writer(control);
+  shm::RingWriter writer(control, shm::ring_capacity(segment));
   writer.touch_pages(4096);
   shm::touch_pages(control->data, capacity, 4096, false);  // the reader's
   writer.touch_pages(64);  // any page size, down to a line
@@ -202,10 +202,10 @@ TEST_CASE("a ring whose peer writes nonsense never copies outside it", "[shm][ri
   {
     // A header that claims 4 GiB: what the reader copies stops at the ring's size, and no view of it
     // reaches past the ring's end.
-    shm::RingWriter writer(control);
+    shm::RingWriter writer(control, shm::ring_capacity(segment));
     writer.put_header_word(shm::encode_record_header({shm::RecordKind::inline_bytes, 0, UINT32_MAX}));
     writer.publish();
-    shm::RingReader reader(control);
+    shm::RingReader reader(control, shm::ring_capacity(segment));
     shm::RecordHeader h;
     REQUIRE(shm::decode_record_header(reader.header(), h));
     REQUIRE(h.length == UINT32_MAX);
@@ -227,7 +227,7 @@ TEST_CASE("a ring whose peer writes nonsense never copies outside it", "[shm][ri
   {
     shm::Segment other = shm::make_ring(4096);
     auto* c = static_cast<shm::RingControl*>(other.data());
-    shm::RingWriter writer(c);
+    shm::RingWriter writer(c, shm::ring_capacity(other));
     c->head.store(std::uint64_t{1} << 40);  // a reader "ahead" of the writer
     REQUIRE(writer.room() == 0);
     c->head.store(0);
@@ -240,7 +240,7 @@ TEST_CASE("a ring streams 64 MiB between two threads through 64 KiB", "[shm][rin
   auto* control = static_cast<shm::RingControl*>(segment.data());
   const auto data = pattern(64 << 20, 3);
   std::thread writer_thread([&] {
-    shm::RingWriter writer(control);
+    shm::RingWriter writer(control, shm::ring_capacity(segment));
     std::size_t sent = 0;
     while (sent < data.size()) {
       const std::size_t room = writer.room();
@@ -251,7 +251,7 @@ TEST_CASE("a ring streams 64 MiB between two threads through 64 KiB", "[shm][rin
       writer.publish();
     }
   });
-  shm::RingReader reader(control);
+  shm::RingReader reader(control, shm::ring_capacity(segment));
   std::vector<std::byte> got;
   got.reserve(data.size());
   while (got.size() < data.size()) {
@@ -271,8 +271,15 @@ TEST_CASE("a ring segment from a peer is checked before it is used", "[shm][ring
   shm::Segment plain = shm::Segment::create(1 << 16, "plain");
   REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(plain.fd())), Catch::Contains("not a weft ring"));
   auto* control = static_cast<shm::RingControl*>(ring.data());
+  // A claim that is not the segment's size, larger or smaller, is refused; the capacity the streams use
+  // is the segment's.
   control->capacity_log2 = 20;  // a lie: the segment holds 4 KiB
-  REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(ring.fd())), Catch::Contains("claims more bytes"));
+  REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(ring.fd())), Catch::Contains("claims 1048576 bytes, but its segment holds 4096"));
+  control->capacity_log2 = 10;
+  REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(ring.fd())), Catch::Contains("claims 1024 bytes"));
+  control->capacity_log2 = 63;
+  REQUIRE_THROWS_WITH(shm::adopt_ring(::dup(ring.fd())), Catch::Contains("claims 2^63 bytes"));
+  REQUIRE(shm::ring_capacity(ring) == 4096);
 }
 
 namespace {
@@ -283,7 +290,9 @@ class ShmPair {
  public:
   // `single_copy_from`: writes of at least this many bytes go by single copy (0: never), each rank
   // reading the other's memory with process_vm_readv (here: its own process).
-  explicit ShmPair(std::size_t ring_bytes = 64 << 10, std::size_t single_copy_from = 0) {
+  // `claimed_log2` (0: none): written into both rings' controls after each was checked (adopt_ring) and
+  // before the streams are made, as a hostile peer could (ring.hpp, RingControl).
+  explicit ShmPair(std::size_t ring_bytes = 64 << 10, std::size_t single_copy_from = 0, std::uint32_t claimed_log2 = 0) {
     hubs_[0] = ShmHub::create(loops_[0]);
     hubs_[1] = ShmHub::create(loops_[1]);
     int sv[2];
@@ -298,6 +307,8 @@ class ShmPair {
     links_[1] = ShmStream::Link{std::move(in1), shm::adopt_ring(::dup(fd0)), ::dup(hubs_[0]->wake_fd()), sv[1]};
     for (auto& link : links_) {
       inbound_[&link - links_] = static_cast<shm::RingControl*>(link.inbound.data());
+      inbound_capacity_[&link - links_] = shm::ring_capacity(link.inbound);
+      if (claimed_log2) inbound_[&link - links_]->capacity_log2 = claimed_log2;
       link.single_copy_from = single_copy_from;
       link.peer_pid = single_copy_from ? static_cast<int>(::getpid()) : 0;
     }
@@ -396,6 +407,8 @@ class ShmPair {
   FramedTransport* transport(int r) { return transports_[r].get(); }
   // The ring rank r reads (for a test that plays a hostile writer into it).
   shm::RingControl* inbound(int r) const { return inbound_[r]; }
+  // A writer into that ring at its reader's position (the ring's real writer must be quiet).
+  shm::RingWriter hostile_writer(int r) const { return shm::RingWriter(inbound_[r], inbound_capacity_[r]); }
   // Writes rank r's eventfd, as a writer into its ring does when it finds it asleep.
   void wake(int r) const {
     const std::uint64_t one = 1;
@@ -422,6 +435,7 @@ class ShmPair {
   std::shared_ptr<ShmHub> hubs_[2];
   ShmStream::Link links_[2];
   shm::RingControl* inbound_[2] = {nullptr, nullptr};
+  std::size_t inbound_capacity_[2] = {0, 0};
   int sockets_[2] = {-1, -1};  // the unix sockets' ends, owned by the streams
   std::unique_ptr<FramedTransport> transports_[2];
 };
@@ -451,6 +465,27 @@ TEST_CASE("two ranks exchange messages of every size over shared memory, both wa
       REQUIRE(!send2.get().error);
       REQUIRE(!pair.receive(1 - from, seq, later).get().error);
       REQUIRE(later == data);
+      ++seq;
+    }
+  }
+}
+
+TEST_CASE("a peer that rewrites its ring's size after the check cannot move either side outside the ring", "[shm][stream]") {
+  // Both controls claim 1 GiB (or 8 bytes) once adopt_ring has checked them: the streams keep to the
+  // segments' 64 KiB (ring_capacity) while a MiB goes through each way, many laps of the ring. A stream that
+  // believed the claim would touch, write or read past its mapping (or wrap at the wrong place).
+  const std::uint32_t claimed_log2 = GENERATE(30u, 3u);
+  CAPTURE(claimed_log2);
+  ShmPair pair(64 << 10, 0, claimed_log2);
+  std::uint64_t seq = 1;
+  for (int round = 0; round < 128; ++round) {
+    for (int from = 0; from < 2; ++from) {
+      const auto data = pattern(8 << 10, static_cast<unsigned>(seq));
+      std::vector<std::byte> into(data.size());
+      auto receive = pair.receive(1 - from, seq, into);
+      REQUIRE(!pair.send(from, seq, data).get().error);
+      REQUIRE(!receive.get().error);
+      REQUIRE(into == data);
       ++seq;
     }
   }
@@ -521,7 +556,7 @@ TEST_CASE("an inline record with a lead past 63 bytes or a length past the ring 
   ShmPair pair(64 << 10);
   std::vector<std::byte> into(100);
   auto receive = pair.receive(0, 9, into);
-  shm::RingWriter hostile(pair.inbound(0));  // at the reader's position: the real writer is quiet
+  shm::RingWriter hostile = pair.hostile_writer(0);  // at the reader's position: the real writer is quiet
   hostile.put_header_word(shm::encode_record_header(bad));
   hostile.publish();
   pair.wake(0);  // its loop may sleep
@@ -848,7 +883,7 @@ TEST_CASE("a frame record whose short header is bad, or too short for one, fails
   ShmPair pair(64 << 10);
   std::vector<std::byte> into(8);
   auto receive = pair.receive(0, 9, into);
-  shm::RingWriter hostile(pair.inbound(0));  // at the reader's position: the real writer is quiet
+  shm::RingWriter hostile = pair.hostile_writer(0);  // at the reader's position: the real writer is quiet
   std::byte body[32] = {};
   body[2] = std::byte{1};  // a byte of the short header that must be zero
   hostile.put_header({shm::RecordKind::frame, 0, which == 0 ? std::uint32_t{32} : std::uint32_t{23}});
@@ -951,7 +986,7 @@ TEST_CASE("a reference record that points nowhere fails the connection, and noth
   const std::uint64_t address = 16, length = 100;
   std::memcpy(where, &address, 8);
   std::memcpy(where + 8, &length, 8);
-  shm::RingWriter hostile(pair.inbound(0));  // at the reader's position: the real writer is quiet
+  shm::RingWriter hostile = pair.hostile_writer(0);  // at the reader's position: the real writer is quiet
   hostile.put_header({shm::RecordKind::reference, 0, 0});
   hostile.put_fitting(where, sizeof where);
   hostile.end_record();

@@ -157,7 +157,8 @@ inline bool decode_record_header(std::uint64_t word, RecordHeader& h) noexcept {
 }
 
 struct alignas(64) RingControl {
-  // Written once by the receiver when it makes the segment, before the segment is passed on.
+  // Written once by the receiver when it makes the segment, before the segment is passed on. Checked
+  // once by the writer (adopt_ring) and then not read again: a peer can rewrite them at any time.
   std::uint64_t magic = 0;
   std::uint32_t version = 0;
   std::uint32_t capacity_log2 = 0;
@@ -212,10 +213,12 @@ class RingWriter {
  public:
   RingWriter() = default;
   // Writes from the reader's position: the ring must hold nothing unread (a new ring, or a test that
-  // plays the writer of a ring whose real writer is quiet).
-  explicit RingWriter(RingControl* ring) noexcept
+  // plays the writer of a ring whose real writer is quiet). `capacity`: the ring's bytes as its segment's
+  // size says (segment.hpp, ring_capacity), never the control's word, which the peer can rewrite after it
+  // was checked.
+  RingWriter(RingControl* ring, std::size_t capacity) noexcept
       : ring_(ring),
-        capacity_(std::size_t{1} << ring->capacity_log2),
+        capacity_(capacity),
         head_seen_(ring->head.load(std::memory_order_acquire)),
         tail_(head_seen_),
         batch_start_(tail_) {}
@@ -307,8 +310,9 @@ class RingWriter {
 class RingReader {
  public:
   RingReader() = default;
-  explicit RingReader(RingControl* ring) noexcept
-      : ring_(ring), capacity_(std::size_t{1} << ring->capacity_log2), head_(ring->head.load(std::memory_order_relaxed)) {}
+  // `capacity`: as RingWriter's.
+  RingReader(RingControl* ring, std::size_t capacity) noexcept
+      : ring_(ring), capacity_(capacity), head_(ring->head.load(std::memory_order_relaxed)) {}
 
   // The header word at the reader's position, which must be a record's start: 0 when nothing is there yet.
   std::uint64_t header() const noexcept { return load_ring_word(ring_->data + (static_cast<std::size_t>(head_) & (capacity_ - 1))); }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -100,10 +101,17 @@ Segment adopt_ring(int fd) {
   if (ring->magic != ring_magic || ring->version != ring_version) {
     throw std::runtime_error("the peer's segment is not a weft ring of this version");
   }
-  if (ring->capacity_log2 > 40 || ring_segment_bytes(std::size_t{1} << ring->capacity_log2) > s.size()) {
-    throw std::runtime_error("the peer's ring claims more bytes than its segment holds");
+  // (The claim is read once: ring_capacity is what the streams use afterwards.)
+  const std::uint32_t log2 = ring->capacity_log2;
+  if (log2 > 40 || ring_segment_bytes(std::size_t{1} << log2) != s.size()) {
+    throw std::runtime_error("the peer's ring claims " + (log2 > 40 ? std::string("2^") + std::to_string(log2) : std::to_string(std::size_t{1} << log2)) +
+                             " bytes, but its segment holds " + std::to_string(ring_capacity(s)));
   }
   return s;
+}
+
+std::size_t ring_capacity(const Segment& ring) noexcept {
+  return ring.size() > ring_segment_bytes(0) ? ring.size() - ring_segment_bytes(0) : 0;
 }
 
 namespace {

@@ -42,9 +42,13 @@ class Segment {
 /// read once through this mapping (ring.hpp, touch_pages): this rank will read it, the peer it is sent to
 /// will write it.
 Segment make_ring(std::size_t capacity);
-/// Maps a ring segment received from a peer (adopt) and checks its control: magic, version, capacity
-/// within the segment. Takes over `fd`. Throws std::runtime_error naming what is wrong.
+/// Maps a ring segment received from a peer (adopt) and checks its control: magic, version, and a
+/// capacity that is the one the segment's size holds. Takes over `fd`. Throws std::runtime_error naming
+/// what is wrong.
 Segment adopt_ring(int fd);
+/// The bytes of the ring in a segment from make_ring or adopt_ring, from the segment's size (sealed:
+/// neither side can change it), not from the control's word, which the peer can rewrite at any time.
+std::size_t ring_capacity(const Segment& ring) noexcept;
 
 /// Sends `fds` (with one byte of payload) over the connected unix socket `socket`; false on failure.
 bool send_fds(int socket, const int* fds, std::size_t count);

@@ -133,8 +133,8 @@ std::shared_ptr<ShmStream> ShmStream::make(std::shared_ptr<ShmHub> hub, Link lin
 ShmStream::ShmStream(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* events, int peer, std::weak_ptr<bool> alive)
     : hub_(std::move(hub)),
       link_(std::move(link)),
-      in_(static_cast<shm::RingControl*>(link_.inbound.data())),
-      out_(static_cast<shm::RingControl*>(link_.outbound.data())),
+      in_(static_cast<shm::RingControl*>(link_.inbound.data()), shm::ring_capacity(link_.inbound)),
+      out_(static_cast<shm::RingControl*>(link_.outbound.data()), shm::ring_capacity(link_.outbound)),
       events_(events),
       peer_(peer),
       alive_(std::move(alive)),
