@@ -40,10 +40,10 @@ std::size_t Arena::area_bytes_for(int ranks) noexcept {
   return std::max<std::size_t>(std::size_t{64} << 10, (std::size_t{16} << 20) / static_cast<std::size_t>(ranks) & ~std::size_t{4095});
 }
 
-Arena::Arena(Segment segment, int ranks, int rank)
+Arena::Arena(Segment segment, int ranks, int rank, std::size_t area_bytes)
     : segment_(std::move(segment)), ranks_(ranks), rank_(rank) {
   auto* base = static_cast<std::byte*>(segment_.data());
-  area_bytes_ = static_cast<std::size_t>(reinterpret_cast<ArenaHeader*>(base)->area_bytes);
+  area_bytes_ = area_bytes;
   area_stride_ = stride_of(area_bytes_);
   controls_ = reinterpret_cast<RankControl*>(base + controls_offset());
   areas_ = base + areas_offset(ranks);
@@ -56,7 +56,7 @@ std::shared_ptr<Arena> Arena::create(int ranks, int rank) {
   auto* base = static_cast<std::byte*>(segment.data());
   new (base) ArenaHeader{arena_magic, arena_version, static_cast<std::uint32_t>(ranks), area};
   for (int r = 0; r < ranks; ++r) new (base + controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(r)) RankControl{};
-  auto arena = std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
+  auto arena = std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank, area));
   for (int r = 0; r < ranks; ++r) {
     for (std::uint64_t parity = 0; parity < 2; ++parity) new (&arena->header_at(r, parity)) AreaHeader{};
     for (std::uint64_t slot = 0; slot < box_slots; ++slot) {
@@ -75,11 +75,12 @@ std::shared_ptr<Arena> Arena::adopt(int fd, int ranks, int rank) {
   if (header->ranks != static_cast<std::uint32_t>(ranks)) {
     throw std::runtime_error("the group arena is for " + std::to_string(header->ranks) + " ranks, not " + std::to_string(ranks));
   }
-  if (header->area_bytes == 0 || header->area_bytes > (std::uint64_t{1} << 30) ||
-      segment.size() < segment_bytes(ranks, static_cast<std::size_t>(header->area_bytes))) {
+  // Read once: the header is in memory every member can write, so what was checked is what is used.
+  const std::uint64_t area_bytes = __atomic_load_n(&header->area_bytes, __ATOMIC_RELAXED);
+  if (area_bytes == 0 || area_bytes > (std::uint64_t{1} << 30) || segment.size() < segment_bytes(ranks, static_cast<std::size_t>(area_bytes))) {
     throw std::runtime_error("the group arena is smaller than its header says");
   }
-  return std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank));
+  return std::shared_ptr<Arena>(new Arena(std::move(segment), ranks, rank, static_cast<std::size_t>(area_bytes)));
 }
 
 Arena::~Arena() {

@@ -342,7 +342,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
   void disarm();
 
  private:
-  Arena(Segment segment, int ranks, int rank);
+  // `area_bytes`: as checked by adopt (or chosen by create), not read again from the header.
+  Arena(Segment segment, int ranks, int rank, std::size_t area_bytes);
   RankControl& control(int r) const noexcept { return controls_[r]; }
   std::byte* line_at(int r, std::uint64_t parity) const noexcept {
     return areas_ + (static_cast<std::size_t>(r) * 2 + static_cast<std::size_t>(parity)) * area_stride_;

@@ -102,7 +102,7 @@ Segment adopt_ring(int fd) {
     throw std::runtime_error("the peer's segment is not a weft ring of this version");
   }
   // (The claim is read once: ring_capacity is what the streams use afterwards.)
-  const std::uint32_t log2 = ring->capacity_log2;
+  const std::uint32_t log2 = __atomic_load_n(&ring->capacity_log2, __ATOMIC_RELAXED);
   if (log2 > 40 || ring_segment_bytes(std::size_t{1} << log2) != s.size()) {
     throw std::runtime_error("the peer's ring claims " + (log2 > 40 ? std::string("2^") + std::to_string(log2) : std::to_string(std::size_t{1} << log2)) +
                              " bytes, but its segment holds " + std::to_string(ring_capacity(s)));
