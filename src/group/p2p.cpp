@@ -145,7 +145,7 @@ class P2pOp final : public FutureState<void> {
     if (timeout_.count() <= 0) return;
     GroupState& g = *g_;
     watch_id_ = g.p2p_ids++;
-    g.watch(GroupState::Watched{watch_id_, std::chrono::steady_clock::now(), timeout_, nullptr, &P2pOp::expire, this});
+    g.watch(GroupState::Watched{watch_id_, GroupState::start_of(timeout_), timeout_, nullptr, &P2pOp::expire, this});
   }
 
   // The watchdog found it past its deadline (loop thread; it is still watched, so not finished).

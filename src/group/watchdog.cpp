@@ -33,7 +33,7 @@ void GroupState::watch(std::uint64_t seq, const char* op) {
   // Without a deadline a collective is still watched, for the stall checks alone (check_calls): a
   // worker waiting hours on a broadcast without a deadline is where a silent mismatch hurts most.
   if (timeout.count() <= 0) timeout = no_deadline;
-  watch(Watched{seq, std::chrono::steady_clock::now(), timeout, op});
+  watch(Watched{seq, start_of(timeout), timeout, op});
 }
 
 void GroupState::watch(Watched w) {
@@ -69,7 +69,8 @@ void GroupState::on_watchdog() {
   watchdog_armed = false;
   const auto now = std::chrono::steady_clock::now();
   std::vector<Watched> late;
-  for (const Watched& w : watched) {
+  for (Watched& w : watched) {
+    if (w.started == std::chrono::steady_clock::time_point{}) w.started = now;  // start_of's late stamp
     if (now - w.started >= w.timeout) late.push_back(w);
   }
   // Collectives that run long before their deadline: asked once per doubling of their wait whether a

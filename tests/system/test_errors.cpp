@@ -1557,6 +1557,34 @@ TEST_CASE("one operation's deadline: with_timeout on a collective and on a recei
   REQUIRE(checks_made.load() > before);
 }
 
+TEST_CASE("a deadline of 10 s or more, counted from the watchdog's first look, passes neither early nor long after", "[errors][deadline]") {
+  // From 10 s on a deadline starts at the watchdog's next look instead of a clock read in the call
+  // (GroupState::start_of): it may pass up to two looks (500 ms) late, never early. Transport-blind,
+  // and 10 s long: over tcp only.
+  const char* transport = std::getenv("WEFT_TRANSPORT");
+  if (transport && std::string_view(transport) != "tcp") {
+    SUCCEED("the watchdog is the same over every transport: checked over tcp");
+    return;
+  }
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> x(4, 1.0f);
+    if (g.rank() == 1) {
+      const auto t0 = std::chrono::steady_clock::now();
+      Future<void> r = g.with_timeout(10s).recv(x, 0, 7);  // rank 0 never sends tag 7
+      check(!r.wait_for(9900ms), "a receive with a 10 s deadline ended before it");
+      check(r.wait_for(5s), "a receive past its 10 s deadline hung");
+      const auto took = std::chrono::steady_clock::now() - t0;
+      check(took >= 10s, "the receive's 10 s deadline passed early");
+      check(took < 12s, "the receive's 10 s deadline passed long after it (more than the two looks it may take, and a loaded machine's 1.5 s)");
+      expect_error([&] { r.get(); }, Errc::timeout, {"rank 1", "recv", "[tag 7] passed its deadline (10 s)"});
+    }
+    g.all_reduce(x).get();
+    check(x[0] == 2.0f, "the group works after the deadline");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 TEST_CASE("receives that finish out of order leave the deadline of the one still waiting", "[errors][deadline]") {
   // The group's watchdog lists what runs in the order it started and lets go of an entry as its
   // operation finishes: from the front, the back, or the middle. Entry 0 must still expire after the
