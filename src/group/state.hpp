@@ -295,8 +295,9 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
     std::chrono::milliseconds next_check = stall_check_first;
   };
   // A deadline of at least `stamp_at_look_from` (the default, 30 min, and no deadline) starts at the
-  // watchdog's next look rather than at the call: a clock read (33 ns on the VMs here, 5 % of a shm
-  // ping-pong's half round trip) off every operation that waits. It passes late by at most one look's
+  // watchdog's next look rather than at the call: a clock read (33 ns on the VMs here) off every
+  // operation that waits (a collective's is on its critical path: shm all_reduce of 8 B-2 KiB 4-10 %
+  // faster, bench/RESULTS.md "Deadlines started at the watchdog's look"). It passes late by at most one look's
   // period (250 ms: 2.5 % of 10 s), never early. Shorter deadlines start at the call, as the user
   // counts them.
   static constexpr std::chrono::milliseconds stamp_at_look_from{10000};
