@@ -78,7 +78,8 @@ struct Options {
   /// ranks it was still waiting for, and on every other rank of the group (an abort frame carries the
   /// report); the group is failed afterwards. Default 30 minutes. A deadline passes up to a quarter of
   /// itself late (at most 250 ms; 500 ms from 10 s on, where it is counted from the watchdog's first look
-  /// after the call, sparing every call a clock read), never early.
+  /// after the call, sparing every call a clock read; more while the loop's thread is kept busy by a
+  /// handler of the application's), never early.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   /// At most this many bytes of messages that arrive before their receive is posted are kept, all peers
   /// together (WEFT_MAX_EARLY_BYTES). A message beyond it fails the sender's connection with an error
