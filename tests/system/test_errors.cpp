@@ -17,6 +17,7 @@
 #include "support/harness.hpp"
 #include "support/log_capture.hpp"
 #include "core/bytes.hpp"
+#include "core/sanitizer.hpp"
 #include "transports/framed/integrity.hpp"
 #include "transports/asio/asio_stream.hpp"
 #include "transports/framed/framed_transport.hpp"
@@ -321,14 +322,8 @@ TEST_CASE("a peer that leaves mid-collective fails every other rank's future", "
   REQUIRE(checks_made.load() > before);
 }
 
-#if defined(__SANITIZE_THREAD__)
+#ifdef WEFT_UNDER_THREAD_SANITIZER
 constexpr bool under_thread_sanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool under_thread_sanitizer = true;
-#else
-constexpr bool under_thread_sanitizer = false;
-#endif
 #else
 constexpr bool under_thread_sanitizer = false;
 #endif
