@@ -451,9 +451,11 @@ bool FramedTransport::send_now(int peer, const MessageKey& key, const void* data
   h.call = signature.call;
   h.count = signature.count;
   h.flags = signature.plan;
+  // Frames are not sealed here (idle_for_send_now): the long form is the whole header, and a stream that
+  // takes the frame whole encodes it only if it sends it.
+  if (whole) return c.stream->write_frame_now(h, ConstBytes{data, bytes});
   encode_header(h, c);
   const ConstBytes header{c.send_header.data(), header_bytes()};
-  if (whole) return c.stream->write_frame_now(h, header, ConstBytes{data, bytes});
   // A socket takes what its buffer has room for; the rest is copied and written as the connection's
   // own bytes (the send is done: its buffer may be reused, as once the kernel has it). A failure
   // meets that write and fails the connection as any write's does.

@@ -80,12 +80,13 @@ class Stream {
   /// at once without waiting; otherwise does nothing at all and returns false (no on_written either way).
   /// Only a stream that knows beforehand (shared memory: the room in the ring) says yes. Default: false.
   virtual bool write_whole_now(ConstBytes /*first*/, ConstBytes /*second*/, ConstBytes /*third*/) { return false; }
-  /// As write_whole_now(`encoded`, `payload`) for a data frame: `header` is what `encoded` holds (the long
-  /// form). A stream may carry the header in a shorter form of its own, so long as its reader hands on
-  /// exactly these bytes (or the header, through StreamEvents::take_data_frame). Default: write_whole_now.
-  virtual bool write_frame_now(const wire::Header& /*header*/, ConstBytes encoded, ConstBytes payload) {
-    return write_whole_now(encoded, payload, ConstBytes{});
-  }
+  /// As write_whole_now(long form of `header`, `payload`) for a data frame (frames not sealed: the long
+  /// form is the whole header). A stream may carry the header in a shorter form of its own, so long as its
+  /// reader hands on exactly the long form's bytes (or the header, through StreamEvents::take_data_frame);
+  /// the long form is encoded only by a stream that sends it (a small message's short form skips ~40
+  /// instructions of encoding). Asked only where writes_whole_now() says yes: such a stream overrides
+  /// it. Default: false (nothing written).
+  virtual bool write_frame_now(const wire::Header& /*header*/, ConstBytes /*payload*/) { return false; }
   /// Whether write_whole_now can ever say yes (asked first, so that a socket costs no header built twice).
   virtual bool writes_whole_now() const noexcept { return false; }
   /// Whether write_whole_now would take pieces of `first` and `second` bytes now (nothing is written).

@@ -319,9 +319,11 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
   return true;
 }
 
-bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes encoded, ConstBytes payload) {
+bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes payload) {
   if (!wire::has_short_form(header) || payload.size >= shm::align_records_from) {
-    return write_whole_now(encoded, payload, ConstBytes{});
+    wire::HeaderBytes encoded;
+    wire::encode(header, encoded);
+    return write_whole_now(ConstBytes{encoded.data(), encoded.size()}, payload, ConstBytes{});
   }
   if (by_reference(payload) || !takes_whole_now(wire::short_header_size, payload.size)) return false;
   // The pad that ends the record at a line's end (ring.hpp), where the room holds it too.

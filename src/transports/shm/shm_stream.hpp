@@ -86,7 +86,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) override;
   /// A data frame whose header has a short form (wire.hpp) and whose payload is under
   /// shm::align_records_from goes as one frame record (ring.hpp); any other as write_whole_now.
-  bool write_frame_now(const wire::Header& header, ConstBytes encoded, ConstBytes payload) override;
+  bool write_frame_now(const wire::Header& header, ConstBytes payload) override;
   bool writes_whole_now() const noexcept override { return true; }
   bool takes_whole_now(std::size_t first, std::size_t second) const noexcept override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
