@@ -1013,9 +1013,10 @@ TEST_CASE("arena supersteps: three threads step together 20000 times, each readi
       shm::Arena& a = *arenas[static_cast<std::size_t>(r)];
       for (std::uint64_t step = 1; step <= 20000; ++step) {
         // Enough bytes that a torn read (a writer one step ahead on the same area) would show; every
-        // third step small contents, filling the header's line. The large ones start at every skew
-        // (the writer's "source" is only an address here), which the readers take from the header.
-        const int words = step % 3 == 0 ? 4 : 512;
+        // third step small contents, filling the header's line, and every third contents that go on
+        // from it over the next lines. The large ones start at every skew (the writer's "source" is
+        // only an address here), which the readers take from the header.
+        const int words = step % 3 == 0 ? 4 : step % 3 == 1 ? 37 : 512;
         const std::size_t bytes = static_cast<std::size_t>(words) * 8;
         const auto like = reinterpret_cast<const void*>(static_cast<std::uintptr_t>((step * 8 + static_cast<std::uint64_t>(r)) % 64));
         auto* mine = reinterpret_cast<std::uint64_t*>(a.next_area(bytes, like));
@@ -1027,7 +1028,7 @@ TEST_CASE("arena supersteps: three threads step together 20000 times, each readi
         for (int q = 0; q < p; ++q) {
           const auto* theirs = reinterpret_cast<const std::uint64_t*>(a.area(q, bytes));
           if (!a.header(q).names(step, signature, 1)) ++wrong;
-          for (int i = 0; i < words; i += (words > 3 ? 97 : 1)) wrong += theirs[i] != step * 1000 + static_cast<std::uint64_t>(q);
+          for (int i = 0; i < words; i += (words > 64 ? 97 : 1)) wrong += theirs[i] != step * 1000 + static_cast<std::uint64_t>(q);
         }
       }
     });

@@ -23,8 +23,8 @@ std::size_t controls_offset() noexcept { return round_up(sizeof(ArenaHeader), 64
 std::size_t areas_offset(int ranks) noexcept {
   return round_up(controls_offset() + sizeof(RankControl) * static_cast<std::size_t>(ranks), 4096);
 }
-// An area: its header's line, then its bytes (small contents on the header's line: arena.hpp), which
-// may start up to 63 bytes into their first line (the skew): 128, not 64, before the bytes.
+// An area: its header's line, then its bytes (contents below placed_from right after the header:
+// arena.hpp), which may start up to 63 bytes into their first line (the skew): 128, not 64, before the bytes.
 std::size_t stride_of(std::size_t area_bytes) noexcept { return round_up(128 + area_bytes, 4096); }
 std::size_t boxes_offset(int ranks, std::size_t area_bytes) noexcept {
   return areas_offset(ranks) + 2 * static_cast<std::size_t>(ranks) * stride_of(area_bytes);

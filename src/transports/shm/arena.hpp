@@ -7,13 +7,16 @@
 //   reached mine, read the other ranks' areas of that parity.
 //
 // Where the counts live: in each area's header, on the first cache line of the area (`published`: the
-// count that made the area visible). A reader waits on the very line it then checks, and an area that
-// holds at most `bytes_beside_header` bytes keeps them on that line too: an 8-byte all_reduce costs a
-// reader one line from each peer, not three (a count line, a header line, a data line). Larger contents
-// start on the next line, `skew` bytes into it (below 64, in the header): as far into its line as the
-// writer's source is into its own, so that the copy in sits alike on both sides of every line and
-// writes whole lines without fetching them from the readers' caches (copy.hpp: 512 KiB from a malloc'd
-// buffer into an area took 82 us at skew 0 against 17 at the source's).
+// count that made the area visible). A reader waits on the very line it then checks, and contents start
+// right after the header, on that line: an 8-byte all_reduce costs a reader one line from each peer, not
+// three (a count line, a header line, a data line), and contents below `placed_from` bytes go on over
+// the lines after it, the next one being the header's 128-byte buddy, which the adjacent-line prefetcher
+// brings with it (bench/RESULTS.md, "Contents right after the header": 64 B-512 B all_reduce 12-16 %
+// faster than when they started on the next line). Larger contents start on the next line, `skew` bytes
+// into it (below 64, in the header): as far into its line as the writer's source is into its own, so that
+// the copy in sits alike on both sides of every line and writes whole lines without fetching them from the
+// readers' caches (copy.hpp: 512 KiB from a malloc'd buffer into an area took 82 us at skew 0 against 17
+// at the source's).
 //
 // Why two areas and no "done reading" word: a rank reads parity b's areas between its wait for count
 // x + 1 and its next publish (x + 2); a writer writes parity b again only at count x + 2, after it has
@@ -84,8 +87,9 @@ inline constexpr std::uint64_t arena_magic = 0x616e72612d746677ull;  // "wft-arn
 // 7: reads_from and revoked (direct reads); 8: the direct all_reduce (its areas hold loans where 7's
 // held contents: a rank of each would read the other's bytes as addresses); 9: the sizes from which
 // all_gather and all_to_all read directly by default moved (ranks of 8 and 9 would disagree on them);
-// 10: the 32-byte area header (the cancelled mark and the skew in the count's top byte)
-inline constexpr std::uint32_t arena_version = 10;
+// 10: the 32-byte area header (the cancelled mark and the skew in the count's top byte); 11: contents
+// below placed_from start right after the header (they started on the next line from 33 bytes)
+inline constexpr std::uint32_t arena_version = 11;
 
 struct alignas(64) ArenaHeader {  // written once by the rank that makes the segment
   std::uint64_t magic = 0;
@@ -110,10 +114,11 @@ struct alignas(64) RankControl {
 };
 
 // What an area holds: which operation (seq, signature), which step, and since when. It opens the area's
-// first cache line (areas start on a page); contents of at most `Arena::bytes_beside_header` bytes
-// follow it on that line, larger ones start on the next. 32 bytes, so that 32 bytes of contents fit
-// beside it (a 2-rank all_reduce of 32 B, an all_to_all of 16 B a rank): the cancelled mark and the
-// skew share the top byte of the signature's count, which no count reaches (2^56 elements).
+// first cache line (areas start on a page); contents below `Arena::placed_from` bytes follow it (at
+// most `Arena::bytes_beside_header` on its line), larger ones start on the next. 32 bytes, so that 32
+// bytes of contents fit beside it (a 2-rank all_reduce of 32 B, an all_to_all of 16 B a rank): the
+// cancelled mark and the skew share the top byte of the signature's count, which no count reaches (2^56
+// elements).
 struct AreaHeader {
   std::atomic<std::uint64_t> published{0};  // the rank's count when it published this area (release)
   std::uint64_t seq = 0;
@@ -137,7 +142,7 @@ struct AreaHeader {
   }
   std::uint64_t count() const noexcept { return count_and_marks & count_mask; }
   bool cancelled() const noexcept { return (count_and_marks & cancelled_mark) != 0; }
-  /// Where contents of more than bytes_beside_header bytes start: 64 + skew from the area's start (at
+  /// Where contents of Arena::placed_from bytes or more start: 64 + skew from the area's start (at
   /// most 63, so a peer's garbage moves them at most within the room every area keeps).
   std::uint32_t skew() const noexcept { return static_cast<std::uint32_t>((count_and_marks & skew_marks) >> marks_shift); }
   void set_skew(std::uint32_t skew) noexcept {
@@ -181,11 +186,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::uint64_t count() const noexcept { return count_; }
   /// This rank's area for the next superstep, to hold `bytes` (written before publish()), and its
   /// header. Every rank of a superstep passes the same `bytes` for an area (they follow from the call,
-  /// which the headers check): where the contents start depends on it, and on `like`: contents of more
-  /// than bytes_beside_header start as far into their cache line as `like` is into its own (the source
+  /// which the headers check): where the contents start depends on it, and on `like`: contents of
+  /// placed_from bytes or more start as far into their cache line as `like` is into its own (the source
   /// the caller copies them from; the skew goes out with the header at publish()).
   std::byte* next_area(std::size_t bytes, const void* like = nullptr) noexcept {
-    next_skew_ = bytes > bytes_beside_header && like ? static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(like) & 63) : 0;
+    next_skew_ = bytes >= placed_from && like ? static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(like) & 63) : 0;
     return area_at(rank_, count_ & 1, bytes, next_skew_);
   }
   AreaHeader& next_header() const noexcept { return header_at(rank_, count_ & 1); }
@@ -213,6 +218,11 @@ class Arena : public std::enable_shared_from_this<Arena> {
   }
   /// How many of an area's bytes share the cache line of its header.
   static constexpr std::size_t bytes_beside_header = 64 - sizeof(AreaHeader);
+  /// Contents of fewer bytes start right after the header and go on over the lines after it; larger ones
+  /// start on the next line, as far into it as their source is into its own (`skew`). Placing pays only
+  /// where memcpy writes with rep movsb, from glibc's rep_movsb_threshold up: 2048 * (vector size / 16),
+  /// so 4 KiB with AVX2 and 8 KiB with AVX-512; below it vector stores copy as fast either way.
+  static constexpr std::size_t placed_from = 4096;
   /// The ranks this rank waits for now (for reports): those behind its superstep, the root whose slot is
   /// not stamped yet, or the ranks that have not finished the last use of the slot it is to write.
   std::vector<int> behind() const;
@@ -349,7 +359,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
     return areas_ + (static_cast<std::size_t>(r) * 2 + static_cast<std::size_t>(parity)) * area_stride_;
   }
   std::byte* area_at(int r, std::uint64_t parity, std::size_t bytes, std::uint32_t skew) const noexcept {
-    return line_at(r, parity) + (bytes <= bytes_beside_header ? sizeof(AreaHeader) : 64 + (skew & 63));
+    return line_at(r, parity) + (bytes < placed_from ? sizeof(AreaHeader) : 64 + (skew & 63));
   }
   AreaHeader& header_at(int r, std::uint64_t parity) const noexcept { return *reinterpret_cast<AreaHeader*>(line_at(r, parity)); }
   std::byte* slot_at(int r, std::uint64_t k) const noexcept {
