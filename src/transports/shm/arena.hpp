@@ -11,8 +11,8 @@
 // right after the header, on that line: an 8-byte all_reduce costs a reader one line from each peer, not
 // three (a count line, a header line, a data line), and contents below `placed_from` bytes go on over
 // the lines after it, the next one being the header's 128-byte buddy, which the adjacent-line prefetcher
-// brings with it (bench/RESULTS.md, "Contents right after the header": 64 B-512 B all_reduce 12-16 %
-// faster than when they started on the next line). Larger contents start on the next line, `skew` bytes
+// brings with it (bench/RESULTS.md, "Contents right after the area's header": 64 B-512 B all_reduce
+// 4-16 % and all_gather 13-24 % faster than when they started on the next line). Larger contents start on the next line, `skew` bytes
 // into it (below 64, in the header): as far into its line as the writer's source is into its own, so that
 // the copy in sits alike on both sides of every line and writes whole lines without fetching them from the
 // readers' caches (copy.hpp: 512 KiB from a malloc'd buffer into an area took 82 us at skew 0 against 17
