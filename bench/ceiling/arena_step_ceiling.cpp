@@ -105,8 +105,6 @@ int main(int argc, char** argv) {
   }
   auto* base = static_cast<char*>(mapped);
   std::memset(base, 0, 8 * area_bytes);
-  int results[2];
-  if (pipe(results) != 0) return 1;
   const pid_t child = fork();
   const int me = child == 0 ? 1 : 0;
   pin(cpu[me]);
