@@ -72,7 +72,7 @@ auto async_wait(Future<T> future, CompletionToken&& token) {
       [](auto handler, Future<T> future) {
         auto slot = asio::get_associated_cancellation_slot(handler);
         if (slot.is_connected()) {
-          slot.assign([state = future.state()](asio::cancellation_type) { state->cancel(); });
+          slot.assign([state = future.state()](asio::cancellation_type) { state->cancel(state); });
         }
         // Keeps the handler's executor (its io_context) from running out of work meanwhile.
         auto executor = asio::prefer(asio::get_associated_executor(handler), asio::execution::outstanding_work.tracked);

@@ -113,11 +113,13 @@ class FutureStateBase {
   }
 
   /// Asks the operation to stop, once (thread-safe; later calls do nothing): through the operation's
-  /// cancel hook when it set one, otherwise through the stop token it was given.
-  void cancel() noexcept {
+  /// cancel hook when it set one, otherwise through the stop token it was given. `owner`: the caller's
+  /// reference to this state, which the hook may keep or watch (a weak_ptr made from it) past this call,
+  /// so that an operation needs no reference to itself for a cancel that seldom comes.
+  void cancel(const std::shared_ptr<FutureStateBase>& owner) noexcept {
     if (ready() || cancel_asked_.exchange(true, std::memory_order_acq_rel)) return;
     if (cancel_hook_) {
-      cancel_hook_(*this);
+      cancel_hook_(owner);
     } else {
       source().request_stop();
     }
@@ -154,8 +156,8 @@ class FutureStateBase {
     if (error_) std::rethrow_exception(error_);
   }
   /// What cancel() calls instead of stopping the token (at most once, on any thread, while the
-  /// operation is not complete). Set before the Future is handed out.
-  using CancelHook = void (*)(FutureStateBase&) noexcept;
+  /// operation is not complete), with cancel()'s `owner`. Set before the Future is handed out.
+  using CancelHook = void (*)(const std::shared_ptr<FutureStateBase>& owner) noexcept;
   void set_cancel_hook(CancelHook hook) noexcept { cancel_hook_ = hook; }
 
  private:
@@ -267,16 +269,18 @@ class [[nodiscard]] Future {
   }
   /// Asks the operation to stop. Thread-safe; a no-op once it completed.
   void cancel() noexcept {
-    if (state_) state_->cancel();
+    if (state_) state_->cancel(state_);
   }
 
   /// Awaiting a Future from a Task forwards the Task's cancellation to the operation.
   struct Awaiter {
     detail::FutureState<T>* state;
+    // The awaited Future's reference, for cancel(): the Future outlives the co_await expression.
+    const std::shared_ptr<detail::FutureState<T>>* owner;
     // Calls cancel() on the operation when the awaiting Task's token stops (no type-erased callable).
     struct ForwardCancel {
-      detail::FutureState<T>* state;
-      void operator()() const noexcept { state->cancel(); }
+      const std::shared_ptr<detail::FutureState<T>>* owner;
+      void operator()() const noexcept { (*owner)->cancel(*owner); }
     };
     std::optional<std::stop_callback<ForwardCancel>> forward_stop;
     bool await_ready() const noexcept { return state->ready(); }
@@ -284,7 +288,7 @@ class [[nodiscard]] Future {
     bool await_suspend(std::coroutine_handle<Promise> parent) {
       std::stop_token token = detail::stop_token_of(parent);
       if (token.stop_possible()) {
-        forward_stop.emplace(token, ForwardCancel{state});
+        forward_stop.emplace(token, ForwardCancel{owner});
       }
       return state->suspend(parent);
     }
@@ -293,7 +297,7 @@ class [[nodiscard]] Future {
       return state->take();
     }
   };
-  Awaiter operator co_await() && { return Awaiter{&checked("co_await"), std::nullopt}; }
+  Awaiter operator co_await() && { return Awaiter{&checked("co_await"), &state_, std::nullopt}; }
 
   /// The shared state; for weft's combinators.
   const std::shared_ptr<detail::FutureState<T>>& state() const noexcept { return state_; }

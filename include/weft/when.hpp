@@ -46,7 +46,7 @@ struct Latch {
 
   void cancel_others() {
     for (auto& child : children) {
-      if (child) child->cancel();
+      if (child) child->cancel(child);
     }
   }
   void record_error(std::exception_ptr e) {
@@ -284,7 +284,7 @@ Task<T> cancel_after(Loop& loop, Future<T> future, std::chrono::nanoseconds time
   const std::uint64_t timer = loop.call_after(timeout, [fired, state = future.state()](bool expired) {
     if (!expired || state->ready()) return;
     fired->store(true);
-    state->cancel();
+    state->cancel(state);
   });
   std::exception_ptr error;
   std::optional<detail::NonVoid<T>> value;

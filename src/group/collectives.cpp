@@ -415,10 +415,11 @@ class MessagePlanOp final : public FutureState<void> {
         run_(g_->channel(seq, name, signature, 0), std::move(plan), buffers, &MessagePlanOp::done, this) {}
 
  private:
-  // Future::cancel(), on any thread, once, while the Future holds the operation.
-  static void on_cancel(FutureStateBase& state) noexcept {
-    auto& op = static_cast<MessagePlanOp&>(state);
-    op.g_->loop->post([weak = op.weak_] {
+  // Future::cancel(), on any thread, once, while the Future holds the operation. The weak_ptr is made
+  // here, from the canceller's reference, as P2pOp's (p2p.cpp): not kept in every operation.
+  static void on_cancel(const std::shared_ptr<FutureStateBase>& owner) noexcept {
+    const auto op = std::static_pointer_cast<MessagePlanOp>(owner);
+    op->g_->loop->post([weak = std::weak_ptr<MessagePlanOp>(op)] {
       if (auto op = weak.lock(); op && !op->run_.finished()) op->run_.cancel();
     });
   }
@@ -427,7 +428,6 @@ class MessagePlanOp final : public FutureState<void> {
                                              std::shared_ptr<const algo::Plan> plan, algo::PlanBuffers buffers, AroundPlan around) {
     auto op = std::allocate_shared<MessagePlanOp>(PooledAllocator<MessagePlanOp>{}, std::move(g), seq, name, signature, std::move(plan), buffers);
     op->around_ = std::move(around);
-    op->weak_ = op;
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&MessagePlanOp::on_cancel);
     return op;
@@ -508,7 +508,6 @@ class MessagePlanOp final : public FutureState<void> {
   // Loop thread only.
   algo::MessagePlan run_;
   std::shared_ptr<MessagePlanOp> self_;
-  std::weak_ptr<MessagePlanOp> weak_;
 };
 
 // `call` as a plan of whole messages (broadcast, the barrier, all_reduce, reduce_scatter, the ring

@@ -785,6 +785,58 @@ TEST_CASE("a cancelled receive is withdrawn and the group stays usable", "[error
   REQUIRE(checks_made.load() > before);
 }
 
+// The other ways a cancel reaches a receive: the Task that awaits it (its stop token, forwarded by the
+// Future's awaiter), when_all after a sibling failed, and a cancel whose Future is dropped at once (the
+// loop withdraws the receive later, from a reference the cancel made: the operation keeps none to
+// itself). None may take a message meant for a later receive.
+TEST_CASE("a receive cancelled through its awaiting Task, through when_all, or dropped right after its cancel, is withdrawn", "[errors][cancel]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    std::vector<float> v(4, 0.0f);
+    if (g.rank() == 1) {
+      auto awaiting = [](Group& g, std::vector<float>& v) -> Task<void> { co_await g.recv(v, 0, 97); };
+      Future<void> task = spawn(g.loop(), awaiting(g, v));
+      task.cancel();
+      check(task.wait_for(20s), "the cancel of the Task never reached the receive it awaits");
+      expect_error([&] { task.get(); }, Errc::cancelled, {"recv"});
+      auto failing = []() -> Task<void> {
+        throw std::logic_error("a sibling failed");
+        co_return;
+      };
+      std::vector<Future<void>> pair;
+      pair.push_back(g.recv(v, 0, 97));
+      pair.push_back(spawn(g.loop(), failing()));
+      std::string failure;
+      try {
+        sync_wait(g.loop(), when_all(std::move(pair)));
+      } catch (const std::logic_error& e) {
+        failure = e.what();
+      }
+      check(failure == "a sibling failed", "when_all did not fail with its failing child: " + failure);
+      for (int i = 0; i < 100; ++i) {
+        Future<void> dropped = g.recv(v, 0, 97);
+        dropped.cancel();
+      }
+    }
+    g.barrier().get();
+    // One message of tag 97 now: only a receive made after the cancels may take it.
+    if (g.rank() == 0) {
+      std::vector<float> sent{1.0f, 2.0f, 3.0f, 4.0f};
+      g.send(sent, 1, 97).get();
+    } else {
+      std::vector<float> got(4, 0.0f);
+      Future<void> received = g.recv(got, 0, 97);
+      check(received.wait_for(20s), "the receive after the cancelled ones never got the message (a cancelled one took it)");
+      received.get();
+      check(got == std::vector<float>{1.0f, 2.0f, 3.0f, 4.0f}, "a receive after the cancelled ones got the message");
+    }
+    std::vector<float> x{1.0f};
+    g.all_reduce(x).get();
+    check(x[0] == 2.0f, "the group works after the cancelled receives");
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
 namespace {
 
 // all_reduce #1 of `x`, which rank 0 cancels 50 ms after its call while rank `late` comes 500 ms late:
