@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
     const double algbw = bytes / times[best] / 1e3;
     if (rank == 0) {
       std::printf("  %12ld", bytes);
-      for (double t : times) std::printf(" %10.2f", t);
+      for (double t : times) std::printf(" %10.3f", t);
       std::printf(" %8.3f %8.3f %s\n", algbw, algbw * bus, names[best]);
     }
     std::fflush(stdout);

@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
     if (collective == "stream") us /= window;
     MPI_Allreduce(&us, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     const double algbw = bytes / worst / 1e3;
-    if (rank == 0) std::printf("  %12ld %12ld %10.2f %8.3f %8.3f\n", bytes, bytes / 4, worst, algbw, algbw * bus);
+    if (rank == 0) std::printf("  %12ld %12ld %10.3f %8.3f %8.3f\n", bytes, bytes / 4, worst, algbw, algbw * bus);
   }
   MPI_Finalize();
 }
