@@ -242,7 +242,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::uint64_t box_count() const noexcept { return box_count_; }
   /// Starts this rank's next box broadcast, of `bytes` (the same on every rank: the call says so, the
   /// headers check it): the slots it takes, from box_count() on.
-  void begin_box(std::size_t bytes) noexcept { box_taking_ = slots_for(bytes); }
+  void begin_box(std::size_t bytes) noexcept {
+    box_taking_ = slots_for(bytes);
+    box_bytes_ = bytes;
+  }
   /// Rank r's first slot for this rank's next box broadcast: its header.
   AreaHeader& slot_header(int r) const noexcept { return *reinterpret_cast<AreaHeader*>(slot_at(r, 0)); }
   /// Copies `bytes` into this rank's slots for its next box broadcast, or out of rank r's.
@@ -270,7 +273,8 @@ class Arena : public std::enable_shared_from_this<Arena> {
     return need <= least + box_slots;
   }
   /// Stamps this rank's slot (written before), fences (so that a look at the other ranks' slots after it
-  /// is ordered after it), and wakes the ranks that sleep.
+  /// is ordered after it), wakes the ranks that sleep, and, for contents beside the header, asks for the
+  /// line of its next slot (arena.cpp).
   void stamp_slot() noexcept;
   /// Ends this rank's box broadcast (box_count() and box_done move past its slots, fenced) and wakes the
   /// ranks that sleep (a root may wait for it to reuse a slot).
@@ -380,6 +384,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::uint32_t next_skew_ = 0;  // of the area next_area() gave, for its header at publish()
   std::uint64_t box_count_ = 0;   // slots of this rank's box broadcasts finished
   std::uint64_t box_taking_ = 1;  // slots its box broadcast now takes
+  std::size_t box_bytes_ = 0;      // and its contents
   // The least box_done of the other ranks as slot_free() last read it (this rank's threads only; atomic
   // because the loop's poller and a caller's fast path may both ask, one after the other).
   mutable std::atomic<std::uint64_t> others_done_{0};

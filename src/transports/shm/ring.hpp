@@ -87,6 +87,16 @@ inline void store_and_fence(std::atomic<T>& word, T value, std::memory_order ord
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
+// Asks for the cache line at `at` in a state this core may write, without waiting for it: x86's
+// prefetchw (Intel processors before Broadwell execute it as a NOP), elsewhere the compiler's prefetch.
+inline void prefetch_for_writing(const void* at) noexcept {
+#if defined(__x86_64__)
+  asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(at)));
+#else
+  __builtin_prefetch(at, 1, 3);
+#endif
+}
+
 inline constexpr std::uint64_t ring_magic = 0x676e69722d746677ull;  // "wft-ring"
 // 4: arrival on the record's line, records at multiples of 8; 6: frame records (5: a rewind record, tried
 // and never shipped).
