@@ -114,7 +114,7 @@ void Arena::stamp_slot() noexcept {
   // The line this root writes at its next box broadcast, asked for now, while the readers take this one:
   // a root that publishes into a line a caught-up reader is polling waits at the fence above for the
   // line to come over; one that finds it here already goes on, runs ahead, and the readers stop polling
-  // the lines it is about to write. 2 ranks, 8-32 B: 0.24 -> 0.13 us a broadcast (bench/RESULTS.md, "A
+  // the lines it is about to write. 2 ranks, 8-32 B: 0.24-0.30 -> 0.13-0.16 us a broadcast (bench/RESULTS.md, "A
   // root's next slot asked for early"). Only for contents on the header's line (the next call is taken
   // to be like this one): asking for more lines, or for the superstep areas' next header, made 64 B
   // broadcasts and small all_reduces slower (the readers' polls take them back).
