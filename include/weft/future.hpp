@@ -274,8 +274,8 @@ class [[nodiscard]] Future {
 
   /// Awaiting a Future from a Task forwards the Task's cancellation to the operation.
   struct Awaiter {
-    detail::FutureState<T>* state;
-    // The awaited Future's reference, for cancel(): the Future outlives the co_await expression.
+    // The awaited Future's reference (never empty: operator co_await checks): the Future outlives the
+    // co_await expression, and cancel() takes the reference.
     const std::shared_ptr<detail::FutureState<T>>* owner;
     // Calls cancel() on the operation when the awaiting Task's token stops (no type-erased callable).
     struct ForwardCancel {
@@ -283,21 +283,24 @@ class [[nodiscard]] Future {
       void operator()() const noexcept { (*owner)->cancel(*owner); }
     };
     std::optional<std::stop_callback<ForwardCancel>> forward_stop;
-    bool await_ready() const noexcept { return state->ready(); }
+    bool await_ready() const noexcept { return (*owner)->ready(); }
     template <class Promise>
     bool await_suspend(std::coroutine_handle<Promise> parent) {
       std::stop_token token = detail::stop_token_of(parent);
       if (token.stop_possible()) {
         forward_stop.emplace(token, ForwardCancel{owner});
       }
-      return state->suspend(parent);
+      return (*owner)->suspend(parent);
     }
     T await_resume() {
       forward_stop.reset();
-      return state->take();
+      return (*owner)->take();
     }
   };
-  Awaiter operator co_await() && { return Awaiter{&checked("co_await"), &state_, std::nullopt}; }
+  Awaiter operator co_await() && {
+    (void)checked("co_await");
+    return Awaiter{&state_, std::nullopt};
+  }
 
   /// The shared state; for weft's combinators.
   const std::shared_ptr<detail::FutureState<T>>& state() const noexcept { return state_; }
