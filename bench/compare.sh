@@ -47,7 +47,8 @@ btl=${MPI_BTL:-tcp,self}
 export MPI_LABEL="Open MPI ${btl%%,*}"
 for round in $(seq 1 "$rounds"); do
   echo "== round $round: weft" >&2
-  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$weft_collective" "${weft_flags[@]}" -b "$min" -e "$max" -f 4 -w 5 -n "$iters" \
+  # Three warm-up calls a size, as the peers' benches make (bench/peers).
+  "$build/tools/weft-run" -n "$ranks" -- "$build/bench/weft-bench" -c "$weft_collective" "${weft_flags[@]}" -b "$min" -e "$max" -f 4 -w 3 -n "$iters" \
     --json "$out/weft.$round.json" > "$out/weft.$round.txt"
   echo "== round $round: open mpi" >&2
   oversubscribe=""
