@@ -526,13 +526,13 @@ TEST_CASE("large messages from every place in a cache line arrive intact, their 
       REQUIRE(into == message);
       ++seq;
       const std::uint64_t written = inbound->head.load(std::memory_order_acquire) - before;
-      if (size + 1024 < ring) {
+      const std::size_t capacity = std::size_t{1} << inbound->capacity_log2;
+      if (size + 1024 < ring / shm::record_share_of_ring) {
         // One frame in one record: record header, lead, frame header, payload; rounded up to 8.
         const bool placed = size >= shm::align_records_from;
         const std::size_t lead = placed ? shm::record_lead(before + shm::record_header_bytes + wire::header_size, data.data() + offset) : 0;
         REQUIRE(written == shm::record_bytes(lead, wire::header_size + size));
         shm::RecordHeader h;
-        const std::size_t capacity = std::size_t{1} << inbound->capacity_log2;
         REQUIRE(shm::decode_record_header(shm::load_ring_word(inbound->data + (before & (capacity - 1))), h));
         REQUIRE(h.spare == lead);
         REQUIRE(h.length == wire::header_size + size);
@@ -540,6 +540,30 @@ TEST_CASE("large messages from every place in a cache line arrive intact, their 
           REQUIRE((before + shm::record_header_bytes + lead + wire::header_size) % 64 ==
                   reinterpret_cast<std::uintptr_t>(data.data() + offset) % 64);
         }
+      } else if (size + 1024 < ring) {
+        // Larger than a quarter of the ring: in several inline records of at most a quarter each (the
+        // reader copies one while the writer writes the next), each large piece placed alike.
+        std::uint64_t at = before;
+        std::size_t carried = 0;  // stream bytes before this record: the frame header, then payload
+        int records = 0;
+        while (at < before + written) {
+          shm::RecordHeader h;
+          REQUIRE(shm::decode_record_header(shm::load_ring_word(inbound->data + (at & (capacity - 1))), h));
+          REQUIRE(h.kind == shm::RecordKind::inline_bytes);
+          REQUIRE(h.length <= capacity / shm::record_share_of_ring);
+          const std::size_t payload_before = carried > wire::header_size ? carried - wire::header_size : 0;
+          const std::size_t header_in_record = carried < wire::header_size ? wire::header_size - carried : 0;
+          if (h.length - header_in_record >= shm::align_records_from) {
+            REQUIRE((at + shm::record_header_bytes + h.spare + header_in_record) % 64 ==
+                    reinterpret_cast<std::uintptr_t>(data.data() + offset + payload_before) % 64);
+          }
+          carried += h.length;
+          at += shm::record_bytes(h.spare, h.length);
+          ++records;
+        }
+        REQUIRE(at == before + written);
+        REQUIRE(carried == wire::header_size + size);
+        REQUIRE(records >= 2);
       }
     }
   }

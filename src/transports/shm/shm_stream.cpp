@@ -292,8 +292,9 @@ bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noe
   if (by_reference(ConstBytes{nullptr, first}) || by_reference(ConstBytes{nullptr, second})) return false;
   const std::size_t total = first + second;
   // One inline record of every piece (push_some's, written straight): only when the room holds it all,
-  // asked once here rather than per piece.
-  return total != 0 && total <= UINT32_MAX && out_.room(shm::record_bytes(0, total)) >= shm::record_bytes(0, total);
+  // asked once here rather than per piece, and within push_some's most for a record (ring.hpp,
+  // record_share_of_ring): a larger write goes in pieces.
+  return total != 0 && total <= out_.capacity() / shm::record_share_of_ring && out_.room(shm::record_bytes(0, total)) >= shm::record_bytes(0, total);
 }
 
 bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
@@ -381,7 +382,9 @@ bool ShmStream::push_some() {
     std::size_t lead = lead_for(write_.pieces, write_.piece, write_.offset, room);
     if (room < shm::record_bytes(lead, 1)) lead = 0;
     // (room and every record a multiple of 8: a record of room - header - lead bytes fills it exactly.)
-    length = std::min({length, room - shm::record_header_bytes - lead, std::size_t{UINT32_MAX}});
+    // At most a quarter of the ring (ring.hpp, record_share_of_ring).
+    length = std::min({length, room - shm::record_header_bytes - lead, out_.capacity() / shm::record_share_of_ring,
+                       std::size_t{UINT32_MAX}});
     out_.put_header({shm::RecordKind::inline_bytes, static_cast<std::uint8_t>(lead), static_cast<std::uint32_t>(length)});
     out_.skip(lead);
     while (length > 0) {
@@ -397,6 +400,10 @@ bool ShmStream::push_some() {
     }
     out_.end_record();
     moved = true;
+    if (write_.piece < 3) {
+      // More of this write follows: the reader may copy this record while the next is written.
+      if (out_.publish()) wake_peer();
+    }
   }
   if (moved) {
     last_sent_ = CoarseClock::now();
@@ -534,6 +541,9 @@ bool ShmStream::pull_read() {
       if (!in_record()) {
         in_.take(nullptr, record_.pad);
         in_.end_record();
+        // A large write's space handed back as it is read, not when the read ends (ring.hpp,
+        // release_share_of_ring): its writer may be waiting for it to write the rest.
+        if (in_.unreleased() >= in_.capacity() / shm::release_share_of_ring && in_.release()) wake_peer();
       }
       ring_moved = true;
       continue;
