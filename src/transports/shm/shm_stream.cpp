@@ -294,7 +294,8 @@ bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noe
   // One inline record of every piece (push_some's, written straight): only when the room holds it all,
   // asked once here rather than per piece, and within push_some's most for a record (ring.hpp,
   // record_share_of_ring): a larger write goes in pieces.
-  return total != 0 && total <= out_.capacity() / shm::record_share_of_ring && out_.room(shm::record_bytes(0, total)) >= shm::record_bytes(0, total);
+  return total != 0 && total <= UINT32_MAX && total <= out_.capacity() / shm::record_share_of_ring &&
+         out_.room(shm::record_bytes(0, total)) >= shm::record_bytes(0, total);
 }
 
 bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
