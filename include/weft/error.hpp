@@ -18,7 +18,7 @@ enum class Errc : int {
   group_failed,          ///< the group failed earlier (see the message) and cannot be used
   aborted,               ///< the group was aborted, by a peer or by this rank (the message names which and why)
   connection_failed,     ///< a connection could not be made
-  mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation
+  mismatch,              ///< ranks called different collectives, or the same with different arguments, as the same operation; or a receive met a message of another dtype
   refused,               ///< the store or a rank refused this rank (wrong secret, another job, a duplicate rank, a world-size disagreement)
   would_deadlock,        ///< a blocking wait on the thread that runs the operation's loop (it would wait for itself)
   device_failure,        ///< a device failed (a CUDA error, or the simulated device's injected failure); sticky

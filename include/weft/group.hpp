@@ -90,9 +90,11 @@ class Group {
   /// Errors name the call as "send #n (peer dst) [tag t]": n counts this rank's sends to `dst` from 1
   /// (a refused call takes no number), not the group's collectives.
   Future<void> send(ConstBufferView data, int dst, std::uint32_t tag = 0);
-  /// Receives exactly data.bytes() bytes from `src` with `tag`. A message of another size fails the
-  /// receive with Errc::size_mismatch. Errors name it "recv #n (peer src) [tag t]", n counting this
-  /// rank's receives from `src`: with one tag, the n-th receive takes the sender's send #n.
+  /// Receives exactly data.bytes() bytes from `src` with `tag`. A message of another dtype fails the
+  /// receive with Errc::mismatch (u8 is raw bytes and agrees with every dtype, either side), one of another
+  /// size with Errc::size_mismatch; either way its bytes are discarded and the group stays usable.
+  /// Errors name it "recv #n (peer src) [tag t]", n counting this rank's receives from `src`: with one
+  /// tag, the n-th receive takes the sender's send #n.
   Future<void> recv(BufferView data, int src, std::uint32_t tag = 0);
 
   // ---- collectives ----

@@ -36,7 +36,8 @@ struct MessageKey {
 /// (its family's number + 1, as the group's registry numbers them; 0: not said). Every frame of a
 /// collective carries its operation's signature; a receive whose signature differs from the arriving
 /// message's (both calls non-zero) fails with Errc::mismatch, naming both calls, and the message's bytes
-/// are discarded. A call of 0 (point-to-point messages) is not compared; a plan of 0 matches any.
+/// are discarded. A call of 0 (control frames, u8 point-to-point messages) is not compared; a plan of 0
+/// matches any. Point-to-point messages sign their dtype (kind 29), compared only by their receive.
 struct OpSignature {
   std::uint32_t call = 0;
   std::uint8_t plan = 0;  // beside `call`, in its padding: the signature stays 16 bytes
@@ -140,11 +141,15 @@ class Transport {
   /// tell (nothing is sent; the key's context may still have failed). Loop thread. A plan of sends to
   /// several peers asks for all of them before it sends any. Default: false.
   virtual bool can_send_now(int /*peer*/, std::size_t /*bytes*/) const { return false; }
-  /// Receives `bytes` bytes from `peer` at once when a point-to-point message with `key` (signature 0)
-  /// already arrived, of exactly that size: it is copied into `data` and true returned, as a start_recv
-  /// that completed at once. False when nothing happened (no such message, or one that start_recv would
-  /// fail: start_recv it). Default: false.
-  virtual bool recv_now(int /*peer*/, const MessageKey& /*key*/, void* /*data*/, std::size_t /*bytes*/) { return false; }
+  /// Receives `bytes` bytes from `peer` at once when a point-to-point message with `key` already
+  /// arrived, of exactly that size and with a signature that agrees with `signature` (as start_recv's
+  /// op.signature is compared): it is copied into `data` and true returned, as a start_recv that
+  /// completed at once. False when nothing happened (no such message, or one that start_recv would fail:
+  /// start_recv it). Default: false.
+  virtual bool recv_now(int /*peer*/, const MessageKey& /*key*/, void* /*data*/, std::size_t /*bytes*/,
+                        const OpSignature& /*signature*/ = {}) {
+    return false;
+  }
   /// Posts a receive of exactly `bytes` bytes from `peer`. A message of another size completes `op` with
   /// Errc::size_mismatch (its bytes are discarded, nothing is truncated silently).
   virtual void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) = 0;

@@ -621,6 +621,16 @@ def p2p_results(g):
         elif r == 1:
             got = g.recv(None, 0, tag=3, shape=(3, 4), dtype=np.float64).wait()
             expect(got.shape == (3, 4) and got.dtype == np.float64 and np.array_equal(got, x), f"recv into a new array: {got}")
+        # A receive into another dtype of the same size fails (the bytes are not reinterpreted); uint8 is
+        # raw bytes and agrees with every dtype.
+        if r == 0:
+            g.send(x, 1, tag=4).wait()
+            g.send(x, 1, tag=5).wait()
+        elif r == 1:
+            expect_error(lambda: g.recv(None, 0, tag=4, shape=(3, 4), dtype=np.int64).wait(), "mismatch",
+                         "recv #2 (peer 0) [tag 4]", "rank 0 sent f64 data where rank 1 receives i64")
+            raw = g.recv(None, 0, tag=5, shape=(96,), dtype=np.uint8).wait()
+            expect(np.array_equal(raw.view(np.float64).reshape(3, 4), x), "f64 received as uint8 arrives intact")
         expect_error(lambda: g.recv(None, 0), "invalid_argument", f"weft: rank {r}: recv: give out, or shape and dtype")
 
 

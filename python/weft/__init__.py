@@ -573,7 +573,9 @@ class Group:
 
     def recv(self, out, src, tag=0, shape=None, dtype=None):
         """Receives exactly out.nbytes bytes from src into out (which it returns); out=None with `shape`
-        and `dtype` receives into a new array of those."""
+        and `dtype` receives into a new array of those. A message of another dtype fails with errc
+        "mismatch" (uint8 is raw bytes and agrees with every dtype), one of another size with
+        "size_mismatch"; the group stays usable."""
         if out is None:
             if shape is None or dtype is None:
                 raise _invalid("recv: give out, or shape and dtype of a new array to receive into")

@@ -19,7 +19,7 @@ class Category final : public std::error_category {
       case Errc::group_failed: return "group failed";
       case Errc::aborted: return "aborted";  // by this rank or a peer: the message names which
       case Errc::connection_failed: return "connection failed";
-      case Errc::mismatch: return "mismatched collective";
+      case Errc::mismatch: return "mismatched operation";  // a collective, or a message's dtype
       case Errc::refused: return "refused";
       case Errc::would_deadlock: return "would deadlock";
       case Errc::device_failure: return "device failure";

@@ -13,7 +13,7 @@ namespace {
 // 0: not a collective (unchecked).
 constexpr std::uint32_t plan_kind = 31;  // a user's plan (Group::run_plan), whatever its name
 constexpr std::uint32_t device_windows_kind = 30;  // all_reduce on device windows (one host's processes)
-static_assert(all_collectives.size() < device_windows_kind);
+static_assert(all_collectives.size() < point_to_point_kind);  // (signature.hpp)
 
 constexpr std::uint32_t root_bits = 18;
 constexpr std::uint32_t no_root = 0;
@@ -38,6 +38,16 @@ OpSignature of_device_windows(DType dtype, ReduceOp op, std::uint64_t count) {
   return pack(device_windows_kind, true, dtype, op, count, -1);
 }
 
+OpSignature of_point_to_point(DType dtype) {
+  if (dtype == DType::u8) return {};
+  return pack(point_to_point_kind, false, dtype, ReduceOp::sum, 0, -1);
+}
+
+std::string dtype_of(const OpSignature& signature) {
+  const std::uint32_t type = (signature.call >> 22) & 31;
+  return type >= 1 && type <= 13 ? std::string(to_string(static_cast<DType>(type - 1))) : fmt::format("type {}", type);
+}
+
 std::uint64_t counts_digest(std::span<const std::size_t> counts) noexcept {
   // FNV-1a over each count's 8 little-endian bytes, and the number of counts.
   std::uint64_t h = 0xcbf29ce484222325ull;
@@ -60,14 +70,14 @@ void set_plan_namer(PlanNamer namer) noexcept { plan_namer.store(namer, std::mem
 
 std::string describe(const OpSignature& s, std::uint64_t seq) {
   const std::uint32_t kind = s.call >> 27;
-  const std::uint32_t type = (s.call >> 22) & 31;
+  if (kind == point_to_point_kind) return fmt::format("a message of {}", dtype_of(s));
   const std::uint32_t reduce = (s.call >> 18) & 15;
   const std::uint32_t root = s.call & ((1u << root_bits) - 1);
   const std::string_view name = kind >= 1 && kind <= all_collectives.size() ? to_string(static_cast<Collective>(kind - 1))
                                 : kind == plan_kind                      ? "a plan"
                                 : kind == device_windows_kind            ? "all_reduce on device windows"
                                                                          : "an unknown collective";
-  std::string detail = type >= 1 && type <= 13 ? std::string(to_string(static_cast<DType>(type - 1))) : fmt::format("type {}", type);
+  std::string detail = dtype_of(s);
   // The variable-size collectives carry a digest of their per-rank counts (counts_digest), not a count.
   const bool digest = kind >= 1 && kind <= all_collectives.size() && variable_size(static_cast<Collective>(kind - 1));
   detail += digest ? fmt::format(", counts digest {:016x}", s.count) : fmt::format(" x {}", s.count);

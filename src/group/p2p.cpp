@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/signature.hpp"
 #include "group/checks.hpp"
 #include "group/device_staging.hpp"
 #include "group/state.hpp"
@@ -30,9 +31,11 @@ class P2pOp final : public FutureState<void> {
  public:
   // `g` by reference: a send the stream takes at once needs no copy of it (two atomic operations).
   // `seq`: its number among this rank's sends to (receives from) `peer` (GroupState::take_p2p_seq).
-  static Future<void> start(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
-                            std::uint64_t seq, std::chrono::milliseconds timeout) {
-    Starting starting{&g, sending, data, bytes, peer, tag, seq, timeout, {}};
+  // `signature`: the message's dtype (signature::of_point_to_point), carried by a send's frame and
+  // compared by the receive.
+  static Future<void> start(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, OpSignature signature,
+                            int peer, std::uint32_t tag, std::uint64_t seq, std::chrono::milliseconds timeout) {
+    Starting starting{&g, sending, data, bytes, signature, peer, tag, seq, timeout, {}};
     Loop& loop = *g->loop;
     // The borrow first: run_here refuses a loop that runs or is held (as it is whenever this thread
     // runs it) with one load, where the thread check is a walk of Asio's call stack, a call of plain
@@ -48,7 +51,7 @@ class P2pOp final : public FutureState<void> {
     }
     // self_ keeps it alive until then, and a plain pointer fits inside the posted std::function (a
     // shared_ptr there is an allocation per call from plain code: a stream's window is 64 of them).
-    auto op = make(g, sending, data, bytes, peer, tag, seq, timeout);
+    auto op = make(g, sending, data, bytes, signature, peer, tag, seq, timeout);
     op->self_ = op;
     op->g_->loop->post([raw = op.get()] {
       const std::shared_ptr<P2pOp> self = std::move(raw->self_);
@@ -57,9 +60,11 @@ class P2pOp final : public FutureState<void> {
     return Future<void>(std::move(op));
   }
 
-  P2pOp(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag, std::uint64_t seq,
-        std::chrono::milliseconds timeout)
-      : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), seq_(seq), timeout_(timeout) {}
+  P2pOp(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, OpSignature signature, int peer, std::uint32_t tag,
+        std::uint64_t seq, std::chrono::milliseconds timeout)
+      : g_(std::move(g)), sending_(sending), data_(data), bytes_(bytes), peer_(peer), tag_(tag), seq_(seq), timeout_(timeout) {
+    op_.signature = signature;
+  }
 
  private:
   // A start on the loop's thread (its own, or borrowed by Loop::run_here): the call and its Future.
@@ -68,6 +73,7 @@ class P2pOp final : public FutureState<void> {
     bool sending;
     void* data;
     std::size_t bytes;
+    OpSignature signature;
     int peer;
     std::uint32_t tag;
     std::uint64_t seq;
@@ -75,9 +81,9 @@ class P2pOp final : public FutureState<void> {
     Future<void> result;
   };
 
-  static std::shared_ptr<P2pOp> make(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, int peer,
-                                     std::uint32_t tag, std::uint64_t seq, std::chrono::milliseconds timeout) {
-    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, g, sending, data, bytes, peer, tag, seq, timeout);
+  static std::shared_ptr<P2pOp> make(const std::shared_ptr<GroupState>& g, bool sending, void* data, std::size_t bytes, OpSignature signature,
+                                     int peer, std::uint32_t tag, std::uint64_t seq, std::chrono::milliseconds timeout) {
+    auto op = std::allocate_shared<P2pOp>(PooledAllocator<P2pOp>{}, g, sending, data, bytes, signature, peer, tag, seq, timeout);
     op->set_loop(op->g_->loop);
     op->set_cancel_hook(&P2pOp::on_cancel);
     return op;
@@ -92,11 +98,12 @@ class P2pOp final : public FutureState<void> {
     GroupState& g = **s.g;
     const int transport_peer = g.members[static_cast<std::size_t>(s.peer)];
     const MessageKey key{g.context, 0, s.tag};
-    if (s.sending ? g.transport->send_now(transport_peer, key, s.data, s.bytes) : g.transport->recv_now(transport_peer, key, s.data, s.bytes)) {
+    if (s.sending ? g.transport->send_now(transport_peer, key, s.data, s.bytes, s.signature)
+                  : g.transport->recv_now(transport_peer, key, s.data, s.bytes, s.signature)) {
       s.result = make_ready_future();
       return;
     }
-    auto op = make(*s.g, s.sending, s.data, s.bytes, s.peer, s.tag, s.seq, s.timeout);
+    auto op = make(*s.g, s.sending, s.data, s.bytes, s.signature, s.peer, s.tag, s.seq, s.timeout);
     op->begin(op);
     s.result = Future<void>(std::move(op));
   }
@@ -211,9 +218,9 @@ class P2pOp final : public FutureState<void> {
 
 // The same as a step of a coroutine (a staged device operation's transfer): its cancellation reaches the
 // operation through the awaited Future.
-Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, int peer, std::uint32_t tag,
-                    std::uint64_t seq, std::chrono::milliseconds timeout) {
-  co_await P2pOp::start(g, sending, data, bytes, peer, tag, seq, timeout);
+Task<void> p2p_task(std::shared_ptr<GroupState> g, bool sending, void* data, std::size_t bytes, OpSignature signature, int peer,
+                    std::uint32_t tag, std::uint64_t seq, std::chrono::milliseconds timeout) {
+  co_await P2pOp::start(g, sending, data, bytes, signature, peer, tag, seq, timeout);
 }
 
 // A send's or recv's checks, then its number among this rank's sends to (receives from) `peer`. A
@@ -236,26 +243,28 @@ Future<void> Group::send(ConstBufferView data, int dst, std::uint32_t tag) {
   auto& g = live("send");
   const std::uint64_t seq = checked_p2p_seq(g, true, dst, tag, data);
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
+  const OpSignature signature = signature::of_point_to_point(data.dtype);
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"send", data, BufferView{}, true, false, false, false, seq, dst, tag};
-    return run_staged(state_, stream_, staged, timeout_, [this, dst, tag, seq, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
-      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), dst, tag, seq, timeout);
+    return run_staged(state_, stream_, staged, timeout_, [this, signature, dst, tag, seq, timeout](ConstBufferView in, BufferView, std::uint64_t, algo::StagedBuffers*) {
+      return p2p_task(state_, true, const_cast<void*>(in.data), in.bytes(), signature, dst, tag, seq, timeout);
     });
   }
-  return P2pOp::start(state_, true, const_cast<void*>(data.data), data.bytes(), dst, tag, seq, timeout);
+  return P2pOp::start(state_, true, const_cast<void*>(data.data), data.bytes(), signature, dst, tag, seq, timeout);
 }
 
 Future<void> Group::recv(BufferView data, int src, std::uint32_t tag) {
   auto& g = live("recv");
   const std::uint64_t seq = checked_p2p_seq(g, false, src, tag, data);
   const auto timeout = timeout_.count() >= 0 ? timeout_ : g.options.timeout;
+  const OpSignature signature = signature::of_point_to_point(data.dtype);
   if (on_device(data.device, data.bytes())) {
     detail::StagedCall staged{"recv", ConstBufferView{}, data, false, true, false, false, seq, src, tag};
-    return run_staged(state_, stream_, staged, timeout_, [this, src, tag, seq, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
-      return p2p_task(state_, false, out.data, out.bytes(), src, tag, seq, timeout);
+    return run_staged(state_, stream_, staged, timeout_, [this, signature, src, tag, seq, timeout](ConstBufferView, BufferView out, std::uint64_t, algo::StagedBuffers*) {
+      return p2p_task(state_, false, out.data, out.bytes(), signature, src, tag, seq, timeout);
     });
   }
-  return P2pOp::start(state_, false, data.data, data.bytes(), src, tag, seq, timeout);
+  return P2pOp::start(state_, false, data.data, data.bytes(), signature, src, tag, seq, timeout);
 }
 
 }  // namespace weft

@@ -402,7 +402,7 @@ TEST_CASE("messages that no receive took are named when their group closes", "[e
   });
   INFO(log.text());
   CHECK(log.count({"rank 1: a group closed with 2 messages (32 bytes) that no receive of this rank took",
-                   "from rank 0: a plan #1 (f32", "from rank 0: a point-to-point message [tag 7], 16 bytes"}) == 1);
+                   "from rank 0: a plan #1 (f32", "from rank 0: a point-to-point message of f32 [tag 7], 16 bytes"}) == 1);
   CHECK(log.count({"rank 0: a group closed with"}) == 0);
 
   // A group that closes with every message received says nothing.
@@ -760,6 +760,51 @@ TEST_CASE("a receive of the wrong size fails and nothing is truncated", "[errors
         check(e.context().seq == 3 && e.context().peer == 0 && e.context().tag == 5 && e.context().op == "recv", e.what());
       }
     }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+// A message is signed with its dtype: a receive into another dtype of the same size fails instead of
+// reinterpreting the bytes (f32 read as i32), whichever way the message met it (posted first, arrived
+// first, sent to itself); u8 is raw bytes and agrees with every dtype, either side.
+TEST_CASE("a receive into another dtype fails (u8 agrees with any) and the group stays usable", "[errors][mismatch]") {
+  const long before = checks_made.load();
+  run_ranks(2, [](Group& g) {
+    const std::vector<float> f32s{1.5f, 2.5f, 3.5f, 4.5f};
+    const std::vector<double> f64s{1.5, 2.5};
+    std::vector<std::uint8_t> bytes(16);
+    std::memcpy(bytes.data(), f32s.data(), bytes.size());
+    if (g.rank() == 0) {
+      g.barrier().get();  // rank 1's receive of tag 1 is posted
+      g.send(f32s, 1, 1).get();
+      g.send(f32s, 1, 2).get();  // arrives before its receive
+      g.barrier().get();
+      g.send(bytes, 1, 3).get();
+      g.send(f32s, 1, 4).get();
+      g.send(f64s, 1, 5).get();
+    } else {
+      std::vector<std::int32_t> ints(4, 0);
+      Future<void> posted = g.recv(ints, 0, 1);
+      g.barrier().get();
+      expect_error([&] { posted.get(); }, Errc::mismatch,
+                   {"rank 1: recv #1 (peer 0) [tag 1]", "rank 0 sent f32 data where rank 1 receives i32", "mismatched operation"});
+      g.barrier().get();
+      expect_error([&] { g.recv(ints, 0, 2).get(); }, Errc::mismatch, {"recv #2 (peer 0) [tag 2]", "sent f32 data where rank 1 receives i32"});
+      std::vector<float> typed(4, 0.0f);
+      g.recv(typed, 0, 3).get();  // sent as u8, received as f32
+      check(typed == f32s, "bytes sent as u8 arrive intact as f32");
+      std::vector<std::uint8_t> raw(16, 0);
+      g.recv(raw, 0, 4).get();  // sent as f32, received as u8
+      check(raw == bytes, "f32 received as u8 arrives intact");
+      expect_error([&] { g.recv(typed, 0, 5).get(); }, Errc::mismatch, {"recv #5 (peer 0) [tag 5]", "sent f64 data where rank 1 receives f32"});
+    }
+    // To itself, the same.
+    g.send(f32s, g.rank(), 6).get();
+    std::vector<std::int32_t> mine(4, 0);
+    expect_error([&] { g.recv(mine, g.rank(), 6).get(); }, Errc::mismatch, {"receives i32"});
+    std::vector<float> x{1.0f};
+    g.all_reduce(x).get();
+    check(x[0] == 2.0f, "the group works after mismatched receives");
   });
   REQUIRE(checks_made.load() > before);
 }

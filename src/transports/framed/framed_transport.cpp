@@ -200,8 +200,11 @@ void FramedTransport::report_unreceived(std::uint32_t context) const {
     ++count;
     bytes += message.bytes;
     if (count > 4) return;
-    const std::string what = message.signature.call != 0 ? signature::describe(message.signature, key.seq)
-                                                         : fmt::format("a point-to-point message [tag {}]", key.tag);
+    const bool collective = message.signature.call != 0 && !signature::is_point_to_point(message.signature);
+    const std::string what = collective                                   ? signature::describe(message.signature, key.seq)
+                             : message.signature.call != 0                ? fmt::format("a point-to-point message of {} [tag {}]",
+                                                                                        signature::dtype_of(message.signature), key.tag)
+                                                                          : fmt::format("a point-to-point message [tag {}]", key.tag);
     named += fmt::format("{}from rank {}: {}, {} bytes", named.empty() ? "" : "; ", peer, what, message.bytes);
   });
   if (count == 0) return;
@@ -355,7 +358,7 @@ void FramedTransport::take_noted_elsewhere() {
                                 .count = slot.count.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
     if (slot.stamp.load(std::memory_order_relaxed) != stamp) continue;  // written over while read
-    if (signature.call == 0 || contexts_.noted_last(context, seq)) continue;
+    if (signature.call == 0 || signature::is_point_to_point(signature) || contexts_.noted_last(context, seq)) continue;
     note_new_local_signature(context, seq, signature);
   }
   noted_elsewhere_taken_ = number;
@@ -379,7 +382,7 @@ void FramedTransport::note_new_local_signature(std::uint32_t context, std::uint6
 }
 
 void FramedTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
-  if (signature.call == 0) return;
+  if (signature.call == 0 || signature::is_point_to_point(signature)) return;  // as note_local_signature
   ContextState* state = contexts_.find(context);
   if (!state || state->failed) return;
   if (const auto* seen = state->local.disagreeing(seq, signature)) {
@@ -495,12 +498,12 @@ bool FramedTransport::can_send_now(int peer, std::size_t bytes) const {
   return c && (!c->stream->writes_whole_now() || c->stream->takes_whole_now(header_bytes(), bytes));
 }
 
-bool FramedTransport::recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) {
+bool FramedTransport::recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes, const OpSignature& signature) {
   const Matcher::Key where{peer, key};
   const Matcher::Early* early = matcher_.peek_early(where);
-  // Only what start_recv would deliver without an error: the size asked for, no signature to compare.
-  if (!early || early->bytes != bytes || early->signature.call != 0) return false;
-  note_local_signature(key.context, key.seq, OpSignature{});
+  // Only what start_recv would deliver without an error: the size asked for, a signature that agrees.
+  if (!early || early->bytes != bytes || disagree(signature, early->signature)) return false;
+  note_local_signature(key.context, key.seq, signature);
   auto message = matcher_.take_early(where);
   if (bytes) std::memcpy(data, message->data.get(), bytes);
   matcher_.give_back(std::move(*message));
@@ -666,6 +669,11 @@ bool FramedTransport::cancel_recv(TransportOp& op) {
 }
 
 std::string FramedTransport::mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const {
+  if (signature::is_point_to_point(theirs) || signature::is_point_to_point(mine)) {
+    return fmt::format("rank {} sent {} data where rank {} receives {} (a send and its receive agree on the dtype, or one of them is "
+                       "u8: raw bytes); the message was discarded",
+                       from, signature::dtype_of(theirs), rank_, signature::dtype_of(mine));
+  }
   return fmt::format("rank {} called {} while rank {} called {}", from, signature::describe(theirs, seq), rank_,
                      signature::describe(mine, seq));
 }

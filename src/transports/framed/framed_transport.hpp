@@ -16,6 +16,7 @@
 
 #include <asio.hpp>
 
+#include "core/signature.hpp"
 #include "transports/framed/contexts.hpp"
 #include "transports/framed/integrity.hpp"
 #include "transports/framed/matcher.hpp"
@@ -43,7 +44,7 @@ class FramedTransport final : public Transport, private StreamEvents {
   void start_send(int peer, const MessageKey& key, const void* data, std::size_t bytes, TransportOp& op) override;
   bool send_now(int peer, const MessageKey& key, const void* data, std::size_t bytes, const OpSignature& signature = {}) override;
   bool can_send_now(int peer, std::size_t bytes) const override;
-  bool recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes) override;
+  bool recv_now(int peer, const MessageKey& key, void* data, std::size_t bytes, const OpSignature& signature = {}) override;
   void start_recv(int peer, const MessageKey& key, void* data, std::size_t bytes, TransportOp& op) override;
   bool cancel_recv(TransportOp& op) override;
 
@@ -178,10 +179,12 @@ class FramedTransport final : public Transport, private StreamEvents {
   void send_control(Connection& c, const wire::Header& h, std::string payload = {});
   // Records a signature of `context` (this rank's own operation, or a message from `peer` that came
   // early) and aborts the context with Errc::mismatch when the other side disagrees for the same seq.
+  // Not a point-to-point message's: those are no operation of the context's sequence (they all have seq
+  // 0, and messages of several dtypes may be in flight); only their receive compares them.
   void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
     if (any_noted_elsewhere()) take_noted_elsewhere();
     // Once per operation: its later messages return here.
-    if (signature.call == 0 || contexts_.noted_last(context, seq)) return;
+    if (signature.call == 0 || signature::is_point_to_point(signature) || contexts_.noted_last(context, seq)) return;
     note_new_local_signature(context, seq, signature);
   }
   void note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
@@ -243,8 +246,9 @@ class FramedTransport final : public Transport, private StreamEvents {
   // size_mismatch (nothing is truncated).
   void deliver(TransportOp& op, int from, const void* data, std::size_t bytes, const OpSignature& signature);
   // Whether a message of `theirs` cannot complete `op` (both calls known, and different).
-  static bool mismatched(const TransportOp& op, const OpSignature& theirs) noexcept {
-    return op.signature.call != 0 && theirs.call != 0 && !(op.signature == theirs);
+  static bool mismatched(const TransportOp& op, const OpSignature& theirs) noexcept { return disagree(op.signature, theirs); }
+  static bool disagree(const OpSignature& mine, const OpSignature& theirs) noexcept {
+    return mine.call != 0 && theirs.call != 0 && !(mine == theirs);
   }
   // The error text: both calls of operation `seq`, named (`from` called `theirs`, this rank `mine`).
   std::string mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const;
