@@ -200,11 +200,10 @@ void FramedTransport::report_unreceived(std::uint32_t context) const {
     ++count;
     bytes += message.bytes;
     if (count > 4) return;
-    const bool collective = message.signature.call != 0 && !signature::is_point_to_point(message.signature);
-    const std::string what = collective                                   ? signature::describe(message.signature, key.seq)
-                             : message.signature.call != 0                ? fmt::format("a point-to-point message of {} [tag {}]",
-                                                                                        signature::dtype_of(message.signature), key.tag)
-                                                                          : fmt::format("a point-to-point message [tag {}]", key.tag);
+    const std::string what = noted_per_seq(message.signature)
+                                 ? signature::describe(message.signature, key.seq)
+                                 : fmt::format("a point-to-point message{} [tag {}]",
+                                               message.signature.call != 0 ? " of " + signature::dtype_of(message.signature) : "", key.tag);
     named += fmt::format("{}from rank {}: {}, {} bytes", named.empty() ? "" : "; ", peer, what, message.bytes);
   });
   if (count == 0) return;
@@ -358,7 +357,7 @@ void FramedTransport::take_noted_elsewhere() {
                                 .count = slot.count.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
     if (slot.stamp.load(std::memory_order_relaxed) != stamp) continue;  // written over while read
-    if (signature.call == 0 || signature::is_point_to_point(signature) || contexts_.noted_last(context, seq)) continue;
+    if (!noted_per_seq(signature) || contexts_.noted_last(context, seq)) continue;
     note_new_local_signature(context, seq, signature);
   }
   noted_elsewhere_taken_ = number;
@@ -382,7 +381,7 @@ void FramedTransport::note_new_local_signature(std::uint32_t context, std::uint6
 }
 
 void FramedTransport::note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer) {
-  if (signature.call == 0 || signature::is_point_to_point(signature)) return;  // as note_local_signature
+  if (!noted_per_seq(signature)) return;
   ContextState* state = contexts_.find(context);
   if (!state || state->failed) return;
   if (const auto* seen = state->local.disagreeing(seq, signature)) {

@@ -184,10 +184,15 @@ class FramedTransport final : public Transport, private StreamEvents {
   void note_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature) {
     if (any_noted_elsewhere()) take_noted_elsewhere();
     // Once per operation: its later messages return here.
-    if (signature.call == 0 || signature::is_point_to_point(signature) || contexts_.noted_last(context, seq)) return;
+    if (!noted_per_seq(signature) || contexts_.noted_last(context, seq)) return;
     note_new_local_signature(context, seq, signature);
   }
   void note_new_local_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature);
+  // Whether the context's rings keep `signature` (note_local_signature's rule, for every way in): a
+  // collective's, not a point-to-point message's nor an unsigned frame's.
+  static bool noted_per_seq(const OpSignature& signature) noexcept {
+    return signature.call != 0 && !signature::is_point_to_point(signature);
+  }
   void note_early_signature(std::uint32_t context, std::uint64_t seq, const OpSignature& signature, int peer);
 
   void complete_cut_off(TransportOp& op, const Connection& c);
