@@ -49,6 +49,17 @@ std::chrono::microseconds wait_spin() noexcept;
 /// weft::Error (Errc::invalid_argument): the value of a Future was asked for a second time.
 [[noreturn]] void throw_value_taken();
 
+/// Where plain-code waiters sleep: one of a fixed set of mutex and condition-variable pairs shared by
+/// every Future of the process, picked by the state's address. A pair in every state made each operation
+/// 88 bytes larger and cost a pthread_cond_destroy when it ended, for a sleep most operations never see
+/// (their waiter drives the loop, or co_awaits). Futures that share a pair wake each other now and then;
+/// each sleeper looks at its own state again and sleeps on. Lifetime: for the whole process.
+struct SleepSlot {
+  std::mutex mutex;
+  std::condition_variable woken;
+};
+SleepSlot& sleep_slot(const void* state) noexcept;
+
 class FutureStateBase {
  public:
   bool ready() const noexcept { return state_.load(std::memory_order_acquire) == done; }
@@ -75,8 +86,9 @@ class FutureStateBase {
       if (ready()) return;
     }
     Sleeping sleeping(*this);
-    std::unique_lock lock(mutex_);
-    done_cv_.wait(lock, [&] { return done_now(); });
+    SleepSlot& slot = sleep_slot(this);
+    std::unique_lock lock(slot.mutex);
+    slot.woken.wait(lock, [&] { return done_now(); });
   }
 
   template <class Rep, class Period>
@@ -90,8 +102,9 @@ class FutureStateBase {
       return true;
     }
     Sleeping sleeping(*this);
-    std::unique_lock lock(mutex_);
-    return done_cv_.wait_for(lock, timeout, [&] { return done_now(); });
+    SleepSlot& slot = sleep_slot(this);
+    std::unique_lock lock(slot.mutex);
+    return slot.woken.wait_for(lock, timeout, [&] { return done_now(); });
   }
 
   /// Registers the coroutine to resume on completion. Returns false when already complete. At most one
@@ -136,11 +149,13 @@ class FutureStateBase {
   /// caller holds a reference to the state (a waiter may drop its own as soon as it sees it ready).
   void finish() noexcept {
     // Dekker with Sleeping: either a sleeper announced itself before this exchange (and is notified
-    // under the mutex), or it finds the state done when it looks, under the mutex, after announcing.
+    // under its slot's mutex), or it finds the state done when it looks, under that mutex, after
+    // announcing. notify_all: the slot's other sleepers may wait for other states.
     const std::uint8_t previous = state_.exchange(done, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) != 0) {
-      std::lock_guard lock(mutex_);
-      done_cv_.notify_all();
+      SleepSlot& slot = sleep_slot(this);
+      std::lock_guard lock(slot.mutex);
+      slot.woken.notify_all();
     }
     if (previous == awaited) {
       if (on_done_) {
@@ -162,8 +177,8 @@ class FutureStateBase {
 
  private:
   static constexpr std::uint8_t pending = 0, awaited = 1, done = 2;
-  // A plain-code waiter going to sleep on done_cv_: counted while it may sleep, so that finish() takes
-  // the mutex only when somebody sleeps.
+  // A plain-code waiter going to sleep in its sleep_slot: counted while it may sleep, so that finish()
+  // takes the slot's mutex only when somebody sleeps.
   struct Sleeping {
     FutureStateBase& state;
     explicit Sleeping(FutureStateBase& s) : state(s) { state.sleepers_.fetch_add(1, std::memory_order_seq_cst); }
@@ -189,12 +204,10 @@ class FutureStateBase {
   }
 
   std::atomic<std::uint8_t> state_{pending};  // pending -> awaited (suspend) -> done (finish)
-  std::atomic<std::uint32_t> sleepers_{0};    // plain-code waiters that may sleep on done_cv_
+  std::atomic<std::uint32_t> sleepers_{0};    // plain-code waiters that may sleep in sleep_slot(this)
   std::atomic<bool> cancel_asked_{false};
   static constexpr std::uint8_t source_none = 0, source_making = 1, source_made = 2;
   std::atomic<std::uint8_t> source_state_{source_none};
-  std::mutex mutex_;                // with done_cv_, only for sleepers
-  std::condition_variable done_cv_;
   std::coroutine_handle<> waiter_;  // written by suspend() before its exchange, read by finish() after its
   DoneCallback on_done_ = nullptr;  // the same, by notify()
   void* on_done_context_ = nullptr;

@@ -39,16 +39,15 @@ struct Latch {
   std::mutex mutex;
   std::exception_ptr first_error;  // guarded by mutex
   std::atomic<long> winner{-1};
-  // Every child's state, to cancel them all; set before any child starts. The states themselves, not a
-  // std::function each: one holding a shared_ptr is an allocation per child (a window of 64 receives
-  // awaited with when_all made 64).
-  std::vector<std::shared_ptr<FutureStateBase>> children;
+  // Cancels every child: `cancel_children(children)`, over the Futures the combinator's frame holds; set
+  // before any child starts. A function and the Futures' address, not a copy of every child's state: the
+  // copies cost two atomic operations a child (a window of 64 receives awaited with when_all made 128),
+  // for a cancel that seldom comes. The frame outlives every call: a child calls it before it arrives,
+  // the frame waits for every arrival, and the stop callback is gone before the frame (Children).
+  void (*cancel_children)(void* children) = nullptr;
+  void* children = nullptr;
 
-  void cancel_others() {
-    for (auto& child : children) {
-      if (child) child->cancel(child);
-    }
-  }
+  void cancel_others() { cancel_children(children); }
   void record_error(std::exception_ptr e) {
     {
       std::lock_guard lock(mutex);
@@ -99,19 +98,30 @@ Detached watch_child(Future<T>& future, std::shared_ptr<Latch> latch, OnValue on
   latch->arrive();
 }
 
-template <class F>
-std::shared_ptr<FutureStateBase> cancel_target(const F& future) {
-  return future.state();
-}
-
-// What every combinator sets up around its children: the latch, with a cancel hook per child installed
-// before anything can fire, and the awaiting Task's stop token forwarded to the children while they run.
+// What every combinator sets up around its children: the latch, with the way to cancel them all
+// installed before anything can fire, and the awaiting Task's stop token forwarded to the children while
+// they run. `futures` (a vector or a tuple of Futures, in the combinator's frame) outlives it.
 // Usage: make it, start each child with watch_child(..., latch, ...), co_await all_done(), then finish().
 struct Children {
-  Children(std::vector<std::shared_ptr<FutureStateBase>> states, const std::stop_token& token)
-      : latch(std::make_shared<Latch>(states.size())) {
-    latch->children = std::move(states);
+  template <class T>
+  Children(std::vector<Future<T>>& futures, const std::stop_token& token)
+      : Children(futures.size(), &cancel_vector<T>, &futures, token) {}
+  template <class... Ts>
+  Children(std::tuple<Future<Ts>...>& futures, const std::stop_token& token)
+      : Children(sizeof...(Ts), &cancel_tuple<Ts...>, &futures, token) {}
+  Children(std::size_t count, void (*cancel_children)(void*), void* children, const std::stop_token& token)
+      : latch(std::make_shared<Latch>(count)) {
+    latch->cancel_children = cancel_children;
+    latch->children = children;
     if (token.stop_possible()) on_stop.emplace(token, std::function<void()>([l = latch] { l->cancel_others(); }));
+  }
+  template <class T>
+  static void cancel_vector(void* futures) {
+    for (auto& f : *static_cast<std::vector<Future<T>>*>(futures)) f.cancel();
+  }
+  template <class... Ts>
+  static void cancel_tuple(void* futures) {
+    std::apply([](auto&... f) { (f.cancel(), ...); }, *static_cast<std::tuple<Future<Ts>...>*>(futures));
   }
   std::shared_ptr<Latch> latch;
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
@@ -123,14 +133,6 @@ struct Children {
     if (latch->first_error) std::rethrow_exception(latch->first_error);
   }
 };
-
-template <class T>
-std::vector<std::shared_ptr<FutureStateBase>> cancel_targets(const std::vector<Future<T>>& futures) {
-  std::vector<std::shared_ptr<FutureStateBase>> states;
-  states.reserve(futures.size());
-  for (const auto& f : futures) states.push_back(cancel_target(f));
-  return states;
-}
 
 }  // namespace detail
 
@@ -217,7 +219,7 @@ Task<Gathered<T>> gather(std::vector<Future<T>>& futures, bool first_wins) {
   Gathered<T> out{std::vector<std::optional<NonVoid<T>>>(futures.size())};
   auto& slots = out.slots;
   const std::stop_token token = co_await this_stop_token();
-  Children children(cancel_targets(futures), token);
+  Children children(futures, token);
   std::vector<GatheredChild<T>> watched(futures.size());
   for (std::size_t i = 0; i < futures.size(); ++i) {
     FutureState<T>* state = futures[i].state().get();
@@ -245,8 +247,7 @@ Task<std::tuple<detail::NonVoid<Ts>...>> when_all(Future<Ts>... futures) {
   std::tuple<Future<Ts>...> owned(std::move(futures)...);
   std::tuple<std::optional<detail::NonVoid<Ts>>...> slots;
   const std::stop_token token = co_await this_stop_token();
-  detail::Children children(std::apply([](const auto&... f) { return std::vector<std::shared_ptr<detail::FutureStateBase>>{detail::cancel_target(f)...}; }, owned),
-                            token);
+  detail::Children children(owned, token);
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     (detail::watch_child(std::get<I>(owned), children.latch,
                          [&slots](auto&& v) { std::get<I>(slots).emplace(std::move(v)); }, static_cast<long>(I), false)

@@ -1002,6 +1002,15 @@ std::chrono::microseconds detail::wait_spin() noexcept {
   return value;
 }
 
+detail::SleepSlot& detail::sleep_slot(const void* state) noexcept {
+  // Never destroyed: a thread may still wait on a Future while the process's statics go.
+  static constexpr std::size_t slots = 64;
+  static SleepSlot* const table = new SleepSlot[slots];
+  // States are allocated objects, so their low bits say little; drop them, then mix.
+  const auto bits = reinterpret_cast<std::uintptr_t>(state) >> 6;
+  return table[(bits ^ (bits >> 6) ^ (bits >> 12)) % slots];
+}
+
 void detail::throw_empty_future(const char* what) {
   throw Error(Errc::invalid_argument, ErrorContext{.op = std::string("Future::") + what},
               "this Future is empty (default-constructed or moved from): it has no operation");

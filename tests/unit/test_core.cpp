@@ -240,6 +240,36 @@ TEST_CASE("Futures completing while threads go to sleep on them and coroutines s
   CHECK(total == rounds * (4 + 5 + 6 + 7));
 }
 
+TEST_CASE("threads asleep on many Futures at once, which share the process's sleep slots, each wake for their own", "[core][future]") {
+  // Sleepers wait in one of a fixed set of slots shared by every Future (future.hpp, sleep_slot): 200
+  // Futures and 100 threads put several sleepers in each slot. A completion wakes the slot; a sleeper
+  // whose own Future is still running sleeps on, and one with a limit still returns at that limit.
+  Loop loop;
+  constexpr int count = 200;
+  std::vector<Future<int>> futures;
+  for (int i = 0; i < count; ++i) futures.push_back(spawn(loop, sleepy(loop, std::chrono::milliseconds(i % 25), i)));
+  Future<int> late = spawn(loop, sleepy(loop, 30s, -1));
+  std::atomic<int> woken{0};
+  std::atomic<int> late_woken{0};
+  std::vector<std::thread> sleepers;
+  const auto start = std::chrono::steady_clock::now();
+  for (int t = 0; t < count / 2; ++t) {
+    sleepers.emplace_back([&, t] {
+      for (int k : {t, t + count / 2}) {
+        if (futures[static_cast<std::size_t>(k)].wait_for(30s)) woken.fetch_add(1);
+      }
+      if (t % 10 == 0 && late.wait_for(50ms)) late_woken.fetch_add(1);
+    });
+  }
+  for (auto& t : sleepers) t.join();
+  CHECK(woken.load() == count);
+  CHECK(late_woken.load() == 0);  // woken with the others' slots, it slept on and timed out
+  CHECK(std::chrono::steady_clock::now() - start < 20s);
+  for (int i = 0; i < count; ++i) CHECK(futures[static_cast<std::size_t>(i)].get() == i);
+  late.cancel();
+  CHECK_THROWS_AS(late.get(), CancelledError);
+}
+
 TEST_CASE("a Future can be awaited from a Task", "[core][future]") {
   Loop loop;
   auto outer = [](Loop& l) -> Task<int> {
@@ -351,6 +381,37 @@ TEST_CASE("when_all: a failing child cancels its siblings and the failure is ret
   const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH(sync_wait(loop, all(loop)), "child failed");
   CHECK(std::chrono::steady_clock::now() - start < 5s);  // the 30 s siblings were cancelled
+}
+
+TEST_CASE("when_all over different types: a failing child cancels the others, and so does cancelling the parent", "[core][when][cancel]") {
+  Loop loop;
+  auto failing = [](Loop& l) -> Task<int> {
+    auto [a, b, c] = co_await when_all(spawn(l, sleepy(l, 30s, 1)), spawn(l, failing_after(l, 5ms)), spawn(l, sleepy(l, 30s, 3)));
+    co_return a + b + c;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(sync_wait(loop, failing(loop)), "child failed");
+  CHECK(std::chrono::steady_clock::now() - start < 5s);  // the 30 s siblings were cancelled
+
+  // Cancelling the Task that awaits the combinator reaches every child, of a vector and of a tuple.
+  auto tuple_of = [](Loop& l) -> Task<int> {
+    auto [a, b] = co_await when_all(spawn(l, sleepy(l, 30s, 1)), spawn(l, sleepy(l, 30s, 2)));
+    co_return a + b;
+  };
+  auto vector_of = [](Loop& l) -> Task<int> {
+    std::vector<Future<int>> fs;
+    for (int i = 0; i < 3; ++i) fs.push_back(spawn(l, sleepy(l, 30s, i)));
+    co_return static_cast<int>((co_await when_all(std::move(fs))).size());
+  };
+  Future<int> t = spawn(loop, tuple_of(loop));
+  Future<int> v = spawn(loop, vector_of(loop));
+  CHECK_FALSE(t.wait_for(20ms));
+  t.cancel();
+  v.cancel();
+  const auto cancelled_at = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(t.get(), CancelledError);
+  CHECK_THROWS_AS(v.get(), CancelledError);
+  CHECK(std::chrono::steady_clock::now() - cancelled_at < 5s);
 }
 
 TEST_CASE("when_all's children: complete already, empty, and finishing on other loops' threads", "[core][when]") {
