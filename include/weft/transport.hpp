@@ -84,11 +84,16 @@ class TransportOp {
   /// Called by the transport, once. Resumes the awaiting coroutine (or calls the completion) inline,
   /// which may destroy the op: the transport must have finished touching its own lists before it calls
   /// complete(), and must not touch the op after.
-  void complete(std::error_code error = {}, int failed_peer = -1, std::string reason = {}) noexcept {
-    done_ = true;
+  void complete(std::error_code error, int failed_peer = -1, std::string reason = {}) noexcept {
     error_ = error;
     failed_peer_ = failed_peer;
     reason_ = std::move(reason);
+    complete();
+  }
+  /// The same, successfully: the outcome fields keep what they were made with (an op completes once),
+  /// and a received message's completion makes no error_code and no string.
+  void complete() noexcept {
+    done_ = true;
     if (auto waiter = std::exchange(waiter_, {})) {
       waiter.resume();
     } else if (completion_) {
