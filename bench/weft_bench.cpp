@@ -16,6 +16,7 @@
 #include <string>
 #include <map>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -73,6 +74,7 @@ struct Args {
   int iters = 20;
   bool check = false;
   bool wait_each = false;  // --wait-each: stream's window waited on one Future after the other
+  int receiver_late_us = 0;  // --receiver-late US: stream's receiver posts each window this long after the last
   bool awaited = false;  // --await: the timed loop is one coroutine on weft's loop, co_await-ing each call
   bool overlap = false;  // --overlap: the collective against compute of the same length (IMB-NBC)
   bool device = false;   // --device: buffers in device memory (weft/gpu.hpp)
@@ -85,13 +87,17 @@ struct Args {
   if (!problem.empty()) fmt::print(stderr, "weft-bench: {}\n", problem);
   fmt::print(stderr,
              "usage: weft-bench [-c COLLECTIVE] [-b MINBYTES] [-e MAXBYTES] [-f FACTOR] [-d DTYPE] [-o OP]\n"
-             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--wait-each] [--overlap] [--device] [--variable]\n"
+             "                  [-r ROOT] [-w WARMUP] [-n ITERS] [--check] [--await] [--wait-each] [--receiver-late US] [--overlap]\n"
+             "                  [--device] [--variable]\n"
              "                  [--json FILE]"
              "                  [--tune [FILE]]\n"
              "  --await: run the iterations as one coroutine on weft's loop, co_await-ing each collective (the\n"
              "           coroutine-native use); without it each call is waited on from the calling thread\n"
              "  --wait-each: stream's window is waited on one Future after the other from the calling thread\n"
              "           (as Python's `for w in works: w.wait()`), instead of all at once (MPI_Waitall)\n"
+             "  --receiver-late US: stream's receiver sleeps US microseconds before it posts each window, so that\n"
+             "           the window's messages have arrived (a consumer behind its producer); the time then counts\n"
+             "           the sleep: count the receiver's instructions (callgrind, bench/RESULTS.md) rather than time it\n"
              "  --overlap: per size, the collective alone (t_pure), compute of about that length alone (t_cpu),\n"
              "           and both (start, compute, wait: t_ovrl); prints overlap % (IMB-NBC) and the exposed\n"
              "           communication (from the end of the compute to the collective's end). With --await the\n"
@@ -183,6 +189,9 @@ Args parse(int argc, char** argv) {
       a.awaited = true;
     } else if (flag == "--wait-each") {
       a.wait_each = true;
+    } else if (flag == "--receiver-late") {
+      a.receiver_late_us = parse_int(flag, value());
+      if (a.receiver_late_us < 0) usage("--receiver-late expects microseconds, 0 or more");
     } else if (flag == "--overlap") {
       a.overlap = true;
     } else if (flag == "--device") {
@@ -456,6 +465,7 @@ struct Case {
       wait_window(window);
       group.recv(BufferView(receive_into, 0, t, where), 1).get();
     } else if (r() == 1) {
+      if (args.receiver_late_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(args.receiver_late_us));
       for (int i = 0; i < stream_window; ++i) window.push_back(group.recv(BufferView(receive_into, count, t, where), 0));
       wait_window(window);
       group.send(ConstBufferView(receive_into, 0, t, where), 0).get();

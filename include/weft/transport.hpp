@@ -149,8 +149,10 @@ class Transport {
   /// Receives `bytes` bytes from `peer` at once when a point-to-point message with `key` already
   /// arrived, of exactly that size and with a signature that agrees with `signature` (as start_recv's
   /// op.signature is compared): it is copied into `data` and true returned, as a start_recv that
-  /// completed at once. False when nothing happened (no such message, or one that start_recv would fail:
-  /// start_recv it). Default: false.
+  /// completed at once. The message may be kept here, or wait in a shared-memory ring behind the
+  /// messages of receives of `key` posted before: those are then delivered too, and their receives
+  /// completed (in order, before this returns). False when nothing happened (no such message, or one
+  /// that start_recv would fail: start_recv it). Default: false.
   virtual bool recv_now(int /*peer*/, const MessageKey& /*key*/, void* /*data*/, std::size_t /*bytes*/,
                         const OpSignature& /*signature*/ = {}) {
     return false;

@@ -27,6 +27,7 @@
 
 #include <fmt/format.h>
 
+#include "core/signature.hpp"
 #include "group/state.hpp"
 #include "support/harness.hpp"
 #include "transports/framed/contexts.hpp"
@@ -405,6 +406,15 @@ class ShmPair {
   }
   Loop& loop(int r) { return loops_[r]; }
   FramedTransport* transport(int r) { return transports_[r].get(); }
+  // Runs fn(rank r's transport) on rank r's loop thread; its result when it returns. While fn runs, the
+  // loop reads nothing from its ring but what fn asks for.
+  template <class Fn>
+  auto on_loop(int r, Fn fn) {
+    auto done = std::make_shared<std::promise<decltype(fn(transports_[r].get()))>>();
+    auto result = done->get_future();
+    loops_[r].post([this, r, fn = std::move(fn), done]() mutable { done->set_value(fn(transports_[r].get())); });
+    return result;
+  }
   // The ring rank r reads (for a test that plays a hostile writer into it).
   shm::RingControl* inbound(int r) const { return inbound_[r]; }
   // A writer into that ring at its reader's position (the ring's real writer must be quiet).
@@ -655,6 +665,99 @@ TEST_CASE("a receive whose message already arrived takes it at once, and only on
   REQUIRE(pair.recv_now(1, 8, into, early.size()).get());
   REQUIRE(into == early);
   REQUIRE_FALSE(pair.recv_now(1, 8, into, early.size()).get());  // taken
+}
+
+TEST_CASE("a receive made after its message arrived takes it from the ring in order, after the messages of receives posted before", "[shm][stream]") {
+  // Transport::recv_now takes the ring's next frames straight into their buffers when they are the
+  // messages of the receives of its key posted before and then its own; anything else stays in the ring
+  // for the framing's own steps. Rank 1's loop is held by the task that receives until rank 0 has
+  // written every frame, so the frames are still in the ring then.
+  ShmPair pair;
+  const auto a = pattern(12, 1);
+  const auto b = pattern(12, 2);
+  const auto c = pattern(20, 3);
+  const auto d = pattern(5, 4);
+  const MessageKey k1{1, 0, 7}, k2{1, 0, 8}, k3{1, 0, 9};
+  const OpSignature as_f32 = signature::of_point_to_point(DType::f32);
+  const OpSignature as_i32 = signature::of_point_to_point(DType::i32);
+  TransportOp posted;  // a receive of k2 posted before the second look for k2
+  std::vector<std::byte> in_a(a.size()), in_b(b.size()), in_c(c.size()), in_d(d.size()), wrong(b.size() + 1), other(c.size());
+  std::promise<void> written;
+  auto looks = pair.on_loop(1, [&, written_now = written.get_future().share()](FramedTransport* t) {
+    written_now.wait();
+    std::vector<int> got;
+    got.push_back(t->recv_now(0, k2, other.data(), other.size()));  // c is not next: a is
+    got.push_back(t->recv_now(0, k1, in_a.data(), in_a.size()));
+    got.push_back(t->recv_now(0, k1, wrong.data(), wrong.size()));  // another size: start_recv's error to give
+    got.push_back(t->recv_now(0, k1, in_b.data(), in_b.size(), as_f32));  // a signature that disagrees, likewise
+    got.push_back(t->recv_now(0, k1, in_b.data(), in_b.size()));
+    t->start_recv(0, k2, in_c.data(), in_c.size(), posted);
+    // c is the posted receive's, and the frame after it is not this receive's: nothing is taken.
+    got.push_back(t->recv_now(0, k2, other.data(), other.size()));
+    got.push_back(posted.done());
+    return got;
+  });
+  REQUIRE(pair.send_now(0, 0, a, 7, as_i32).get());
+  REQUIRE(pair.send_now(0, 0, b, 7, as_i32).get());
+  REQUIRE(pair.send_now(0, 0, c, 8).get());
+  REQUIRE(pair.send_now(0, 0, d, 9).get());
+  written.set_value();
+  REQUIRE(looks.get() == std::vector<int>{0, 1, 0, 0, 1, 0, 0});
+  REQUIRE(in_a == a);
+  REQUIRE(in_b == b);
+  const auto outcome = [&](std::vector<TransportOp*> ops) {
+    return spawn(pair.loop(1), [](std::vector<TransportOp*> ops) -> Task<std::vector<std::error_code>> {
+             std::vector<std::error_code> errors;
+             for (TransportOp* op : ops) {
+               co_await op->wait();
+               errors.push_back(op->error());
+             }
+             co_return errors;
+           }(std::move(ops)))
+        .get();
+  };
+  REQUIRE(outcome({&posted}) == std::vector<std::error_code>{std::error_code{}});
+  REQUIRE(in_c == c);
+  REQUIRE(pair.on_loop(1, [&](FramedTransport* t) { return t->recv_now(0, k3, in_d.data(), in_d.size()); }).get());
+  REQUIRE(in_d == d);
+
+  // Receives of one key posted before their messages: a later receive whose message is in the ring too
+  // takes the messages for them, in order, then its own, and they complete there. With as many posted
+  // as the stream offers frames, it leaves them to the loop.
+  for (const std::size_t before : {std::size_t{1}, std::size_t{3}, Stream::most_offered_frames - 1, Stream::most_offered_frames}) {
+    CAPTURE(before);
+    const MessageKey key{1, 0, 20 + before};
+    std::vector<std::vector<std::byte>> out, in(before + 1);
+    for (std::size_t i = 0; i <= before; ++i) out.push_back(pattern(8 + i, static_cast<unsigned>(100 + i)));
+    std::vector<TransportOp> ops(before);
+    std::promise<void> written_all;
+    auto took = pair.on_loop(1, [&, written_now = written_all.get_future().share()](FramedTransport* t) {
+      for (std::size_t i = 0; i < before; ++i) {
+        in[i].resize(out[i].size());
+        t->start_recv(0, key, in[i].data(), in[i].size(), ops[i]);
+      }
+      written_now.wait();
+      in[before].resize(out[before].size());
+      const bool now = t->recv_now(0, key, in[before].data(), in[before].size());
+      return std::vector<int>{now, std::all_of(ops.begin(), ops.end(), [](const TransportOp& op) { return op.done(); })};
+    });
+    for (std::size_t i = 0; i <= before; ++i) REQUIRE(pair.send_now(0, 0, out[i], key.tag).get());
+    written_all.set_value();
+    const bool taken = before < Stream::most_offered_frames;
+    REQUIRE(took.get() == std::vector<int>{taken, taken});
+    std::vector<TransportOp*> waited;
+    for (auto& op : ops) waited.push_back(&op);
+    REQUIRE(outcome(waited) == std::vector<std::error_code>(before));
+    if (!taken) {
+      TransportOp last;
+      REQUIRE(pair.on_loop(1, [&](FramedTransport* t) {
+                    t->start_recv(0, key, in[before].data(), in[before].size(), last);
+                    return true;
+                  }).get());
+      REQUIRE(outcome({&last}) == std::vector<std::error_code>{std::error_code{}});
+    }
+    REQUIRE(in == out);
+  }
 }
 
 TEST_CASE("frames taken whole from the ring by their posted receives keep their order with early messages and refusals", "[shm][stream]") {

@@ -202,6 +202,14 @@ class FramedTransport final : public Transport, private StreamEvents {
   void on_read(int peer, const std::error_code& ec, std::size_t bytes) override;
   TransportOp* take_frame(int peer, const std::byte* data, std::size_t size) override;
   TransportOp* take_data_frame(int peer, const wire::Header& header, const std::byte* payload) override;
+  // A connection between frames, nothing read ahead, its read posted for the next header, frames not
+  // sealed: where a stream's whole frame may be taken as it stands (take_data_frame, recv_from_stream_now).
+  static bool between_frames(const Connection& c) noexcept {
+    return c.alive && c.reading == Reading::header && !c.handling && !c.header_waiting && c.inbox_begin == c.inbox_end && !c.recv_seal.on();
+  }
+  struct DirectReceive;
+  bool recv_from_stream_now(const Matcher::Key& where, void* data, std::size_t bytes, const OpSignature& signature);
+  static std::size_t take_direct(void* context, const Stream::OfferedFrame* frames, std::size_t n);
   void complete_taken(int peer, TransportOp& op) override;
   // Writes the connection's next frame. `starting`: the send start_send just queued, completed at once
   // when its frame is the only one and the stream takes it whole (Stream::write_now).

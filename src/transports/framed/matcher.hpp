@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -31,6 +32,7 @@ class Fifo {
     items_[head_] = T{};
     if (++head_ == items_.size()) clear();
   }
+  std::span<const T> items() const noexcept { return {items_.data() + head_, size()}; }
   auto begin() noexcept { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
   auto end() noexcept { return items_.end(); }
   auto begin() const noexcept { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
@@ -143,6 +145,14 @@ class Matcher {
     it->second.posted.pop_front();
     erase_if_empty(it);
     return op;
+  }
+  // The receives posted for `key`, oldest first (the next messages with that key are theirs, in that
+  // order): valid until the matcher changes.
+  std::span<TransportOp* const> posted(const Key& key) {
+    if (lone_.op) return lone_.key == key ? std::span<TransportOp* const>(&lone_.op, 1) : std::span<TransportOp* const>{};
+    if (mailboxes_.empty()) return {};
+    const auto it = find(key);
+    return it == mailboxes_.end() ? std::span<TransportOp* const>{} : it->second.posted.items();
   }
   // The oldest early message for `key`, left in place; null if none.
   const Early* peek_early(const Key& key) {

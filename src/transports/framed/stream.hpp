@@ -14,12 +14,11 @@
 #include <string_view>
 #include <system_error>
 
+#include "transports/framed/wire.hpp"
+
 namespace weft {
 
 class TransportOp;
-namespace wire {
-struct Header;
-}
 
 struct ConstBytes {
   const void* data = nullptr;
@@ -100,6 +99,24 @@ class Stream {
   /// Reads at least `min` and at most `cap` bytes into `dst`; on_read with the count. One read at a
   /// time. End of stream before `min` bytes is an error (asio::error::eof).
   virtual void read(void* dst, std::size_t min, std::size_t cap) = 0;
+  /// One whole data frame in a stream's own short form, offered by take_next_data_frames: its header
+  /// as the long form would say it, and its payload (header.bytes of them).
+  struct OfferedFrame {
+    wire::Header header;
+    const std::byte* payload = nullptr;
+  };
+  /// The most frames take_next_data_frames offers at once.
+  static constexpr std::size_t most_offered_frames = 8;
+  /// Offers the stream's next records, at most `most` (up to most_offered_frames) and only while each is
+  /// one whole data frame in the stream's own short form (as StreamEvents::take_data_frame), to
+  /// `take(context, frames, n)`, when the stream is between records with its read posted. `take`
+  /// returns how many of the n, from the first, it took (it copied their payloads out: readable until
+  /// it returns); those are dropped from the stream, and this returns that number. Anything else
+  /// (nothing there yet, another kind of record first, the middle of one) offers none: 0. A receive made
+  /// after its message arrived takes it here, without an operation posted, matched and completed
+  /// (FramedTransport::recv_now). Loop thread. Default: 0.
+  using TakeDataFrames = std::size_t (*)(void* context, const OfferedFrame* frames, std::size_t n);
+  virtual std::size_t take_next_data_frames(TakeDataFrames /*take*/, void* /*context*/, std::size_t /*most*/) { return 0; }
   /// Memory of `bytes` for the transport's read-ahead buffer, owned by the stream and valid for its
   /// life, that this backend reads into more cheaply (io_uring: a registered buffer). Null: none, the
   /// transport brings its own. Asked once, before the first read.

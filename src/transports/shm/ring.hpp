@@ -354,7 +354,12 @@ class RingReader {
       : ring_(ring), capacity_(capacity), head_(ring->head.load(std::memory_order_relaxed)), released_(head_) {}
 
   // The header word at the reader's position, which must be a record's start: 0 when nothing is there yet.
-  std::uint64_t header() const noexcept { return load_ring_word(ring_->data + (static_cast<std::size_t>(head_) & (capacity_ - 1))); }
+  std::uint64_t header() const noexcept { return header_at(0); }
+  // The same `offset` bytes past it (a multiple of record_alignment: the word never straddles the ring's
+  // end), where a record after the one there would start.
+  std::uint64_t header_at(std::size_t offset) const noexcept {
+    return load_ring_word(ring_->data + (static_cast<std::size_t>(head_ + offset) & (capacity_ - 1)));
+  }
   // Copies `size` bytes (at most the capacity) from the reader's position to `dst` (null: drops them),
   // and passes them. The space is handed back to the sender by release().
   void take(void* dst, std::size_t size) noexcept {

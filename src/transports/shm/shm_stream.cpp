@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <chrono>
 #include <thread>
@@ -413,6 +414,50 @@ bool ShmStream::push_some() {
   return write_.piece == 3;
 }
 
+// The ring's record `offset` bytes past the reader's position (header word `word`, not 0) when it is a
+// whole inline or frame record in one piece: its bytes (a frame record's from its short header, an
+// inline record's past its spare). Null for anything else, which is pull_read's, and pull_read judges a
+// bad one.
+const std::byte* ShmStream::whole_record(std::uint64_t word, shm::RecordHeader& h, std::size_t offset) const noexcept {
+  if (!shm::decode_record_header(word, h) || h.kind == shm::RecordKind::reference || !fits(h)) return nullptr;
+  return in_.view(offset + shm::record_header_bytes + (h.kind == shm::RecordKind::frame ? 0 : h.spare), h.length);
+}
+
+std::size_t ShmStream::take_next_data_frames(TakeDataFrames take, void* context, std::size_t most) {
+  // Between records with the transport's read posted, as take_whole_frames takes them.
+  if (!read_.active || read_.got != 0 || in_record() || read_error_ || closed_) return 0;
+  // Left uninitialised, each made as it is found (eight headers set to zero first were a sixth of a
+  // small message's instructions here).
+  union Offered {
+    Offered() noexcept {}
+    OfferedFrame frames[most_offered_frames];
+  } offered;
+  OfferedFrame* const frames = offered.frames;
+  std::size_t ends[most_offered_frames];  // each frame's record's end, past the reader's position
+  most = std::min(most, most_offered_frames);
+  std::size_t n = 0;
+  std::size_t offset = 0;
+  // Record after record: a nonzero header is published with its whole batch, and a batch ends in a zero
+  // word until the next is published (ring.hpp), so the walk stops at what is not there yet.
+  for (; n < most; ++n) {
+    const std::uint64_t word = in_.header_at(offset);
+    shm::RecordHeader h;
+    const std::byte* bytes = word == 0 ? nullptr : whole_record(word, h, offset);
+    if (!bytes || h.kind != shm::RecordKind::frame) break;
+    const auto header = peek_short_header(h, offset);
+    if (!header) break;
+    std::construct_at(frames + n, OfferedFrame{*header, bytes + wire::short_header_size});
+    offset += shm::record_bytes(h.spare, h.length);
+    ends[n] = offset;
+  }
+  const std::size_t taken = n == 0 ? 0 : std::min(take(context, frames, n), n);
+  if (taken == 0) return 0;
+  in_.take(nullptr, ends[taken - 1]);
+  if (in_.release()) wake_peer();
+  last_received_ = CoarseClock::now();
+  return taken;
+}
+
 std::size_t ShmStream::take_whole_frames(bool& ended) {
   std::size_t taken = 0;
   const bool after_hold = std::exchange(held_back_, false);
@@ -427,12 +472,10 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
       break;
     }
     if (taken == 0 && after_hold) looks_ahead_ = true;
-    // Anything but a whole inline or frame record in one piece is pull_read's, which also judges a bad one.
     shm::RecordHeader h;
-    if (!shm::decode_record_header(word, h) || h.kind == shm::RecordKind::reference || !fits(h)) break;
-    const bool frame = h.kind == shm::RecordKind::frame;
-    const std::byte* bytes = in_.view(shm::record_header_bytes + (frame ? 0 : h.spare), h.length);
+    const std::byte* bytes = whole_record(word, h);
     if (!bytes) break;
+    const bool frame = h.kind == shm::RecordKind::frame;
     TransportOp* op = nullptr;
     if (frame) {
       const auto header = peek_short_header(h);
@@ -442,8 +485,7 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
       op = events_->take_frame(peer_, bytes, h.length);
     }
     if (!op) break;
-    in_.take(nullptr, shm::record_header_bytes + h.spare + h.length);
-    in_.end_record();
+    in_.take(nullptr, shm::record_bytes(h.spare, h.length));
     if (in_.release()) wake_peer();
     ++taken;
     events_->complete_taken(peer_, *op);
@@ -458,14 +500,14 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
   return taken;
 }
 
-std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h) const noexcept {
+std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h, std::size_t offset) const noexcept {
   // Copied out first: a hostile writer may still change the ring's bytes while they are decoded. In one
   // piece (nearly always) by a copy of fixed size, a few moves; across the ring's end by pieces.
   wire::ShortHeaderBytes bytes;
-  if (const std::byte* at = in_.view(shm::record_header_bytes, bytes.size())) {
+  if (const std::byte* at = in_.view(offset + shm::record_header_bytes, bytes.size())) {
     std::memcpy(bytes.data(), at, bytes.size());
   } else {
-    in_.peek(shm::record_header_bytes, bytes.data(), bytes.size());
+    in_.peek(offset + shm::record_header_bytes, bytes.data(), bytes.size());
   }
   return wire::decode_short(bytes, h.length - wire::short_header_size);
 }

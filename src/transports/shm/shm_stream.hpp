@@ -90,6 +90,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   bool writes_whole_now() const noexcept override { return true; }
   bool takes_whole_now(std::size_t first, std::size_t second) const noexcept override;
   void read(void* dst, std::size_t min, std::size_t cap) override;
+  std::size_t take_next_data_frames(TakeDataFrames take, void* context, std::size_t most) override;
   /// 4 KiB: a read is a copy out of the ring, so reading ahead saves no system call.
   std::size_t read_ahead_limit() const override { return 4096; }
   void write_blocking(const void* data, std::size_t size) override;
@@ -124,8 +125,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // An inline or frame record's spare bytes and length fit this rank's ring, and a frame record holds its short
   // header (a hostile or broken writer's may not).
   bool fits(const shm::RecordHeader& h) const noexcept;
-  // A frame record's short header (the record's first bytes), decoded; empty when it is malformed.
-  std::optional<wire::Header> peek_short_header(const shm::RecordHeader& h) const noexcept;
+  // A frame record's short header (the record's first bytes; the record `offset` bytes past the reader's
+  // position), decoded; empty when it is malformed.
+  std::optional<wire::Header> peek_short_header(const shm::RecordHeader& h, std::size_t offset = 0) const noexcept;
   // A record being read is not done: bytes of it, or of the header a frame record stands for, are left.
   bool in_record() const noexcept { return record_.left != 0 || record_.expanded_left != 0; }
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
@@ -134,6 +136,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // frame it looks for the next record only while such looks find one (looks_ahead_); else it stops
   // there (held_back_) and the next turn looks (once the peer's socket closed, progress looks at once).
   std::size_t take_whole_frames(bool& ended);
+  const std::byte* whole_record(std::uint64_t word, shm::RecordHeader& h, std::size_t offset = 0) const noexcept;
   static constexpr std::size_t frames_taken_most = 64;
   bool pull_read();   // true when the read in flight has its minimum; read_error_ when it failed
   void read_referenced(std::size_t limit);  // from the current reference record into the read (read_error_ on failure)
