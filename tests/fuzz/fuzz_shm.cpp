@@ -1,7 +1,8 @@
 // libFuzzer harness: a hostile peer on the same host writing garbage into a shared-memory ring. Rank 0's
 // FramedTransport reads "rank 1" through a real ShmStream whose inbound ring the input fills: the input
 // is a script of writes (raw bytes at the writer's position) and of tail stores (any 64-bit value,
-// behind the reader or far ahead of it), with a few receives posted. Whatever it says, nothing may read
+// behind the reader or far ahead of it), with a few receives posted and others made as the bytes come
+// (Transport::recv_now, which walks the ring's next frames itself). Whatever it says, nothing may read
 // or write outside the ring (ASan), allocations stay bounded (early messages: 1 MiB), and once the
 // peer's socket ends every receive has completed (nothing hangs). The group arena's header check is fed
 // the same bytes (Arena::adopt on a segment whose header they make).
@@ -87,7 +88,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   transport->set_early_limit(1 << 20);
   transport->open_context(1, {0, 1});
 
-  // A few receives, their sizes from the input's first bytes.
+  // A few receives, their sizes from the input's first bytes: two of key 0, one of key 1.
   std::vector<std::unique_ptr<TransportOp>> ops;
   std::vector<std::vector<std::byte>> buffers;
   const std::uint8_t* p = data;
@@ -97,18 +98,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     p += 2;
     buffers.emplace_back(bytes);
     ops.push_back(std::make_unique<TransportOp>());
-    transport->start_recv(1, MessageKey{1, static_cast<std::uint64_t>(i), 0}, buffers.back().data(), bytes, *ops.back());
+    transport->start_recv(1, MessageKey{1, static_cast<std::uint64_t>(i / 2), 0}, buffers.back().data(), bytes, *ops.back());
   }
 
   // The hostile writer's script: 0 = write the next n bytes as they are at its position, the first 8 of
   // them (when it is at a multiple of 8) stored last with release, as a header is; 1 = move its position
   // anywhere; 2 = write the next n bytes as one well-formed inline record (so that the frames behind the
   // records are reached too); 3 = the same as a frame record (the first 24 of them its short header,
-  // n of at least 24 unless the input ends); else = let the reader run.
+  // n of at least 24 unless the input ends); 5 = a receive that takes its message now if it is there
+  // (recv_now: a key from 0 to 3, a size); else = let the reader run.
   std::uint64_t position = 0;
   const auto at = [&](std::uint64_t p) { return ring->data + (static_cast<std::size_t>(p) & (capacity - 1)); };
   while (p < end) {
-    const std::uint8_t what = *p++ % 5;
+    const std::uint8_t what = *p++ % 6;
     if ((what == 2 || what == 3) && p < end) {
       const bool frame = what == 3;
       const std::size_t wanted = *p++ + (frame ? 24 : 0);
@@ -136,6 +138,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       position += n;
     } else if (what == 1) {
       position = take_u64(p, end);
+    } else if (what == 5 && p + 3 <= end) {
+      static std::byte now[8192];
+      const std::size_t bytes = (static_cast<std::size_t>(p[1]) | static_cast<std::size_t>(p[2]) << 8) % sizeof now;
+      (void)transport->recv_now(1, MessageKey{1, static_cast<std::uint64_t>(p[0] % 4), 0}, now, bytes);
+      p += 3;
     }
     drain(io, loop);
   }

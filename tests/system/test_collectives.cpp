@@ -10,6 +10,7 @@
 
 #include <sys/mman.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -1022,6 +1023,69 @@ TEST_CASE("a send buffer overwritten right after its send completes does not cha
         check(wrong == 0, fmt::format("round {}: {} of {} elements changed after the send completed", round, wrong, n));
       }
     }
+  });
+  REQUIRE(checks_made.load() > before);
+}
+
+TEST_CASE("a receiver behind its sender gets every small message whole and in order, whatever it posted before", "[collectives][reuse]") {
+  // Over shm a receive whose message is already in the ring takes it, and the messages of the receives
+  // of its key posted before (at most 7), straight from the ring (Transport::recv_now); with more posted
+  // before it leaves them to the loop. Block after block, the receiver posts 0 to 9 receives while the
+  // ring is empty, then holds its loop while the sender sends the block, and makes the block's other
+  // receives from the loop's own thread before letting it go (so that the messages are still in the
+  // ring then): every message must reach its own receive, in order, with the bytes of its send.
+  const long before = checks_made.load();
+  constexpr int blocks = 36;
+  constexpr int block = 12;
+  std::atomic<int> go{0}, sent{0};
+  const auto wait_for = [](std::atomic<int>& counter, int at_least) {
+    while (counter.load() < at_least) std::this_thread::yield();
+  };
+  run_ranks(2, [&](Group& g) {
+    const auto size_of = [](int i) { return static_cast<std::size_t>(1 + i % 29); };
+    const auto byte_of = [](int i, std::size_t j) { return static_cast<std::uint8_t>(i * 37 + j * 11 + 5); };
+    if (g.rank() == 0) {
+      std::vector<std::uint8_t> buffer(32);
+      for (int b = 0; b < blocks; ++b) {
+        wait_for(go, b + 1);
+        for (int i = b * block; i < (b + 1) * block; ++i) {
+          const std::size_t n = size_of(i);
+          for (std::size_t j = 0; j < n; ++j) buffer[j] = byte_of(i, j);
+          g.send(ConstBufferView(buffer.data(), n, DType::u8), 1, 3).get();
+          std::fill_n(buffer.begin(), n, std::uint8_t{0xee});
+        }
+        sent.store(b + 1);
+      }
+    } else {
+      std::vector<std::vector<std::uint8_t>> in(blocks * block);
+      const auto receive = [&](int i) {
+        in[static_cast<std::size_t>(i)].assign(size_of(i), 0);
+        return g.recv(BufferView(in[static_cast<std::size_t>(i)].data(), size_of(i), DType::u8), 0, 3);
+      };
+      for (int b = 0; b < blocks; ++b) {
+        const int first = b * block;
+        const int posted = std::array{0, 1, 3, 7, 8, 9}[static_cast<std::size_t>(b) % 6];
+        std::vector<Future<void>> futures;
+        for (int i = first; i < first + posted; ++i) futures.push_back(receive(i));  // before their messages
+        std::promise<void> held, made;
+        g.loop().post([&] {
+          held.set_value();
+          wait_for(sent, b + 1);  // the loop's thread: nothing reads the ring meanwhile
+          for (int i = first + posted; i < first + block; ++i) futures.push_back(receive(i));
+          made.set_value();
+        });
+        held.get_future().wait();
+        go.store(b + 1);
+        made.get_future().wait();
+        for (auto& f : futures) f.get();
+      }
+      for (int i = 0; i < blocks * block; ++i) {
+        std::size_t wrong = 0;
+        for (std::size_t j = 0; j < size_of(i); ++j) wrong += in[static_cast<std::size_t>(i)][j] != byte_of(i, j) ? 1 : 0;
+        check(wrong == 0, fmt::format("message {}: {} of {} bytes wrong", i, wrong, size_of(i)));
+      }
+    }
+    g.barrier().get();
   });
   REQUIRE(checks_made.load() > before);
 }
