@@ -444,10 +444,13 @@ std::size_t ShmStream::take_next_data_frames(TakeDataFrames take, void* context,
     shm::RecordHeader h;
     const std::byte* bytes = word == 0 ? nullptr : whole_record(word, h, offset);
     if (!bytes || h.kind != shm::RecordKind::frame) break;
-    const auto header = peek_short_header(h, offset);
+    // No further than a writer can have written ahead of the reader (a hostile one's headers could lead
+    // the walk round the ring, onto records already offered).
+    const std::size_t end = offset + shm::record_bytes(h.spare, h.length);
+    const auto header = end <= in_.capacity() - shm::record_alignment ? peek_short_header(h, offset) : std::nullopt;
     if (!header) break;
     std::construct_at(frames + n, OfferedFrame{*header, bytes + wire::short_header_size});
-    offset += shm::record_bytes(h.spare, h.length);
+    offset = end;
     ends[n] = offset;
   }
   const std::size_t taken = n == 0 ? 0 : std::min(take(context, frames, n), n);
