@@ -564,9 +564,7 @@ std::size_t FramedTransport::take_direct(void* context, const Stream::OfferedFra
     if (h.kind != wire::FrameKind::data || h.context != key.context || h.seq != key.seq || h.tag != key.tag ||
         h.bytes > Connection::inbox_size - wire::header_size)
       return 0;
-    const OpSignature theirs{.call = h.call, .plan = h.flags, .count = h.count};
-    const bool takes = i < served ? !mismatched(*want.posted[i], theirs) && want.posted[i]->bytes == h.bytes
-                                  : h.bytes == want.bytes && !disagree(*want.signature, theirs);
+    const bool takes = i < served ? completes(want.posted[i]->signature, want.posted[i]->bytes, h) : completes(*want.signature, want.bytes, h);
     if (!takes) return 0;
   }
   FramedTransport& t = *want.transport;
@@ -890,10 +888,8 @@ TransportOp* FramedTransport::take_data_frame(int peer, const wire::Header& h, c
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
   if (!between_frames(c) || h.kind != wire::FrameKind::data || h.bytes > Connection::inbox_size - wire::header_size) return nullptr;
   if (drops_data(contexts_.find(h.context), h.seq)) return nullptr;
-  const OpSignature theirs{.call = h.call, .plan = h.flags, .count = h.count};
-  TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}}, [&](const TransportOp& posted) {
-    return !mismatched(posted, theirs) && posted.bytes == h.bytes;
-  });
+  TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}},
+                                                  [&](const TransportOp& posted) { return completes(posted.signature, posted.bytes, h); });
   if (!op) return nullptr;
   begin_frame(c, h);
   if (h.bytes) std::memcpy(op->recv_data, payload, h.bytes);
@@ -949,7 +945,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
   if (TransportOp* op = matcher_.take_posted(Matcher::Key{c.peer, MessageKey{h.context, h.seq, h.tag}})) {
     // The signature first: a different collective usually means a different size too, and naming
     // both calls says more than naming both sizes.
-    if (const OpSignature theirs{.call = h.call, .plan = h.flags, .count = h.count}; mismatched(*op, theirs)) {
+    if (const OpSignature theirs = signature_of(h); mismatched(*op, theirs)) {
       read_payload_into(c, nullptr, h.bytes, true);
       op->complete(code_of(Errc::mismatch), -1, mismatch_reason(op->key.seq, c.peer, theirs, op->signature));
       return;
@@ -964,7 +960,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     read_payload_into(c, op->recv_data, h.bytes, false);
     return;
   }
-  note_early_signature(h.context, h.seq, OpSignature{.call = h.call, .plan = h.flags, .count = h.count}, c.peer);
+  note_early_signature(h.context, h.seq, signature_of(h), c.peer);
   if (ctx && ctx->failed) {  // the signature disagreed with this rank's call
     read_payload_into(c, nullptr, h.bytes, true);
     return;
@@ -983,7 +979,7 @@ void FramedTransport::on_data_header(Connection& c, const wire::Header& h) {
     return;
   }
   c.incoming.charge = matcher_.charge(h.bytes);
-  c.incoming.signature = OpSignature{.call = h.call, .plan = h.flags, .count = h.count};
+  c.incoming.signature = signature_of(h);
   read_payload_into(c, c.incoming.data.get(), h.bytes, false);
 }
 
@@ -1381,7 +1377,7 @@ void FramedTransport::on_progress(int peer, const wire::Header& h) {
       if (answer.rank != peer || answer.answered) continue;
       answer.answered = true;
       answer.started = h.tag;
-      answer.signature = OpSignature{.call = h.call, .plan = h.flags, .count = h.count};
+      answer.signature = signature_of(h);
       if (--query->awaiting == 0) finish_query(query);
       return;
     }

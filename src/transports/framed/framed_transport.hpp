@@ -263,6 +263,13 @@ class FramedTransport final : public Transport, private StreamEvents {
   static bool disagree(const OpSignature& mine, const OpSignature& theirs) noexcept {
     return mine.call != 0 && theirs.call != 0 && !(mine == theirs);
   }
+  // The signature a data frame's header carries (its operation's).
+  static OpSignature signature_of(const wire::Header& h) noexcept { return OpSignature{.call = h.call, .plan = h.flags, .count = h.count}; }
+  // Whether data frame `h` completes a receive of `bytes` called as `mine` without an error: the size
+  // asked for, a signature that agrees (take_data_frame, take_direct).
+  static bool completes(const OpSignature& mine, std::size_t bytes, const wire::Header& h) noexcept {
+    return h.bytes == bytes && !disagree(mine, signature_of(h));
+  }
   // The error text: both calls of operation `seq`, named (`from` called `theirs`, this rank `mine`).
   std::string mismatch_reason(std::uint64_t seq, int from, const OpSignature& theirs, const OpSignature& mine) const;
   void fail_connection(Connection& c, const std::string& reason);
