@@ -530,8 +530,8 @@ struct FramedTransport::DirectReceive {
 // this receive), behind the messages of the receives of its key posted before (the next messages of a
 // key are theirs, in order). When the stream's next frames are exactly those messages and then this
 // receive's, every one is taken straight into its receive's buffer: this one needs no operation posted,
-// matched and completed (about 40 % of a small message's instructions on the receiving side,
-// bench/RESULTS.md, "The ring's next frame"), and the ones posted before complete here rather than on
+// matched and completed (about a third of a small message's instructions on the receiving side,
+// bench/RESULTS.md, "The ring's next frames"), and the ones posted before complete here rather than on
 // the loop's next look. Only where take_data_frame would give each to a receive posted now: between
 // frames, nothing read ahead, the context usable; only what start_recv would deliver without an error
 // (anything else stays for the receive posted next). A few posted before at most (one fewer than
