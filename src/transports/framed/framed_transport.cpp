@@ -561,9 +561,7 @@ std::size_t FramedTransport::take_direct(void* context, const Stream::OfferedFra
   // All or none: each frame of the key, its size within the inbox's, and its receive's size and signature.
   for (std::size_t i = 0; i <= served; ++i) {
     const wire::Header& h = frames[i].header;
-    if (h.kind != wire::FrameKind::data || h.context != key.context || h.seq != key.seq || h.tag != key.tag ||
-        h.bytes > Connection::inbox_size - wire::header_size)
-      return 0;
+    if (!takes_whole(h) || h.context != key.context || h.seq != key.seq || h.tag != key.tag) return 0;
     const bool takes = i < served ? completes(want.posted[i]->signature, want.posted[i]->bytes, h) : completes(*want.signature, want.bytes, h);
     if (!takes) return 0;
   }
@@ -886,7 +884,7 @@ TransportOp* FramedTransport::take_frame(int peer, const std::byte* data, std::s
 // long form would have said it.
 TransportOp* FramedTransport::take_data_frame(int peer, const wire::Header& h, const std::byte* payload) {
   Connection& c = *connections_[static_cast<std::size_t>(peer)];
-  if (!between_frames(c) || h.kind != wire::FrameKind::data || h.bytes > Connection::inbox_size - wire::header_size) return nullptr;
+  if (!between_frames(c) || !takes_whole(h)) return nullptr;
   if (drops_data(contexts_.find(h.context), h.seq)) return nullptr;
   TransportOp* op = matcher_.take_posted_accepted(Matcher::Key{peer, MessageKey{h.context, h.seq, h.tag}},
                                                   [&](const TransportOp& posted) { return completes(posted.signature, posted.bytes, h); });

@@ -207,6 +207,10 @@ class FramedTransport final : public Transport, private StreamEvents {
   static bool between_frames(const Connection& c) noexcept {
     return c.alive && c.reading == Reading::header && !c.handling && !c.header_waiting && c.inbox_begin == c.inbox_end && !c.recv_seal.on();
   }
+  // A data frame such a connection may take whole: one that the inbox could have held.
+  static bool takes_whole(const wire::Header& h) noexcept {
+    return h.kind == wire::FrameKind::data && h.bytes <= Connection::inbox_size - wire::header_size;
+  }
   struct DirectReceive;
   bool recv_from_stream_now(const Matcher::Key& where, void* data, std::size_t bytes, const OpSignature& signature);
   static std::size_t take_direct(void* context, const Stream::OfferedFrame* frames, std::size_t n);
