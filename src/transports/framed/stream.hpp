@@ -130,8 +130,9 @@ class Stream {
   virtual void shutdown_send() = 0;
   /// Milliseconds since a byte was last received (`received`) or sent on this connection, as far as the
   /// backend knows; nullopt when it cannot tell. The transport closes a connection stuck in the middle of
-  /// a frame of a failed operation when this grows (a stopped peer). Default: the kernel's TCP_INFO of
-  /// native_handle().
+  /// a frame of a failed operation when this grows (a stopped peer), so only frames in flight need count:
+  /// a backend may leave its clock alone for frames it takes or writes whole (shm). Default: the kernel's
+  /// TCP_INFO of native_handle().
   virtual std::optional<std::uint32_t> ms_since_data(bool received) const {
     const int fd = native_handle();
     tcp_info info{};

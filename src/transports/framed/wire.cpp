@@ -60,18 +60,4 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error) {
   return h;
 }
 
-bool has_short_form(const Header& h) noexcept {
-  return h.kind == FrameKind::data && h.seq <= UINT32_MAX && h.tag <= UINT32_MAX && h.count <= UINT32_MAX;
-}
-
-void encode_short(const Header& h, ShortHeaderBytes& out) noexcept {
-  std::byte* p = out.data();
-  put_u32(p + 0, h.flags);
-  put_u32(p + 4, h.context);
-  put_u32(p + 8, h.call);
-  put_u32(p + 12, static_cast<std::uint32_t>(h.count));
-  put_u32(p + 16, static_cast<std::uint32_t>(h.seq));
-  put_u32(p + 20, static_cast<std::uint32_t>(h.tag));
-}
-
 }  // namespace weft::wire

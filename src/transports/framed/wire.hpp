@@ -54,10 +54,22 @@ std::optional<Header> decode(const HeaderBytes& in, std::string& error);
 // Layout: 0 flags u8 | 1 zero u8 | 2 zero u16 | 4 context u32 | 8 call u32 | 12 count u32 | 16 seq u32 | 20 tag u32
 inline constexpr std::size_t short_header_size = 24;
 using ShortHeaderBytes = std::array<std::byte, short_header_size>;
-/// Whether `header` has a short form: a data frame whose seq, tag and count fit 32 bits.
-bool has_short_form(const Header& header) noexcept;
-/// The short form of a header has_short_form accepted.
-void encode_short(const Header& header, ShortHeaderBytes& out) noexcept;
+/// Whether `header` has a short form: a data frame whose seq, tag and count fit 32 bits. (Inline, with
+/// encode_short: both lie on every small shared-memory send's path.)
+inline bool has_short_form(const Header& h) noexcept {
+  return h.kind == FrameKind::data && h.seq <= UINT32_MAX && h.tag <= UINT32_MAX && h.count <= UINT32_MAX;
+}
+/// The short form of a header has_short_form accepted, into the short_header_size bytes at `out` (a
+/// shared-memory ring's record, written in place).
+inline void encode_short(const Header& h, std::byte* out) noexcept {
+  le::put_u32(out + 0, h.flags);
+  le::put_u32(out + 4, h.context);
+  le::put_u32(out + 8, h.call);
+  le::put_u32(out + 12, static_cast<std::uint32_t>(h.count));
+  le::put_u32(out + 16, static_cast<std::uint32_t>(h.seq));
+  le::put_u32(out + 20, static_cast<std::uint32_t>(h.tag));
+}
+inline void encode_short(const Header& h, ShortHeaderBytes& out) noexcept { encode_short(h, out.data()); }
 /// The data frame's header a short form and its payload's length (`bytes`) say, or nullopt when its zero
 /// bytes are not zero (the stream names that failure: shm's RingError::bad_short_header). Inline: it
 /// lies on every small shared-memory message's path between its arrival and its receive.

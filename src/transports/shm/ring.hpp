@@ -259,7 +259,13 @@ class RingWriter {
     copy_into_ring(ring_->data, capacity_, static_cast<std::size_t>(tail_) & (capacity_ - 1), data, size);
     tail_ += size;
   }
-  // Bytes of the record that carry nothing (a lead): passed over, not written.
+  // The record's next `size` bytes in place, where they lie in one piece in the ring (the caller asked
+  // room() for them; null when they wrap past its end): the caller writes them, then skip()s them.
+  std::byte* fitting_in_one_piece(std::size_t size) noexcept {
+    const std::size_t at = static_cast<std::size_t>(tail_) & (capacity_ - 1);
+    return size <= capacity_ - at ? ring_->data + at : nullptr;
+  }
+  // Bytes of the record passed over: a lead, which carries nothing, or bytes written in place.
   void skip(std::size_t size) noexcept { tail_ += size; }
   // Ends the record: the next starts at the next multiple of 8.
   void end_record() noexcept { tail_ = (tail_ + record_alignment - 1) & ~std::uint64_t{record_alignment - 1}; }

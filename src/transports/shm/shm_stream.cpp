@@ -198,12 +198,19 @@ void ShmStream::wake_peer() {
 }
 
 void ShmStream::write(ConstBytes first, ConstBytes second, ConstBytes third) {
-  write_ = Write{true, {first, second, third}, 0, 0};
-  write_.inline_only = !lendable(write_);
+  begin_write(first, second, third);
   // The bytes go into the ring now (the peer may be spinning on it: a turn of this loop later was a
   // fifth of a small ping-pong, 2.5 -> 2.0 us); the completion comes from the loop, never inline.
   if (!peer_closed_ && !closed_) push_some();
   post_progress();
+}
+
+// A write in flight: ms_since_data's clock starts with it (the writes done at once, write_frame_now's
+// and write_whole_now's, leave it: once one returns, nothing of it is in flight).
+void ShmStream::begin_write(ConstBytes first, ConstBytes second, ConstBytes third) {
+  write_ = Write{true, {first, second, third}, 0, 0};
+  write_.inline_only = !lendable(write_);
+  last_sent_ = CoarseClock::now();
 }
 
 // Done at once when the whole write went into the ring as inline records and nothing written before is
@@ -215,8 +222,7 @@ bool ShmStream::write_now(ConstBytes first, ConstBytes second, ConstBytes third)
     return false;
   }
   const std::uint64_t referenced_before = referenced_written_;
-  write_ = Write{true, {first, second, third}, 0, 0};
-  write_.inline_only = !lendable(write_);
+  begin_write(first, second, third);
   if (push_some() && referenced_written_ == referenced_before) {
     write_.active = false;
     return true;
@@ -318,7 +324,6 @@ bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes 
   }
   out_.end_record();
   if (out_.publish()) wake_peer();
-  last_sent_ = CoarseClock::now();  // after the publish: the clock is not the message's to wait for
   return true;
 }
 
@@ -328,21 +333,30 @@ bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes payload) 
     wire::encode(header, encoded);
     return write_whole_now(ConstBytes{encoded.data(), encoded.size()}, payload, ConstBytes{});
   }
-  if (by_reference(payload) || !takes_whole_now(wire::short_header_size, payload.size)) return false;
-  // The pad that ends the record at a line's end (ring.hpp), where the room holds it too.
+  // takes_whole_now's question for this one record, asked here (on every small send's path).
+  if (peer_closed_ || closed_ || write_.active || !lent_.empty() || reference_sized(payload.size)) return false;
   const std::size_t length = wire::short_header_size + payload.size;
   const std::size_t used = shm::record_bytes(0, length);
+  if (length > out_.capacity() / shm::record_share_of_ring || out_.room(used) < used) return false;
+  // The pad that ends the record at a line's end (ring.hpp), where the room holds it too.
   std::size_t pad = (shm::cache_line_bytes - ((out_.position() + used) & (shm::cache_line_bytes - 1))) & (shm::cache_line_bytes - 1);
   if (pad && out_.room(used + pad) < used + pad) pad = 0;
-  wire::ShortHeaderBytes short_header;
-  wire::encode_short(header, short_header);
   out_.put_header({shm::RecordKind::frame, static_cast<std::uint8_t>(pad), static_cast<std::uint32_t>(length)});
-  out_.put_fitting(short_header.data(), short_header.size());
-  if (payload.size) out_.put_fitting(payload.data, payload.size);
+  if (std::byte* at = out_.fitting_in_one_piece(length)) {
+    // Nearly always: the short header encoded in place and the payload copied behind it (below 4 KiB a
+    // copy into the ring is memcpy's, copy.hpp).
+    wire::encode_short(header, at);
+    if (payload.size) std::memcpy(at + wire::short_header_size, payload.data, payload.size);
+    out_.skip(length);
+  } else {
+    wire::ShortHeaderBytes short_header;
+    wire::encode_short(header, short_header);
+    out_.put_fitting(short_header.data(), short_header.size());
+    if (payload.size) out_.put_fitting(payload.data, payload.size);
+  }
   out_.end_record();
   out_.skip(pad);
   if (out_.publish()) wake_peer();
-  last_sent_ = CoarseClock::now();  // after the publish: the clock is not the message's to wait for
   return true;
 }
 
@@ -457,8 +471,7 @@ std::size_t ShmStream::take_next_data_frames(TakeDataFrames take, void* context,
   if (taken == 0) return 0;
   in_.take(nullptr, ends[taken - 1]);
   if (in_.release()) wake_peer();
-  last_received_ = CoarseClock::now();
-  return taken;
+  return taken;  // (whole frames: nothing in flight for ms_since_data's clock)
 }
 
 std::size_t ShmStream::take_whole_frames(bool& ended) {
@@ -497,10 +510,7 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
       break;
     }
   }
-  // Once for the batch, after the completions, which their waiters are waiting for (a clock read per
-  // message was about 30 of a streamed message's instructions; ms_since_data counts milliseconds).
-  if (taken > 0) last_received_ = CoarseClock::now();
-  return taken;
+  return taken;  // (whole frames: nothing in flight for ms_since_data's clock)
 }
 
 std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h, std::size_t offset) const noexcept {

@@ -158,8 +158,9 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // needs announcing. False until the first disarm, so that a loop weft never arms (a borrowed
   // io_context) always has its peers wake it.
   bool awake_ = false;
-  // For ms_since_data (the stuck check counts in seconds): the coarse clock, read after every write's
-  // publish and every read, off the message's path.
+  // For ms_since_data (the stuck check counts in seconds, for frames in flight): the coarse clock, read
+  // when a write in flight begins and moves, and when a read moves; frames written or taken whole (the
+  // small messages' path) leave it alone.
   std::chrono::steady_clock::time_point last_received_ = CoarseClock::now();
   std::chrono::steady_clock::time_point last_sent_ = CoarseClock::now();
 
@@ -174,6 +175,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // Whether every piece of `write` that would go by reference can be read by the peer (checked once, as
   // the write starts: a system call per such piece).
   bool lendable(const Write& write) const noexcept;
+  void begin_write(ConstBytes first, ConstBytes second, ConstBytes third);
   // Bytes of reference records written, in all; the receiver's ring word counts those it has read.
   std::uint64_t referenced_written_ = 0;
   std::uint64_t referenced_seen_ = 0;  // its last value seen: progress for ms_since_data
