@@ -70,12 +70,14 @@ inline void encode_short(const Header& h, std::byte* out) noexcept {
   le::put_u32(out + 20, static_cast<std::uint32_t>(h.tag));
 }
 inline void encode_short(const Header& h, ShortHeaderBytes& out) noexcept { encode_short(h, out.data()); }
-/// The data frame's header a short form and its payload's length (`bytes`) say, or nullopt when its zero
-/// bytes are not zero (the stream names that failure: shm's RingError::bad_short_header). Inline: it
-/// lies on every small shared-memory message's path between its arrival and its receive.
-inline std::optional<Header> decode_short(const ShortHeaderBytes& in, std::uint64_t bytes) noexcept {
+/// Whether a short form's zero bytes are zero (else the stream names the failure: shm's
+/// RingError::bad_short_header).
+inline bool short_form_well_formed(const ShortHeaderBytes& in) noexcept { return le::get_u32(in.data()) <= 0xff; }
+/// The data frame's header a well-formed short form and its payload's length (`bytes`) say. Inline: it
+/// lies on every small shared-memory message's path between its arrival and its receive (and returned
+/// by value, it is made in place: shm's offered frames, shm_stream.cpp).
+inline Header decode_well_formed_short(const ShortHeaderBytes& in, std::uint64_t bytes) noexcept {
   const std::byte* p = in.data();
-  if (le::get_u32(p) > 0xff) return std::nullopt;
   Header h;
   h.kind = FrameKind::data;
   h.flags = static_cast<std::uint8_t>(p[0]);
@@ -86,6 +88,11 @@ inline std::optional<Header> decode_short(const ShortHeaderBytes& in, std::uint6
   h.tag = le::get_u32(p + 20);
   h.bytes = bytes;
   return h;
+}
+/// The same, or nullopt when the short form is not well formed.
+inline std::optional<Header> decode_short(const ShortHeaderBytes& in, std::uint64_t bytes) noexcept {
+  if (!short_form_well_formed(in)) return std::nullopt;
+  return decode_well_formed_short(in, bytes);
 }
 
 }  // namespace weft::wire

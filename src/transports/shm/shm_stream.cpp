@@ -461,9 +461,13 @@ std::size_t ShmStream::take_next_data_frames(TakeDataFrames take, void* context,
     // No further than a writer can have written ahead of the reader (a hostile one's headers could lead
     // the walk round the ring, onto records already offered).
     const std::size_t end = offset + shm::record_bytes(h.spare, h.length);
-    const auto header = end <= in_.capacity() - shm::record_alignment ? peek_short_header(h, offset) : std::nullopt;
-    if (!header) break;
-    std::construct_at(frames + n, OfferedFrame{*header, bytes + wire::short_header_size});
+    if (end > in_.capacity() - shm::record_alignment) break;
+    wire::ShortHeaderBytes short_header;
+    copy_short_header(offset, short_header);
+    if (!wire::short_form_well_formed(short_header)) break;
+    // The header decoded in place (a prvalue member of the aggregate made here), not through a copy.
+    ::new (static_cast<void*>(frames + n))
+        OfferedFrame{wire::decode_well_formed_short(short_header, h.length - wire::short_header_size), bytes + wire::short_header_size};
     offset = end;
     ends[n] = offset;
   }
@@ -494,9 +498,11 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
     const bool frame = h.kind == shm::RecordKind::frame;
     TransportOp* op = nullptr;
     if (frame) {
-      const auto header = peek_short_header(h);
-      if (!header) break;
-      op = events_->take_data_frame(peer_, *header, bytes + wire::short_header_size);
+      wire::ShortHeaderBytes short_header;
+      copy_short_header(0, short_header);
+      if (!wire::short_form_well_formed(short_header)) break;  // (pull_read names it)
+      op = events_->take_data_frame(peer_, wire::decode_well_formed_short(short_header, h.length - wire::short_header_size),
+                                    bytes + wire::short_header_size);
     } else {
       op = events_->take_frame(peer_, bytes, h.length);
     }
@@ -513,15 +519,19 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
   return taken;  // (whole frames: nothing in flight for ms_since_data's clock)
 }
 
-std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h, std::size_t offset) const noexcept {
+void ShmStream::copy_short_header(std::size_t offset, wire::ShortHeaderBytes& bytes) const noexcept {
   // Copied out first: a hostile writer may still change the ring's bytes while they are decoded. In one
   // piece (nearly always) by a copy of fixed size, a few moves; across the ring's end by pieces.
-  wire::ShortHeaderBytes bytes;
   if (const std::byte* at = in_.view(offset + shm::record_header_bytes, bytes.size())) {
     std::memcpy(bytes.data(), at, bytes.size());
   } else {
     in_.peek(offset + shm::record_header_bytes, bytes.data(), bytes.size());
   }
+}
+
+std::optional<wire::Header> ShmStream::peek_short_header(const shm::RecordHeader& h, std::size_t offset) const noexcept {
+  wire::ShortHeaderBytes bytes;
+  copy_short_header(offset, bytes);
   return wire::decode_short(bytes, h.length - wire::short_header_size);
 }
 

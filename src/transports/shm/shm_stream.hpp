@@ -128,6 +128,8 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // A frame record's short header (the record's first bytes; the record `offset` bytes past the reader's
   // position), decoded; empty when it is malformed.
   std::optional<wire::Header> peek_short_header(const shm::RecordHeader& h, std::size_t offset = 0) const noexcept;
+  // Its bytes, copied out of the ring.
+  void copy_short_header(std::size_t offset, wire::ShortHeaderBytes& bytes) const noexcept;
   // A record being read is not done: bytes of it, or of the header a frame record stands for, are left.
   bool in_record() const noexcept { return record_.left != 0 || record_.expanded_left != 0; }
   // Whole records the transport takes as frames for its posted receives (StreamEvents::take_frame), up
