@@ -110,6 +110,9 @@ class FutureStateBase {
   /// Registers the coroutine to resume on completion. Returns false when already complete. At most one
   /// of suspend() and notify().
   bool suspend(std::coroutine_handle<> waiter) noexcept {
+    // A complete state is left unwritten: the shared ready one (make_ready_future) is read by every
+    // thread at once, and two writes of its fields at once were a data race (TSan), harmless or not.
+    if (ready()) return false;
     waiter_ = waiter;  // read by finish() only if the exchange below is what it finds
     std::uint8_t expected = pending;
     return state_.compare_exchange_strong(expected, awaited, std::memory_order_acq_rel, std::memory_order_acquire);
@@ -119,6 +122,7 @@ class FutureStateBase {
   /// when already complete (nothing is called then). At most one of suspend() and notify().
   using DoneCallback = void (*)(void* context) noexcept;
   bool notify(DoneCallback on_done, void* context) noexcept {
+    if (ready()) return false;  // (as suspend: the shared ready state is never written)
     on_done_ = on_done;  // read by finish() only if the exchange below is what it finds
     on_done_context_ = context;
     std::uint8_t expected = pending;
@@ -378,14 +382,17 @@ Future<T> make_ready_future(T value) {
 }
 inline Future<void> make_ready_future() {
   // One state for all: complete, without an error, it never changes again (cancel, wait and get only
-  // read it), and an operation that completes at its call (the shm arena's fast path) costs no
-  // allocation for its Future.
-  static const std::shared_ptr<detail::FutureState<void>> done = [] {
-    auto state = std::make_shared<detail::FutureState<void>>();
+  // read it), and an operation that completes at its call (the shm arena's fast path, a send the ring
+  // took whole) costs no allocation for its Future. Never freed, so its references need no count: an
+  // aliasing shared_ptr without a control block, whose copies and ends are no atomic operations (a
+  // counted one was two locked instructions on every such call, bench/RESULTS.md, "In place,
+  // uncounted"), and a Future that outlives the statics at exit touches nothing freed.
+  static detail::FutureState<void>* const done = [] {
+    auto* state = new detail::FutureState<void>();
     state->finish();
     return state;
   }();
-  return Future<void>(done);
+  return Future<void>(std::shared_ptr<detail::FutureState<void>>(std::shared_ptr<void>(), done));
 }
 
 /// Runs `task` on `loop` and blocks the calling thread until it finishes; returns its result or throws.
