@@ -294,15 +294,21 @@ std::size_t ShmStream::lead_for(const ConstBytes* pieces, int piece, std::size_t
   return 0;
 }
 
-bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noexcept {
+// One record of `length` bytes, written now and whole: nothing in flight or lent before it (writes go in
+// order), the room holds it all (asked once rather than per piece), and within push_some's most for a
+// record (ring.hpp, record_share_of_ring): a larger write goes in pieces. Inline, and defined before its
+// callers, both in this file: write_frame_now asks it on every small send (a call was 14 of a streamed
+// message's instructions).
+inline bool ShmStream::record_fits_now(std::size_t length) const noexcept {
   if (peer_closed_ || closed_ || write_.active || !lent_.empty()) return false;
-  if (by_reference(ConstBytes{nullptr, first}) || by_reference(ConstBytes{nullptr, second})) return false;
-  const std::size_t total = first + second;
-  // One inline record of every piece (push_some's, written straight): only when the room holds it all,
-  // asked once here rather than per piece, and within push_some's most for a record (ring.hpp,
-  // record_share_of_ring): a larger write goes in pieces.
-  return total != 0 && total <= UINT32_MAX && total <= out_.capacity() / shm::record_share_of_ring &&
-         out_.room(shm::record_bytes(0, total)) >= shm::record_bytes(0, total);
+  return length != 0 && length <= UINT32_MAX && length <= out_.capacity() / shm::record_share_of_ring &&
+         out_.room(shm::record_bytes(0, length)) >= shm::record_bytes(0, length);
+}
+
+bool ShmStream::takes_whole_now(std::size_t first, std::size_t second) const noexcept {
+  // One inline record of every piece (push_some's, written straight); no piece to send by reference
+  // (with no write in flight, by_reference asks only the size).
+  return !reference_sized(first) && !reference_sized(second) && record_fits_now(first + second);
 }
 
 bool ShmStream::write_whole_now(ConstBytes first, ConstBytes second, ConstBytes third) {
@@ -333,11 +339,9 @@ bool ShmStream::write_frame_now(const wire::Header& header, ConstBytes payload) 
     wire::encode(header, encoded);
     return write_whole_now(ConstBytes{encoded.data(), encoded.size()}, payload, ConstBytes{});
   }
-  // takes_whole_now's question for this one record, asked here (on every small send's path).
-  if (peer_closed_ || closed_ || write_.active || !lent_.empty() || reference_sized(payload.size)) return false;
   const std::size_t length = wire::short_header_size + payload.size;
+  if (reference_sized(payload.size) || !record_fits_now(length)) return false;
   const std::size_t used = shm::record_bytes(0, length);
-  if (length > out_.capacity() / shm::record_share_of_ring || out_.room(used) < used) return false;
   // The pad that ends the record at a line's end (ring.hpp), where the room holds it too.
   std::size_t pad = (shm::cache_line_bytes - ((out_.position() + used) & (shm::cache_line_bytes - 1))) & (shm::cache_line_bytes - 1);
   if (pad && out_.room(used + pad) < used + pad) pad = 0;
@@ -498,11 +502,9 @@ std::size_t ShmStream::take_whole_frames(bool& ended) {
     const bool frame = h.kind == shm::RecordKind::frame;
     TransportOp* op = nullptr;
     if (frame) {
-      wire::ShortHeaderBytes short_header;
-      copy_short_header(0, short_header);
-      if (!wire::short_form_well_formed(short_header)) break;  // (pull_read names it)
-      op = events_->take_data_frame(peer_, wire::decode_well_formed_short(short_header, h.length - wire::short_header_size),
-                                    bytes + wire::short_header_size);
+      const auto header = peek_short_header(h);
+      if (!header) break;  // (pull_read names it)
+      op = events_->take_data_frame(peer_, *header, bytes + wire::short_header_size);
     } else {
       op = events_->take_frame(peer_, bytes, h.length);
     }

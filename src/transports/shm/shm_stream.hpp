@@ -116,6 +116,7 @@ class ShmStream final : public Stream, public std::enable_shared_from_this<ShmSt
   // A piece of this many bytes goes by reference where the peer can read it (single copy on, and large
   // enough); by_reference also asks the write in flight.
   bool reference_sized(std::size_t bytes) const noexcept;
+  inline bool record_fits_now(std::size_t length) const noexcept;  // (takes_whole_now's and write_frame_now's; shm_stream.cpp)
   bool by_reference(const ConstBytes& piece) const noexcept;
   // The lead (0 to 63) that places alike the inline record about to start at the writer's position, holding
   // pieces[piece] from `offset` and the inline pieces after it: when one of them has at least
