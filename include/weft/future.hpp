@@ -343,14 +343,20 @@ Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) 
   } catch (...) {
     state->set_error(std::current_exception());
   }
+  // The task's frame (its parameters, its own copy of a failure) goes before the result is published,
+  // on the thread that ran its last step: whoever sees the Future complete finds nothing of the task
+  // left to run. (Freed after the post, a parameter's destructor could still be running on another
+  // loop's thread when sync_wait returned.)
+  task = Task<T>{};
   loop.operation_finished();
   // A task whose last step ran on another thread (it awaited another loop's Future) completes through
   // its own loop: a thread blocked in wait() may be driving that loop, asleep in the kernel, and only
-  // work on the loop wakes it.
+  // work on the loop wakes it. The state goes with the post, so that this thread keeps no reference to
+  // it after it is published.
   if (loop.in_loop_thread()) {
     state->finish();
   } else {
-    loop.post([state] { state->finish(); });
+    loop.post([state = std::move(state)] { state->finish(); });
   }
 }
 }  // namespace detail
@@ -358,6 +364,8 @@ Detached drive(Loop& loop, Task<T> task, std::shared_ptr<FutureState<T>> state) 
 /// Starts `task` on `loop` and returns its Future. When called on the loop's thread the task starts at
 /// once, inline; otherwise it is posted to the loop. The task's stop token is the Future's: cancel()
 /// reaches it (and every Task and Future it awaits).
+/// Lifetime: the task's frame, its parameters included, is destroyed before the Future completes, so
+/// whoever sees it complete (get, wait, co_await, sync_wait) finds them released.
 template <class T>
 Future<T> spawn(Loop& loop, Task<T> task) {
   auto state = std::allocate_shared<detail::FutureState<T>>(detail::PooledAllocator<detail::FutureState<T>>{});

@@ -95,7 +95,12 @@ Detached watch_child(Future<T>& future, std::shared_ptr<Latch> latch, OnValue on
   } catch (...) {
     latch->failed(index, any, std::current_exception());
   }
-  latch->arrive();
+  // This child's reference goes before it arrives: the parent's keeps the latch (with the failure it
+  // rethrows) until the parent is done with it, on the parent's thread, so that a child finishing on
+  // another thread never frees it after the parent went on. Nothing here is touched after arrive().
+  Latch* const counted = latch.get();
+  latch.reset();
+  counted->arrive();
 }
 
 // What every combinator sets up around its children: the latch, with the way to cancel them all

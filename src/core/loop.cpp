@@ -1033,20 +1033,35 @@ void detail::throw_wait_on_loop_thread(const char* what) {
 
 struct SleepState {
   std::coroutine_handle<> waiter;
-  bool fired = false;
+  // The timer's end against the start's registration of on_stop: sleeping on another thread's loop, the
+  // timer may fire there before start() has registered it.
+  std::mutex mutex;
+  bool fired = false;  // the delay passed (not cancelled)
+  bool ended = false;  // the timer ran
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
 };
 
 void SleepFor::start(std::coroutine_handle<> h, std::stop_token token) {
-  state_ = std::make_shared<SleepState>();
-  state_->waiter = h;
-  const std::uint64_t id = loop_->call_after(delay_, [state = state_](bool fired) {
-    state->fired = fired;
-    state->on_stop.reset();
+  // From call_after on, only this call's own references: once the timer fires the coroutine may resume
+  // on the loop's thread and free the awaiter (this) with its frame before this returns.
+  auto state = std::make_shared<SleepState>();
+  state->waiter = h;
+  state_ = state;
+  Loop* const loop = loop_;
+  const std::uint64_t id = loop->call_after(delay_, [state](bool fired) {
+    {
+      std::lock_guard lock(state->mutex);
+      state->fired = fired;
+      state->ended = true;
+      state->on_stop.reset();
+    }
     state->waiter.resume();
   });
   if (token.stop_possible()) {
-    state_->on_stop.emplace(token, std::function<void()>([loop = loop_, id] { loop->cancel_timer(id); }));
+    // (A token stopped already runs the callback here: cancel_timer posts, or cancels a timer whose
+    // handler asio runs later; neither takes the mutex.)
+    std::lock_guard lock(state->mutex);
+    if (!state->ended) state->on_stop.emplace(token, std::function<void()>([loop, id] { loop->cancel_timer(id); }));
   }
 }
 

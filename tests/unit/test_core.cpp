@@ -348,6 +348,45 @@ TEST_CASE("an empty or moved-from Future throws, naming the call, instead of cra
   refused([&] { sync_wait(loop, awaits(Future<void>{})); }, "co_await");
 }
 
+TEST_CASE("a spawned Task's frame is gone when its Future completes: its parameters are released first", "[core][future]") {
+  // A Task's parameters live in its frame. Whoever sees the Future complete (sync_wait, get, co_await)
+  // finds them released, whichever thread ran the task's last step: here its own loop's, or another
+  // loop's whose Future it awaited last, and with a failure as well as a value. The parameter takes its
+  // time to go, so that a frame freed after the result was published is seen.
+  struct SlowToGo {
+    std::atomic<int>* released;
+    explicit SlowToGo(std::atomic<int>* r) : released(r) {}
+    SlowToGo(SlowToGo&& other) noexcept : released(std::exchange(other.released, nullptr)) {}
+    ~SlowToGo() {
+      if (!released) return;
+      std::this_thread::sleep_for(2ms);
+      released->fetch_add(1);
+    }
+  };
+  Loop loop;
+  Loop away;
+  auto holds = [](SlowToGo kept, Loop* other, bool fail, int value) -> Task<int> {
+    (void)kept;
+    if (other) co_await sleep_for(*other, std::chrono::microseconds(20));
+    if (fail) throw std::runtime_error("failed on purpose");
+    co_return value;
+  };
+  // One counter a call, none reused: a parameter released late would count on the next call's.
+  static std::atomic<int> released_by_call[40];
+  for (int i = 0; i < 40; ++i) {
+    std::atomic<int>& released = released_by_call[i];
+    Loop* other = i % 2 == 0 ? nullptr : &away;
+    const bool fail = i % 4 >= 2;
+    if (fail) {
+      CHECK_THROWS_WITH(sync_wait(loop, holds(SlowToGo(&released), other, true, i)), "failed on purpose");
+    } else {
+      CHECK(sync_wait(loop, holds(SlowToGo(&released), other, false, i)) == i);
+    }
+    INFO("call " << i << (other ? ", last step on another loop" : ", on its own loop") << (fail ? ", failed" : ""));
+    CHECK(released.load() == 1);
+  }
+}
+
 TEST_CASE("when_all returns every value in order", "[core][when]") {
   Loop loop;
   auto all = [](Loop& l) -> Task<std::vector<int>> {
