@@ -316,6 +316,54 @@ TEST_CASE("collectives waited on from threads that end one after the other", "[c
   });
 }
 
+TEST_CASE("a group's operations awaited from a Task on another loop, back and forth, and cancelled from there", "[collectives][inflight]") {
+  // An application's own Loop drives its coroutines; the group runs on the rank's loop. Awaiting the
+  // group's Futures moves the Task onto the group's loop thread, sleep_for onto the application's again:
+  // calls made from either thread, a when_all over a tuple, and a cancel from the application's side
+  // (the receive withdrawn, the group still usable).
+  const long before = checks_made.load();
+  run_ranks(3, [](Group& g) {
+    Loop app;
+    const int p = g.size();
+    const int next = (g.rank() + 1) % p;
+    const int prev = (g.rank() + p - 1) % p;
+    auto step = [](Group& g, Loop& app, int round, int next, int prev) -> Task<float> {
+      std::vector<float> x(round % 2 ? 3 : 3000, static_cast<float>(g.rank() + round));
+      co_await g.all_reduce(x);  // from the application's thread; resumes on the group's loop
+      std::vector<float> y(5, 1.0F);
+      co_await g.all_reduce(y);  // from the group's loop thread
+      co_await sleep_for(app, std::chrono::microseconds(round % 3 * 50));  // back on the application's
+      std::vector<std::int32_t> mine{g.rank() * 100 + round}, got(1, -1);
+      co_await when_all(g.send(mine, next, 7), g.recv(got, prev, 7));
+      co_return x.back() + y.back() + static_cast<float>(got[0]);
+    };
+    for (int round = 0; round < 40; ++round) {
+      const float got = sync_wait(app, step(g, app, round, next, prev));
+      const float expected = static_cast<float>(p * (p - 1) / 2 + p * round) + static_cast<float>(p) + static_cast<float>(prev * 100 + round);
+      check(got == expected, fmt::format("round {}: {} where {} was expected", round, got, expected));
+    }
+    // A receive that nothing sends, awaited on the application's loop and cancelled from its thread.
+    std::vector<std::int32_t> never(1);
+    auto waits = [](Group& g, std::vector<std::int32_t>& into, int from) -> Task<void> { co_await g.recv(into, from, 8); };
+    Future<void> waiting = spawn(app, waits(g, never, prev));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    waiting.cancel();
+    bool cancelled = false;
+    try {
+      waiting.get();
+    } catch (const CancelledError&) {
+      cancelled = true;
+    } catch (const Error& e) {
+      cancelled = e.errc() == Errc::cancelled;
+    }
+    check(cancelled, "a receive cancelled from another loop's Task did not end cancelled");
+    std::vector<float> last(4, 1.0F);
+    sync_wait(app, [](Group& g, std::vector<float>& v) -> Task<void> { co_await g.all_reduce(v); }(g, last));
+    check(last[0] == static_cast<float>(p), "the group after a cancelled receive gave the wrong sum");
+  });
+  CHECK(checks_made.load() - before == 3 * 42);
+}
+
 TEST_CASE("point-to-point: to itself in either order, by tag, from a coroutine and from plain code", "[collectives][inflight]") {
   // A send completes when its bytes are out (to itself: delivered or kept), a receive when they arrived;
   // neither waits for a loop turn it does not need (the operation is its Future's state, p2p.cpp).
