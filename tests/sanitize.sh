@@ -43,8 +43,9 @@ if [ "$scope" = tsan ]; then
   }
   # test_core's loop, Future and combinator cases first: the loop's borrow (one word changed by
   # compare-and-swap, several threads waiting, starting and refused on one loop), the Futures' Dekker
-  # with sleepers, and children of when_all / when_any finishing on other loops' threads.
-  run_over shm "test_core [loop]" "test_core [future]" "test_core [when]" "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" \
+  # with sleepers, children of when_all / when_any finishing on other loops' threads, and async_wait's
+  # outcomes crossing to an io_context's thread.
+  run_over shm "test_core [loop]" "test_core [future]" "test_core [when]" "test_core [asio]" "test_shm" "test_collectives [p2]" "test_collectives [p4]" "test_collectives [inflight]" \
     "test_errors [cancel]" "test_errors [peer]" "test_errors [timeout]" "test_errors [mismatch]" "test_errors [abort]"
   # The device layer and device buffers on the simulated device (its workers are threads too), with
   # random delays so that the streams, gates and the loop interleave.

@@ -33,7 +33,9 @@ namespace weft {
 namespace detail {
 
 // Awaits `future` (resuming on the thread that completes it, weft's loop) and hands the outcome to
-// `deliver`. Nothing escapes: Detached would terminate on an exception.
+// `deliver`. Nothing escapes: Detached would terminate on an exception. The operation's state (with its
+// copy of a failure) is let go before the outcome is handed on, and the failure moved along with it, so
+// that nothing of it is released on weft's thread after the handler has run on the caller's.
 template <class T, class Deliver>
 Detached await_then(Future<T> future, Deliver deliver) {
   std::exception_ptr error;
@@ -43,7 +45,8 @@ Detached await_then(Future<T> future, Deliver deliver) {
     } catch (...) {
       error = std::current_exception();
     }
-    deliver(error);
+    future = Future<T>{};
+    deliver(std::move(error));
   } else {
     T value{};
     try {
@@ -51,7 +54,8 @@ Detached await_then(Future<T> future, Deliver deliver) {
     } catch (...) {
       error = std::current_exception();
     }
-    deliver(error, std::move(value));
+    future = Future<T>{};
+    deliver(std::move(error), std::move(value));
   }
 }
 
@@ -77,7 +81,7 @@ auto async_wait(Future<T> future, CompletionToken&& token) {
         // Keeps the handler's executor (its io_context) from running out of work meanwhile.
         auto executor = asio::prefer(asio::get_associated_executor(handler), asio::execution::outstanding_work.tracked);
         auto deliver = [handler = std::move(handler), executor](std::exception_ptr error, auto&&... value) mutable {
-          asio::post(executor, [handler = std::move(handler), error,
+          asio::post(executor, [handler = std::move(handler), error = std::move(error),
                                 ... value = std::forward<decltype(value)>(value)]() mutable {
             auto slot = asio::get_associated_cancellation_slot(handler);
             if (slot.is_connected()) slot.clear();

@@ -1132,6 +1132,26 @@ TEST_CASE("weft::async_wait makes a Future awaitable from an asio::awaitable cor
   CHECK(failed_with_weft_error);
   CHECK(cancelled);
   CHECK(std::chrono::steady_clock::now() - start < 10s);
+
+  // A loop on its own thread: every outcome crosses to the io_context's thread, failures too (their
+  // state let go on weft's side before the handler runs: TSan runs this).
+  Loop own;
+  asio::io_context elsewhere;
+  int failures = 0;
+  int sum = 0;
+  asio::co_spawn(elsewhere, [&]() -> asio::awaitable<void> {
+    for (int i = 0; i < 50; ++i) {
+      try {
+        sum += co_await async_wait(spawn(own, sleepy(own, std::chrono::milliseconds(0), i)), asio::use_awaitable);
+        co_await async_wait(spawn(own, fail_with("far")), asio::use_awaitable);
+      } catch (const std::runtime_error& e) {
+        failures += std::string(e.what()) == "far" ? 1 : 0;
+      }
+    }
+  }, asio::detached);
+  elsewhere.run();
+  CHECK(failures == 50);
+  CHECK(sum == 49 * 50 / 2);
 }
 
 TEST_CASE("co_await Group::create(loop) as the README writes it (g++ 12)", "[core][create]") {
