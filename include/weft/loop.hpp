@@ -9,7 +9,11 @@
 ///    awaited or waited on from any thread.
 ///  - borrowed (`Loop(io)`): the Loop uses the caller's io_context and starts no thread; the caller runs
 ///    `io.run()` (e.g. inside an async server). Blocking waits (`Future::wait`, `sync_wait`) must then come
-///    from a thread other than the one running `io`.
+///    from a thread other than the one running `io`. One thread at a time runs `io`: weft's handlers are
+///    not serialised against each other, and an io_context run by a pool of threads runs them at once (a
+///    crash or a hang, not an error). A server whose io_context runs on a pool gives weft a Loop of its own
+///    (`Loop()`) and awaits its Futures from the pool's coroutines with weft::async_wait (weft/asio.hpp),
+///    whose handlers run on the caller's executor.
 ///
 /// The completion hook: sources of completions other than Asio's sockets (an io_uring's eventfd, a CUDA
 /// host callback) deliver into the same loop through `post()` (thread-safe) or by asking the loop to
