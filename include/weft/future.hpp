@@ -44,6 +44,7 @@ std::chrono::microseconds wait_spin() noexcept;
 /// Throws weft::Error (Errc::would_deadlock) explaining that `what` (wait, wait_for, get) was called on
 /// the thread that runs the operation's loop, which would then wait for itself forever.
 [[noreturn]] void throw_wait_on_loop_thread(const char* what);
+[[noreturn]] void throw_loop_gone(const char* what);
 /// weft::Error (Errc::invalid_argument) naming `what`: a Future without an operation was asked about it.
 [[noreturn]] void throw_empty_future(const char* what);
 /// weft::Error (Errc::invalid_argument): the value of a Future was asked for a second time.
@@ -72,6 +73,7 @@ class FutureStateBase {
   /// spare.
   void wait() {
     if (ready()) return;
+    if (loop_ && !loop_alive_->load(std::memory_order_acquire)) throw_loop_gone("wait");
     // Drive the loop on this thread while waiting, if it can be borrowed: no hand-off on completion.
     // drive_until refuses the loop's own thread, which is told so only then: the thread check walks
     // Asio's call stack, once per wait is enough.
@@ -94,6 +96,7 @@ class FutureStateBase {
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> timeout) {
     if (ready()) return true;
+    if (loop_ && !loop_alive_->load(std::memory_order_acquire)) throw_loop_gone("wait_for");
     if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait_for");
     // The condition variable adds the timeout to the clock's now: nanoseconds::max() (or infinity) wrapped
     // it into the past and "timed out" at once. A century or more is no limit.
@@ -135,6 +138,8 @@ class FutureStateBase {
   /// so that an operation needs no reference to itself for a cancel that seldom comes.
   void cancel(const std::shared_ptr<FutureStateBase>& owner) noexcept {
     if (ready() || cancel_asked_.exchange(true, std::memory_order_acq_rel)) return;
+    // Its loop is gone: nothing runs it any more, and what a cancel would reach refers to that loop.
+    if (loop_ && !loop_alive_->load(std::memory_order_acquire)) return;
     if (cancel_hook_) {
       cancel_hook_(owner);
     } else {
@@ -142,7 +147,10 @@ class FutureStateBase {
     }
   }
   /// The loop the operation runs on (set by spawn): wait() drives it.
-  void set_loop(Loop* loop) noexcept { loop_ = loop; }
+  void set_loop(Loop* loop) noexcept {
+    loop_ = loop;
+    loop_alive_ = loop ? loop->alive_word() : nullptr;
+  }
   /// The token cancel() stops (for an operation without a cancel hook). The stop state is made on
   /// first use: an operation that never asks for it costs no allocation for it.
   std::stop_token stop_token() noexcept { return source().get_token(); }
@@ -219,6 +227,7 @@ class FutureStateBase {
   CancelHook cancel_hook_ = nullptr;
   std::stop_source stop_{std::nostopstate};  // made by source(), once
   Loop* loop_ = nullptr;
+  const std::atomic<bool>* loop_alive_ = nullptr;  // loop_'s alive_word(), which outlives it
 };
 
 template <class T>

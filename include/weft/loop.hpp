@@ -18,6 +18,7 @@
 /// The completion hook: sources of completions other than Asio's sockets (an io_uring's eventfd, a CUDA
 /// host callback) deliver into the same loop through `post()` (thread-safe) or by asking the loop to
 /// watch a file descriptor with `watch_readable()`; see docs/DESIGN.md.
+#include <atomic>
 #include <chrono>
 #include <coroutine>
 #include <cstdint>
@@ -73,6 +74,10 @@ class Loop {
   explicit Loop(Options options);
   /// Borrowed mode: uses `io`, starts no thread. `io` must outlive the Loop.
   explicit Loop(asio::io_context& io);
+  /// Lifetime: every Group on the loop must be gone first (the process stops with a message otherwise).
+  /// Operations still in flight (a spawned Task suspended on the loop, a sleep) never complete: the
+  /// destructor logs how many it leaves (their frames stay allocated), and a wait on their Futures
+  /// throws weft::Error (invalid_argument) instead of touching the loop; a cancel does nothing.
   ~Loop();
   Loop(const Loop&) = delete;
   Loop& operator=(const Loop&) = delete;
@@ -123,6 +128,11 @@ class Loop {
   /// Counts operations in flight (spawn does this): the progress thread polls only while some are.
   void operation_started() noexcept;
   void operation_finished() noexcept;
+
+  /// True while this Loop lives, false once its destructor has run: a word that outlives the Loop
+  /// (never freed), for the Futures of its operations, which may be waited on after it is gone and
+  /// then fail instead of touching it. Thread-safe.
+  const std::atomic<bool>* alive_word() const noexcept;
 
   /// Held by work that the loop's own tasks must finish before the loop may end: device staging that goes
   /// back to its pool once the device's copies ran (a group's memory, whose group is gone already). An

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <string_view>
@@ -139,6 +140,13 @@ void unregister_loop(Loop* loop) {
   std::erase(live_loops(), loop);
 }
 
+// Each Loop's alive word (Loop::alive_word): never freed, reachable from here, a byte per Loop ever made.
+std::atomic<bool>* new_alive_word() {
+  static auto* words = new std::deque<std::atomic<bool>>();
+  std::lock_guard lock(loops_mutex);
+  return &words->emplace_back(true);
+}
+
 // The Groups using each live Loop (core/loop_users.hpp), under loops_mutex.
 std::unordered_map<const Loop*, int>& loop_users() {
   static auto* users = new std::unordered_map<const Loop*, int>();  // never destroyed, as live_loops()
@@ -213,6 +221,7 @@ thread_local PreemptionWatch preemption_here;
 
 struct Loop::Impl {
   const std::uint64_t id = next_loop_id.fetch_add(1, std::memory_order_relaxed);
+  std::atomic<bool>* const alive = new_alive_word();
   std::unique_ptr<asio::io_context> owned_io;
   asio::io_context* io = nullptr;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> keep_running;
@@ -793,7 +802,16 @@ Loop::~Loop() {
   // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
   impl_->registry.reset();
   impl_->keep_running.reset();
+  // Operations still in flight never complete now (a Task suspended on this loop, a sleep): a wait on
+  // their Futures fails (alive_word) instead of driving a loop that is gone, and this says so first.
+  if (const int left = impl_->in_flight.load(std::memory_order_relaxed); left > 0) {
+    log().warn("a Loop ends with {} operation(s) in flight: they will not complete, and a wait on their Futures "
+               "fails (end a Loop after what runs on it)", left);
+  }
+  impl_->alive->store(false, std::memory_order_release);
 }
+
+const std::atomic<bool>* Loop::alive_word() const noexcept { return impl_->alive; }
 
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
@@ -1019,6 +1037,12 @@ void detail::throw_empty_future(const char* what) {
 void detail::throw_value_taken() {
   throw Error(Errc::invalid_argument, ErrorContext{.op = "Future::get"},
               "this Future's value was already taken: get() and co_await hand it over once");
+}
+
+void detail::throw_loop_gone(const char* what) {
+  throw Error(Errc::invalid_argument, ErrorContext{.op = std::string("Future::") + what},
+              "the Loop this operation runs on was destroyed before the operation completed: it never will "
+              "(end a Loop only after the operations on it finished, or cancel and await them first)");
 }
 
 void detail::throw_wait_on_loop_thread(const char* what) {
