@@ -132,7 +132,7 @@ class Loop {
   /// True while this Loop lives, false once its destructor has run: a word that outlives the Loop
   /// (never freed), for the Futures of its operations, which may be waited on after it is gone and
   /// then fail instead of touching it. Thread-safe.
-  const std::atomic<bool>* alive_word() const noexcept;
+  const std::atomic<bool>* alive_word() const noexcept { return alive_; }
 
   /// Held by work that the loop's own tasks must finish before the loop may end: device staging that goes
   /// back to its pool once the device's copies ran (a group's memory, whose group is gone already). An
@@ -234,6 +234,7 @@ class Loop {
 
  private:
   std::unique_ptr<Impl> impl_;
+  const std::atomic<bool>* alive_;  // impl_'s alive word, here for an inline alive_word() (every operation asks)
 };
 
 /// Suspends for `delay` on `loop`. Cancellable through the awaiting Task's stop token, in which case it

@@ -661,7 +661,7 @@ Loop::Options options_from_environment() {
 
 Loop::Loop() : Loop(options_from_environment()) {}
 
-Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
+Loop::Loop(Options options) : impl_(std::make_unique<Impl>()), alive_(impl_->alive) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
   impl_->io = impl_->owned_io.get();
   impl_->spin = options.spin;
@@ -674,7 +674,7 @@ Loop::Loop(Options options) : impl_(std::make_unique<Impl>()) {
   register_loop(this);
 }
 
-Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()) {
+Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()), alive_(impl_->alive) {
   impl_->io = &io;
   register_loop(this);
 }
@@ -810,8 +810,6 @@ Loop::~Loop() {
   }
   impl_->alive->store(false, std::memory_order_release);
 }
-
-const std::atomic<bool>* Loop::alive_word() const noexcept { return impl_->alive; }
 
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
