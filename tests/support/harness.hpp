@@ -60,6 +60,16 @@ inline void check(bool ok, const std::string& what) {
   }
 }
 
+/// Waits for `f`; whether it ended cancelled (a CancelledError, or any weft::Error that says cancelled).
+inline bool ends_cancelled(Future<void>& f) {
+  try {
+    f.get();
+    return false;
+  } catch (const Error& e) {
+    return e.errc() == Errc::cancelled;
+  }
+}
+
 struct RankFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
