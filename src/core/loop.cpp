@@ -9,8 +9,8 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string_view>
