@@ -1055,29 +1055,57 @@ void detail::throw_wait_on_loop_thread(const char* what) {
 
 struct SleepState {
   std::coroutine_handle<> waiter;
+  std::uint64_t home = 0;  // the id of the loop the sleeper came from (Loop::current()), 0 for none
   // The timer's end against the start's registration of on_stop: sleeping on another thread's loop, the
   // timer may fire there before start() has registered it.
   std::mutex mutex;
-  bool fired = false;  // the delay passed (not cancelled)
-  bool ended = false;  // the timer ran
+  bool fired = false;       // the delay passed (not cancelled)
+  bool ended = false;       // the timer ran, or its loop ended first
+  bool loop_ended = false;  // the loop slept on ended before the timer ran
   std::optional<std::stop_callback<std::function<void()>>> on_stop;
 };
+
+namespace {
+// Held by the timer's callback and every copy of it. When the last goes without the timer having run
+// (its loop ended first: a loop's end drops its timers and queued work, it does not call them), the
+// sleeper is resumed on the loop it came from, with an error, instead of staying suspended for ever.
+// (Slept on its own loop, it has none to come back to: that Task ends with the loop, ~Loop.)
+struct SleepPending {
+  explicit SleepPending(std::shared_ptr<SleepState> s) : state(std::move(s)) {}
+  SleepPending(const SleepPending&) = delete;
+  SleepPending& operator=(const SleepPending&) = delete;
+  ~SleepPending() {
+    {
+      std::lock_guard lock(state->mutex);
+      if (state->ended) return;
+      state->ended = true;
+      state->loop_ended = true;
+      state->on_stop.reset();  // its callback names the ended loop
+    }
+    const std::coroutine_handle<> waiter = state->waiter;
+    if (state->home != 0) Loop::post_if_alive(state->home, [waiter] { waiter.resume(); });
+  }
+  std::shared_ptr<SleepState> state;
+};
+}  // namespace
 
 void SleepFor::start(std::coroutine_handle<> h, std::stop_token token) {
   // From call_after on, only this call's own references: once the timer fires the coroutine may resume
   // on the loop's thread and free the awaiter (this) with its frame before this returns.
   auto state = std::make_shared<SleepState>();
   state->waiter = h;
+  if (const Loop* home = Loop::current(); home && home != loop_) state->home = home->id();
   state_ = state;
   Loop* const loop = loop_;
-  const std::uint64_t id = loop->call_after(delay_, [state](bool fired) {
+  const std::uint64_t id = loop->call_after(delay_, [pending = std::make_shared<SleepPending>(state)](bool fired) {
+    SleepState& s = *pending->state;
     {
-      std::lock_guard lock(state->mutex);
-      state->fired = fired;
-      state->ended = true;
-      state->on_stop.reset();
+      std::lock_guard lock(s.mutex);
+      s.fired = fired;
+      s.ended = true;
+      s.on_stop.reset();
     }
-    state->waiter.resume();
+    s.waiter.resume();
   });
   if (token.stop_possible()) {
     // (A token stopped already runs the callback here: cancel_timer posts, or cancels a timer whose
@@ -1088,7 +1116,11 @@ void SleepFor::start(std::coroutine_handle<> h, std::stop_token token) {
 }
 
 void SleepFor::await_resume() {
-  if (state_ && !state_->fired) throw CancelledError({.op = "sleep_for"}, "cancelled before the delay passed");
+  if (!state_ || state_->fired) return;
+  if (state_->loop_ended) {
+    throw CancelledError({.op = "sleep_for"}, "the Loop it slept on was destroyed before the delay passed");
+  }
+  throw CancelledError({.op = "sleep_for"}, "cancelled before the delay passed");
 }
 
 }  // namespace weft

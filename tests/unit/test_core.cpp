@@ -412,6 +412,24 @@ TEST_CASE("a Future whose Loop ended before it completed fails a wait instead of
 #endif
 }
 
+TEST_CASE("a sleep on another loop that ends resumes its Task with an error, on the Task's own loop", "[core][future]") {
+  // The ended loop drops its timer without calling it: the sleeper, a Task of `home`, used to stay
+  // suspended for ever (its Future never completed). Cancelling it afterwards touches nothing of the
+  // ended loop.
+  Loop home;
+  auto away = std::make_unique<Loop>();
+  auto sleeps = [](Loop& on) -> Task<int> {
+    co_await sleep_for(on, std::chrono::seconds(30));
+    co_return 1;
+  };
+  Future<int> sleeping = spawn(home, sleeps(*away));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  away.reset();
+  REQUIRE(sleeping.wait_for(std::chrono::seconds(10)));
+  sleeping.cancel();
+  CHECK_THROWS_WITH(sleeping.get(), Catch::Contains("sleep_for") && Catch::Contains("the Loop it slept on was destroyed before the delay passed"));
+}
+
 TEST_CASE("when_all returns every value in order", "[core][when]") {
   Loop loop;
   auto all = [](Loop& l) -> Task<std::vector<int>> {
