@@ -11,15 +11,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__SANITIZE_THREAD__)
-#define WEFT_TEST_UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define WEFT_TEST_UNDER_TSAN 1
-#endif
-#endif
+#include "core/sanitizer.hpp"
 
-#if defined(WEFT_TEST_UNDER_TSAN)
+#if defined(WEFT_UNDER_THREAD_SANITIZER)
 // libstdc++ is not built with ThreadSanitizer: an exception's reference count (exception_ptr's, and
 // __cxa_end_catch's) is atomic there but invisible to it. A failure rethrown on one thread (a Future's
 // caller) and let go last on another (the loop that published it, which must hold the state while it
