@@ -73,7 +73,7 @@ class FutureStateBase {
   /// spare.
   void wait() {
     if (ready()) return;
-    if (loop_ && !loop_alive_->load(std::memory_order_acquire)) throw_loop_gone("wait");
+    if (loop_gone()) throw_loop_gone("wait");
     // Drive the loop on this thread while waiting, if it can be borrowed: no hand-off on completion.
     // drive_until refuses the loop's own thread, which is told so only then: the thread check walks
     // Asio's call stack, once per wait is enough.
@@ -96,7 +96,7 @@ class FutureStateBase {
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> timeout) {
     if (ready()) return true;
-    if (loop_ && !loop_alive_->load(std::memory_order_acquire)) throw_loop_gone("wait_for");
+    if (loop_gone()) throw_loop_gone("wait_for");
     if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait_for");
     // The condition variable adds the timeout to the clock's now: nanoseconds::max() (or infinity) wrapped
     // it into the past and "timed out" at once. A century or more is no limit.
@@ -139,7 +139,7 @@ class FutureStateBase {
   void cancel(const std::shared_ptr<FutureStateBase>& owner) noexcept {
     if (ready() || cancel_asked_.exchange(true, std::memory_order_acq_rel)) return;
     // Its loop is gone: nothing runs it any more, and what a cancel would reach refers to that loop.
-    if (loop_ && !loop_alive_->load(std::memory_order_acquire)) return;
+    if (loop_gone()) return;
     if (cancel_hook_) {
       cancel_hook_(owner);
     } else {
@@ -199,6 +199,8 @@ class FutureStateBase {
     Sleeping& operator=(const Sleeping&) = delete;
   };
   bool done_now() const noexcept { return state_.load(std::memory_order_seq_cst) == done; }
+  // The operation's loop was destroyed (Loop::alive_word): nothing will complete it.
+  bool loop_gone() const noexcept { return loop_ && !loop_alive_->load(std::memory_order_acquire); }
   std::stop_source& source() noexcept {
     if (source_state_.load(std::memory_order_acquire) != source_made) make_source();
     return stop_;
