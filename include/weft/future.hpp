@@ -78,7 +78,7 @@ class FutureStateBase {
     // drive_until refuses the loop's own thread, which is told so only then: the thread check walks
     // Asio's call stack, once per wait is enough.
     if (loop_ && loop_->drive_until([this] { return ready(); })) return;
-    if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait");
+    if (loop_ && loop_->wait_would_block_it()) throw_wait_on_loop_thread("wait");
     const auto spin = wait_spin();
     if (spin.count() > 0) {
       const auto until = std::chrono::steady_clock::now() + spin;
@@ -97,7 +97,7 @@ class FutureStateBase {
   bool wait_for(std::chrono::duration<Rep, Period> timeout) {
     if (ready()) return true;
     if (loop_gone()) throw_loop_gone("wait_for");
-    if (loop_ && loop_->in_loop_thread()) throw_wait_on_loop_thread("wait_for");
+    if (loop_ && loop_->wait_would_block_it()) throw_wait_on_loop_thread("wait_for");
     // The condition variable adds the timeout to the clock's now: nanoseconds::max() (or infinity) wrapped
     // it into the past and "timed out" at once. A century or more is no limit.
     if (!(timeout < std::chrono::hours(24 * 365 * 100))) {

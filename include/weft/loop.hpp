@@ -2,18 +2,19 @@
 /// weft::Loop: the one event loop of a process (or of a rank, when ranks are threads).
 ///
 /// It is built on an asio::io_context and runs single-threaded: every transport callback, timer and
-/// coroutine of weft's runs on the loop's thread, so weft's own state needs no locks.
+/// coroutine of weft's runs on the loop's thread (for a borrowed io_context, one at a time on a strand),
+/// so weft's own state needs no locks.
 ///
 /// Two modes:
 ///  - owned (`Loop()`): the Loop owns an io_context and one progress thread that runs it. Futures may be
 ///    awaited or waited on from any thread.
 ///  - borrowed (`Loop(io)`): the Loop uses the caller's io_context and starts no thread; the caller runs
-///    `io.run()` (e.g. inside an async server). Blocking waits (`Future::wait`, `sync_wait`) must then come
-///    from a thread other than the one running `io`. One thread at a time runs `io`: weft's handlers are
-///    not serialised against each other, and an io_context run by a pool of threads runs them at once (a
-///    crash or a hang, not an error). A server whose io_context runs on a pool gives weft a Loop of its own
-///    (`Loop()`) and awaits its Futures from the pool's coroutines with weft::async_wait (weft/asio.hpp),
-///    whose handlers run on the caller's executor.
+///    `io.run()` (e.g. inside an async server), on one thread or on a pool of them: weft's handlers go
+///    through a strand of the Loop's, so they run one at a time whichever thread runs them, and several
+///    borrowed Loops may share one io_context. Blocking waits (`Future::wait`, `sync_wait`) must come from
+///    a thread that is not inside a handler of `io` (they throw Errc::would_deadlock there); the pool's
+///    coroutines await weft's Futures with weft::async_wait (weft/asio.hpp). The Loop may end while other
+///    threads still run `io`: its end runs on its strand, and the destructor waits for it.
 ///
 /// The completion hook: sources of completions other than Asio's sockets (an io_uring's eventfd, a CUDA
 /// host callback) deliver into the same loop through `post()` (thread-safe) or by asking the loop to
@@ -35,6 +36,9 @@ class io_context;
 namespace weft {
 
 struct SleepState;
+namespace detail {
+struct LoopExecutor;
+}
 
 class Loop {
  public:
@@ -75,9 +79,13 @@ class Loop {
   /// Borrowed mode: uses `io`, starts no thread. `io` must outlive the Loop.
   explicit Loop(asio::io_context& io);
   /// Lifetime: every Group on the loop must be gone first (the process stops with a message otherwise).
-  /// Operations still in flight (a spawned Task suspended on the loop, a sleep) never complete: the
-  /// destructor logs how many it leaves (their frames stay allocated), and a wait on their Futures
-  /// throws weft::Error (invalid_argument) instead of touching the loop; a cancel does nothing.
+  /// Futures of the groups' operations may outlive it: what they hold of a group (its transport, the
+  /// store's server) goes at the loop's end, on its thread. Operations still in flight (a spawned Task
+  /// suspended on the loop, a sleep) never complete: the destructor logs how many it leaves (their
+  /// frames stay allocated), and a wait on their Futures throws weft::Error (invalid_argument) instead
+  /// of touching the loop; a cancel does nothing. A borrowed loop whose io_context other threads still
+  /// run ends on its strand (the destructor waits for that, up to 5 s; then it ends on the calling
+  /// thread with a warning: an io_context that nobody runs, or whose one runner is the caller).
   ~Loop();
   Loop(const Loop&) = delete;
   Loop& operator=(const Loop&) = delete;
@@ -88,6 +96,10 @@ class Loop {
   bool on_progress_thread() const noexcept;
   /// True when the calling thread is the one running this loop right now.
   bool in_loop_thread() const noexcept;
+  /// True when a blocking wait on the calling thread would hold this loop up: in_loop_thread(), or, for
+  /// a borrowed loop, any handler of the caller's io_context (run by one thread, weft's handlers wait
+  /// behind it; a pool's thread should not block either: weft::async_wait). Future::wait refuses then.
+  bool wait_would_block_it() const noexcept;
   /// The Loop whose thread is the calling thread right now (its progress thread, a thread driving it
   /// through a blocking wait, or the thread running a borrowed io_context), or nullptr. weft::offload
   /// uses it to come back to the loop it left.
@@ -233,6 +245,7 @@ class Loop {
   struct Impl;
 
  private:
+  friend struct detail::LoopExecutor;
   std::unique_ptr<Impl> impl_;
   const std::atomic<bool>* alive_;  // impl_'s alive word, here for an inline alive_word() (every operation asks)
 };

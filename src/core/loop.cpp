@@ -28,6 +28,7 @@
 #include "core/env.hpp"
 #include "core/host.hpp"
 #include "core/log.hpp"
+#include "core/loop_executor.hpp"
 #include "core/loop_users.hpp"
 
 namespace weft {
@@ -37,7 +38,15 @@ namespace {
 // runs after the Loop is gone (borrowed mode: the caller's io_context outlives us) does nothing.
 // Touched on the loop thread only.
 struct Registry {
-  std::unordered_map<std::uint64_t, std::unique_ptr<asio::steady_timer>> timers;
+  // A timer's callback lives here, not in its handler: a handler runs only while the registry does, and
+  // the loop's end (~Loop) destroys the callbacks left, uncalled, while the loop still
+  // lives, as an owned io_context's end always did; a borrowed io_context runs the aborted handlers
+  // later, after the Loop is gone, and they then find nothing to call.
+  struct Timer {
+    std::unique_ptr<asio::steady_timer> timer;
+    std::function<void(bool)> fn;
+  };
+  std::unordered_map<std::uint64_t, Timer> timers;
   std::unordered_set<std::uint64_t> cancelled_early;  // cancel_timer() that overtook call_after()
   struct Watch {
     asio::posix::stream_descriptor descriptor;
@@ -107,20 +116,20 @@ int cores_per_rank() {
 // core from the compute it was meant to overlap.
 bool cores_taken_by_compute() { return detail::compute_jobs_running() >= cores_per_rank(); }
 
-void arm_watch(asio::io_context& io, const std::weak_ptr<Registry>& weak, std::uint64_t id) {
+void arm_watch(const std::weak_ptr<Registry>& weak, std::uint64_t id) {
   auto registry = weak.lock();
   if (!registry) return;
   auto it = registry->watches.find(id);
   if (it == registry->watches.end()) return;
   it->second->descriptor.async_wait(asio::posix::stream_descriptor::wait_read,
-                                    [&io, weak, id](const std::error_code& ec) {
+                                    [weak, id](const std::error_code& ec) {
                                       if (ec) return;
                                       auto registry = weak.lock();
                                       if (!registry) return;
                                       auto found = registry->watches.find(id);
                                       if (found == registry->watches.end()) return;
                                       found->second->on_readable();
-                                      arm_watch(io, weak, id);
+                                      arm_watch(weak, id);
                                     });
 }
 
@@ -155,7 +164,7 @@ std::unordered_map<const Loop*, int>& loop_users() {
 
 // Each live Loop's end hooks (core/loop_users.hpp), under loops_mutex.
 struct EndHook {
-  std::uint64_t id;
+  std::uint64_t id = 0;
   std::function<void()> end;
   std::function<bool()> flushing;  // may be empty
 };
@@ -224,9 +233,19 @@ struct Loop::Impl {
   std::atomic<bool>* const alive = new_alive_word();
   std::unique_ptr<asio::io_context> owned_io;
   asio::io_context* io = nullptr;
+  // What every Asio object of the loop's is made on and every post goes through: the io_context's own
+  // executor when the loop owns it (one thread runs it at a time), a strand over the caller's io_context
+  // when it borrows one, which the caller may run on a pool of threads: weft's handlers then still run
+  // one at a time, wherever they run (detail::executor_of).
+  std::optional<asio::strand<asio::io_context::executor_type>> strand;
+  asio::any_io_executor executor;
+  bool running_here() const noexcept {
+    return strand ? strand->running_in_this_thread() : io->get_executor().running_in_this_thread();
+  }
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> keep_running;
   std::thread progress_thread;
   std::atomic<bool> stopping{false};
+  std::atomic<bool> ending{false};  // ~Loop runs its end hooks (detail::loop_ending)
   std::chrono::microseconds spin{0};      // the polling bound's ceiling (Options::spin)
   std::chrono::microseconds spin_now{0};  // the bound now: adapted by turn(), touched by the driving thread
   bool caller_drives = false;
@@ -637,12 +656,52 @@ struct Loop::Impl {
     }
   }
 
+  // Runs `end` (a loop's last work on its own state: ~Loop) where no handler of the loop's runs beside
+  // it. An owned loop's thread has stopped by then, and so has a borrowed io_context that ran out of
+  // work (run() returned): here, at once. A borrowed io_context that other threads still run (a
+  // server's pool) runs weft's handlers on the strand at the same time: there, and the destructor
+  // waits for it (at once when this thread may enter the strand now: asio::dispatch). When nothing
+  // takes it within end_wait (an io_context that nobody runs, or whose one runner is this thread, busy
+  // in this destructor), it runs here after all, with a warning: nothing else runs the loop's handlers.
+  static constexpr std::chrono::seconds end_wait{5};
+  void end_on_loop(const std::function<void()>& end) {
+    if (!strand || io->stopped() || strand->running_in_this_thread()) {
+      end();
+      return;
+    }
+    struct Ending {
+      std::atomic<bool> claimed{false};
+      std::mutex mutex;
+      std::condition_variable finished_cv;
+      bool finished = false;  // guarded by mutex
+    };
+    auto ending = std::make_shared<Ending>();
+    // `end` is reached only by the side that claims it; when the strand does, this thread waits for it.
+    asio::dispatch(*strand, [ending, &end] {
+      if (ending->claimed.exchange(true)) return;
+      end();
+      std::lock_guard lock(ending->mutex);
+      ending->finished = true;
+      ending->finished_cv.notify_all();
+    });
+    std::unique_lock lock(ending->mutex);
+    if (ending->finished_cv.wait_for(lock, end_wait, [&] { return ending->finished; })) return;
+    if (ending->claimed.exchange(true)) {
+      ending->finished_cv.wait(lock, [&] { return ending->finished; });
+      return;
+    }
+    lock.unlock();
+    log().warn("a borrowed Loop ends, and its io_context ran none of its handlers within {} s: its groups end on this "
+               "thread (run the io_context while the Loop ends, or end the Loop after run() returned)", end_wait.count());
+    end();
+  }
+
   template <class Fn>
   void on_loop(Fn&& fn) {
-    if (io->get_executor().running_in_this_thread()) {
+    if (running_here()) {
       fn();
     } else {
-      asio::post(*io, std::forward<Fn>(fn));
+      asio::post(executor, std::forward<Fn>(fn));
     }
   }
 };
@@ -664,6 +723,7 @@ Loop::Loop() : Loop(options_from_environment()) {}
 Loop::Loop(Options options) : impl_(std::make_unique<Impl>()), alive_(impl_->alive) {
   impl_->owned_io = std::make_unique<asio::io_context>(1);
   impl_->io = impl_->owned_io.get();
+  impl_->executor = impl_->io->get_executor();
   impl_->spin = options.spin;
   impl_->spin_now = options.spin;
   impl_->caller_drives = options.caller_drives;
@@ -676,6 +736,8 @@ Loop::Loop(Options options) : impl_(std::make_unique<Impl>()), alive_(impl_->ali
 
 Loop::Loop(asio::io_context& io) : impl_(std::make_unique<Impl>()), alive_(impl_->alive) {
   impl_->io = &io;
+  impl_->strand.emplace(asio::make_strand(io));
+  impl_->executor = *impl_->strand;
   register_loop(this);
 }
 
@@ -718,15 +780,23 @@ void while_busy(Loop& loop, std::function<bool()> busy, std::chrono::steady_cloc
     done(true);
     return;
   }
+  // `done(false)` when the loop ends first: its end destroys the timer's callback uncalled.
+  struct DoneOnce {
+    std::function<void(bool)> done;
+    ~DoneOnce() {
+      if (done) done(false);
+    }
+  };
   loop.call_after(std::chrono::milliseconds(1), [&loop, busy = std::move(busy), until, linger = std::move(linger),
-                                                 done = std::move(done)](bool fired) mutable {
+                                                 once = std::make_shared<DoneOnce>(std::move(done))](bool fired) mutable {
     if (fired) {
-      while_busy(loop, std::move(busy), until, std::move(linger), std::move(done));
+      while_busy(loop, std::move(busy), until, std::move(linger), std::exchange(once->done, {}));
     } else {  // the loop is ending
-      done(false);
+      std::exchange(once->done, {})(false);
     }
   });
 }
+bool loop_ending(const Loop& loop) noexcept { return LoopExecutor::ending(loop); }
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept {
   std::lock_guard lock(loops_mutex);
   const auto found = end_hooks().by_loop.find(&loop);
@@ -787,37 +857,59 @@ Loop::~Loop() {
     impl_->progress_thread.join();
     impl_->drain();  // what was posted after the progress thread's own drain (nothing runs concurrently)
   }
-  {
-    std::vector<EndHook> ending;
-    {
-      std::lock_guard lock(loops_mutex);
-      if (auto found = end_hooks().by_loop.find(this); found != end_hooks().by_loop.end()) {
-        ending = std::move(found->second);
-        end_hooks().by_loop.erase(found);
+  // The groups' transports end (their end hooks), and the timers and watches: on the loop's thread,
+  // which for a borrowed loop whose io_context still runs means its strand (Impl::end_on_loop).
+  impl_->end_on_loop([this] {
+    impl_->ending.store(true, std::memory_order_release);
+    // One at a time, each taken out under the lock as it runs: a hook may end what another hook names
+    // (a group's state lets its transport go, whose deletion removes the transport's own hook).
+    for (;;) {
+      EndHook hook;
+      {
+        std::lock_guard lock(loops_mutex);
+        const auto found = end_hooks().by_loop.find(this);
+        if (found == end_hooks().by_loop.end()) break;
+        hook = std::move(found->second.front());
+        found->second.erase(found->second.begin());
+        if (found->second.empty()) end_hooks().by_loop.erase(found);
       }
+      hook.end();
     }
-    for (EndHook& hook : ending) hook.end();
-  }
+    // What the hooks posted (a store's close, a ring's poller leaving): an owned loop's thread has
+    // stopped, so here; a borrowed io_context runs it on the strand after this.
+    if (impl_->owned_io) impl_->drain();
+    // The timers' callbacks left go now, uncalled, while the loop lives (what they hold may end work
+    // on it: detail::while_busy); handlers still queued in a borrowed io_context find nothing.
+    std::unordered_map<std::uint64_t, Registry::Timer> timers = std::move(impl_->registry->timers);
+    impl_->registry->timers.clear();
+    timers.clear();
+    impl_->registry.reset();
+    // Operations still in flight never complete now (a Task suspended on this loop, a sleep): a wait on
+    // their Futures fails (alive_word) instead of driving a loop that is gone, and this says so first.
+    if (const int left = impl_->in_flight.load(std::memory_order_relaxed); left > 0) {
+      log().warn("a Loop ends with {} operation(s) in flight: they will not complete, and a wait on their Futures "
+                 "fails (end a Loop after what runs on it)", left);
+    }
+    // From here on what the loop's objects do as they go (a stream that a borrowed io_context's aborted
+    // handler frees later, on its strand, after this) leaves the loop alone: they look at this word.
+    impl_->alive->store(false, std::memory_order_release);
+  });
   { std::lock_guard wait_for_posters(impl_->ready_mutex); }
-  // Handlers still queued in a borrowed io_context find the registry gone and do nothing.
-  impl_->registry.reset();
   impl_->keep_running.reset();
-  // Operations still in flight never complete now (a Task suspended on this loop, a sleep): a wait on
-  // their Futures fails (alive_word) instead of driving a loop that is gone, and this says so first.
-  if (const int left = impl_->in_flight.load(std::memory_order_relaxed); left > 0) {
-    log().warn("a Loop ends with {} operation(s) in flight: they will not complete, and a wait on their Futures "
-               "fails (end a Loop after what runs on it)", left);
-  }
-  impl_->alive->store(false, std::memory_order_release);
 }
 
 asio::io_context& Loop::context() noexcept { return *impl_->io; }
+asio::any_io_executor detail::LoopExecutor::of(Loop& loop) noexcept { return loop.impl_->executor; }
+bool detail::LoopExecutor::ending(const Loop& loop) noexcept { return loop.impl_->ending.load(std::memory_order_acquire); }
 bool Loop::owns_thread() const noexcept { return impl_->progress_thread.joinable(); }
 bool Loop::on_progress_thread() const noexcept {
   return impl_->progress_thread.joinable() && impl_->progress_thread.get_id() == std::this_thread::get_id();
 }
 bool Loop::in_loop_thread() const noexcept {
-  return impl_->io->get_executor().running_in_this_thread() || polling_loop == impl_.get();
+  return impl_->running_here() || polling_loop == impl_.get();
+}
+bool Loop::wait_would_block_it() const noexcept {
+  return in_loop_thread() || (impl_->strand && impl_->io->get_executor().running_in_this_thread());
 }
 Loop* Loop::current() noexcept {
   std::lock_guard lock(loops_mutex);
@@ -873,7 +965,7 @@ bool Loop::run_here(void (*fn)(void*), void* arg) {
   // compare-and-swap, and another at the hand-back.
   if (!im.caller_drives || !im.progress_thread.joinable()) return false;
   if ((im.borrow.load(std::memory_order_relaxed) & (Impl::parked_bit | Impl::borrowed_bit)) != Impl::parked_bit) return false;
-  if (polling_loop == &im || im.io->get_executor().running_in_this_thread()) return false;
+  if (polling_loop == &im || im.running_here()) return false;
   if (!im.borrow_parked()) return false;
   if (im.stopping.load(std::memory_order_relaxed)) {
     im.hand_back(false);
@@ -903,7 +995,7 @@ void Loop::before_kernel_poll(std::function<bool()> fn) {
   if (impl_->progress_thread.joinable()) {
     impl_->before_poll.push_back(std::move(fn));
   } else {
-    asio::post(*impl_->io, [fn = std::move(fn)] { (void)fn(); });
+    asio::post(impl_->executor, [fn = std::move(fn)] { (void)fn(); });
   }
 }
 
@@ -932,26 +1024,31 @@ void Loop::post(std::function<void()> fn) {
   if (impl_->progress_thread.joinable()) {
     impl_->post_ready(std::move(fn));
   } else {
-    asio::post(*impl_->io, std::move(fn));
+    asio::post(impl_->executor, std::move(fn));
   }
 }
 
 std::uint64_t Loop::call_after(std::chrono::nanoseconds delay, std::function<void(bool)> fn) {
   const std::uint64_t id = impl_->next_id.fetch_add(1);
   std::weak_ptr<Registry> weak = impl_->registry;
-  impl_->on_loop([io = impl_->io, weak, id, delay, fn = std::move(fn)]() mutable {
+  impl_->on_loop([executor = impl_->executor, weak, id, delay, fn = std::move(fn)]() mutable {
     auto registry = weak.lock();
     if (!registry) return;
     if (registry->cancelled_early.erase(id)) {
       fn(false);
       return;
     }
-    auto timer = std::make_unique<asio::steady_timer>(*io, delay);
-    timer->async_wait([weak, id, fn = std::move(fn)](const std::error_code& ec) {
-      if (auto registry = weak.lock()) registry->timers.erase(id);
-      fn(!ec);
+    auto timer = std::make_unique<asio::steady_timer>(executor, delay);
+    timer->async_wait([weak, id](const std::error_code& ec) {
+      auto registry = weak.lock();
+      if (!registry) return;
+      auto found = registry->timers.find(id);
+      if (found == registry->timers.end()) return;
+      std::function<void(bool)> callback = std::move(found->second.fn);
+      registry->timers.erase(found);
+      callback(!ec);
     });
-    registry->timers.emplace(id, std::move(timer));
+    registry->timers.emplace(id, Registry::Timer{std::move(timer), std::move(fn)});
   });
   return id;
 }
@@ -963,7 +1060,7 @@ void Loop::cancel_timer(std::uint64_t id) {
     if (!registry) return;
     auto it = registry->timers.find(id);
     if (it != registry->timers.end()) {
-      it->second->cancel();
+      it->second.timer->cancel();
     } else {
       registry->cancelled_early.insert(id);
     }
@@ -989,15 +1086,15 @@ std::uint64_t Loop::watch_readable(int fd, std::function<void()> on_readable) {
   const int own_fd = ::dup(fd);
   if (own_fd < 0) throw std::system_error(errno, std::generic_category(), "weft: watch_readable: dup");
   std::weak_ptr<Registry> weak = impl_->registry;
-  impl_->on_loop([io = impl_->io, weak, id, own_fd, fn = std::move(on_readable)]() mutable {
+  impl_->on_loop([executor = impl_->executor, weak, id, own_fd, fn = std::move(on_readable)]() mutable {
     auto registry = weak.lock();
     if (!registry) {
       ::close(own_fd);
       return;
     }
     registry->watches.emplace(
-        id, std::make_unique<Registry::Watch>(Registry::Watch{asio::posix::stream_descriptor(*io, own_fd), std::move(fn)}));
-    arm_watch(*io, weak, id);
+        id, std::make_unique<Registry::Watch>(Registry::Watch{asio::posix::stream_descriptor(executor, own_fd), std::move(fn)}));
+    arm_watch(weak, id);
   });
   return id;
 }

@@ -40,6 +40,9 @@ std::uint64_t add_end_hook(const Loop& loop, std::function<void()> hook, std::fu
 void while_busy(Loop& loop, std::function<bool()> busy, std::chrono::steady_clock::time_point until,
                 std::shared_ptr<Loop::Linger> linger, std::function<void(bool loop_running)> done);
 void remove_end_hook(const Loop& loop, std::uint64_t id) noexcept;
+/// True while `loop`'s destructor runs its end hooks: on the loop's thread (its strand), or with its
+/// thread stopped. What a hook lets go ends there and then, not through a post the loop will not run.
+bool loop_ending(const Loop& loop) noexcept;
 
 /// Whether a loop made under WEFT_TRANSPORT=uring (without WEFT_DRIVE) keeps to its progress thread:
 /// only a loop on one thread lets the io_uring ring take a single issuer with deferred task work, which

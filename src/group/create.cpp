@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "core/host.hpp"
+#include "core/loop_executor.hpp"
 #include "core/loop_users.hpp"
 #include "core/log.hpp"
 #include "core/signature.hpp"
@@ -30,6 +31,12 @@ namespace detail {
 void DeleteOnLoop::operator()(Transport* transport) const {
   // From here on the deletion is under way: the loop's end need not shut the transport down.
   if (end_hook) remove_end_hook(*loop, end_hook);
+  // The loop ends (a group's state that outlives its Loop lets the transport go from the loop's end
+  // hooks, GroupState::leave_loop): now, on the loop's thread, since nothing will run a post.
+  if (loop_ending(*loop)) {
+    delete transport;
+    return;
+  }
   const auto deadline = std::chrono::steady_clock::now() + end_flush_limit;
   Loop* const on = loop;
   // The Linger is taken when the deletion runs on the loop's thread, not here: a post made while the
@@ -60,18 +67,20 @@ namespace {
 
 using detail::GroupState;
 
-// Awaits an asio::awaitable<void> from a weft Task: it runs on the same io_context, and the Task resumes
+// Awaits an asio::awaitable<void> from a weft Task: it runs on the loop's executor, and the Task resumes
 // from its completion handler on the loop thread.
 // The awaitable is made inside await_suspend: an asio::awaitable held in a co_await temporary does not
-// survive g++ 12's handling of such temporaries.
+// survive g++ 12's handling of such temporaries, which may destroy one twice; so the awaiter holds only
+// what is trivially destroyed (an executor member lost a strand's reference per co_await: a borrowed
+// loop's strand was freed while in use).
 template <class MakeAwaitable>
 struct AwaitAsio {
-  asio::io_context& io;
+  Loop* loop;
   MakeAwaitable make;
   std::exception_ptr error{};
   bool await_ready() const noexcept { return false; }
   void await_suspend(std::coroutine_handle<> h) {
-    asio::co_spawn(io, make(), [this, h](std::exception_ptr e) {
+    asio::co_spawn(detail::executor_of(*loop), make(), [this, h](std::exception_ptr e) {
       error = e;
       h.resume();
     });
@@ -119,8 +128,8 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   BootstrapResult result;
   try {
     const std::uint64_t digest = plans_digest(options, selection);
-    auto run_bootstrap = [loop, &options, &result, digest] { return bootstrap(loop->context(), options, result, digest); };
-    co_await AwaitAsio<decltype(run_bootstrap)>{loop->context(), run_bootstrap};
+    auto run_bootstrap = [loop, &options, &result, digest] { return bootstrap(detail::executor_of(*loop), options, result, digest); };
+    co_await AwaitAsio<decltype(run_bootstrap)>{loop, run_bootstrap};
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -128,7 +137,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
   }
   auto g = std::make_shared<GroupState>();
   g->selection = std::move(selection);
-  g->loop = loop;
+  g->watch_loop_end(loop);
   g->rank = options.rank;
   g->set_size(options.world_size);
   g->options = options;
@@ -143,7 +152,7 @@ Task<Group> create_task(Loop* loop, Options options, algo::Selection selection) 
       co_await transports::link_local(*loop, result.sockets, options.rank, options.transport,
                                       std::chrono::steady_clock::now() + options.bootstrap_timeout, links);
     };
-    co_await AwaitAsio<decltype(run_links)>{loop->context(), run_links};
+    co_await AwaitAsio<decltype(run_links)>{loop, run_links};
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {

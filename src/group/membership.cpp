@@ -39,7 +39,7 @@ std::uint32_t derive_context(std::uint32_t parent, std::uint64_t seq, int color)
 // WEFT_TUNING, WEFT_ALGO, Options::algorithms and override_algorithms applied).
 std::shared_ptr<GroupState> child_of(const GroupState& parent) {
   auto child = std::make_shared<GroupState>();
-  child->loop = parent.loop;
+  child->watch_loop_end(parent.loop);
   child->transport = parent.transport;
   child->options = parent.options;
   child->selection = parent.selection;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "algorithms/selection.hpp"
+#include "core/loop_users.hpp"
 #include "core/signature.hpp"
 #include "rendezvous/store.hpp"
 #include "weft/algorithms.hpp"
@@ -191,6 +192,7 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   // the callers' memo of their last call is keyed by it (collectives.cpp, `checked_algorithm`).
   const std::uint64_t id = next_id();
   Loop* loop = nullptr;
+  std::uint64_t loop_end_hook = 0;  // leave_loop, should the loop end first (watch_loop_end)
   std::shared_ptr<Transport> transport;         // shared with the groups split from this one
   std::shared_ptr<store::Server> store_server;  // rank 0 of the world group only
   std::uint32_t context = 1;
@@ -367,7 +369,26 @@ struct GroupState : std::enable_shared_from_this<GroupState> {
   std::shared_ptr<DeviceStaging> device_staging;  // guarded by device_staging_mutex
   std::shared_ptr<DeviceWindows> device_windows;  // guarded by device_staging_mutex: all_reduce on device windows
 
+  // Sets the loop the group runs on; should the loop end while this state still lives (a Future of the
+  // group's kept past the Loop holds it), its end calls leave_loop on the loop's thread.
+  void watch_loop_end(Loop* on) {
+    loop = on;
+    loop_end_hook = add_end_hook(*loop, [weak = weak_from_this()] {
+      if (auto state = weak.lock()) state->leave_loop();
+    });
+  }
+  // What lives on the loop goes with it, on its thread: the transport (the last state to let go deletes
+  // it: DeleteOnLoop), the store's server, the arena. The operations still holding this state never
+  // run again (their loop is gone), and its end then touches nothing of the loop's.
+  void leave_loop() {
+    loop_end_hook = 0;
+    transport.reset();
+    store_server.reset();
+    arena.reset();
+  }
+
   ~GroupState() {
+    if (loop_end_hook) remove_end_hook(*loop, loop_end_hook);
     if (!transport) return;
     // A weak reference: the last Group's transport is deleted now (DeleteOnLoop), not by this lambda
     // after the Loop may have stopped.

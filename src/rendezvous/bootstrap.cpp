@@ -84,13 +84,13 @@ awaitable<tcp::socket> connect_retrying(const std::string& host, unsigned short 
 // What the accepting side of the bootstrap shares with the greetings it runs. Greetings are spawned
 // (so that a silent stranger delays nobody) and may outlive the bootstrap's frame: they hold this.
 struct Admissions {
-  Admissions(asio::io_context& io, const Options& options)
+  Admissions(const asio::any_io_executor& executor, const Options& options)
       : options(options),
         connected(static_cast<std::size_t>(options.world_size), false),
         admitted(static_cast<std::size_t>(options.world_size)),
         keys(static_cast<std::size_t>(options.world_size)),
         waiting(options.world_size - 1 - options.rank),
-        changed(io),
+        changed(executor),
         refusals(std::make_shared<greeting::RefusalLog>(fmt::format("rank {}: bootstrap", options.rank))),
         greeting(max_pending_greetings, refusals) {}
   Options options;
@@ -275,13 +275,13 @@ asio::ip::address interface_address(const std::string& interface, bool prefer_v6
               fmt::format("interface '{}' (WEFT_IFNAME or Options::interface) has no address", interface));
 }
 
-awaitable<void> bootstrap(asio::io_context& io, const Options& options, BootstrapResult& out, std::uint64_t selection) {
+awaitable<void> bootstrap(asio::any_io_executor executor, const Options& options, BootstrapResult& out, std::uint64_t selection) {
   const int rank = options.rank;
   const int size = options.world_size;
   const auto deadline = Clock::now() + options.bootstrap_timeout;
   const HostPort store_at = parse_host_port(options.store, "the store address");
   out.sockets.clear();
-  for (int i = 0; i < size; ++i) out.sockets.emplace_back(io);
+  for (int i = 0; i < size; ++i) out.sockets.emplace_back(executor);
   out.frame_keys.assign(static_cast<std::size_t>(size), FrameKeys{});
   if (size == 1) co_return;
   if (options.secret.empty()) {
@@ -300,7 +300,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     if (endpoints.empty()) fail(Errc::connection_failed, rank, fmt::format("cannot resolve the store host '{}'", store_at.host));
     try {
       out.store_server = std::make_unique<store::Server>(
-          io, endpoints.front(),
+          executor, endpoints.front(),
           store::Admission{options.job_id, options.secret, size, std::chrono::milliseconds(greeting_timeout), 64, options.integrity, selection});
     } catch (const std::system_error& e) {
       // In use: most often by this job's own store, which serves for its group's life: a second
@@ -331,7 +331,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
   const auto store_local = store.socket().local_endpoint().address();
   const auto listen_address =
       options.interface.empty() ? store_local : interface_address(options.interface, store_local.is_v6());
-  tcp::acceptor acceptor(io);
+  tcp::acceptor acceptor(executor);
   acceptor.open(tcp::endpoint(listen_address, 0).protocol());
   if (listen_address.is_v6()) acceptor.set_option(asio::ip::v6_only(true));
   acceptor.bind(tcp::endpoint(listen_address, 0));
@@ -359,7 +359,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     // rank that comes later would look for it until its timeout; but at most 10 s (a rank that died
     // before it arrived never hears it, and this rank's own error should not wait for it).
     if (out.store_server) {
-      asio::steady_timer pause(io);
+      asio::steady_timer pause(executor);
       const auto serve_until = std::min(deadline, Clock::now() + std::chrono::seconds(10));
       while (!out.store_server->told_every_rank() && Clock::now() < serve_until) {
         pause.expires_after(std::chrono::milliseconds(10));
@@ -388,7 +388,7 @@ awaitable<void> bootstrap(asio::io_context& io, const Options& options, Bootstra
     addresses.emplace_back(value->substr(0, space), static_cast<unsigned short>(std::stoi(value->substr(space + 1))));
   }
 
-  auto admissions = std::make_shared<Admissions>(io, options);
+  auto admissions = std::make_shared<Admissions>(executor, options);
   admissions->selection = selection;
   std::vector<bool> connected_below(static_cast<std::size_t>(size), false);
   // Both directions at once; the first failure (a refusal, above all) ends the bootstrap with its reason

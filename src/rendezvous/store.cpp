@@ -94,8 +94,8 @@ std::vector<std::string> split_lines(const std::string& text) {
 
 
 struct Server::Impl : std::enable_shared_from_this<Impl> {
-  explicit Impl(asio::io_context& io, const tcp::endpoint& endpoint, Admission admission)
-      : acceptor(io),
+  explicit Impl(const asio::any_io_executor& executor, const tcp::endpoint& endpoint, Admission admission)
+      : acceptor(executor),
         admission(std::move(admission)),
         pending(static_cast<std::size_t>(this->admission.max_pending), refusals) {
     acceptor.open(endpoint.protocol());
@@ -266,9 +266,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   }
 };
 
-Server::Server(asio::io_context& io, const tcp::endpoint& endpoint, Admission admission)
-    : impl_(std::make_shared<Impl>(io, endpoint, std::move(admission))) {
-  asio::co_spawn(io, impl_->accept_loop(), asio::detached);
+Server::Server(const asio::any_io_executor& executor, const tcp::endpoint& endpoint, Admission admission)
+    : impl_(std::make_shared<Impl>(executor, endpoint, std::move(admission))) {
+  asio::co_spawn(executor, impl_->accept_loop(), asio::detached);
 }
 
 Server::~Server() { close(); }

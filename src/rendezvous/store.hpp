@@ -70,8 +70,9 @@ struct Admission {
 
 class Server {
  public:
-  /// Binds `endpoint` and starts serving on `io`. Throws std::system_error when it cannot bind.
-  Server(asio::io_context& io, const asio::ip::tcp::endpoint& endpoint, Admission admission);
+  /// Binds `endpoint` and starts serving on `executor` (a loop's: detail::executor_of). Throws
+  /// std::system_error when it cannot bind.
+  Server(const asio::any_io_executor& executor, const asio::ip::tcp::endpoint& endpoint, Admission admission);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

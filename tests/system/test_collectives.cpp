@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/harness.hpp"
+#include "weft/asio.hpp"
 #include "support/check_data.hpp"
 #include "group/checks.hpp"
 #include "group/state.hpp"
@@ -354,6 +355,121 @@ TEST_CASE("a group's operations awaited from a Task on another loop, back and fo
     check(last[0] == static_cast<float>(p), "the group after a cancelled receive gave the wrong sum");
   });
   CHECK(checks_made.load() - before == 3 * 42);
+}
+
+TEST_CASE("groups on borrowed loops of one io_context that a pool of threads runs", "[collectives][inflight]") {
+  // A server whose io_context runs on a pool lends it to weft (Loop(io)): three ranks' loops borrow the
+  // one io_context that four threads run, and the pool's coroutines await the groups' operations. Each
+  // borrowed loop's handlers run one at a time (a strand): before, they ran at once on the pool's
+  // threads and the process crashed or hung within a few rounds.
+  const int p = 3;
+  asio::io_context io;
+  auto work = asio::make_work_guard(io);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < 4; ++t) pool.emplace_back([&] { io.run(); });
+  std::vector<std::unique_ptr<Loop>> loops;
+  for (int r = 0; r < p; ++r) loops.push_back(std::make_unique<Loop>(io));
+  Options base;
+  base.store = "127.0.0.1:" + std::to_string(free_port());
+  base.bootstrap_timeout = std::chrono::seconds(30);
+  if (!std::getenv("WEFT_TRANSPORT")) base.transport = "tcp";
+  std::vector<std::optional<Group>> groups(p);
+  {
+    std::vector<Future<Group>> made;
+    for (int r = 0; r < p; ++r) {
+      Options options = base;
+      options.rank = r;
+      options.world_size = p;
+      made.push_back(Group::create(*loops[static_cast<std::size_t>(r)], options));
+    }
+    for (int r = 0; r < p; ++r) groups[static_cast<std::size_t>(r)].emplace(made[static_cast<std::size_t>(r)].get());
+  }
+  const int rounds = 60;
+  std::atomic<int> good{0};
+  std::vector<std::string> errors(p);
+  std::latch finished(p);
+  for (int r = 0; r < p; ++r) {
+    asio::co_spawn(io, [&, r]() -> asio::awaitable<void> {
+      Group& g = *groups[static_cast<std::size_t>(r)];
+      const int next = (r + 1) % p;
+      const int prev = (r + p - 1) % p;
+      try {
+        for (int round = 0; round < rounds; ++round) {
+          std::vector<float> x(round % 2 ? 5 : 5000, static_cast<float>(r + round));
+          co_await async_wait(g.all_reduce(x), asio::use_awaitable);
+          std::vector<std::int32_t> mine{r * 100 + round}, got(1, -1);
+          Future<void> receive = g.recv(got, prev, 3);
+          co_await async_wait(g.send(mine, next, 3), asio::use_awaitable);
+          co_await async_wait(std::move(receive), asio::use_awaitable);
+          const float sum = static_cast<float>(p * (p - 1) / 2 + p * round);
+          if (x.front() == sum && x.back() == sum && got[0] == prev * 100 + round) ++good;
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+      finished.count_down();
+    }, asio::detached);
+  }
+  finished.wait();
+  for (int r = 0; r < p; ++r) CHECK(errors[static_cast<std::size_t>(r)] == "");
+  CHECK(good.load() == p * rounds);
+  // A receive that nothing sends, cancelled from a plain thread; the group still works after it.
+  std::vector<std::int32_t> never(1);
+  Future<void> waiting = groups[0]->recv(never, 1, 9);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  waiting.cancel();
+  CHECK(ends_cancelled(waiting));
+  std::vector<Future<void>> last;  // kept past the loops' end
+  std::vector<std::vector<float>> ones(p, std::vector<float>(7, 1.0F));
+  for (int r = 0; r < p; ++r) last.push_back(groups[static_cast<std::size_t>(r)]->all_reduce(ones[static_cast<std::size_t>(r)]));
+  for (auto& f : last) f.get();
+  for (int r = 0; r < p; ++r) CHECK(ones[static_cast<std::size_t>(r)][6] == static_cast<float>(p));
+  // The groups and their loops end while the pool still runs the io_context: each loop's end runs on
+  // its strand (it crashed in a transport's read handler that ran beside it on another thread).
+  groups.clear();
+  loops.clear();
+  work.reset();
+  for (auto& t : pool) t.join();
+}
+
+TEST_CASE("Futures of a group's operations kept past the end of its Loop", "[collectives][inflight]") {
+  // A Future holds its operation, which holds the group's state: declared before the Loop, it outlives
+  // it. The state's end posted to the freed loop and destroyed the store's server and the transport's
+  // sockets after their io_context (a segmentation fault every run); the loop's end now lets them go.
+  // A split group's Futures too, and a split group itself kept only by them.
+  const std::string store = "127.0.0.1:" + std::to_string(free_port());
+  const int p = 3;
+  std::vector<std::string> errors(p);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < p; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        std::vector<Future<void>> kept;
+        std::vector<float> x(1000, 1.0F), y(3, 2.0F);
+        {
+          Loop loop(Loop::Options{std::chrono::microseconds(0), true});
+          Options options;
+          options.rank = r;
+          options.world_size = p;
+          options.store = store;
+          options.bootstrap_timeout = std::chrono::seconds(30);
+          if (!std::getenv("WEFT_TRANSPORT")) options.transport = "tcp";
+          Group g = Group::create(loop, options).get();
+          kept.push_back(g.all_reduce(x));
+          kept.push_back(g.barrier());
+          Group half = g.split(r % 2, r).get();
+          kept.push_back(half.all_reduce(y));
+          for (auto& f : kept) f.get();
+        }
+        if (x[0] != static_cast<float>(p)) errors[static_cast<std::size_t>(r)] = "wrong sum " + std::to_string(x[0]);
+        if (y[0] != 2.0F * static_cast<float>(r % 2 ? p / 2 : p - p / 2)) errors[static_cast<std::size_t>(r)] += " wrong half sum";
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < p; ++r) CHECK(errors[static_cast<std::size_t>(r)] == "");
 }
 
 TEST_CASE("point-to-point: to itself in either order, by tag, from a coroutine and from plain code", "[collectives][inflight]") {

@@ -103,7 +103,7 @@ struct StoreOnLoop {
   explicit StoreOnLoop(store::Admission admission) {
     std::promise<unsigned short> bound;
     loop.post([&] {
-      server = std::make_unique<store::Server>(loop.context(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
+      server = std::make_unique<store::Server>(loop.context().get_executor(), asio::ip::tcp::endpoint(asio::ip::address_v4::loopback(), 0),
                                                std::move(admission));
       bound.set_value(server->port());
     });
@@ -539,7 +539,7 @@ Outcome bootstrap_as(int rank, unsigned short store_port, std::chrono::seconds b
 struct PlayingRank0 {
   asio::io_context io;
   unsigned short store_port = free_port();
-  store::Server server{io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
+  store::Server server{io.get_executor(), asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), store_port),
                        store::Admission{"", "", 2, std::chrono::milliseconds(5000)}};
   asio::ip::tcp::acceptor listener{io, asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)};
   unsigned short listener_port = listener.local_endpoint().port();

@@ -20,10 +20,13 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   /// Events go to `events` for `peer` while `alive` lives (the transport's lifetime flag). `loop` runs
   /// the socket's io_context and outlives the stream's operations.
   AsioStream(Loop& loop, asio::ip::tcp::socket socket, StreamEvents* events, int peer, std::weak_ptr<bool> alive)
-      : loop_(loop), socket_(std::move(socket)), events_(events), peer_(peer), alive_(std::move(alive)) {
+      : loop_(loop), loop_alive_(loop.alive_word()), socket_(std::move(socket)), events_(events), peer_(peer), alive_(std::move(alive)) {
     loop_.count_kernel_sources(1);  // its reads are reported by epoll: the loop asks the kernel often
   }
-  ~AsioStream() override { loop_.count_kernel_sources(-1); }
+  // A handler of a borrowed io_context may free the stream after its Loop ended (Loop::alive_word).
+  ~AsioStream() override {
+    if (loop_alive_->load(std::memory_order_acquire)) loop_.count_kernel_sources(-1);
+  }
   AsioStream(const AsioStream&) = delete;
   AsioStream& operator=(const AsioStream&) = delete;
 
@@ -48,6 +51,7 @@ class AsioStream final : public Stream, public std::enable_shared_from_this<Asio
   void report_read(const std::error_code& ec, std::size_t bytes);
 
   Loop& loop_;
+  const std::atomic<bool>* loop_alive_;
   asio::ip::tcp::socket socket_;
   StreamEvents* events_;
   int peer_;

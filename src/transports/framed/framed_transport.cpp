@@ -12,6 +12,7 @@
 
 #include "core/bytes.hpp"
 #include "core/log.hpp"
+#include "core/loop_executor.hpp"
 #include "core/signature.hpp"
 
 namespace weft {
@@ -683,7 +684,7 @@ void FramedTransport::on_write_done(Connection& c, const std::error_code& ec) {
     // if its read side has not failed it first.
     if (done) c.send_queue.push_front(done);
     c.write_failed = true;  // nothing more is written
-    auto timer = std::make_shared<asio::steady_timer>(loop_.context(), std::chrono::milliseconds(20));
+    auto timer = std::make_shared<asio::steady_timer>(detail::executor_of(loop_), std::chrono::milliseconds(20));
     timer->async_wait([this, timer, peer = c.peer, alive = std::weak_ptr<bool>(alive_),
                        reason = fmt::format("write failed: {}", describe_error(ec))](const std::error_code&) {
       if (alive.expired()) return;

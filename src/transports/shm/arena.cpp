@@ -84,7 +84,7 @@ std::shared_ptr<Arena> Arena::adopt(int fd, int ranks, int rank) {
 }
 
 Arena::~Arena() {
-  if (loop_) loop_->remove_poller(poller_);
+  if (loop_ && loop_alive_->load(std::memory_order_acquire)) loop_->remove_poller(poller_);
   for (int fd : wake_fds_) {
     if (fd >= 0) ::close(fd);
   }
@@ -92,6 +92,7 @@ Arena::~Arena() {
 
 void Arena::attach(Loop& loop, std::vector<int> wake_fds) {
   loop_ = &loop;
+  loop_alive_ = loop.alive_word();
   wake_fds_ = std::move(wake_fds);
   // A loop with a thread of its own arms before every sleep, so it starts awake; a borrowed io_context
   // never polls nor arms (Loop::Poller), so it stays armed and is woken on every step.

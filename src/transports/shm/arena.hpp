@@ -394,6 +394,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   int waiting_root_ = -1;
   Waiter* waiter_ = nullptr;
   Loop* loop_ = nullptr;
+  const std::atomic<bool>* loop_alive_ = nullptr;  // the state holding the arena may go after the Loop
   std::uint64_t poller_ = 0;
   std::vector<int> wake_fds_;
 };

@@ -86,8 +86,10 @@ std::shared_ptr<ShmHub> ShmHub::create(Loop& loop) {
 }
 
 ShmHub::~ShmHub() {
-  loop_.remove_poller(poller_);
-  loop_.unwatch(watch_);
+  if (loop_lives()) {
+    loop_.remove_poller(poller_);
+    loop_.unwatch(watch_);
+  }
   // The loop's watch holds a duplicate of the descriptor, closed with the watch.
   if (event_fd_ >= 0) ::close(event_fd_);
 }
@@ -149,7 +151,7 @@ ShmStream::ShmStream(std::shared_ptr<ShmHub> hub, Link link, StreamEvents* event
 }
 
 ShmStream::~ShmStream() {
-  if (socket_watch_) hub_->loop().unwatch(socket_watch_);
+  if (socket_watch_ && hub_->loop_lives()) hub_->loop().unwatch(socket_watch_);
   if (link_.socket >= 0) ::close(link_.socket);
   if (link_.peer_wake_fd >= 0) ::close(link_.peer_wake_fd);
 }

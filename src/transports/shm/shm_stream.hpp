@@ -38,6 +38,8 @@ class ShmHub : public std::enable_shared_from_this<ShmHub> {
   ShmHub& operator=(const ShmHub&) = delete;
 
   Loop& loop() noexcept { return loop_; }
+  /// False once the loop has ended (Loop::alive_word): what goes then leaves it alone.
+  bool loop_lives() const noexcept { return loop_alive_->load(std::memory_order_acquire); }
   /// The descriptor peers write to wake this rank (sent to them at connect time).
   int wake_fd() const noexcept { return event_fd_; }
 
@@ -48,8 +50,9 @@ class ShmHub : public std::enable_shared_from_this<ShmHub> {
   void disarm();
 
  private:
-  explicit ShmHub(Loop& loop) : loop_(loop) {}
+  explicit ShmHub(Loop& loop) : loop_(loop), loop_alive_(loop.alive_word()) {}
   Loop& loop_;
+  const std::atomic<bool>* loop_alive_;  // a handler of a borrowed io_context may free the hub after the Loop
   int event_fd_ = -1;
   std::uint64_t watch_ = 0;
   std::uint64_t poller_ = 0;

@@ -267,8 +267,10 @@ void UringRing::multishot_unsupported() {
 }
 
 UringRing::~UringRing() {
-  if (poller_) loop_.remove_poller(poller_);
-  if (watch_) loop_.unwatch(watch_);
+  if (loop_alive_->load(std::memory_order_acquire)) {
+    if (poller_) loop_.remove_poller(poller_);
+    if (watch_) loop_.unwatch(watch_);
+  }
   if (ring_ready_) io_uring_queue_exit(&ring_);  // cancels what is still in the kernel
   if (event_fd_ >= 0) ::close(event_fd_);
   if (buffer_ring_) ::munmap(buffer_ring_, buffer_count * sizeof(io_uring_buf));

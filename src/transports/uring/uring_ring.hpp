@@ -121,7 +121,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   }
 
  private:
-  explicit UringRing(Loop& loop) : loop_(loop) {}
+  explicit UringRing(Loop& loop) : loop_(loop), loop_alive_(loop.alive_word()) {}
   void set_up_buffers();
   void set_up_staging();
   void run_deferred_work();
@@ -132,6 +132,7 @@ class UringRing : public std::enable_shared_from_this<UringRing> {
   io_uring_sqe* next_sqe(Flush when = Flush::at_turn_end);  // an SQE, with its flush posted or due
   bool issuer_thread() const noexcept { return !defer_ || std::this_thread::get_id() == issuer_; }
   Loop& loop_;
+  const std::atomic<bool>* loop_alive_;  // a handler of a borrowed io_context may free the ring after the Loop
   io_uring ring_{};
   bool ring_ready_ = false;
   // IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN: completions need the loop's thread to enter the kernel
