@@ -661,8 +661,12 @@ struct Loop::Impl {
   // work (run() returned): here, at once. A borrowed io_context that other threads still run (a
   // server's pool) runs weft's handlers on the strand at the same time: there, and the destructor
   // waits for it (at once when this thread may enter the strand now: asio::dispatch). When nothing
-  // takes it within end_wait (an io_context that nobody runs, or whose one runner is this thread, busy
-  // in this destructor), it runs here after all, with a warning: nothing else runs the loop's handlers.
+  // takes it within end_grace, nobody may be running the io_context (a program that polls it now and
+  // then, a static Loop ending at exit): this thread runs it, a handler at a time, until the end ran
+  // (Asio lets several threads run one io_context; the strand keeps the loop's handlers apart). Only a
+  // thread that is itself inside the io_context cannot: it waits up to end_wait, then ends the loop
+  // here with a warning (its one runner would be this thread, busy in this destructor).
+  static constexpr std::chrono::milliseconds end_grace{100};
   static constexpr std::chrono::seconds end_wait{5};
   void end_on_loop(const std::function<void()>& end) {
     if (!strand || io->stopped() || strand->running_in_this_thread()) {
@@ -684,15 +688,34 @@ struct Loop::Impl {
       ending->finished = true;
       ending->finished_cv.notify_all();
     });
-    std::unique_lock lock(ending->mutex);
-    if (ending->finished_cv.wait_for(lock, end_wait, [&] { return ending->finished; })) return;
-    if (ending->claimed.exchange(true)) {
+    const auto finished = [&] {
+      std::lock_guard lock(ending->mutex);
+      return ending->finished;
+    };
+    {
+      std::unique_lock lock(ending->mutex);
+      if (ending->finished_cv.wait_for(lock, end_grace, [&] { return ending->finished; })) return;
+    }
+    const bool inside_io = io->get_executor().running_in_this_thread();
+    if (!inside_io) {
+      while (!finished() && !io->stopped()) io->run_one_for(std::chrono::milliseconds(10));
+      if (finished()) return;
+    } else {
+      std::unique_lock lock(ending->mutex);
+      if (ending->finished_cv.wait_for(lock, end_wait, [&] { return ending->finished; })) return;
+    }
+    if (ending->claimed.exchange(true)) {  // the strand took it meanwhile
+      std::unique_lock lock(ending->mutex);
       ending->finished_cv.wait(lock, [&] { return ending->finished; });
       return;
     }
-    lock.unlock();
-    log().warn("a borrowed Loop ends, and its io_context ran none of its handlers within {} s: its groups end on this "
-               "thread (run the io_context while the Loop ends, or end the Loop after run() returned)", end_wait.count());
+    // stderr, not the logger: a static Loop ends at exit, after the logger may have gone.
+    if (inside_io) {
+      std::fprintf(stderr,
+                   "weft: a borrowed Loop ends inside a handler of its io_context, which ran none of the loop's "
+                   "handlers within %lld s: the loop ends on this thread (end it outside the io_context's handlers)\n",
+                   static_cast<long long>(end_wait.count()));
+    }
     end();
   }
 
@@ -782,6 +805,7 @@ void while_busy(Loop& loop, std::function<bool()> busy, std::chrono::steady_cloc
   }
   // `done(false)` when the loop ends first: its end destroys the timer's callback uncalled.
   struct DoneOnce {
+    explicit DoneOnce(std::function<void(bool)> fn) : done(std::move(fn)) {}  // (clang: no aggregate make_shared)
     std::function<void(bool)> done;
     ~DoneOnce() {
       if (done) done(false);
