@@ -84,8 +84,9 @@ class Loop {
   /// suspended on the loop, a sleep) never complete: the destructor logs how many it leaves (their
   /// frames stay allocated), and a wait on their Futures throws weft::Error (invalid_argument) instead
   /// of touching the loop; a cancel does nothing. A borrowed loop whose io_context other threads still
-  /// run ends on its strand (the destructor waits for that, up to 5 s; then it ends on the calling
-  /// thread with a warning: an io_context that nobody runs, or whose one runner is the caller).
+  /// run ends on its strand (the destructor waits for that; when nothing runs it within 100 ms, the
+  /// destructor runs the io_context itself until it did). Inside a handler of that io_context the
+  /// destructor can only wait: up to 5 s, then it ends the loop on the calling thread with a warning.
   ~Loop();
   Loop(const Loop&) = delete;
   Loop& operator=(const Loop&) = delete;
