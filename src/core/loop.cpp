@@ -688,21 +688,17 @@ struct Loop::Impl {
       ending->finished = true;
       ending->finished_cv.notify_all();
     });
-    const auto finished = [&] {
-      std::lock_guard lock(ending->mutex);
-      return ending->finished;
-    };
-    {
+    const auto finished_within = [&](auto limit) {
       std::unique_lock lock(ending->mutex);
-      if (ending->finished_cv.wait_for(lock, end_grace, [&] { return ending->finished; })) return;
-    }
+      return ending->finished_cv.wait_for(lock, limit, [&] { return ending->finished; });
+    };
+    if (finished_within(end_grace)) return;
     const bool inside_io = io->get_executor().running_in_this_thread();
     if (!inside_io) {
-      while (!finished() && !io->stopped()) io->run_one_for(std::chrono::milliseconds(10));
-      if (finished()) return;
-    } else {
-      std::unique_lock lock(ending->mutex);
-      if (ending->finished_cv.wait_for(lock, end_wait, [&] { return ending->finished; })) return;
+      while (!finished_within(std::chrono::seconds(0)) && !io->stopped()) io->run_one_for(std::chrono::milliseconds(10));
+      if (finished_within(std::chrono::seconds(0))) return;
+    } else if (finished_within(end_wait)) {
+      return;
     }
     if (ending->claimed.exchange(true)) {  // the strand took it meanwhile
       std::unique_lock lock(ending->mutex);

@@ -78,14 +78,20 @@ struct RankFailure : std::runtime_error {
 /// default); one test turns it off to run everything on the progress threads alone.
 inline bool harness_caller_drives = true;
 
-/// Runs `body(group)` on `n` ranks as threads and rethrows the first failure, prefixed with its rank.
-inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {
+/// What the suites' ranks share unless told otherwise: a store on a free port, a 30 s bootstrap, and
+/// the transport WEFT_TRANSPORT names (meson runs each suite over tcp, uring and shm); unset, tcp, as
+/// before the library's default became auto: the suites' shm runs are the ones that say so, and
+/// tests/system/processes.sh launcher-default checks the default itself.
+inline Options suite_options(Options base = {}) {
   if (base.store.empty()) base.store = "127.0.0.1:" + std::to_string(free_port());
   if (base.bootstrap_timeout == Options{}.bootstrap_timeout) base.bootstrap_timeout = std::chrono::seconds(30);
-  // The suites run over the transport WEFT_TRANSPORT names (meson runs each over tcp, uring and shm);
-  // unset, tcp, as before the library's default became auto: the suites' shm runs are the ones that say
-  // so, and tests/system/processes.sh launcher-default checks the default itself.
   if (base.transport.empty() && !std::getenv("WEFT_TRANSPORT")) base.transport = "tcp";
+  return base;
+}
+
+/// Runs `body(group)` on `n` ranks as threads and rethrows the first failure, prefixed with its rank.
+inline void run_ranks(int n, const std::function<void(Group&)>& body, Options base = {}) {
+  base = suite_options(std::move(base));
   std::vector<std::string> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {

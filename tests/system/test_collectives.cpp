@@ -369,10 +369,7 @@ TEST_CASE("groups on borrowed loops of one io_context that a pool of threads run
   for (int t = 0; t < 4; ++t) pool.emplace_back([&] { io.run(); });
   std::vector<std::unique_ptr<Loop>> loops;
   for (int r = 0; r < p; ++r) loops.push_back(std::make_unique<Loop>(io));
-  Options base;
-  base.store = "127.0.0.1:" + std::to_string(free_port());
-  base.bootstrap_timeout = std::chrono::seconds(30);
-  if (!std::getenv("WEFT_TRANSPORT")) base.transport = "tcp";
+  const Options base = suite_options();
   std::vector<std::optional<Group>> groups(p);
   {
     std::vector<Future<Group>> made;
@@ -437,7 +434,7 @@ TEST_CASE("Futures of a group's operations kept past the end of its Loop", "[col
   // it. The state's end posted to the freed loop and destroyed the store's server and the transport's
   // sockets after their io_context (a segmentation fault every run); the loop's end now lets them go.
   // A split group's Futures too, and a split group itself kept only by them.
-  const std::string store = "127.0.0.1:" + std::to_string(free_port());
+  const Options base = suite_options();
   const int p = 3;
   std::vector<std::string> errors(p);
   std::vector<std::thread> ranks;
@@ -448,12 +445,9 @@ TEST_CASE("Futures of a group's operations kept past the end of its Loop", "[col
         std::vector<float> x(1000, 1.0F), y(3, 2.0F);
         {
           Loop loop(Loop::Options{std::chrono::microseconds(0), true});
-          Options options;
+          Options options = base;
           options.rank = r;
           options.world_size = p;
-          options.store = store;
-          options.bootstrap_timeout = std::chrono::seconds(30);
-          if (!std::getenv("WEFT_TRANSPORT")) options.transport = "tcp";
           Group g = Group::create(loop, options).get();
           kept.push_back(g.all_reduce(x));
           kept.push_back(g.barrier());
